@@ -1,0 +1,1 @@
+"""tokenmill control plane: admin API, OpenAI-compatible data plane, CLI."""

@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""Bootstrap and run tokenmill from a fresh clone with nothing but Python 3.11+.
+
+    python3 dev.py up [tokenmill up flags]   # embedded NATS + Postgres + API + demo worker
+    python3 dev.py test [pytest args]        # ruff, mypy, pytest (slow/GPU tests skipped)
+
+Each command creates `.venv` and installs the project into it on first use; later runs
+reuse it (re-installing only when pyproject.toml changed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+PY = BIN / "python"
+STAMP = VENV / ".tokenmill-installed"
+# torch 2.13 is what the test environment pins: a local CPU build is preferred where the
+# machine's pip find-links offers one (its "+cpu" local version sorts first).
+TORCH_PIN = "torch==2.13.*"
+
+
+def _run(cmd: list[str], **kw: object) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT, **kw)  # type: ignore[call-overload]
+
+
+def ensure_env(extras: str) -> None:
+    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + extras.encode()).hexdigest()
+    if STAMP.exists() and STAMP.read_text() == want:
+        return
+    if not PY.exists():
+        _run([sys.executable, "-m", "venv", str(VENV)])
+        _run([str(PY), "-m", "pip", "install", "-q", "-U", "pip"])
+    _run([str(PY), "-m", "pip", "install", "-q", TORCH_PIN])
+    _run([str(PY), "-m", "pip", "install", "-q", "-e", f".[{extras}]"])
+    STAMP.write_text(want)
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in {"up", "test"}:
+        print(__doc__)
+        return 2
+    cmd, rest = sys.argv[1], sys.argv[2:]
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    if cmd == "up":
+        ensure_env("worker")
+        os.execve(str(BIN / "tokenmill"), ["tokenmill", "up", *rest], env)
+    ensure_env("worker,dev")
+    pkgs = ["control_plane", "events", "worker", "pricing", "tests", "bench"]
+    steps = [
+        [str(PY), "-m", "ruff", "check", *pkgs, "dev.py"],
+        [str(PY), "-m", "ruff", "format", "--check", *pkgs, "dev.py"],
+        [str(PY), "-m", "mypy"],
+        [str(PY), "-m", "pytest", *rest],
+    ]
+    for step in steps:
+        print("+", " ".join(step), flush=True)
+        rc = subprocess.run(step, cwd=ROOT, env=env).returncode
+        if rc != 0:
+            return rc
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

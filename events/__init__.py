@@ -1,0 +1,1 @@
+"""Event types, JetStream streams and Postgres projections: the log is the source of truth."""

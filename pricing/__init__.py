@@ -1,0 +1,1 @@
+"""Price plans, invoices, chargeback/showback exports and capacity projections."""

@@ -1,0 +1,1 @@
+"""Pluggable workers; ours is a torch + triton serving runtime (decide / execute split)."""
