@@ -1,0 +1,322 @@
+"""The op registry: the only way models call kernels.
+
+Each op has a list of implementations, highest priority first. An implementation says whether it
+can run for a call's device and dtypes (`supported(device, dtype, kv_dtype) -> (ok, reason)`); the
+registry uses the first that can and remembers the choice per (device type, dtypes). The plain
+PyTorch reference (`worker.kernels.reference`) is always registered last and always runs.
+
+Registering a GPU kernel is one line (from `worker/kernels/triton/`, imported lazily on first use,
+so a missing or broken triton is only a reason in `explain()`, never an import error):
+
+    register("rms_norm", triton_rms_norm, cuda_only, priority=10)
+
+`explain(device, dtype, kv_dtype)` returns a table of every op, the chosen implementation and
+each candidate's reason. `TOKENMILL_KERNELS=reference` forces the references everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from worker.kernels import reference
+
+Supported = Callable[[torch.device, torch.dtype, "torch.dtype | None"], tuple[bool, str]]
+
+OPS = (
+    "rms_norm",
+    "gated_rms_norm",
+    "apply_rotary",
+    "causal_conv1d_prefill",
+    "causal_conv1d_update",
+    "gated_delta_rule_prefill",
+    "gated_delta_rule_decode",
+    "write_kv_cache",
+    "paged_attention_prefill",
+    "paged_attention_decode",
+)
+# Ops whose implementation choice also depends on the KV cache dtype (fp8 or not).
+_KV_OPS = {"write_kv_cache", "paged_attention_prefill", "paged_attention_decode"}
+
+# Modules that register GPU implementations when imported.
+PLUGINS = ("worker.kernels.triton",)
+
+
+@dataclass(frozen=True)
+class Implementation:
+    op: str
+    name: str
+    fn: Callable[..., Any]
+    supported: Supported
+    priority: int
+
+
+def always(
+    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None
+) -> tuple[bool, str]:
+    return True, "plain PyTorch, runs on every device"
+
+
+def cuda_only(
+    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None
+) -> tuple[bool, str]:
+    """A ready-made `supported` for kernels that run on any CUDA device and float dtype."""
+    if device.type != "cuda":
+        return False, f"needs CUDA, got {device.type}"
+    return True, "CUDA device"
+
+
+_registry: dict[str, list[Implementation]] = {op: [] for op in OPS}
+_chosen: dict[tuple[str, str, torch.dtype, torch.dtype | None], Implementation] = {}
+_plugin_errors: dict[str, str] = {}
+_plugins_loaded = False
+
+
+def register(
+    op: str,
+    fn: Callable[..., Any],
+    supported: Supported = cuda_only,
+    priority: int = 10,
+    name: str | None = None,
+) -> None:
+    """Add an implementation of `op`; higher priority is tried first (the reference has -1000)."""
+    if op not in _registry:
+        raise KeyError(f"unknown op {op!r}; known: {', '.join(OPS)}")
+    impl = Implementation(op, name or f"{fn.__module__}.{fn.__qualname__}", fn, supported, priority)
+    entries = [e for e in _registry[op] if e.name != impl.name] + [impl]
+    _registry[op] = sorted(entries, key=lambda e: -e.priority)
+    _chosen.clear()
+
+
+def unregister(op: str, name: str) -> None:
+    """Remove a named implementation (the reference stays)."""
+    if name == "reference":
+        raise ValueError("the reference implementation is always registered")
+    _registry[op] = [e for e in _registry[op] if e.name != name]
+    _chosen.clear()
+
+
+def implementations(op: str) -> list[Implementation]:
+    """The registered implementations of `op`, in the order they are tried."""
+    _load_plugins()
+    return list(_registry[op])
+
+
+def reset_choices() -> None:
+    """Forget memoised choices (after changing TOKENMILL_KERNELS, say)."""
+    _chosen.clear()
+
+
+for _op in OPS:
+    register(_op, getattr(reference, _op), always, priority=-1000, name="reference")
+
+
+def _load_plugins() -> None:
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for module in PLUGINS:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # a GPU kernel package must never break CPU serving
+            _plugin_errors[module] = f"{type(exc).__name__}: {exc}"
+
+
+def _forced_reference() -> bool:
+    return os.environ.get("TOKENMILL_KERNELS", "").strip().lower() == "reference"
+
+
+def candidates(
+    op: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+) -> list[tuple[Implementation, bool, str]]:
+    """Every implementation of `op` in priority order with whether it can run here and why."""
+    _load_plugins()
+    rows = []
+    for impl in _registry[op]:
+        if _forced_reference() and impl.name != "reference":
+            ok, reason = False, "TOKENMILL_KERNELS=reference"
+        else:
+            try:
+                ok, reason = impl.supported(device, dtype, kv_dtype)
+            except Exception as exc:
+                ok, reason = False, f"supported() raised {type(exc).__name__}: {exc}"
+        rows.append((impl, ok, reason))
+    return rows
+
+
+def select(
+    op: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+) -> Implementation:
+    """The implementation of `op` used for this device and dtypes (memoised)."""
+    key = (op, device.type, dtype, kv_dtype)
+    impl = _chosen.get(key)
+    if impl is None:
+        impl = next(i for i, ok, _ in candidates(op, device, dtype, kv_dtype) if ok)
+        _chosen[key] = impl
+    return impl
+
+
+def explain(
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    kv_dtype: torch.dtype | None = None,
+) -> str:
+    """A plain-text table: per op, the chosen implementation and every candidate's reason."""
+    device = torch.device(device)
+    lines = [f"kernels for device={device.type} dtype={dtype} kv_dtype={kv_dtype or dtype}"]
+    lines.append(f"{'op':<26} {'chosen':<28} candidates")
+    for op in OPS:
+        kv = (kv_dtype or dtype) if op in _KV_OPS else None
+        rows = candidates(op, device, dtype, kv)
+        chosen = next(i.name for i, ok, _ in rows if ok)
+        detail = "; ".join(f"{i.name}: {'yes' if ok else 'no'} ({why})" for i, ok, why in rows)
+        lines.append(f"{op:<26} {chosen:<28} {detail}")
+    for module, error in _plugin_errors.items():
+        lines.append(f"plugin {module} not loaded: {error}")
+    return "\n".join(lines)
+
+
+def _pick(op: str, x: torch.Tensor, kv: torch.Tensor | None = None) -> Callable[..., Any]:
+    return select(op, x.device, x.dtype, None if kv is None else kv.dtype).fn
+
+
+# The ops, with the signatures of docs/worker-contract.md; see `worker.kernels.reference`.
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    return _pick("rms_norm", x)(x, weight, eps, unit_offset)
+
+
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    return _pick("gated_rms_norm", x)(x, gate, weight, eps)
+
+
+def apply_rotary(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    rotary_dim: int,
+) -> torch.Tensor:
+    return _pick("apply_rotary", x)(x, positions, cos_sin, rotary_dim)
+
+
+def causal_conv1d_prefill(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    fn = _pick("causal_conv1d_prefill", x)
+    return fn(x, weight, bias, cu_seqlens, conv_state, state_slots, has_initial_state, activation)
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    fn = _pick("causal_conv1d_update", x)
+    return fn(x, weight, bias, conv_state, state_slots, activation)
+
+
+def gated_delta_rule_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+) -> torch.Tensor:
+    fn = _pick("gated_delta_rule_prefill", q)
+    return fn(
+        q, k, v, g, beta, cu_seqlens, state, state_slots, has_initial_state, scale, use_qk_l2norm
+    )
+
+
+def gated_delta_rule_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+) -> torch.Tensor:
+    fn = _pick("gated_delta_rule_decode", q)
+    return fn(q, k, v, g, beta, state, state_slots, scale, use_qk_l2norm)
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    fn = _pick("write_kv_cache", k, k_cache)
+    fn(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    fn = _pick("paged_attention_prefill", q, k_cache)
+    return fn(
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens,
+        context_lens,
+        block_tables,
+        positions,
+        scale,
+        k_scale,
+        v_scale,
+    )
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    fn = _pick("paged_attention_decode", q, k_cache)
+    return fn(q, k_cache, v_cache, context_lens, block_tables, scale, k_scale, v_scale)

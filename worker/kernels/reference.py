@@ -1,0 +1,341 @@
+"""Plain-PyTorch references of every op the models call (docs/worker-contract.md).
+
+They are the definition of each op: readable, run anywhere (CPU included), and the yardstick the
+GPU kernels in `worker/kernels/triton/` are tested against. Semantics follow Hugging Face
+transformers (Llama, Qwen3, Qwen3.5): norms in fp32, softmax in fp32, DeltaNet states in fp32.
+Tokens are flat (varlen) with `cu_seqlens`; per-sequence states live in slot pools.
+
+FP8 KV caches store `value / scale` in `float8_e4m3fn`; reads multiply by the per-layer scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_ACTIVATIONS = {"silu": F.silu, None: lambda t: t}
+
+
+def _lens(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    bounds = cu_seqlens.tolist()
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    """RMSNorm over the last axis. `unit_offset`: y = norm(x) * (1 + weight) (Qwen3.5/3.6, weights
+    stored centred on zero, scaled in fp32); otherwise y = weight * norm(x) (Llama: the norm is cast
+    back to the input dtype before the scale)."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return (weight * normed.to(x.dtype)).to(x.dtype)
+
+
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """DeltaNet output norm: norm(x) * weight * silu(gate), the gate applied in fp32."""
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight * normed * F.silu(gate.float())).to(x.dtype)
+
+
+def apply_rotary(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    rotary_dim: int,
+) -> torch.Tensor:
+    """Neox-style rotary embedding (rotate halves) over the first `rotary_dim` channels of x[T, H, D];
+    cos/sin tables are [max_pos, rotary_dim / 2]. The remaining channels pass through."""
+    cos_table, sin_table = cos_sin
+    half = rotary_dim // 2
+    cos = cos_table[positions].float().unsqueeze(1)  # [T, 1, half]
+    sin = sin_table[positions].float().unsqueeze(1)
+    rot = x[..., :rotary_dim].float()
+    x1, x2 = rot[..., :half], rot[..., half:]
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    if rotary_dim == x.shape[-1]:
+        return rotated
+    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+
+
+def causal_conv1d_prefill(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Depthwise causal conv over each sequence of x[T, C] (kernel K), continuing from
+    conv_state[slot] (the previous K-1 inputs) where has_initial_state, else from zeros. Writes each
+    sequence's last K-1 inputs back to conv_state[slot]."""
+    channels, kernel = weight.shape
+    out = torch.empty_like(x)
+    for b, (start, end) in enumerate(_lens(cu_seqlens)):
+        slot = int(state_slots[b])
+        if bool(has_initial_state[b]):
+            prev = conv_state[slot].to(weight.dtype)
+        else:
+            prev = weight.new_zeros(channels, kernel - 1)
+        window = torch.cat((prev, x[start:end].t().to(weight.dtype)), dim=-1)  # [C, K-1+L]
+        y = F.conv1d(window.unsqueeze(0), weight.unsqueeze(1), bias, groups=channels)[0]
+        out[start:end] = _ACTIVATIONS[activation](y).t().to(x.dtype)
+        conv_state[slot] = window[:, window.shape[-1] - (kernel - 1) :].to(conv_state.dtype)
+    return out
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """One decode step of the causal conv for x[B, C]: shifts each sequence's conv_state[slot]."""
+    window = torch.cat(
+        (conv_state[state_slots].to(weight.dtype), x.unsqueeze(-1).to(weight.dtype)), -1
+    )
+    conv_state[state_slots] = window[:, :, 1:].to(conv_state.dtype)
+    y = (window * weight.unsqueeze(0)).sum(-1)
+    if bias is not None:
+        y = y + bias
+    return _ACTIVATIONS[activation](y).to(x.dtype)
+
+
+def _l2norm(t: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return t * torch.rsqrt((t * t).sum(dim=-1, keepdim=True) + eps)
+
+
+def _delta_rule_inputs(
+    q: torch.Tensor, k: torch.Tensor, num_v_heads: int, scale: float, use_qk_l2norm: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 q, k with the key heads repeated for their value heads (value head h reads key head
+    h // (Hv // Hk)), optionally L2-normalised, q scaled."""
+    q, k = q.float(), k.float()
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    repeat = num_v_heads // k.shape[-2]
+    if repeat > 1:
+        q = q.repeat_interleave(repeat, dim=-2)
+        k = k.repeat_interleave(repeat, dim=-2)
+    return q * scale, k
+
+
+def _delta_rule_step(
+    state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the gated delta rule for state[..., Hv, dk, dv] (fp32):
+    S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = S^T q."""
+    state = state * g.exp()[..., None, None]
+    predicted = (state * k.unsqueeze(-1)).sum(-2)
+    delta = (v - predicted) * beta.unsqueeze(-1)
+    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return state, (state * q.unsqueeze(-1)).sum(-2)
+
+
+def gated_delta_rule_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+) -> torch.Tensor:
+    """The gated delta rule, token by token, over each sequence of the flat batch. q, k [T, Hk, dk],
+    v [T, Hv, dv], g (log decay, <= 0) and beta [T, Hv]; state [S, Hv, dk, dv] fp32 is read from and
+    written back to state[slot] (zeros where not has_initial_state). Returns o [T, Hv, dv]."""
+    num_v_heads = v.shape[-2]
+    qs, ks = _delta_rule_inputs(q, k, num_v_heads, scale, use_qk_l2norm)
+    vs, gs, betas = v.float(), g.float(), beta.float()
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for b, (start, end) in enumerate(_lens(cu_seqlens)):
+        slot = int(state_slots[b])
+        s = state[slot].float() if bool(has_initial_state[b]) else torch.zeros_like(state[slot])
+        for t in range(start, end):
+            s, out[t] = _delta_rule_step(s, qs[t], ks[t], vs[t], gs[t], betas[t])
+        state[slot] = s
+    return out.to(v.dtype)
+
+
+def gated_delta_rule_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+) -> torch.Tensor:
+    """One gated-delta-rule step for each of B sequences (q, k [B, Hk, dk], v [B, Hv, dv])."""
+    qs, ks = _delta_rule_inputs(q, k, v.shape[-2], scale, use_qk_l2norm)
+    s, out = _delta_rule_step(state[state_slots], qs, ks, v.float(), g.float(), beta.float())
+    state[state_slots] = s
+    return out.to(v.dtype)
+
+
+def gated_delta_rule_prefill_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """The same op as `gated_delta_rule_prefill`, computed chunk-wise (the WY / UT-transform form
+    the GPU kernels use): within a chunk the delta-rule updates become triangular solves and
+    matmuls; only the chunk-to-chunk state is sequential. Equal to the recurrence up to rounding."""
+    num_v_heads = v.shape[-2]
+    qs, ks = _delta_rule_inputs(q, k, num_v_heads, scale, use_qk_l2norm)
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for b, (start, end) in enumerate(_lens(cu_seqlens)):
+        slot = int(state_slots[b])
+        s = state[slot].float() if bool(has_initial_state[b]) else torch.zeros_like(state[slot])
+        for c in range(start, end, chunk_size):
+            stop = min(c + chunk_size, end)
+            # Heads first: [Hv, L, d]
+            qc, kc = qs[c:stop].transpose(0, 1), ks[c:stop].transpose(0, 1)
+            vc = v[c:stop].float().transpose(0, 1)
+            gc, bc = g[c:stop].float().t(), beta[c:stop].float().t()  # [Hv, L]
+            length = stop - c
+            decay = gc.cumsum(-1)  # log of the decay from the chunk start through token i
+            causal = torch.ones(length, length, dtype=torch.bool, device=v.device).tril()
+            pair = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(~causal, float("-inf"))
+            pair = pair.exp()  # [Hv, L, L]: decay between token j and token i (j <= i)
+            k_beta = kc * bc.unsqueeze(-1)
+            # (I + A) w = rhs with A strictly lower: A_ij = beta_i k_i.k_j decay(j->i)
+            system = (k_beta @ kc.transpose(-1, -2)) * pair
+            system = system.tril(-1) + torch.eye(length, device=v.device)
+            u = torch.linalg.solve_triangular(
+                system, vc * bc.unsqueeze(-1), upper=False, unitriangular=True
+            )
+            w = torch.linalg.solve_triangular(
+                system, k_beta * decay.exp().unsqueeze(-1), upper=False, unitriangular=True
+            )
+            v_new = u - w @ s  # the part of each value the carried state does not already predict
+            attn = (qc @ kc.transpose(-1, -2)) * pair
+            o = (qc * decay.exp().unsqueeze(-1)) @ s + attn @ v_new
+            out[c:stop] = o.transpose(0, 1)
+            tail = (decay[:, -1:] - decay).exp().unsqueeze(-1)  # decay from token i to chunk end
+            s = s * decay[:, -1].exp()[:, None, None] + (kc * tail).transpose(-1, -2) @ v_new
+        state[slot] = s
+    return out.to(v.dtype)
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Store k, v [T, Hkv, D] at flat slots (block * block_size + offset) of the paged caches
+    [num_blocks, block_size, Hkv, D]. Negative slots (padding) are skipped. FP8 caches store
+    value / scale."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    heads, dim = k_cache.shape[-2:]
+    k_flat, v_flat = k_cache.view(-1, heads, dim), v_cache.view(-1, heads, dim)
+    k_flat[slots] = _quantize(k[keep], k_cache.dtype, k_scale)
+    v_flat[slots] = _quantize(v[keep], v_cache.dtype, v_scale)
+
+
+def _quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        return (x.float() / scale).to(dtype)
+    return x.to(dtype)
+
+
+def _gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, length: int, scale: float
+) -> torch.Tensor:
+    """The first `length` entries [length, Hkv, D] (fp32) of one sequence's paged cache."""
+    block_size = cache.shape[1]
+    pos = torch.arange(length, device=cache.device)
+    blocks = block_table[pos // block_size].long()
+    values = cache[blocks, pos % block_size].float()
+    if cache.dtype.itemsize == 1:
+        values = values * scale
+    return values
+
+
+def _attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal softmax attention of q [L, Hq, D] at positions q_pos over keys/values [N, Hkv, D]
+    (position i at index i); query head h reads kv head h // (Hq // Hkv)."""
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, dim=1)
+    values = values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
+    visible = torch.arange(keys.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """Causal attention of each sequence's chunk q [T, Hq, D] over its whole context in the paged
+    cache (cached prefix + this chunk, already written), GQA by Hq // Hkv."""
+    out = torch.empty_like(q)
+    lengths = context_lens.tolist()
+    for b, (start, end) in enumerate(_lens(cu_seqlens)):
+        keys = _gather_context(k_cache, block_tables[b], lengths[b], k_scale)
+        values = _gather_context(v_cache, block_tables[b], lengths[b], v_scale)
+        out[start:end] = _attend(q[start:end], keys, values, positions[start:end], scale)
+    return out
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """One query token q [B, Hq, D] per sequence over its whole cached context."""
+    out = torch.empty_like(q)
+    for b, length in enumerate(context_lens.tolist()):
+        keys = _gather_context(k_cache, block_tables[b], length, k_scale)
+        values = _gather_context(v_cache, block_tables[b], length, v_scale)
+        last = torch.tensor([length - 1], device=q.device)
+        out[b] = _attend(q[b : b + 1], keys, values, last, scale)[0]
+    return out
