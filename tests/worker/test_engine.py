@@ -1,0 +1,208 @@
+"""The engine end to end with a fake model whose tokens can be checked in plain Python."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.worker.engine_fakes import (
+    VOCAB,
+    ByteTokenizer,
+    FakeCausalLM,
+    greedy_reference,
+    next_token,
+)
+from worker.engine.engine import EngineConfig, LLMEngine
+from worker.engine.sequence import FinishReason, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+def make_engine(tokenizer=None, **config) -> tuple[LLMEngine, FakeCausalLM]:
+    model = FakeCausalLM()
+    defaults = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
+    return LLMEngine(model, tokenizer, EngineConfig(**(defaults | config))), model
+
+
+def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def test_reference_is_the_fake_models_rule():
+    assert next_token([1, 2, 3]) == next_token([1, 2, 3])
+    assert len({next_token([i]) for i in range(VOCAB)}) > 10
+
+
+def test_one_sequence_matches_reference():
+    engine, _ = make_engine()
+    [out] = engine.generate([[5, 6, 7]], GREEDY)
+    assert out.new_token_ids == greedy_reference([5, 6, 7], 12)
+    assert out.finished and out.finish_reason is FinishReason.LENGTH
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.cached_tokens) == (
+        3,
+        12,
+        0,
+    )
+    assert out.metrics.ttft is not None and 0 <= out.metrics.ttft <= out.metrics.e2e
+
+
+def test_chunked_prefill_splits_long_prompts_and_mixes_decodes():
+    engine, model = make_engine(max_num_batched_tokens=8, max_num_seqs=3)
+    prompts = random_prompts(5, 1, 40, seed=1)
+    outs = engine.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.new_token_ids == greedy_reference(prompt, 12)
+    assert all(sum(m.query_lens) <= 8 for m in model.batches)
+    assert any(m.num_prefills and m.num_decodes for m in model.batches)  # mixed steps happened
+    # A 40-token prompt cannot fit one 8-token step, so some prefill resumed on cached state.
+    assert any(bool(m.has_initial_state[i]) for m in model.batches for i in range(m.num_prefills))
+
+
+def test_preemption_recomputes_and_keeps_outputs_exact():
+    # 12 blocks of 4 tokens = 48 slots for 4 sequences that each want up to 30 tokens.
+    engine, _ = make_engine(num_kv_blocks=12, max_model_len=48, max_num_batched_tokens=16)
+    prompts = random_prompts(6, 6, 14, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    ids = [engine.add_request(p, params) for p in prompts]
+    results = {i: [] for i in ids}
+    preempted = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            results[out.request_id] += out.new_token_ids
+            if out.finished:
+                preempted += out.metrics.num_preemptions
+        assert engine.block_manager.num_used_blocks <= 12
+    assert preempted > 0
+    for rid, prompt in zip(ids, prompts, strict=True):
+        assert results[rid] == greedy_reference(prompt, 16)
+    assert engine.block_manager.num_free_blocks == 12
+    assert engine.scheduler.state_slots.num_free == 4
+
+
+def test_requests_join_and_leave_mid_way():
+    engine, _ = make_engine(max_num_seqs=3, max_num_batched_tokens=10)
+    rng = random.Random(3)
+    expected, got, pending = {}, {}, random_prompts(12, 1, 20, seed=3)
+    while pending or engine.has_unfinished_requests():
+        if pending and rng.random() < 0.5:
+            prompt = pending.pop()
+            params = SamplingParams(temperature=0, max_tokens=rng.randint(1, 15))
+            rid = engine.add_request(prompt, params)
+            expected[rid], got[rid] = greedy_reference(prompt, params.max_tokens), []
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    assert got == expected
+
+
+def test_abort_running_and_waiting_frees_everything():
+    engine, _ = make_engine(max_num_seqs=1)
+    running = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=50))
+    waiting = engine.add_request([4, 5], SamplingParams(temperature=0, max_tokens=50))
+    first = engine.step()
+    assert [o.request_id for o in first] == [running]
+    assert engine.abort(running) and engine.abort(waiting)
+    assert not engine.abort(running)  # already gone
+    outs = engine.step()
+    assert {o.request_id: o.finish_reason for o in outs} == {
+        running: FinishReason.CANCELLED,
+        waiting: FinishReason.CANCELLED,
+    }
+    assert all(o.finished for o in outs)
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.scheduler.state_slots.num_free == 1
+
+
+def test_stop_token_ids_and_eos():
+    prompt = [9, 8, 7]
+    ref = greedy_reference(prompt, 12)
+    stop = ref[4]
+    engine, _ = make_engine(eos_token_ids=[stop])
+    [out] = engine.generate([prompt], GREEDY)
+    assert out.new_token_ids == ref[: ref.index(stop) + 1]
+    assert out.finish_reason is FinishReason.STOP
+    [out] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert out.new_token_ids == ref
+    engine, _ = make_engine()
+    params = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop])
+    [out] = engine.generate([prompt], params)
+    assert out.new_token_ids[-1] == stop and out.finish_reason is FinishReason.STOP
+
+
+def test_text_deltas_and_stop_strings():
+    tokenizer = ByteTokenizer()
+    prompt = [40, 41, 42, 43]
+    ref = greedy_reference(prompt, 30)
+    full_text = tokenizer.decode(ref)
+    engine, _ = make_engine(tokenizer)
+    [out] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=30))
+    assert out.text == full_text
+    stop = full_text[10:13]
+    cut = full_text.index(stop)
+    [out] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=30, stop=[stop]))
+    assert out.text == full_text[:cut] and out.finish_reason is FinishReason.STOP
+    assert len(out.new_token_ids) == len(full_text[: cut + len(stop)].encode())
+
+
+def test_text_prompt_is_encoded():
+    tokenizer = ByteTokenizer()
+    engine, _ = make_engine(tokenizer)
+    [out] = engine.generate(["hi!"], GREEDY)
+    assert out.new_token_ids == greedy_reference(list(b"hi!"), 12)
+    assert out.usage.prompt_tokens == 3
+
+
+def test_max_model_len_limits_prompt_and_output():
+    engine, _ = make_engine(max_model_len=16)
+    with pytest.raises(ValueError, match="at most 16"):
+        engine.add_request(list(range(16)))
+    [out] = engine.generate([list(range(10))], SamplingParams(temperature=0, max_tokens=100))
+    assert len(out.new_token_ids) == 6 and out.finish_reason is FinishReason.LENGTH
+
+
+def test_config_must_fit_one_full_sequence():
+    with pytest.raises(ValueError, match="cannot hold"):
+        make_engine(num_kv_blocks=3, max_model_len=128)
+
+
+def test_kv_budget_in_bytes_sizes_the_cache():
+    engine, _ = make_engine(kv_cache_bytes=8 * 4 * 100)  # fake: 8 bytes per token, 4 per block
+    assert engine.block_manager.num_blocks == 100
+
+
+def test_failing_step_ends_its_sequences_and_the_engine_goes_on():
+    engine, model = make_engine()
+    model.fail_on_step = 2
+    a = engine.add_request([1, 2], SamplingParams(temperature=0, max_tokens=5))
+    engine.step()
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [(a, FinishReason.ERROR)]
+    assert "device fell over" in (outs[0].error or "")
+    [out] = engine.generate([[3, 4]], SamplingParams(temperature=0, max_tokens=5))
+    assert out.new_token_ids == greedy_reference([3, 4], 5)
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    params = SamplingParams(temperature=1.5, top_p=0.95, max_tokens=20, seed=1234)
+    engine, _ = make_engine()
+    [alone] = engine.generate([[1, 2, 3]], params)
+    others = random_prompts(3, 2, 9, seed=4)
+    crowd = engine.generate(
+        [*others, [1, 2, 3]], [SamplingParams(temperature=1.0, max_tokens=20)] * 3 + [params]
+    )
+    assert crowd[-1].new_token_ids == alone.new_token_ids
+    [other_seed] = engine.generate(
+        [[1, 2, 3]], SamplingParams(temperature=1.5, top_p=0.95, max_tokens=20, seed=99)
+    )
+    assert other_seed.new_token_ids != alone.new_token_ids
+    # Sampling really samples: temperature 1.5 departs from the greedy path.
+    assert alone.new_token_ids != greedy_reference([1, 2, 3], 20)
+
+
+def test_duplicate_request_id_is_refused():
+    engine, _ = make_engine()
+    engine.add_request([1], request_id="r1")
+    with pytest.raises(ValueError, match="already"):
+        engine.add_request([2], request_id="r1")

@@ -1,0 +1,340 @@
+"""LLMEngine: requests in, token and text deltas out, one scheduled step at a time."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from worker.engine.block_manager import BlockManager
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.runner import ModelRunner, model_dtype
+from worker.engine.sampler import stop_by_token
+from worker.engine.scheduler import ScheduledBatch, Scheduler
+from worker.engine.sequence import FinishReason, SamplingParams, Sequence
+from worker.engine.state_slots import StateSlotPool
+
+log = logging.getLogger(__name__)
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else default
+
+
+@dataclass
+class EngineConfig:
+    """Engine sizing. Every field can be set from the environment (see `from_env`)."""
+
+    block_size: int = 16  # tokens per KV block (TOKENMILL_ENGINE_BLOCK_SIZE)
+    # KV cache size: a block count (TOKENMILL_ENGINE_NUM_KV_BLOCKS), else a byte budget
+    # (TOKENMILL_ENGINE_KV_CACHE_BYTES), else room for max_num_seqs full-length sequences.
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    max_num_seqs: int = (
+        8  # running sequences = DeltaNet state slots (TOKENMILL_ENGINE_MAX_NUM_SEQS)
+    )
+    max_num_batched_tokens: int = 2048  # tokens per step (TOKENMILL_ENGINE_MAX_NUM_BATCHED_TOKENS)
+    max_model_len: int = 4096  # prompt + output tokens (TOKENMILL_ENGINE_MAX_MODEL_LEN)
+    kv_dtype: torch.dtype | None = None  # default: the model's dtype
+    device: str | None = None  # default: where the model's parameters are
+    eos_token_ids: list[int] | None = None  # default: from the tokenizer, else the model config
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> EngineConfig:
+        env: dict[str, Any] = {
+            "block_size": _env_int("TOKENMILL_ENGINE_BLOCK_SIZE", None),
+            "num_kv_blocks": _env_int("TOKENMILL_ENGINE_NUM_KV_BLOCKS", None),
+            "kv_cache_bytes": _env_int("TOKENMILL_ENGINE_KV_CACHE_BYTES", None),
+            "max_num_seqs": _env_int("TOKENMILL_ENGINE_MAX_NUM_SEQS", None),
+            "max_num_batched_tokens": _env_int("TOKENMILL_ENGINE_MAX_NUM_BATCHED_TOKENS", None),
+            "max_model_len": _env_int("TOKENMILL_ENGINE_MAX_MODEL_LEN", None),
+        }
+        return cls(**{k: v for k, v in env.items() if v is not None}, **overrides)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache (none until there is one)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float  # time.perf_counter() clock
+    first_token_time: float | None
+    finish_time: float | None
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: a delta, or the whole result from `generate`."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    usage: Usage
+    metrics: RequestMetrics
+    error: str | None = None
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None
+    pending_text: str = ""  # text from a step that emitted no token (the cancel flush)
+    new_token_ids: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, model: Any, tokenizer: Any = None, config: EngineConfig | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config = config or EngineConfig()
+        self.eos_token_ids = frozenset(_eos_token_ids(config, tokenizer, model))
+        num_blocks = self._num_kv_blocks()
+        if num_blocks * config.block_size < config.max_model_len:
+            raise ValueError(
+                f"{num_blocks} KV blocks of {config.block_size} tokens cannot hold one sequence "
+                f"of max_model_len={config.max_model_len}"
+            )
+        self.runner = ModelRunner(
+            model,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            num_state_slots=config.max_num_seqs,
+            kv_dtype=config.kv_dtype,
+            device=config.device,
+        )
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            StateSlotPool(config.max_num_seqs),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self._requests: dict[str, _Request] = {}
+        self._finished_outside_step: list[RequestOutput] = []  # aborts, reported by next step()
+        self._seq_ids = itertools.count()
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_bytes is not None:
+            per_token = self.kv_bytes_per_token()
+            if per_token == 0:  # no attention layers: KV blocks cost nothing
+                return -(-cfg.max_num_seqs * cfg.max_model_len // cfg.block_size)
+            return cfg.kv_cache_bytes // (per_token * cfg.block_size)
+        return -(-cfg.max_num_seqs * cfg.max_model_len // cfg.block_size)
+
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes per token of context, measured on a one-block cache."""
+        if hasattr(self, "runner"):
+            return int(self.runner.cache.kv_bytes_per_token())
+        kv_dtype = self.config.kv_dtype or model_dtype(self.model)
+        probe = self.model.allocate_cache(
+            1, self.config.block_size, 1, kv_dtype, self.config.device or "cpu"
+        )
+        return int(probe.kv_bytes_per_token())
+
+    def state_bytes_per_sequence(self) -> int:
+        return int(self.runner.cache.state_bytes_per_sequence())
+
+    # --- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already running")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer")
+            encoded = self.tokenizer.encode(prompt)
+            prompt_ids = list(getattr(encoded, "ids", encoded))
+        else:
+            prompt_ids = list(prompt)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; this model serves at most "
+                f"{self.config.max_model_len} tokens of prompt and output together"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        seq = Sequence(next(self._seq_ids), request_id, prompt_ids, params)
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, prompt_ids)
+        self._requests[request_id] = _Request(seq, detokenizer)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a waiting or running request; its final output comes from the next step()."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        self.scheduler.finish(request.seq, FinishReason.CANCELLED)
+        if request.detokenizer is not None:
+            request.pending_text += request.detokenizer.flush()
+        self._finished_outside_step.append(self._output(request))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._finished_outside_step)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # --- stepping -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one forward pass; one output per request that got a token."""
+        outputs, self._finished_outside_step = self._finished_outside_step, []
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return outputs
+        try:
+            next_tokens = self.runner.execute(batch)
+        except Exception as exc:  # a failed step ends its sequences, not the engine
+            log.exception("engine step %d failed", batch.step)
+            return outputs + self._fail(batch, f"{type(exc).__name__}: {exc}")
+        self.scheduler.complete(batch, next_tokens)
+        for entry, token in zip(batch.entries, next_tokens, strict=True):
+            if token is None:
+                continue
+            request = self._requests[entry.seq.request_id]
+            delta = self._accept(request, token)
+            outputs.append(self._output(request, delta))
+        return outputs
+
+    def _accept(self, request: _Request, token: int) -> str:
+        """Apply the stop rules to a freshly sampled token; the text it releases."""
+        seq, detokenizer = request.seq, request.detokenizer
+        request.new_token_ids.append(token)
+        reason = stop_by_token(seq, token, self.eos_token_ids, self.config.max_model_len)
+        text = ""
+        if detokenizer is not None:
+            if reason is not FinishReason.STOP:  # stop tokens (EOS) are not part of the text
+                text = detokenizer.add([token])
+                if detokenizer.stopped:
+                    reason = FinishReason.STOP
+            if reason is not None:
+                text += detokenizer.flush()
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return text
+
+    def _fail(self, batch: ScheduledBatch, error: str) -> list[RequestOutput]:
+        outputs = []
+        for entry in batch.entries:
+            request = self._requests[entry.seq.request_id]
+            self.scheduler.finish(entry.seq, FinishReason.ERROR)
+            outputs.append(self._output(request, error=error))
+        return outputs
+
+    def _output(self, request: _Request, text: str = "", error: str | None = None) -> RequestOutput:
+        seq = request.seq
+        if seq.is_finished:
+            del self._requests[seq.request_id]
+        output = RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=request.new_token_ids,
+            text=request.pending_text + text,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            usage=Usage(seq.num_prompt_tokens, seq.num_output_tokens),
+            metrics=RequestMetrics(
+                seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_preemptions
+            ),
+            error=error,
+        )
+        request.new_token_ids, request.pending_text = [], ""
+        return output
+
+    # --- convenience ----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Iterable[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Serve all prompts together; one whole RequestOutput per prompt, in order."""
+        prompt_list = list(prompts)
+        params_list = (
+            params if isinstance(params, list) else [params or SamplingParams()] * len(prompt_list)
+        )
+        ids = [self.add_request(p, sp) for p, sp in zip(prompt_list, params_list, strict=True)]
+        results: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                acc = results.get(out.request_id)
+                if acc is None:
+                    results[out.request_id] = out
+                    continue
+                acc.new_token_ids = acc.new_token_ids + out.new_token_ids
+                acc.text += out.text
+                acc.finished, acc.finish_reason, acc.error = (
+                    out.finished,
+                    out.finish_reason,
+                    out.error,
+                )
+                acc.usage, acc.metrics = out.usage, out.metrics
+        return [results[i] for i in ids]
+
+
+def _eos_token_ids(config: EngineConfig, tokenizer: Any, model: Any) -> list[int]:
+    if config.eos_token_ids is not None:
+        return list(config.eos_token_ids)
+    for source in (tokenizer, getattr(model, "config", None)):
+        if source is None:
+            continue
+        for name in ("eos_token_ids", "eos_token_id"):
+            value = getattr(source, name, None)
+            if value is None:
+                continue
+            if isinstance(value, int):
+                return [value]
+            return [int(v) for v in value]
+    return []
+
+
+__all__ = [
+    "EngineConfig",
+    "LLMEngine",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "Usage",
+]

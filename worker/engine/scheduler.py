@@ -1,0 +1,200 @@
+"""The scheduler: which sequences run this step, and how many of their tokens.
+
+Policy (one step = one forward pass, at most `max_num_batched_tokens` tokens and
+`max_num_seqs` sequences):
+
+1. Decodes first: every running sequence with one token left to compute gets its token,
+   oldest first. Decode latency never waits behind a long prompt.
+2. Then running sequences still in prefill continue with their next chunk, oldest first.
+3. Then waiting sequences are admitted first-come first-served while there is token budget,
+   a free state slot, room under `max_num_seqs` and free KV blocks for their first chunk; the
+   head of the queue is never skipped (no starvation of long prompts).
+
+A chunk is as long as the remaining budget allows, so long prompts are split across steps
+(chunked prefill) and mixed with decodes in the same batch.
+
+When a running sequence needs a KV block and none is free, the newest running sequence not
+yet scheduled this step is preempted by recompute: its blocks and state slot are freed and it
+goes back to the front of the waiting queue with `num_computed_tokens = 0` (prompt and the
+output so far are prefilled again later). If no other sequence can give way, the sequence
+itself is preempted. No admissions happen in a step that preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from worker.engine.block_manager import BlockManager
+from worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+from worker.engine.state_slots import StateSlotPool
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: positions [start, start + num_tokens) are fed."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        # One token on top of existing KV and state: the model's decode path serves it.
+        return self.num_tokens == 1 and self.start > 0
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the sequence's last token, so its logits give the next token."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    step: int
+    prefills: list[ScheduledSeq] = field(default_factory=list)
+    decodes: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def entries(self) -> list[ScheduledSeq]:
+        """Prefill chunks first, then decodes: the order of BatchMetadata."""
+        return self.prefills + self.decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.prefills) + len(self.decodes)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        state_slots: StateSlotPool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.block_manager = block_manager
+        self.state_slots = state_slots
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: oldest first
+        self.step = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        self.step += 1
+        batch = ScheduledBatch(step=self.step)
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        for want_decodes in (True, False):
+            for seq in list(self.running):
+                if budget == 0:
+                    break
+                if seq.status is not SequenceStatus.RUNNING or seq.seq_id in scheduled:
+                    continue  # preempted earlier in this step, or already in the batch
+                is_decode = seq.num_computed_tokens > 0 and seq.num_uncomputed_tokens == 1
+                if is_decode != want_decodes:
+                    continue
+                n = min(seq.num_uncomputed_tokens, budget)
+                if not self._make_room(seq, seq.num_computed_tokens + n, scheduled, batch):
+                    continue
+                self._schedule(seq, n, batch)
+                scheduled.add(seq.seq_id)
+                budget -= n
+
+        while (
+            self.waiting
+            and budget > 0
+            and not batch.preempted
+            and len(self.running) < self.max_num_seqs
+            and self.state_slots.num_free > 0
+        ):
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_grow(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.state_slot = self.state_slots.allocate()
+            self.running.append(seq)
+            self._schedule(seq, n, batch)
+            budget -= n
+        return batch
+
+    def _make_room(
+        self, seq: Sequence, num_tokens: int, scheduled: set[int], batch: ScheduledBatch
+    ) -> bool:
+        """Preempt until `seq` can hold `num_tokens`; False if `seq` itself was preempted."""
+        while not self.block_manager.can_grow(seq, num_tokens):
+            victim = next(
+                (s for s in reversed(self.running) if s is not seq and s.seq_id not in scheduled),
+                seq,
+            )
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _schedule(self, seq: Sequence, n: int, batch: ScheduledBatch) -> None:
+        start = seq.num_computed_tokens
+        self.block_manager.grow(seq, start + n)
+        self.block_manager.record_write(seq, start, start + n, self.step)
+        entry = ScheduledSeq(seq, start, n)
+        (batch.decodes if entry.is_decode else batch.prefills).append(entry)
+
+    def _release(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        if seq.state_slot is not None:
+            self.state_slots.free(seq.state_slot)
+            seq.state_slot = None
+        seq.num_computed_tokens = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def complete(self, batch: ScheduledBatch, next_tokens: list[int | None]) -> None:
+        """Record a step's results: chunks are now computed; sampling entries gain a token.
+
+        `next_tokens` follows `batch.entries`; None where the entry did not sample.
+        """
+        for entry, token in zip(batch.entries, next_tokens, strict=True):
+            entry.seq.num_computed_tokens = entry.end
+            if entry.samples:
+                if token is None:
+                    raise ValueError(f"no token sampled for {entry.seq}")
+                entry.seq.append_token(token)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Stop serving `seq` (done, aborted or failed) and free what it holds."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.finish(reason)

@@ -1,0 +1,134 @@
+"""Sequence state: what the decide side knows about one request while it is being served."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no KV blocks and no state slot
+    RUNNING = "running"  # holds KV blocks and a state slot, scheduled every step
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # a stop token or stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    CANCELLED = "cancelled"  # aborted by the client
+    ERROR = "error"  # the step that served it failed
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop (OpenAI request fields, plus top_k and seed)."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus: smallest set of tokens whose probability reaches top_p
+    top_k: int = 0  # keep the k most likely tokens; 0 = all
+    seed: int | None = None  # per-request generator: same seed, same tokens
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
+    stop_token_ids: list[int] = field(default_factory=list)  # in addition to the EOS tokens
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sequence:
+    """One request's tokens and its resources.
+
+    Tokens are computed (in the KV cache / DeltaNet state) up to `num_computed_tokens`; the rest
+    are fed in the next steps. After a token is sampled it is appended to the output but not yet
+    computed, so a decode step feeds exactly one token. Preemption by recompute sets
+    `num_computed_tokens` back to 0: prompt and output so far are fed again as one long prefill.
+    """
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("a prompt needs at least one token")
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.block_table: list[int] = []  # KV block ids, in position order
+        self.state_slot: int | None = None  # DeltaNet recurrent + conv state slot
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None  # seeded sampling, made on first use
+        self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Tokens at positions [start, end) of prompt + output."""
+        n_prompt = len(self.prompt_token_ids)
+        end = self.num_tokens if end is None else end
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
+
+    def append_token(self, token_id: int, now: float | None = None) -> None:
+        if not self.output_token_ids:
+            self.first_token_time = time.perf_counter() if now is None else now
+        self.output_token_ids.append(token_id)
+
+    def finish(self, reason: FinishReason, now: float | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.finish_time = time.perf_counter() if now is None else now
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )
