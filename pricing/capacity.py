@@ -1,0 +1,287 @@
+"""Capacity projections: what one replica of a SKU produces and earns in a month.
+
+From a measured aggregate output throughput (tokens/s while the replica is busy, from a
+benchmark's results file, worker telemetry, or the ledger itself) and the GPU's hourly cost:
+- GPU-hours per 1M output tokens = GPUs x 1M / (tok/s x 3600)       (while busy)
+- output tokens per period       = tok/s x busy fraction x days x 86,400
+- cost per 1M output tokens      = GPU cost of the whole period / tokens of the period
+  (idle time is paid for too, so this rises as the busy fraction falls)
+- revenue per 1M output tokens   = output price + the input that comes with them
+  (input tokens per output token, a share of it cached) at the plan's prices
+- margin = revenue - cost, per 1M and per period; break-even busy fraction.
+Reference check: 387.6 tok/s at 70% busy -> ~703M tokens / 30 days, 0.717 GPU-h per 1M.
+
+All arithmetic is Decimal; what-if inputs are fields of `CapacityInputs` (`dataclasses.replace`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import ROUND_DOWN, ROUND_HALF_EVEN, Decimal
+from pathlib import Path
+from typing import Any
+
+from pricing.invoices import LedgerRow
+from pricing.money import TOKENS_PER_PRICING_UNIT, round_to_minor, to_decimal
+from pricing.periods import utc
+from pricing.plans import PricePlan
+
+SECONDS_PER_HOUR = 3600
+HOURS_PER_DAY = 24
+_MILLION = Decimal(TOKENS_PER_PRICING_UNIT)
+_RATIO = Decimal("0.0001")  # per-1M figures and fractions are reported to 4 decimals
+
+
+def _q4(value: Decimal) -> Decimal:
+    return value.quantize(_RATIO, rounding=ROUND_HALF_EVEN)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Measured aggregate output tokens per second of one replica while busy."""
+
+    sku_id: str
+    output_tokens_per_second: Decimal
+    gpus: int = 1  # GPUs one replica occupies
+    source: str = ""  # where the number came from: "bench:<file>", "ledger:<worker>", ...
+    input_tokens_per_output_token: Decimal | None = None  # the measured request mix, if known
+
+    def __post_init__(self) -> None:
+        if self.output_tokens_per_second <= 0 or self.gpus < 1:
+            raise ValueError(f"throughput of {self.sku_id} must be positive on >= 1 GPU")
+
+
+@dataclass(frozen=True)
+class CapacityInputs:
+    """The what-if knobs."""
+
+    gpu_hour_cost: Decimal  # per GPU, in `currency`
+    currency: str = "USD"
+    busy_fraction: Decimal = Decimal("0.70")
+    days: int = 30
+    # Prices per 1M tokens (None: take them from a plan, or project cost only).
+    output_price: Decimal | None = None
+    input_price: Decimal | None = None
+    cached_input_price: Decimal | None = None
+    # The input that comes with each output token (None: the measured mix, else 0).
+    input_tokens_per_output_token: Decimal | None = None
+    cached_share_of_input: Decimal = Decimal(0)
+
+    def __post_init__(self) -> None:
+        if not Decimal(0) < self.busy_fraction <= Decimal(1):
+            raise ValueError(f"busy fraction must be in (0, 1], got {self.busy_fraction}")
+        if not Decimal(0) <= self.cached_share_of_input <= Decimal(1):
+            raise ValueError(f"cached share must be in [0, 1], got {self.cached_share_of_input}")
+        if self.days <= 0 or to_decimal(self.gpu_hour_cost) < 0:
+            raise ValueError("days must be positive and the GPU cost non-negative")
+
+    def priced_by(self, plan: PricePlan) -> CapacityInputs:
+        """These inputs with the plan's prices (explicit prices here win)."""
+        from dataclasses import replace
+
+        return replace(
+            self,
+            currency=plan.currency,
+            output_price=self.output_price
+            if self.output_price is not None
+            else plan.output_per_mtok,
+            input_price=self.input_price if self.input_price is not None else plan.input_per_mtok,
+            cached_input_price=(
+                self.cached_input_price
+                if self.cached_input_price is not None
+                else plan.cached_input_per_mtok
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class CapacityProjection:
+    sku_id: str
+    source: str
+    output_tokens_per_second: Decimal
+    gpus: int
+    busy_fraction: Decimal
+    days: int
+    currency: str
+    gpu_hours_per_million_output: Decimal
+    output_tokens_per_period: int
+    cost_per_period: Decimal
+    cost_per_million_output: Decimal
+    revenue_per_million_output: Decimal | None
+    revenue_per_period: Decimal | None
+    margin_per_million_output: Decimal | None
+    margin_per_period: Decimal | None
+    margin_fraction: Decimal | None  # margin / revenue
+    breakeven_busy_fraction: Decimal | None  # busy fraction at which revenue covers cost
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: decimals as strings."""
+        return {k: (str(v) if isinstance(v, Decimal) else v) for k, v in self.__dict__.items()}
+
+
+def project(throughput: Throughput, inputs: CapacityInputs) -> CapacityProjection:
+    tps = throughput.output_tokens_per_second
+    period_hours = Decimal(inputs.days * HOURS_PER_DAY)
+    busy_seconds = inputs.busy_fraction * period_hours * SECONDS_PER_HOUR
+    tokens_exact = tps * busy_seconds
+    tokens = int(tokens_exact.to_integral_value(rounding=ROUND_DOWN))
+    gpu_hours_per_million = throughput.gpus * _MILLION / (tps * SECONDS_PER_HOUR)
+    period_cost = inputs.gpu_hour_cost * throughput.gpus * period_hours
+    cost_per_million = period_cost / tokens_exact * _MILLION
+
+    revenue_per_million: Decimal | None = None
+    if inputs.output_price is not None:
+        ratio = inputs.input_tokens_per_output_token
+        if ratio is None:
+            ratio = throughput.input_tokens_per_output_token or Decimal(0)
+        cached = ratio * inputs.cached_share_of_input
+        revenue_per_million = (
+            inputs.output_price
+            + (ratio - cached) * (inputs.input_price or Decimal(0))
+            + cached * (inputs.cached_input_price or Decimal(0))
+        )
+    revenue = margin_million = margin = margin_fraction = breakeven = None
+    if revenue_per_million is not None:
+        revenue = tokens_exact / _MILLION * revenue_per_million
+        margin_million = revenue_per_million - cost_per_million
+        margin = revenue - period_cost
+        margin_fraction = _q4(margin / revenue) if revenue else None
+        full_revenue = revenue / inputs.busy_fraction  # revenue at 100% busy
+        breakeven = _q4(period_cost / full_revenue) if full_revenue else None
+
+    def money(value: Decimal | None) -> Decimal | None:
+        return None if value is None else round_to_minor(value, inputs.currency)
+
+    return CapacityProjection(
+        sku_id=throughput.sku_id,
+        source=throughput.source,
+        output_tokens_per_second=tps,
+        gpus=throughput.gpus,
+        busy_fraction=inputs.busy_fraction,
+        days=inputs.days,
+        currency=inputs.currency,
+        gpu_hours_per_million_output=_q4(gpu_hours_per_million),
+        output_tokens_per_period=tokens,
+        cost_per_period=round_to_minor(period_cost, inputs.currency),
+        cost_per_million_output=_q4(cost_per_million),
+        revenue_per_million_output=None
+        if revenue_per_million is None
+        else _q4(revenue_per_million),
+        revenue_per_period=money(revenue),
+        margin_per_million_output=None if margin_million is None else _q4(margin_million),
+        margin_per_period=money(margin),
+        margin_fraction=margin_fraction,
+        breakeven_busy_fraction=breakeven,
+    )
+
+
+# Where measured throughput comes from ----------------------------------------------------
+
+# Key names a benchmark results file may use for aggregate output tokens per second.
+_THROUGHPUT_KEYS = (
+    "output_tokens_per_second",
+    "output_tok_per_s",
+    "output_tok_s",
+    "aggregate_output_tok_s",
+    "aggregate_output_tokens_per_second",
+    "tok_per_s",
+    "tok_s",
+)
+
+
+def _find_throughput(doc: Mapping[str, Any]) -> Any:
+    for key in _THROUGHPUT_KEYS:
+        if key in doc:
+            return doc[key]
+    for nested in ("summary", "results", "result", "aggregate"):
+        value = doc.get(nested)
+        if isinstance(value, Mapping):
+            found = _find_throughput(value)
+            if found is not None:
+                return found
+    return None
+
+
+def throughput_from_bench(
+    doc: Mapping[str, Any] | str | Path, sku_id: str | None = None
+) -> Throughput:
+    """Throughput from a benchmark results JSON (a file path or the parsed document).
+
+    Reads the aggregate output tokens/s (one of `_THROUGHPUT_KEYS`, at top level or under
+    summary/results), `gpus` (default 1), `sku_id` (or the argument), and, when present,
+    `prompt_tokens` / `output_tokens` (or `max_tokens`) for the input-per-output mix."""
+    if isinstance(doc, Mapping):
+        source, results = "bench", doc
+    else:
+        source, results = f"bench:{Path(doc).name}", json.loads(Path(doc).read_text())
+    value = _find_throughput(results)
+    if value is None:
+        raise ValueError(
+            f"no output throughput in the results (looked for {', '.join(_THROUGHPUT_KEYS)})"
+        )
+    sku = sku_id or results.get("sku_id") or results.get("sku") or results.get("model")
+    if not sku:
+        raise ValueError("the results name no SKU; pass sku_id")
+    mix = None
+    prompt, output = (
+        results.get("prompt_tokens"),
+        results.get("output_tokens", results.get("max_tokens")),
+    )
+    if isinstance(prompt, int | float) and isinstance(output, int | float) and output > 0:
+        mix = Decimal(str(prompt)) / Decimal(str(output))
+    # Decimal(str(x)): the value as printed in the file, not the binary float's expansion.
+    return Throughput(
+        sku_id=str(sku),
+        output_tokens_per_second=Decimal(str(value)),
+        gpus=int(results.get("gpus", 1)),
+        source=source,
+        input_tokens_per_output_token=mix,
+    )
+
+
+def throughput_from_ledger(rows: Iterable[LedgerRow], sku_id: str) -> list[Throughput]:
+    """Per worker of the SKU: output tokens / busy seconds, busy = the union of its requests'
+    [started_at, finished_at] intervals (so concurrency counts once), with the request mix."""
+    by_worker: dict[str, list[LedgerRow]] = {}
+    for row in rows:
+        if row.sku_id == sku_id:
+            by_worker.setdefault(row.worker_id or "?", []).append(row)
+    measured: list[Throughput] = []
+    for worker_id in sorted(by_worker):
+        worker_rows = by_worker[worker_id]
+        busy = _busy_seconds((utc(r.started_at), utc(r.finished_at)) for r in worker_rows)
+        output = sum(r.completion_tokens for r in worker_rows)
+        if busy <= 0 or output <= 0:
+            continue
+        prompt = sum(r.prompt_tokens for r in worker_rows)
+        measured.append(
+            Throughput(
+                sku_id=sku_id,
+                output_tokens_per_second=_q4(Decimal(output) / busy),
+                source=f"ledger:{worker_id}",
+                input_tokens_per_output_token=_q4(Decimal(prompt) / Decimal(output)),
+            )
+        )
+    return measured
+
+
+def _busy_seconds(intervals: Iterable[tuple[datetime, datetime]]) -> Decimal:
+    total = Decimal(0)
+    current: tuple[datetime, datetime] | None = None
+    for start, end in sorted(intervals):
+        if current is None or start > current[1]:
+            if current is not None:
+                total += _seconds(current[1] - current[0])
+            current = (start, end)
+        elif end > current[1]:
+            current = (current[0], end)
+    if current is not None:
+        total += _seconds(current[1] - current[0])
+    return total
+
+
+def _seconds(delta: Any) -> Decimal:
+    return Decimal(delta.days * 86400 + delta.seconds) + Decimal(delta.microseconds) / 1_000_000

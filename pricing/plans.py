@@ -1,0 +1,113 @@
+"""Price plans: what a SKU costs per 1M tokens of each token class, from a moment on.
+
+A SKU's price history is its plans ordered by `effective_from`; the plan in force at an
+instant is the latest one that has started. History only grows: a new price is a new plan
+with a later `effective_from`, so invoices already issued stay reproducible."""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from decimal import Decimal
+
+import msgspec
+
+from pricing.money import currency, to_decimal
+
+
+class TokenClass(enum.StrEnum):
+    """How a request's tokens are billed: prompt tokens served from the prefix cache are
+    `cached_input`, the rest of the prompt is `input`, generated tokens are `output`."""
+
+    input = "input"
+    cached_input = "cached_input"
+    output = "output"
+
+
+TOKEN_CLASSES: tuple[TokenClass, ...] = (
+    TokenClass.input,
+    TokenClass.cached_input,
+    TokenClass.output,
+)
+
+
+def require_utc(at: datetime, what: str) -> datetime:
+    if at.tzinfo is None or at.utcoffset() is None:
+        raise ValueError(f"{what} must be timezone-aware (UTC), got naive {at.isoformat()}")
+    return at
+
+
+class PricePlan(msgspec.Struct, frozen=True, kw_only=True):
+    plan_id: str
+    sku_id: str
+    currency: str
+    input_per_mtok: Decimal
+    cached_input_per_mtok: Decimal
+    output_per_mtok: Decimal
+    effective_from: datetime
+
+    def __post_init__(self) -> None:
+        currency(self.currency)  # refuses an unknown code
+        require_utc(self.effective_from, "effective_from")
+        for token_class in TOKEN_CLASSES:
+            price = to_decimal(self.unit_price(token_class))
+            if price < 0:
+                raise ValueError(f"plan {self.plan_id}: negative {token_class} price {price}")
+
+    def unit_price(self, token_class: TokenClass) -> Decimal:
+        """Price per 1M tokens of the class."""
+        if token_class is TokenClass.input:
+            return self.input_per_mtok
+        if token_class is TokenClass.cached_input:
+            return self.cached_input_per_mtok
+        return self.output_per_mtok
+
+
+class AmbiguousPriceHistory(ValueError):
+    """Two plans of one SKU start at the same instant: which one applies is undefined."""
+
+
+class PriceBook:
+    """Every SKU's price history, indexed for `in_force` lookups (O(log plans))."""
+
+    def __init__(self, plans: Iterable[PricePlan]) -> None:
+        by_sku: dict[str, list[PricePlan]] = {}
+        for plan in plans:
+            by_sku.setdefault(plan.sku_id, []).append(plan)
+        self._history: dict[str, list[PricePlan]] = {}
+        self._starts: dict[str, list[datetime]] = {}
+        for sku_id, sku_plans in by_sku.items():
+            sku_plans.sort(key=lambda p: p.effective_from)
+            starts = [p.effective_from for p in sku_plans]
+            for earlier, later in zip(sku_plans, sku_plans[1:], strict=False):
+                if earlier.effective_from == later.effective_from:
+                    raise AmbiguousPriceHistory(
+                        f"SKU {sku_id}: plans {earlier.plan_id} and {later.plan_id} both start at "
+                        f"{later.effective_from.isoformat()}"
+                    )
+            self._history[sku_id] = sku_plans
+            self._starts[sku_id] = starts
+
+    def history(self, sku_id: str) -> Sequence[PricePlan]:
+        return tuple(self._history.get(sku_id, ()))
+
+    def in_force(self, sku_id: str, at: datetime) -> PricePlan | None:
+        """The plan of `sku_id` in force at `at`, or None if the SKU had no price yet."""
+        starts = self._starts.get(sku_id)
+        if not starts:
+            return None
+        index = bisect.bisect_right(starts, require_utc(at, "at")) - 1
+        return self._history[sku_id][index] if index >= 0 else None
+
+    def in_force_until(self, plan: PricePlan) -> datetime | None:
+        """When `plan` stops applying (the next plan's start), or None while it is the latest."""
+        history = self._history[plan.sku_id]
+        index = history.index(plan)
+        return history[index + 1].effective_from if index + 1 < len(history) else None
+
+
+def plan_in_force(plans: Iterable[PricePlan], sku_id: str, at: datetime) -> PricePlan | None:
+    """The plan of `sku_id` in force at `at` (for many lookups, build a PriceBook once)."""
+    return PriceBook(p for p in plans if p.sku_id == sku_id).in_force(sku_id, at)
