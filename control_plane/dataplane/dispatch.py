@@ -1,0 +1,254 @@
+"""Calling workers over NATS: the registry of live workers, and the client that dispatches a
+request to one worker of a SKU and relays its replies.
+
+Used by the gateway, and by the benchmark to call workers directly (no HTTP, no metering)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from worker import protocol as p
+
+
+class NoWorker(Exception):
+    """No live worker serves the SKU (nothing ran, nothing is metered)."""
+
+
+class WorkerLost(Exception):
+    """The worker holding the request stopped heartbeating (or never accepted it)."""
+
+
+class ChunkLost(Exception):
+    """A token chunk never arrived (core NATS is at most once): the text has a hole."""
+
+
+class RequestRejected(Exception):
+    def __init__(self, rejected: p.Rejected) -> None:
+        super().__init__(rejected.message)
+        self.rejected = rejected
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    sku_id: str
+    last_seen: float  # monotonic
+    model: str = ""
+    backend: str = ""
+    capacity: int = 0
+    max_context: int | None = None
+    running: int = 0
+    waiting: int = 0
+    kv_pressure: float = 0.0
+
+
+class WorkerRegistry:
+    """Live workers, from their announcements and heartbeats. A worker is dead `dead_after_s`
+    after its last heartbeat, or at once when it says it is gone."""
+
+    def __init__(self, nc: NATS, prefix: str, dead_after_s: float = 3.0) -> None:
+        self.nc, self.prefix, self.dead_after_s = nc, prefix, dead_after_s
+        self.workers: dict[str, WorkerInfo] = {}
+        self._sub: Subscription | None = None
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(p.presence_wildcard(self.prefix), cb=self._on_presence)
+        await self.nc.publish(p.discover_subject(self.prefix), b"")
+        await self.nc.flush()
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    async def _on_presence(self, msg: Msg) -> None:
+        try:
+            m = p.decode_presence(msg.data)
+        except Exception:  # a discover ping, or a newer message kind: not for us
+            return
+        now = time.monotonic()
+        if isinstance(m, p.WorkerGone):
+            self.workers.pop(m.worker_id, None)
+            return
+        info = self.workers.get(m.worker_id)
+        if info is None:
+            info = self.workers[m.worker_id] = WorkerInfo(m.worker_id, m.sku_id, now)
+        info.last_seen = now
+        if isinstance(m, p.WorkerAnnounce):
+            info.model, info.backend, info.capacity, info.max_context = (
+                m.model,
+                m.backend,
+                m.capacity,
+                m.max_context,
+            )
+        else:
+            info.running, info.waiting, info.kv_pressure = m.running, m.waiting, m.kv_pressure
+
+    def alive(self, worker_id: str) -> bool:
+        info = self.workers.get(worker_id)
+        return info is not None and time.monotonic() - info.last_seen < self.dead_after_s
+
+    def live_workers(self, sku_id: str) -> list[WorkerInfo]:
+        now = time.monotonic()
+        return [
+            w
+            for w in self.workers.values()
+            if w.sku_id == sku_id and now - w.last_seen < self.dead_after_s
+        ]
+
+
+class _NoResponders:
+    pass
+
+
+class _Lost:
+    pass
+
+
+_Item = p.Reply | _NoResponders | _Lost
+
+
+@dataclass(eq=False)
+class Dispatch:
+    """One request in flight on a worker: what it has relayed so far, in order."""
+
+    request: p.GenerateRequest
+    client: WorkerClient
+    sent_at: float = field(default_factory=time.monotonic)
+    worker_id: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    next_seq: int = 0
+    gaps: int = 0  # chunks that never arrived
+    finished: p.Finished | None = None
+    _queue: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    async def chunks(self) -> AsyncIterator[p.TokenChunk]:
+        """Yields token chunks until the worker's Finished (then in `finished`); counts lost
+        chunks in `gaps`. Raises NoWorker, WorkerLost or RequestRejected. May be called again
+        after the caller stopped early: it goes on where it stopped."""
+        while self.finished is None:
+            item = await self._queue.get()
+            if isinstance(item, p.TokenChunk):
+                self.gaps += item.seq - self.next_seq
+                self.next_seq = item.seq + 1
+                self._count(item)
+                yield item
+            elif isinstance(item, p.Accepted):
+                self.worker_id = item.worker_id
+            elif isinstance(item, p.Finished):
+                self.gaps += item.seq - self.next_seq
+                self._count(item)
+                self.finished = item
+                self.client._forget(self)
+            elif isinstance(item, p.Rejected):
+                self.client._forget(self)
+                raise RequestRejected(item)
+            elif isinstance(item, _NoResponders):
+                self.client._forget(self)
+                raise NoWorker(self.request.sku_id)
+            else:
+                raise WorkerLost(self.worker_id or "(no worker accepted it)")
+
+    def _count(self, m: p.TokenChunk | p.Finished) -> None:
+        self.prompt_tokens, self.cached_tokens = m.prompt_tokens, m.cached_tokens
+        self.completion_tokens = m.completion_tokens
+
+    async def cancel(self) -> None:
+        """Tells the worker to stop; it still answers with Finished (finish reason cancelled)."""
+        cancel = p.Cancel(request_id=self.request_id)
+        with contextlib.suppress(Exception):
+            await self.client.nc.publish(
+                p.cancel_subject(self.client.prefix, self.request.sku_id), p.encode(cancel)
+            )
+
+
+class WorkerClient:
+    """Dispatches requests to a SKU's queue group; all replies come to one wildcard inbox
+    subscription and are routed by their token."""
+
+    def __init__(
+        self, nc: NATS, prefix: str, registry: WorkerRegistry, accept_timeout_s: float = 5.0
+    ) -> None:
+        self.nc, self.prefix, self.registry = nc, prefix, registry
+        self.accept_timeout_s = accept_timeout_s
+        self._inbox = nc.new_inbox()
+        self._in_flight: dict[str, Dispatch] = {}
+        self._sub: Subscription | None = None
+        self._reaper: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(
+            f"{self._inbox}.*", cb=self._on_reply, pending_msgs_limit=1_000_000
+        )
+        self._reaper = asyncio.create_task(self._reap())
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    async def dispatch(self, request: p.GenerateRequest) -> Dispatch:
+        """`request.reply_to` is filled in here."""
+        request = msgspec.structs.replace(request, reply_to=f"{self._inbox}.{request.request_id}")
+        d = Dispatch(request, self)
+        self._in_flight[request.request_id] = d
+        await self.nc.publish(
+            p.work_subject(self.prefix, request.sku_id), p.encode(request), reply=request.reply_to
+        )
+        return d
+
+    def _forget(self, d: Dispatch) -> None:
+        if self._in_flight.get(d.request_id) is d:
+            del self._in_flight[d.request_id]
+
+    async def _on_reply(self, msg: Msg) -> None:
+        d = self._in_flight.get(msg.subject[len(self._inbox) + 1 :])
+        if d is None:
+            return
+        if not msg.data and msg.headers and msg.headers.get("Status") == "503":
+            d._queue.put_nowait(_NoResponders())
+            return
+        try:
+            reply = p.decode_reply(msg.data)
+        except msgspec.DecodeError:
+            return
+        if isinstance(reply, p.Accepted):  # the reaper watches this worker from now on
+            d.worker_id = reply.worker_id
+        d._queue.put_nowait(reply)
+
+    async def _reap(self) -> None:
+        """Fails the requests whose worker died, or that no worker accepted in time."""
+        period = min(0.2, self.registry.dead_after_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for d in list(self._in_flight.values()):
+                if d.finished is not None:
+                    continue
+                if d.worker_id is None:
+                    lost = now - d.sent_at > self.accept_timeout_s
+                else:
+                    lost = not self.registry.alive(d.worker_id)
+                if lost:
+                    self._forget(d)
+                    d._queue.put_nowait(_Lost())

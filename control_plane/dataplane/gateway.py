@@ -1,0 +1,327 @@
+"""The gateway's side of a request: dispatch to a worker, relay its chunks, and make sure the
+request is metered exactly once whatever happens to the client or the worker.
+
+Exactly-once metering
+---------------------
+The bill is the usage stream's `RequestFinished` for the request, dedupe id `req:<request_id>`;
+the projector writes one ledger row per request id (unique), so the ledger is exactly once if
+every dispatched request gets at least one RequestFinished and all of them agree.
+
+- Normal end, or a client that hangs up: the worker publishes RequestFinished (retrying until
+  JetStream acks) and only then sends Finished. After a client disconnect the gateway sends
+  Cancel and keeps draining the worker's chunks until that Finished, so what it records equals
+  what the worker billed, token for token.
+- A worker that dies mid-stream (its heartbeat stops, or no worker accepts the request within
+  `accept_timeout_s`): the gateway publishes RequestFinished on its behalf, finish reason
+  "error", with the tokens it relayed (chunk counts are cumulative, so a lost chunk does not
+  change them) and the same dedupe id, and sends Cancel in case the worker was only slow.
+  Whichever of the two RequestFinished reaches JetStream first is the bill; the other is
+  dropped by the dedupe window (`StreamLayout.usage_dedupe_window_s`, 2 h, far longer than any
+  retry) and, past the window, by the ledger's unique request id. If the worker was alive and
+  its event won, it may bill a few tokens the gateway never relayed (chunks in flight when the
+  gateway gave up); `tokenmill reconcile` reports exactly those requests.
+- Requests refused before dispatch (auth, bad input, no worker, a worker's Rejected) ran
+  nothing and are not metered.
+- Every dispatched request also gets one GatewayDelivered (`gw:<request_id>`): the tokens the
+  gateway received from the worker for it. Reconciliation compares the two streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from control_plane.dataplane.dispatch import (
+    ChunkLost,
+    Dispatch,
+    NoWorker,
+    RequestRejected,
+    WorkerClient,
+    WorkerLost,
+    WorkerRegistry,
+)
+from events.usage import (
+    FinishReason,
+    GatewayDelivered,
+    RequestFinished,
+    UsageEvent,
+    dedupe_id,
+    encode_usage,
+    usage_subject,
+)
+from worker import protocol as p
+
+log = logging.getLogger("tokenmill.gateway")
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value not in (None, "") else default
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    # TOKENMILL_GATEWAY_WORKER_DEAD_S: a worker silent this long (no heartbeat) is dead, and
+    # its in-flight requests end with an error (metered with what was relayed).
+    worker_dead_after_s: float = field(
+        default_factory=lambda: _env_float("TOKENMILL_GATEWAY_WORKER_DEAD_S", 3.0)
+    )
+    # TOKENMILL_GATEWAY_ACCEPT_TIMEOUT_S: a request no worker accepted by then is failed.
+    accept_timeout_s: float = field(
+        default_factory=lambda: _env_float("TOKENMILL_GATEWAY_ACCEPT_TIMEOUT_S", 5.0)
+    )
+    # TOKENMILL_GATEWAY_ID: this replica's id in GatewayDelivered; default host-pid-random.
+    gateway_id: str = field(
+        default_factory=lambda: (
+            os.environ.get("TOKENMILL_GATEWAY_ID")
+            or f"gw-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+        )
+    )
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one dispatched request ended, as the gateway saw it."""
+
+    request: p.GenerateRequest
+    worker_id: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    finish_reason: FinishReason
+    client_disconnected: bool
+    ttft_s: float | None
+    e2e_s: float
+    itl_s: list[float]
+
+
+# Called once per dispatched request when it ends (metrics, quota settlement, ...).
+OutcomeListener = Callable[[Outcome], None]
+
+
+class Gateway:
+    """Owns the data plane's NATS clients: the worker registry, dispatch, usage publication."""
+
+    def __init__(self, nc: NATS, prefix: str, settings: GatewaySettings | None = None) -> None:
+        self.nc, self.prefix = nc, prefix
+        self.settings = settings or GatewaySettings()
+        self.js: JetStreamContext = nc.jetstream()
+        self.registry = WorkerRegistry(nc, prefix, self.settings.worker_dead_after_s)
+        self.client = WorkerClient(nc, prefix, self.registry, self.settings.accept_timeout_s)
+        self._listeners: list[OutcomeListener] = []
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def gateway_id(self) -> str:
+        return self.settings.gateway_id
+
+    async def start(self) -> None:
+        await self.registry.start()
+        await self.client.start()
+
+    async def close(self, within: float = 10.0) -> None:
+        """Lets in-flight usage publications finish (they retry until acked)."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=within)
+        await self.client.close()
+        await self.registry.close()
+
+    def on_outcome(self, listener: OutcomeListener) -> None:
+        self._listeners.append(listener)
+
+    def serves(self, sku_id: str) -> bool:
+        return bool(self.registry.live_workers(sku_id))
+
+    async def open(self, request: p.GenerateRequest) -> Relay:
+        """Dispatches to a worker of the request's SKU. Raises NoWorker when none is live."""
+        if not self.serves(request.sku_id):
+            raise NoWorker(request.sku_id)
+        return Relay(self, await self.client.dispatch(request))
+
+    # -- metering ------------------------------------------------------------------------------
+
+    def _conclude(
+        self,
+        relay: Relay,
+        finish_reason: FinishReason,
+        client_disconnected: bool,
+        *,
+        worker_lost: bool,
+    ) -> None:
+        d = relay.dispatch
+        now = time.monotonic()
+        outcome = Outcome(
+            request=d.request,
+            worker_id=d.worker_id,
+            prompt_tokens=d.prompt_tokens,
+            cached_tokens=d.cached_tokens,
+            completion_tokens=d.completion_tokens,
+            finish_reason=finish_reason,
+            client_disconnected=client_disconnected,
+            ttft_s=None if relay.first_token_at is None else relay.first_token_at - relay.started,
+            e2e_s=now - relay.started,
+            itl_s=relay.itl_s,
+        )
+        finished_at = datetime.now(UTC)
+        if worker_lost:
+            self._publish(self._on_behalf_of_worker(outcome, relay.started_at, finished_at))
+        self._publish(
+            GatewayDelivered(
+                request_id=d.request_id,
+                tenant_id=d.request.tenant_id,
+                key_id=d.request.key_id,
+                sku_id=d.request.sku_id,
+                gateway_id=self.gateway_id,
+                prompt_tokens=d.prompt_tokens,
+                completion_tokens=d.completion_tokens,
+                finish_reason=finish_reason,
+                client_disconnected=client_disconnected,
+                finished_at=finished_at,
+            )
+        )
+        for listener in self._listeners:
+            try:
+                listener(outcome)
+            except Exception:
+                log.exception("outcome listener failed")
+
+    @staticmethod
+    def _on_behalf_of_worker(
+        o: Outcome, started_at: datetime, finished_at: datetime
+    ) -> RequestFinished:
+        r = o.request
+        return RequestFinished(
+            request_id=r.request_id,
+            tenant_id=r.tenant_id,
+            key_id=r.key_id,
+            sku_id=r.sku_id,
+            model=r.model,
+            worker_id=o.worker_id or "",
+            prompt_tokens=o.prompt_tokens,
+            cached_tokens=o.cached_tokens,
+            completion_tokens=o.completion_tokens,
+            finish_reason="error",
+            ttft_ms=None if o.ttft_s is None else o.ttft_s * 1000,
+            e2e_ms=o.e2e_s * 1000,
+            started_at=started_at,
+            finished_at=finished_at,
+        )
+
+    def _publish(self, event: UsageEvent) -> None:
+        kind: Literal["worker", "gateway"] = (
+            "worker" if isinstance(event, RequestFinished) else "gateway"
+        )
+        self._spawn(
+            self._publish_until_acked(usage_subject(self.prefix, kind, event.sku_id), event)
+        )
+
+    async def _publish_until_acked(self, subject: str, event: UsageEvent) -> None:
+        data, headers = encode_usage(event), {"Nats-Msg-Id": dedupe_id(event)}
+        delay = 0.05
+        while True:
+            try:
+                await self.js.publish(subject, data, headers=headers, timeout=5)
+                return
+            except Exception as exc:
+                log.warning("usage event %s not acked (%s); retrying", dedupe_id(event), exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+class Relay:
+    """One dispatched request, for the HTTP layer: iterate `chunks()`, and call `release()` when
+    done with it, however that happened (a client gone mid-stream is noticed there)."""
+
+    def __init__(self, gateway: Gateway, dispatch: Dispatch) -> None:
+        self.gateway, self.dispatch = gateway, dispatch
+        self.started = time.monotonic()
+        self.started_at = datetime.now(UTC)
+        self.first_token_at: float | None = None
+        self.itl_s: list[float] = []
+        self._last_token_at = 0.0
+        self._concluded = False
+        self._chunk_lost = False
+
+    @property
+    def finished(self) -> p.Finished | None:
+        return self.dispatch.finished
+
+    async def chunks(self) -> AsyncIterator[p.TokenChunk]:
+        """The worker's chunks, in order. Raises NoWorker, RequestRejected (nothing metered),
+        WorkerLost (metered with what was relayed) or ChunkLost (metered once drained)."""
+        d = self.dispatch
+        try:
+            async for chunk in d.chunks():
+                if d.gaps:
+                    self._chunk_lost = True
+                    raise ChunkLost(f"{d.gaps} chunk(s) of {d.request_id} lost")
+                if chunk.text:
+                    now = time.monotonic()
+                    if self.first_token_at is None:
+                        self.first_token_at = now
+                    else:
+                        self.itl_s.append(now - self._last_token_at)
+                    self._last_token_at = now
+                yield chunk
+        except (NoWorker, RequestRejected):
+            self._concluded = True
+            raise
+        except WorkerLost:
+            self._concluded = True
+            self.gateway._conclude(self, "error", False, worker_lost=True)
+            raise
+        assert d.finished is not None
+        self._concluded = True
+        self.gateway._conclude(self, d.finished.finish_reason, False, worker_lost=False)
+
+    def release(self) -> None:
+        """If the request has not ended (the client hung up, a chunk was lost), cancel it on
+        the worker and meter it once the worker confirms — in the background."""
+        if self._concluded:
+            return
+        self._concluded = True
+        self.gateway._spawn(self._cancel_and_drain(client_disconnected=not self._chunk_lost))
+
+    async def _cancel_and_drain(self, client_disconnected: bool) -> None:
+        d = self.dispatch
+        await d.cancel()
+        try:
+            async for _ in d.chunks():
+                pass
+        except (NoWorker, RequestRejected):
+            return
+        except WorkerLost:
+            self.gateway._conclude(self, "error", client_disconnected, worker_lost=True)
+            return
+        assert d.finished is not None
+        self.gateway._conclude(
+            self, d.finished.finish_reason, client_disconnected, worker_lost=False
+        )
+
+
+__all__ = [
+    "ChunkLost",
+    "Gateway",
+    "GatewaySettings",
+    "NoWorker",
+    "Outcome",
+    "Relay",
+    "RequestRejected",
+    "WorkerLost",
+]

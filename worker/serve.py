@@ -1,0 +1,367 @@
+"""The worker process: serves one SKU from one backend over NATS.
+
+    python -m worker.serve --sku-id SKU --model NAME --backend fixed_rate --config '{"tokens_per_s": 50}'
+
+It announces itself, heartbeats its load, takes requests from the SKU's queue group and serves
+them concurrently, streaming chunks to each request's inbox; a Cancel (the client hung up)
+stops generation. Every request it accepted ends with exactly one usage event (RequestFinished)
+on JetStream, with the dedupe id `req:<request_id>`, retried until acked; only then does it send
+Finished, so a request the client saw finish is always metered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from events.usage import RequestFinished, dedupe_id, encode_usage, usage_subject
+from worker import protocol as p
+from worker.backends import Backend, InvalidRequest, make_backend
+
+log = logging.getLogger("tokenmill.worker")
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name) or default
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    # TOKENMILL_NATS_URL: the NATS server (JetStream enabled) shared with the control plane.
+    nats_url: str = field(
+        default_factory=lambda: _env("TOKENMILL_NATS_URL", "nats://127.0.0.1:4222")
+    )
+    # TOKENMILL_STREAM_PREFIX: the install's subject and stream prefix.
+    stream_prefix: str = field(default_factory=lambda: _env("TOKENMILL_STREAM_PREFIX", "TM"))
+    # TOKENMILL_WORKER_SKU: the SKU id this worker serves.
+    sku_id: str = field(default_factory=lambda: _env("TOKENMILL_WORKER_SKU", ""))
+    # TOKENMILL_WORKER_MODEL: the model name written into usage events.
+    model: str = field(default_factory=lambda: _env("TOKENMILL_WORKER_MODEL", ""))
+    # TOKENMILL_WORKER_BACKEND: torch_runtime | openai_proxy | fixed_rate.
+    backend: str = field(default_factory=lambda: _env("TOKENMILL_WORKER_BACKEND", "torch_runtime"))
+    # TOKENMILL_WORKER_CONFIG: the backend's keyword config as JSON.
+    backend_config: dict[str, Any] = field(
+        default_factory=lambda: json.loads(_env("TOKENMILL_WORKER_CONFIG", "{}"))
+    )
+    # TOKENMILL_WORKER_ID: stable id in usage events and presence; default host-pid-random.
+    worker_id: str = field(
+        default_factory=lambda: _env(
+            "TOKENMILL_WORKER_ID", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        )
+    )
+    # TOKENMILL_WORKER_HEARTBEAT_S: heartbeat period; gateways call a worker dead after a few missed.
+    heartbeat_s: float = field(
+        default_factory=lambda: float(_env("TOKENMILL_WORKER_HEARTBEAT_S", "0.5"))
+    )
+    # TOKENMILL_WORKER_DRAIN_S: on SIGTERM, how long in-flight requests may run before cancel.
+    drain_s: float = field(default_factory=lambda: float(_env("TOKENMILL_WORKER_DRAIN_S", "10")))
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings, backend: Backend) -> None:
+        if not settings.sku_id:
+            raise ValueError("a worker needs a SKU id (--sku-id / TOKENMILL_WORKER_SKU)")
+        self.settings = settings
+        self.backend = backend
+        self.nc: NATS | None = None
+        self._in_flight: dict[str, asyncio.Task[None]] = {}
+        # Cancels that arrived before their request (different subjects, no ordering between them).
+        self._early_cancels: dict[str, float] = {}
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._stopping = asyncio.Event()
+
+    @property
+    def prefix(self) -> str:
+        return self.settings.stream_prefix
+
+    async def run(self) -> None:
+        """Serves until `stop()`, then drains."""
+        s = self.settings
+        await self.backend.start()
+        self.nc = await nats.connect(
+            s.nats_url,
+            name=f"worker {s.worker_id}",
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+        )
+        self._js = self.nc.jetstream()
+        work = await self.nc.subscribe(
+            p.work_subject(self.prefix, s.sku_id),
+            queue=p.work_queue(self.prefix, s.sku_id),
+            cb=self._on_request,
+            pending_msgs_limit=1_000_000,
+        )
+        await self.nc.subscribe(p.cancel_subject(self.prefix, s.sku_id), cb=self._on_cancel)
+        await self.nc.subscribe(p.discover_subject(self.prefix), cb=self._on_discover)
+        await self._announce()
+        heartbeat = asyncio.create_task(self._heartbeat_loop())
+        log.info("worker %s serving SKU %s with %s", s.worker_id, s.sku_id, self.backend.name)
+        try:
+            await self._stopping.wait()
+        finally:
+            # No new work; give in-flight requests their drain time, then cancel (they still meter).
+            await work.unsubscribe()
+            if self._handlers:
+                _, pending = await asyncio.wait(set(self._handlers), timeout=s.drain_s)
+                if pending:
+                    for gen in self._in_flight.values():
+                        gen.cancel()
+                    await asyncio.wait(pending, timeout=30)
+            heartbeat.cancel()
+            await self.nc.publish(
+                p.gone_subject(self.prefix),
+                p.encode(p.WorkerGone(worker_id=s.worker_id, sku_id=s.sku_id)),
+            )
+            await self.nc.drain()
+            await self.backend.close()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def _announce(self) -> None:
+        assert self.nc is not None
+        s = self.settings
+        msg = p.WorkerAnnounce(
+            worker_id=s.worker_id,
+            sku_id=s.sku_id,
+            model=s.model,
+            backend=self.backend.name,
+            capacity=self.backend.capacity,
+            max_context=self.backend.max_context,
+        )
+        await self.nc.publish(p.announce_subject(self.prefix), p.encode(msg))
+        await self._heartbeat()
+
+    async def _heartbeat(self) -> None:
+        assert self.nc is not None
+        load = self.backend.load()
+        beat = p.WorkerHeartbeat(
+            worker_id=self.settings.worker_id,
+            sku_id=self.settings.sku_id,
+            running=load.running,
+            waiting=load.waiting,
+            kv_pressure=load.kv_pressure,
+            ts=time.time(),
+        )
+        await self.nc.publish(
+            p.heartbeat_subject(self.prefix, self.settings.sku_id), p.encode(beat)
+        )
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_s)
+            with contextlib.suppress(
+                Exception
+            ):  # a reconnecting client buffers; never stop beating
+                await self._heartbeat()
+
+    async def _on_discover(self, msg: Msg) -> None:
+        await self._announce()
+
+    async def _on_request(self, msg: Msg) -> None:
+        try:
+            request = p.decode_request(msg.data)
+        except Exception:
+            log.exception("undecodable request on %s", msg.subject)
+            return
+        task = asyncio.create_task(self._serve(request))
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        cancel = p.decode_cancel(msg.data)
+        gen = self._in_flight.get(cancel.request_id)
+        if gen is None:
+            now = time.monotonic()
+            self._early_cancels[cancel.request_id] = now
+            for rid, t in list(self._early_cancels.items()):
+                if now - t > 60:
+                    del self._early_cancels[rid]
+            return
+        gen.cancel()
+
+    async def _serve(self, request: p.GenerateRequest) -> None:
+        """One request, start to metered finish. Never raises."""
+        assert self.nc is not None
+        nc, rid, reply = self.nc, request.request_id, request.reply_to
+        started_at = datetime.now(UTC)
+        t0 = time.monotonic()
+        admitted_lag = max(0.0, time.time() - request.admitted_at)
+        state = _Generation()
+        await nc.publish(
+            reply, p.encode(p.Accepted(request_id=rid, worker_id=self.settings.worker_id))
+        )
+
+        gen = asyncio.create_task(self._generate(request, state))
+        self._in_flight[rid] = gen
+        if self._early_cancels.pop(rid, None) is not None:
+            gen.cancel()
+        try:
+            await asyncio.wait({gen})
+        finally:
+            del self._in_flight[rid]
+        if gen.cancelled():
+            state.finish_reason = "cancelled"
+        elif (exc := gen.exception()) is not None:
+            if isinstance(exc, InvalidRequest):
+                await nc.publish(
+                    reply,
+                    p.encode(p.Rejected(request_id=rid, message=exc.message, param=exc.param)),
+                )
+                return
+            log.error("request %s failed", rid, exc_info=exc)
+            state.finish_reason, state.error = "error", f"{type(exc).__name__}: {exc}"
+        elif state.finish_reason is None:
+            state.finish_reason, state.error = "error", "the backend ended without a finish reason"
+
+        e2e = time.monotonic() - t0 + admitted_lag
+        event = RequestFinished(
+            request_id=rid,
+            tenant_id=request.tenant_id,
+            key_id=request.key_id,
+            sku_id=request.sku_id,
+            model=self.settings.model or request.model,
+            worker_id=self.settings.worker_id,
+            prompt_tokens=state.prompt_tokens,
+            cached_tokens=state.cached_tokens,
+            completion_tokens=state.completion_tokens,
+            finish_reason=state.finish_reason,
+            ttft_ms=None
+            if state.first_token_at is None
+            else (state.first_token_at - t0 + admitted_lag) * 1000,
+            e2e_ms=e2e * 1000,
+            started_at=started_at,
+            finished_at=datetime.now(UTC),
+        )
+        await self._publish_usage(event)
+        finished = p.Finished(
+            request_id=rid,
+            seq=state.seq,
+            prompt_tokens=state.prompt_tokens,
+            cached_tokens=state.cached_tokens,
+            completion_tokens=state.completion_tokens,
+            finish_reason=state.finish_reason,
+            error=state.error,
+        )
+        with contextlib.suppress(Exception):
+            await nc.publish(reply, p.encode(finished))
+
+    async def _generate(self, request: p.GenerateRequest, state: _Generation) -> None:
+        assert self.nc is not None
+        nc, rid, reply = self.nc, request.request_id, request.reply_to
+        async for progress in self.backend.generate(request):
+            if state.first_token_at is None and progress.completion_tokens > 0:
+                state.first_token_at = time.monotonic()
+            state.prompt_tokens = progress.prompt_tokens
+            state.cached_tokens = progress.cached_tokens
+            state.completion_tokens = progress.completion_tokens
+            chunk = p.TokenChunk(
+                request_id=rid,
+                seq=state.seq,
+                text=progress.text,
+                completion_tokens=progress.completion_tokens,
+                prompt_tokens=progress.prompt_tokens,
+                cached_tokens=progress.cached_tokens,
+            )
+            state.seq += 1
+            await nc.publish(reply, p.encode(chunk))
+            if progress.finish_reason is not None:
+                state.finish_reason = progress.finish_reason
+                return
+
+    async def _publish_usage(self, event: RequestFinished) -> None:
+        """Until JetStream acks it: the event is the bill. A duplicate ack means the gateway
+        already metered this request on our behalf (it thought we were dead)."""
+        subject = usage_subject(self.prefix, "worker", event.sku_id)
+        data, headers = encode_usage(event), {"Nats-Msg-Id": dedupe_id(event)}
+        delay = 0.05
+        while True:
+            try:
+                ack = await self._js.publish(subject, data, headers=headers, timeout=5)
+                if ack.duplicate:
+                    log.warning(
+                        "usage of %s was already recorded (gateway metered it)", event.request_id
+                    )
+                return
+            except Exception as exc:  # no stream yet, NATS reconnecting, timeout: keep trying
+                log.warning("usage of %s not acked (%s); retrying", event.request_id, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+
+@dataclass
+class _Generation:
+    seq: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    finish_reason: p.FinishReason | None = None
+    error: str | None = None
+
+
+def _parse_args(argv: list[str] | None) -> WorkerSettings:
+    base = WorkerSettings()
+    ap = argparse.ArgumentParser(
+        prog="tokenmill worker", description="Serve one SKU from one backend over NATS."
+    )
+    ap.add_argument("--nats-url", default=base.nats_url)
+    ap.add_argument("--prefix", default=base.stream_prefix, help="stream/subject prefix")
+    ap.add_argument("--sku-id", default=base.sku_id)
+    ap.add_argument("--model", default=base.model)
+    ap.add_argument(
+        "--backend", default=base.backend, choices=["torch_runtime", "openai_proxy", "fixed_rate"]
+    )
+    ap.add_argument("--config", default=None, help="backend keyword config as JSON")
+    ap.add_argument("--worker-id", default=base.worker_id)
+    ap.add_argument("--heartbeat-s", type=float, default=base.heartbeat_s)
+    ap.add_argument("--drain-s", type=float, default=base.drain_s)
+    a = ap.parse_args(argv)
+    return WorkerSettings(
+        nats_url=a.nats_url,
+        stream_prefix=a.prefix,
+        sku_id=a.sku_id,
+        model=a.model,
+        backend=a.backend,
+        backend_config=json.loads(a.config) if a.config else base.backend_config,
+        worker_id=a.worker_id,
+        heartbeat_s=a.heartbeat_s,
+        drain_s=a.drain_s,
+    )
+
+
+async def serve(settings: WorkerSettings) -> None:
+    worker = Worker(settings, make_backend(settings.backend, settings.backend_config))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, worker.stop)
+    await worker.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=os.environ.get("TOKENMILL_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    asyncio.run(serve(_parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
