@@ -1,0 +1,181 @@
+"""Control events: the governed state of the factory (tenants, API keys, SKUs, price plans,
+limits) as an append-only log on the control stream, one subject per aggregate.
+
+Every event is a msgspec tagged Struct with a `schema_version`. Evolve only by adding fields
+with defaults (old messages then decode unchanged); a breaking change is a new tag."""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import msgspec
+
+# The aggregates of the control stream; each is a subject token: {prefix}.ctl.<aggregate>.<id>
+Aggregate = Literal["tenant", "key", "sku", "price", "limits"]
+
+
+class ControlEvent(msgspec.Struct, kw_only=True, frozen=True):
+    """Fields every control event carries. `event_id` doubles as the JetStream message id."""
+
+    schema_version: int = 1
+    event_id: str = msgspec.field(default_factory=lambda: new_id("evt"))
+    occurred_at: datetime = msgspec.field(default_factory=lambda: datetime.now(UTC))
+    actor: str = "admin"
+
+
+# -- tenants ---------------------------------------------------------------------------------
+
+
+class TenantCreated(ControlEvent, tag="tenant.created", kw_only=True):
+    tenant_id: str
+    name: str
+    labels: dict[str, str] = {}
+
+
+class TenantSuspended(ControlEvent, tag="tenant.suspended", kw_only=True):
+    tenant_id: str
+    reason: str | None = None
+
+
+class TenantReactivated(ControlEvent, tag="tenant.reactivated", kw_only=True):
+    tenant_id: str
+
+
+class TenantLabelsSet(ControlEvent, tag="tenant.labels_set", kw_only=True):
+    tenant_id: str
+    labels: dict[str, str]
+
+
+# -- API keys --------------------------------------------------------------------------------
+
+
+class ApiKeyIssued(ControlEvent, tag="api_key.issued", kw_only=True):
+    """Only the sha256 of the plaintext key is ever stored; `prefix` identifies it to humans."""
+
+    key_id: str
+    tenant_id: str
+    key_hash: str
+    prefix: str
+    name: str | None = None
+    # SKU names the key may call; empty means every SKU.
+    scopes: list[str] = []
+
+
+class ApiKeyRevoked(ControlEvent, tag="api_key.revoked", kw_only=True):
+    key_id: str
+    tenant_id: str
+    reason: str | None = None
+
+
+# -- SKUs ------------------------------------------------------------------------------------
+
+
+class SkuPublished(ControlEvent, tag="sku.published", kw_only=True):
+    """A named, priced offering: a model served by a worker runtime on a GPU type.
+    Publishing a retired SKU's name again republishes it (a new version of the aggregate)."""
+
+    sku_id: str
+    name: str
+    model: str
+    runtime: str
+    runtime_config: dict[str, Any] = {}
+    gpu_type: str
+
+
+class SkuRetired(ControlEvent, tag="sku.retired", kw_only=True):
+    sku_id: str
+
+
+# -- price plans (one aggregate per SKU; the log is the history) ------------------------------
+
+
+class PricePlanSet(ControlEvent, tag="price_plan.set", kw_only=True):
+    """Prices per 1M tokens as decimal strings (never floats), from `effective_from` on."""
+
+    plan_id: str
+    sku_id: str
+    input_per_mtok: str
+    cached_input_per_mtok: str
+    output_per_mtok: str
+    currency: str
+    effective_from: datetime
+
+
+# -- limits (one aggregate per tenant; the governance issue grows this) ------------------------
+
+
+class LimitsSet(ControlEvent, tag="limits.set", kw_only=True):
+    """Rate limits and token quota of a tenant, optionally narrowed to one SKU. `None` means
+    unlimited. Later fields (per key, budgets in money) are added with defaults."""
+
+    tenant_id: str
+    sku_id: str | None = None
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    token_quota: int | None = None
+    quota_period: Literal["day", "month"] = "month"
+
+
+AnyControlEvent = (
+    TenantCreated
+    | TenantSuspended
+    | TenantReactivated
+    | TenantLabelsSet
+    | ApiKeyIssued
+    | ApiKeyRevoked
+    | SkuPublished
+    | SkuRetired
+    | PricePlanSet
+    | LimitsSet
+)
+
+
+def aggregate_of(event: AnyControlEvent) -> tuple[Aggregate, str]:
+    """The aggregate an event belongs to: its subject and its concurrency boundary."""
+    match event:
+        case TenantCreated() | TenantSuspended() | TenantReactivated() | TenantLabelsSet():
+            return "tenant", event.tenant_id
+        case ApiKeyIssued() | ApiKeyRevoked():
+            return "key", event.key_id
+        case SkuPublished() | SkuRetired():
+            return "sku", event.sku_id
+        case PricePlanSet():
+            return "price", event.sku_id
+        case LimitsSet():
+            return "limits", event.tenant_id
+    raise TypeError(f"not a control event: {event!r}")
+
+
+def control_stream_name(prefix: str) -> str:
+    return f"{prefix}_CONTROL"
+
+
+def control_subject(prefix: str, aggregate: Aggregate, aggregate_id: str) -> str:
+    return f"{prefix}.ctl.{aggregate}.{aggregate_id}"
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(AnyControlEvent)
+
+
+def encode_control(event: AnyControlEvent) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode_control(data: bytes) -> AnyControlEvent:
+    return _decoder.decode(data)
+
+
+def new_id(kind: str) -> str:
+    """`<kind>_<26 hex>`: sortable by time (uuid7-like), safe as a NATS subject token."""
+    ms = int(datetime.now(UTC).timestamp() * 1000)
+    return f"{kind}_{ms:012x}{secrets.token_hex(7)}"
+
+
+def sku_id_for(name: str) -> str:
+    """SKU ids derive from the name, so two publishes of one name meet on one subject and
+    optimistic concurrency, not a race on a uniqueness check, decides."""
+    return "sku_" + uuid.uuid5(uuid.NAMESPACE_URL, "tokenmill:sku:" + name).hex[:16]

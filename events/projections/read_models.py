@@ -1,0 +1,222 @@
+"""Read models of the control stream: tenants, api_keys, skus, price_plans, tenant_limits.
+
+Every column comes from an event (no now()), so a rebuild yields identical tables."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from decimal import Decimal
+
+import asyncpg
+import msgspec
+
+from events.control import (
+    ApiKeyIssued,
+    ApiKeyRevoked,
+    LimitsSet,
+    PricePlanSet,
+    SkuPublished,
+    SkuRetired,
+    TenantCreated,
+    TenantLabelsSet,
+    TenantReactivated,
+    TenantSuspended,
+    control_stream_name,
+    decode_control,
+)
+from events.projections.runner import Entry
+from events.store import StreamLayout
+
+log = logging.getLogger(__name__)
+
+DDL = """
+CREATE TABLE IF NOT EXISTS tenants (
+    tenant_id text PRIMARY KEY,
+    name text NOT NULL,
+    status text NOT NULL,
+    labels jsonb NOT NULL DEFAULT '{}',
+    suspended_reason text,
+    created_at timestamptz NOT NULL,
+    updated_at timestamptz NOT NULL,
+    version bigint NOT NULL
+);
+CREATE TABLE IF NOT EXISTS api_keys (
+    key_id text PRIMARY KEY,
+    tenant_id text NOT NULL,
+    key_hash text NOT NULL UNIQUE,
+    prefix text NOT NULL,
+    name text,
+    scopes text[] NOT NULL DEFAULT '{}',
+    created_at timestamptz NOT NULL,
+    revoked_at timestamptz,
+    version bigint NOT NULL
+);
+CREATE INDEX IF NOT EXISTS api_keys_tenant ON api_keys (tenant_id);
+CREATE TABLE IF NOT EXISTS skus (
+    sku_id text PRIMARY KEY,
+    name text NOT NULL UNIQUE,
+    model text NOT NULL,
+    runtime text NOT NULL,
+    runtime_config jsonb NOT NULL DEFAULT '{}',
+    gpu_type text NOT NULL,
+    status text NOT NULL,
+    published_at timestamptz NOT NULL,
+    retired_at timestamptz,
+    version bigint NOT NULL
+);
+CREATE TABLE IF NOT EXISTS price_plans (
+    plan_id text PRIMARY KEY,
+    sku_id text NOT NULL,
+    input_per_mtok numeric NOT NULL,
+    cached_input_per_mtok numeric NOT NULL,
+    output_per_mtok numeric NOT NULL,
+    currency text NOT NULL,
+    effective_from timestamptz NOT NULL,
+    recorded_at timestamptz NOT NULL,
+    seq bigint NOT NULL
+);
+CREATE INDEX IF NOT EXISTS price_plans_sku ON price_plans (sku_id, effective_from, seq);
+CREATE TABLE IF NOT EXISTS tenant_limits (
+    tenant_id text NOT NULL,
+    sku_id text NOT NULL DEFAULT '',  -- '' = every SKU
+    requests_per_minute bigint,
+    tokens_per_minute bigint,
+    token_quota bigint,
+    quota_period text NOT NULL,
+    version bigint NOT NULL,
+    PRIMARY KEY (tenant_id, sku_id)
+);
+"""
+
+
+class ReadModelsProjection:
+    name = "read_models"
+    tables = ("tenants", "api_keys", "skus", "price_plans", "tenant_limits")
+    ddl = DDL
+
+    def stream(self, layout: StreamLayout) -> str:
+        return control_stream_name(layout.prefix)
+
+    async def apply(self, conn: asyncpg.Connection, batch: Sequence[Entry]) -> None:
+        # Control events are few: one statement each keeps the fold obvious.
+        for seq, data in batch:
+            try:
+                event = decode_control(data)
+            except msgspec.DecodeError:
+                log.warning("read_models: skipping undecodable event at seq %d", seq)
+                continue
+            await self._apply_one(conn, event, seq)
+
+    async def _apply_one(self, conn: asyncpg.Connection, event: object, seq: int) -> None:
+        match event:
+            case TenantCreated():
+                await conn.execute(
+                    """INSERT INTO tenants VALUES ($1, $2, 'active', $3::jsonb, NULL, $4, $4, $5)
+                       ON CONFLICT (tenant_id) DO NOTHING""",
+                    event.tenant_id,
+                    event.name,
+                    json.dumps(event.labels, sort_keys=True),
+                    event.occurred_at,
+                    seq,
+                )
+            case TenantSuspended():
+                await conn.execute(
+                    """UPDATE tenants SET status = 'suspended', suspended_reason = $2,
+                       updated_at = $3, version = $4 WHERE tenant_id = $1""",
+                    event.tenant_id,
+                    event.reason,
+                    event.occurred_at,
+                    seq,
+                )
+            case TenantReactivated():
+                await conn.execute(
+                    """UPDATE tenants SET status = 'active', suspended_reason = NULL,
+                       updated_at = $2, version = $3 WHERE tenant_id = $1""",
+                    event.tenant_id,
+                    event.occurred_at,
+                    seq,
+                )
+            case TenantLabelsSet():
+                await conn.execute(
+                    "UPDATE tenants SET labels = $2::jsonb, updated_at = $3, version = $4 WHERE tenant_id = $1",
+                    event.tenant_id,
+                    json.dumps(event.labels, sort_keys=True),
+                    event.occurred_at,
+                    seq,
+                )
+            case ApiKeyIssued():
+                await conn.execute(
+                    """INSERT INTO api_keys VALUES ($1, $2, $3, $4, $5, $6, $7, NULL, $8)
+                       ON CONFLICT (key_id) DO NOTHING""",
+                    event.key_id,
+                    event.tenant_id,
+                    event.key_hash,
+                    event.prefix,
+                    event.name,
+                    list(event.scopes),
+                    event.occurred_at,
+                    seq,
+                )
+            case ApiKeyRevoked():
+                await conn.execute(
+                    "UPDATE api_keys SET revoked_at = $2, version = $3 WHERE key_id = $1",
+                    event.key_id,
+                    event.occurred_at,
+                    seq,
+                )
+            case SkuPublished():
+                await conn.execute(
+                    """INSERT INTO skus VALUES ($1, $2, $3, $4, $5::jsonb, $6, 'published', $7, NULL, $8)
+                       ON CONFLICT (sku_id) DO UPDATE SET name = EXCLUDED.name, model = EXCLUDED.model,
+                         runtime = EXCLUDED.runtime, runtime_config = EXCLUDED.runtime_config,
+                         gpu_type = EXCLUDED.gpu_type, status = 'published',
+                         published_at = EXCLUDED.published_at, retired_at = NULL,
+                         version = EXCLUDED.version""",
+                    event.sku_id,
+                    event.name,
+                    event.model,
+                    event.runtime,
+                    json.dumps(event.runtime_config, sort_keys=True),
+                    event.gpu_type,
+                    event.occurred_at,
+                    seq,
+                )
+            case SkuRetired():
+                await conn.execute(
+                    "UPDATE skus SET status = 'retired', retired_at = $2, version = $3 WHERE sku_id = $1",
+                    event.sku_id,
+                    event.occurred_at,
+                    seq,
+                )
+            case PricePlanSet():
+                await conn.execute(
+                    """INSERT INTO price_plans VALUES ($1, $2, $3::numeric, $4::numeric, $5::numeric, $6, $7, $8, $9)
+                       ON CONFLICT (plan_id) DO NOTHING""",
+                    event.plan_id,
+                    event.sku_id,
+                    Decimal(event.input_per_mtok),
+                    Decimal(event.cached_input_per_mtok),
+                    Decimal(event.output_per_mtok),
+                    event.currency,
+                    event.effective_from,
+                    event.occurred_at,
+                    seq,
+                )
+            case LimitsSet():
+                await conn.execute(
+                    """INSERT INTO tenant_limits VALUES ($1, $2, $3, $4, $5, $6, $7)
+                       ON CONFLICT (tenant_id, sku_id) DO UPDATE SET
+                         requests_per_minute = EXCLUDED.requests_per_minute,
+                         tokens_per_minute = EXCLUDED.tokens_per_minute,
+                         token_quota = EXCLUDED.token_quota,
+                         quota_period = EXCLUDED.quota_period, version = EXCLUDED.version""",
+                    event.tenant_id,
+                    event.sku_id or "",
+                    event.requests_per_minute,
+                    event.tokens_per_minute,
+                    event.token_quota,
+                    event.quota_period,
+                    seq,
+                )
