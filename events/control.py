@@ -29,22 +29,22 @@ class ControlEvent(msgspec.Struct, kw_only=True, frozen=True):
 # -- tenants ---------------------------------------------------------------------------------
 
 
-class TenantCreated(ControlEvent, tag="tenant.created", kw_only=True):
+class TenantCreated(ControlEvent, tag="tenant.created", kw_only=True, frozen=True):
     tenant_id: str
     name: str
     labels: dict[str, str] = {}
 
 
-class TenantSuspended(ControlEvent, tag="tenant.suspended", kw_only=True):
+class TenantSuspended(ControlEvent, tag="tenant.suspended", kw_only=True, frozen=True):
     tenant_id: str
     reason: str | None = None
 
 
-class TenantReactivated(ControlEvent, tag="tenant.reactivated", kw_only=True):
+class TenantReactivated(ControlEvent, tag="tenant.reactivated", kw_only=True, frozen=True):
     tenant_id: str
 
 
-class TenantLabelsSet(ControlEvent, tag="tenant.labels_set", kw_only=True):
+class TenantLabelsSet(ControlEvent, tag="tenant.labels_set", kw_only=True, frozen=True):
     tenant_id: str
     labels: dict[str, str]
 
@@ -52,7 +52,7 @@ class TenantLabelsSet(ControlEvent, tag="tenant.labels_set", kw_only=True):
 # -- API keys --------------------------------------------------------------------------------
 
 
-class ApiKeyIssued(ControlEvent, tag="api_key.issued", kw_only=True):
+class ApiKeyIssued(ControlEvent, tag="api_key.issued", kw_only=True, frozen=True):
     """Only the sha256 of the plaintext key is ever stored; `prefix` identifies it to humans."""
 
     key_id: str
@@ -64,7 +64,7 @@ class ApiKeyIssued(ControlEvent, tag="api_key.issued", kw_only=True):
     scopes: list[str] = []
 
 
-class ApiKeyRevoked(ControlEvent, tag="api_key.revoked", kw_only=True):
+class ApiKeyRevoked(ControlEvent, tag="api_key.revoked", kw_only=True, frozen=True):
     key_id: str
     tenant_id: str
     reason: str | None = None
@@ -73,7 +73,7 @@ class ApiKeyRevoked(ControlEvent, tag="api_key.revoked", kw_only=True):
 # -- SKUs ------------------------------------------------------------------------------------
 
 
-class SkuPublished(ControlEvent, tag="sku.published", kw_only=True):
+class SkuPublished(ControlEvent, tag="sku.published", kw_only=True, frozen=True):
     """A named, priced offering: a model served by a worker runtime on a GPU type.
     Publishing a retired SKU's name again republishes it (a new version of the aggregate)."""
 
@@ -85,14 +85,14 @@ class SkuPublished(ControlEvent, tag="sku.published", kw_only=True):
     gpu_type: str
 
 
-class SkuRetired(ControlEvent, tag="sku.retired", kw_only=True):
+class SkuRetired(ControlEvent, tag="sku.retired", kw_only=True, frozen=True):
     sku_id: str
 
 
 # -- price plans (one aggregate per SKU; the log is the history) ------------------------------
 
 
-class PricePlanSet(ControlEvent, tag="price_plan.set", kw_only=True):
+class PricePlanSet(ControlEvent, tag="price_plan.set", kw_only=True, frozen=True):
     """Prices per 1M tokens as decimal strings (never floats), from `effective_from` on."""
 
     plan_id: str
@@ -107,7 +107,7 @@ class PricePlanSet(ControlEvent, tag="price_plan.set", kw_only=True):
 # -- limits (one aggregate per tenant; the governance issue grows this) ------------------------
 
 
-class LimitsSet(ControlEvent, tag="limits.set", kw_only=True):
+class LimitsSet(ControlEvent, tag="limits.set", kw_only=True, frozen=True):
     """Rate limits and token quota of a tenant, optionally narrowed to one SKU. `None` means
     unlimited. Later fields (per key, budgets in money) are added with defaults."""
 

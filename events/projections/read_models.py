@@ -93,7 +93,7 @@ CREATE TABLE IF NOT EXISTS tenant_limits (
 
 class ReadModelsProjection:
     name = "read_models"
-    tables = ("tenants", "api_keys", "skus", "price_plans", "tenant_limits")
+    tables: tuple[str, ...] = ("tenants", "api_keys", "skus", "price_plans", "tenant_limits")
     ddl = DDL
 
     def stream(self, layout: StreamLayout) -> str:

@@ -89,7 +89,7 @@ _decoder = msgspec.json.Decoder(UsageEvent)
 
 class UsageLedgerProjection:
     name = "usage_ledger"
-    tables = ("usage_ledger", "gateway_deliveries")
+    tables: tuple[str, ...] = ("usage_ledger", "gateway_deliveries")
     ddl = DDL
 
     def stream(self, layout: StreamLayout) -> str:
