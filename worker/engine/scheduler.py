@@ -37,6 +37,7 @@ class ScheduledSeq:
     seq: Sequence
     start: int
     num_tokens: int
+    samples: bool  # the chunk reaches the sequence's last token: its logits give the next token
 
     @property
     def end(self) -> int:
@@ -46,11 +47,6 @@ class ScheduledSeq:
     def is_decode(self) -> bool:
         # One token on top of existing KV and state: the model's decode path serves it.
         return self.num_tokens == 1 and self.start > 0
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the sequence's last token, so its logits give the next token."""
-        return self.end == self.seq.num_tokens
 
 
 @dataclass
@@ -159,7 +155,7 @@ class Scheduler:
         start = seq.num_computed_tokens
         self.block_manager.grow(seq, start + n)
         self.block_manager.record_write(seq, start, start + n, self.step)
-        entry = ScheduledSeq(seq, start, n)
+        entry = ScheduledSeq(seq, start, n, samples=start + n == seq.num_tokens)
         (batch.decodes if entry.is_decode else batch.prefills).append(entry)
 
     def _release(self, seq: Sequence) -> None:
