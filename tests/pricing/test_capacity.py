@@ -1,0 +1,112 @@
+import json
+from dataclasses import replace
+from datetime import timedelta
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from pricing.capacity import (
+    CapacityInputs,
+    Throughput,
+    project,
+    throughput_from_bench,
+    throughput_from_ledger,
+)
+from pricing.invoices import LedgerRow
+from tests.pricing.factories import at, plan
+
+REFERENCE = Throughput(sku_id="qwen3.6-27b-w4", output_tokens_per_second=Decimal("387.6"))
+
+
+def test_reference_table() -> None:
+    p = project(REFERENCE, CapacityInputs(gpu_hour_cost=Decimal("2.00")))
+    assert p.output_tokens_per_period == 703_261_440  # 387.6 x 0.70 x 30 x 86,400 (~703M)
+    assert round(p.gpu_hours_per_million_output, 3) == Decimal("0.717")
+    assert p.cost_per_period == Decimal("1440.00")  # 2.00 x 720 h
+    assert p.cost_per_million_output == Decimal("2.0476")  # 1440 / 703.26144
+    assert p.revenue_per_million_output is None and p.margin_per_period is None
+
+
+def test_margin_and_what_ifs() -> None:
+    inputs = CapacityInputs(gpu_hour_cost=Decimal("2.00")).priced_by(
+        plan("p", at(2026, 1, 1), input="0.50", cached="0.10", output="3.00")
+    )
+    base = project(REFERENCE, inputs)
+    assert base.revenue_per_million_output == Decimal("3.0000")
+    assert base.revenue_per_period == Decimal("2109.78")  # 703.26144 x 3.00
+    assert base.margin_per_period == Decimal("669.78")
+    assert base.margin_fraction == Decimal("0.3175")
+    assert base.breakeven_busy_fraction == Decimal("0.4778")  # 1440 / (1004.6592 x 3)
+    # At the break-even busy fraction the margin is ~zero.
+    at_breakeven = project(REFERENCE, replace(inputs, busy_fraction=base.breakeven_busy_fraction))
+    assert abs(at_breakeven.margin_per_period or 0) < Decimal("1.00")
+    # The input that comes with the output earns too: 2 input tokens per output, half cached.
+    mixed = project(
+        REFERENCE,
+        replace(
+            inputs, input_tokens_per_output_token=Decimal(2), cached_share_of_input=Decimal("0.5")
+        ),
+    )
+    assert mixed.revenue_per_million_output == Decimal("3.6000")  # 3 + 1 x 0.50 + 1 x 0.10
+    # A busier GPU lowers the cost per 1M tokens; GPU-hours per 1M (while busy) do not change.
+    busy = project(REFERENCE, replace(inputs, busy_fraction=Decimal("0.95")))
+    assert busy.cost_per_million_output < base.cost_per_million_output
+    assert busy.gpu_hours_per_million_output == base.gpu_hours_per_million_output
+    two_gpus = project(replace(REFERENCE, gpus=2), inputs)
+    assert two_gpus.gpu_hours_per_million_output == Decimal("1.4333")
+    with pytest.raises(ValueError):
+        CapacityInputs(gpu_hour_cost=Decimal(2), busy_fraction=Decimal("1.5"))
+
+
+def test_throughput_from_a_benchmark_results_file(tmp_path: Path) -> None:
+    path = tmp_path / "results.json"
+    path.write_text(
+        json.dumps(
+            {
+                "sku_id": "qwen",
+                "summary": {"output_tok_s": 387.6},
+                "prompt_tokens": 512,
+                "max_tokens": 256,
+            }
+        )
+    )
+    measured = throughput_from_bench(path)
+    assert measured.output_tokens_per_second == Decimal("387.6")
+    assert measured.input_tokens_per_output_token == Decimal(2)
+    assert measured.source == "bench:results.json"
+    with pytest.raises(ValueError):
+        throughput_from_bench({"sku_id": "x", "latency": 1})
+
+
+def test_throughput_from_the_ledger_counts_concurrent_requests_once() -> None:
+    t0 = at(2026, 3, 1)
+
+    def request(start_s: float, end_s: float, completion: int, worker: str = "w1") -> LedgerRow:
+        return LedgerRow(
+            request_id=f"r{start_s}-{worker}",
+            tenant_id="t",
+            key_id="k",
+            sku_id="s",
+            model="m",
+            worker_id=worker,
+            prompt_tokens=2 * completion,
+            completion_tokens=completion,
+            finish_reason="stop",
+            started_at=t0 + timedelta(seconds=start_s),
+            finished_at=t0 + timedelta(seconds=end_s),
+            stream_seq=1,
+        )
+
+    rows = [
+        request(0, 10, 1000),
+        request(5, 20, 1000),
+        request(100, 110, 1000),
+        request(0, 4, 400, "w2"),
+    ]
+    w1, w2 = throughput_from_ledger(rows, "s")
+    assert w1.source == "ledger:w1" and w1.output_tokens_per_second == Decimal(
+        100
+    )  # 3000 / 30 s busy
+    assert w1.input_tokens_per_output_token == Decimal(2)
+    assert w2.output_tokens_per_second == Decimal(100)
