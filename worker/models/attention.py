@@ -1,0 +1,101 @@
+"""Full (softmax) attention over the paged KV cache: Llama, Qwen3 (q/k norm) and Qwen3.5 gated
+attention (q/k norm with (1 + w), partial rotary, sigmoid output gate from q_proj)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.engine.batch import BatchMetadata
+from worker.kernels import ops
+from worker.models.cache import AttentionCache
+from worker.models.config import ModelConfig
+from worker.models.layers import RMSNorm, RotaryTables
+
+
+def num_prefill_tokens(meta: BatchMetadata) -> int:
+    """Tokens of the prefill chunks, which come first on the flat token axis."""
+    return sum(meta.query_lens[: meta.num_prefills])
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = d = config.head_dim
+        self.scale = d**-0.5
+        self.output_gate = config.attn_output_gate
+        h, bias = config.hidden_size, config.attention_bias
+        # Gated attention: per head, q_proj yields [query (d) | gate (d)].
+        self.q_proj = nn.Linear(h, self.num_heads * d * (2 if self.output_gate else 1), bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, config.norm_unit_offset)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, config.norm_unit_offset)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        meta: BatchMetadata,
+        cache: AttentionCache,
+        rotary: RotaryTables,
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q = self.q_proj(hidden)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(tokens, -1)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = ops.apply_rotary(q, meta.positions, rotary.cos_sin(), rotary.rotary_dim)
+        k = ops.apply_rotary(k, meta.positions, rotary.cos_sin(), rotary.rotary_dim)
+
+        ops.write_kv_cache(
+            k, v, cache.k_cache, cache.v_cache, meta.slot_mapping, cache.k_scale, cache.v_scale
+        )
+        out = self._attend(q, meta, cache).reshape(tokens, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+    def _attend(self, q: torch.Tensor, meta: BatchMetadata, cache: AttentionCache) -> torch.Tensor:
+        split, p = num_prefill_tokens(meta), meta.num_prefills
+        parts = []
+        if p:
+            parts.append(
+                ops.paged_attention_prefill(
+                    q[:split],
+                    cache.k_cache,
+                    cache.v_cache,
+                    meta.cu_seqlens[: p + 1],
+                    meta.context_lens[:p],
+                    meta.block_tables[:p],
+                    meta.positions[:split],
+                    self.scale,
+                    cache.k_scale,
+                    cache.v_scale,
+                )
+            )
+        if meta.num_seqs > p:
+            parts.append(
+                ops.paged_attention_decode(
+                    q[split:],
+                    cache.k_cache,
+                    cache.v_cache,
+                    meta.context_lens[p:],
+                    meta.block_tables[p:],
+                    self.scale,
+                    cache.k_scale,
+                    cache.v_scale,
+                )
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

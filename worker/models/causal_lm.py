@@ -1,0 +1,173 @@
+"""CausalLM: one decoder-only model class for every family (Llama, Qwen3, Qwen3.5/3.6 hybrid).
+
+Parameter names follow Hugging Face (`model.embed_tokens`, `model.layers.N.self_attn.q_proj`,
+`model.layers.N.linear_attn.in_proj_qkv`, `model.norm`, `lm_head`), so safetensors checkpoints
+load by name. Tokens are flat (varlen): forward takes input_ids [T] with a BatchMetadata.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.engine.batch import BatchMetadata
+from worker.models.attention import Attention
+from worker.models.cache import AttentionCache, DeltaNetState, ModelCache
+from worker.models.config import FULL_ATTENTION, ModelConfig
+from worker.models.deltanet import GatedDeltaNet
+from worker.models.layers import MLP, RMSNorm, RotaryTables
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.is_attention = config.layer_types[layer] == FULL_ATTENTION
+        eps, offset = config.rms_norm_eps, config.norm_unit_offset
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, offset)
+        if self.is_attention:
+            self.self_attn = Attention(config)
+        else:
+            self.linear_attn = GatedDeltaNet(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        meta: BatchMetadata,
+        cache: AttentionCache | DeltaNetState,
+        rotary: RotaryTables,
+    ) -> torch.Tensor:
+        mixed = self.input_layernorm(hidden)
+        if isinstance(cache, AttentionCache):
+            mixed = self.self_attn(mixed, meta, cache, rotary)
+        else:
+            mixed = self.linear_attn(mixed, meta, cache)
+        hidden = hidden + mixed
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class TextModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
+        self.rotary = RotaryTables(config)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = TextModel(config)
+        # A tied head reads the embedding matrix (see `head_weight`), so it cannot come untied.
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def reset_buffers(self) -> None:
+        """Recompute non-persistent buffers (rotary tables) after materialising on a device."""
+        self.model.rotary.reset()
+
+    def allocate_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_state_slots: int,
+        kv_dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> ModelCache:
+        c = self.config
+        layers: list[AttentionCache | DeltaNetState] = []
+        for kind in c.layer_types:
+            if kind == FULL_ATTENTION:
+                shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+                layers.append(
+                    AttentionCache(
+                        torch.zeros(shape, dtype=kv_dtype, device=device),
+                        torch.zeros(shape, dtype=kv_dtype, device=device),
+                    )
+                )
+            else:
+                recurrent = (
+                    num_state_slots,
+                    c.linear_num_value_heads,
+                    c.linear_key_head_dim,
+                    c.linear_value_head_dim,
+                )
+                conv = (num_state_slots, c.conv_dim, c.linear_conv_kernel_dim - 1)
+                layers.append(
+                    DeltaNetState(
+                        torch.zeros(recurrent, dtype=torch.float32, device=device),
+                        torch.zeros(conv, dtype=self.dtype, device=device),
+                    )
+                )
+        return ModelCache(block_size, num_blocks, num_state_slots, layers)
+
+    def forward(
+        self, input_ids: torch.Tensor, meta: BatchMetadata, cache: ModelCache
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] (after the final norm) of the fed tokens."""
+        hidden = self.model.embed_tokens(input_ids)
+        for layer, layer_cache in zip(self.model.layers, cache.layers, strict=True):
+            hidden = layer(hidden, meta, layer_cache, self.model.rotary)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] in float32."""
+        return F.linear(hidden, self.head_weight()).float()
+
+
+def build_empty(config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
+    """The model with uninitialised weights allocated directly on `device` (no host copy)."""
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.requires_grad_(False).eval()
+    model.reset_buffers()
+    return model
+
+
+@torch.no_grad()
+def build_random(
+    config: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int = 0
+) -> CausalLM:
+    """Random weights at the config's shape, generated on `device` (fine for speed work: values
+    do not change the work done, and they are scaled to keep activations finite)."""
+    model = build_empty(config, device, dtype)
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("A_log"):
+            param.uniform_(1.0, 16.0, generator=gen).log_()
+        elif name.endswith("dt_bias"):
+            param.fill_(1.0)
+        elif "norm" in name:  # (1 + w) norms start at zero, plain scales at one
+            param.fill_(
+                0.0
+                if config.norm_unit_offset and not name.endswith("linear_attn.norm.weight")
+                else 1.0
+            )
+        elif leaf == "bias":
+            param.zero_()
+        elif "conv1d" in name:
+            bound = config.linear_conv_kernel_dim**-0.5
+            param.uniform_(-bound, bound, generator=gen)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
+    return model
