@@ -1,0 +1,271 @@
+"""OpsMetrics: Prometheus exposition (names, labels, values), worker presence and the page's
+in-memory series, driven with a controllable clock."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from control_plane.observability.metrics import ObservabilitySettings, OpsMetrics
+from control_plane.observability.series import percentile
+from worker.protocol import WorkerAnnounce, WorkerGone, WorkerHeartbeat
+
+
+class Clock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def samples(metrics: OpsMetrics) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of the text exposition, keyed by (name, labels)."""
+    text = metrics.exposition().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(metrics: OpsMetrics, name: str, **labels: str) -> float | None:
+    return samples(metrics).get((name, frozenset(labels.items())))
+
+
+@pytest.fixture()
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture()
+def metrics(clock: Clock) -> OpsMetrics:
+    return OpsMetrics(ObservabilitySettings(window_s=60, step_s=5, worker_stale_s=10), clock=clock)
+
+
+def test_request_feeds_vllm_histograms_and_counters(metrics: OpsMetrics) -> None:
+    metrics.observe_request(
+        sku="demo",
+        model="smollm2",
+        tenant="acme",
+        ttft_s=0.03,
+        itl_s=[0.01, 0.02, 0.2],
+        e2e_s=0.5,
+        prompt_tokens=12,
+        completion_tokens=4,
+        cached_tokens=3,
+    )
+    lbl = {"model_name": "smollm2", "sku": "demo"}
+    assert value(metrics, "vllm:time_to_first_token_seconds_count", **lbl) == 1
+    assert value(metrics, "vllm:time_to_first_token_seconds_sum", **lbl) == pytest.approx(0.03)
+    assert value(metrics, "vllm:time_to_first_token_seconds_bucket", **lbl, le="0.04") == 1
+    assert value(metrics, "vllm:time_to_first_token_seconds_bucket", **lbl, le="0.02") == 0
+    assert value(metrics, "vllm:inter_token_latency_seconds_count", **lbl) == 3
+    assert value(metrics, "vllm:inter_token_latency_seconds_bucket", **lbl, le="0.02") == 2
+    assert value(metrics, "vllm:e2e_request_latency_seconds_count", **lbl) == 1
+    assert value(metrics, "vllm:prompt_tokens_total", **lbl) == 12
+    assert value(metrics, "vllm:generation_tokens_total", **lbl) == 4
+    assert value(metrics, "vllm:request_success_total", **lbl, finished_reason="stop") == 1
+    assert (
+        value(metrics, "tokenmill_tokens_total", tenant="acme", sku="demo", token_class="prompt")
+        == 12
+    )
+    assert (
+        value(
+            metrics,
+            "tokenmill_tokens_total",
+            tenant="acme",
+            sku="demo",
+            token_class="cached_prompt",
+        )
+        == 3
+    )
+    assert (
+        value(
+            metrics, "tokenmill_tokens_total", tenant="acme", sku="demo", token_class="completion"
+        )
+        == 4
+    )
+    assert (
+        value(metrics, "tokenmill_requests_total", tenant="acme", sku="demo", finish_reason="stop")
+        == 1
+    )
+
+
+def test_own_series_refusals_reservations_projection_and_appends(metrics: OpsMetrics) -> None:
+    metrics.refuse_admission("rate_limited", sku="demo")
+    metrics.refuse_admission("rate_limited", sku="demo")
+    metrics.refuse_admission("invalid_api_key")
+    metrics.set_open_reservations("demo", 7, tokens=900)
+    metrics.set_projection_lag("usage_ledger", 42, seconds=1.5)
+    metrics.observe_event_append("control", 0.0007)
+    assert (
+        value(metrics, "tokenmill_admissions_refused_total", reason="rate_limited", sku="demo") == 2
+    )
+    assert (
+        value(metrics, "tokenmill_admissions_refused_total", reason="invalid_api_key", sku="") == 1
+    )
+    assert value(metrics, "tokenmill_open_reservations", sku="demo") == 7
+    assert value(metrics, "tokenmill_reserved_tokens", sku="demo") == 900
+    assert value(metrics, "tokenmill_projection_lag_messages", projection="usage_ledger") == 42
+    assert value(metrics, "tokenmill_projection_lag_seconds", projection="usage_ledger") == 1.5
+    assert (
+        value(
+            metrics, "tokenmill_event_append_latency_seconds_bucket", stream="control", le="0.001"
+        )
+        == 1
+    )
+    assert (
+        value(
+            metrics, "tokenmill_event_append_latency_seconds_bucket", stream="control", le="0.0005"
+        )
+        == 0
+    )
+
+
+def test_each_app_has_its_own_registry(clock: Clock) -> None:
+    a, b = OpsMetrics(clock=clock), OpsMetrics(clock=clock)
+    a.refuse_admission("quota_exceeded", "demo")
+    assert value(a, "tokenmill_admissions_refused_total", reason="quota_exceeded", sku="demo") == 1
+    assert (
+        value(b, "tokenmill_admissions_refused_total", reason="quota_exceeded", sku="demo") is None
+    )
+
+
+def test_worker_presence_sets_vllm_gauges_then_lost_after_silence(
+    metrics: OpsMetrics, clock: Clock
+) -> None:
+    metrics.update_worker(
+        WorkerAnnounce(worker_id="w1", sku_id="demo", model="smollm2", backend="torch", capacity=8)
+    )
+    metrics.update_worker(
+        WorkerHeartbeat(
+            worker_id="w1", sku_id="demo", running=3, waiting=2, kv_pressure=0.4, ts=clock.now
+        )
+    )
+    eng = {"model_name": "smollm2", "sku": "demo", "engine": "w1"}
+    assert value(metrics, "vllm:num_requests_running", **eng) == 3
+    assert value(metrics, "vllm:num_requests_waiting", **eng) == 2
+    assert value(metrics, "vllm:kv_cache_usage_perc", **eng) == pytest.approx(0.4)
+    assert value(metrics, "tokenmill_worker_heartbeats_total", worker="w1", sku="demo") == 1
+    assert (
+        value(metrics, "tokenmill_worker_last_seen_timestamp_seconds", worker="w1", sku="demo")
+        == clock.now
+    )
+    assert value(metrics, "tokenmill_workers", sku="demo", state="live") == 1
+    [w] = metrics.workers()
+    assert (w["state"], w["running"], w["capacity"], w["backend"]) == ("live", 3, 8, "torch")
+
+    clock.now += 11  # past worker_stale_s: its load no longer counts
+    assert value(metrics, "vllm:num_requests_running", **eng) is None
+    assert value(metrics, "tokenmill_workers", sku="demo", state="lost") == 1
+    assert value(metrics, "tokenmill_workers", sku="demo", state="live") is None
+    assert metrics.workers()[0]["state"] == "lost"
+
+    clock.now += 1  # it comes back
+    metrics.update_worker(
+        WorkerHeartbeat(
+            worker_id="w1", sku_id="demo", running=1, waiting=0, kv_pressure=0.1, ts=clock.now
+        )
+    )
+    assert value(metrics, "vllm:num_requests_running", **eng) == 1
+    assert value(metrics, "tokenmill_worker_heartbeats_total", worker="w1", sku="demo") == 2
+
+    metrics.update_worker(WorkerGone(worker_id="w1", sku_id="demo"))
+    assert value(metrics, "vllm:num_requests_running", **eng) is None
+    assert metrics.workers()[0]["state"] == "gone"
+    clock.now += 61  # beyond the window: forgotten altogether
+    assert metrics.workers() == []
+    assert (
+        value(metrics, "tokenmill_worker_last_seen_timestamp_seconds", worker="w1", sku="demo")
+        is None
+    )
+
+
+def test_heartbeat_before_announce_does_not_leave_a_stale_model_label(
+    metrics: OpsMetrics, clock: Clock
+) -> None:
+    metrics.update_worker(
+        WorkerHeartbeat(
+            worker_id="w1", sku_id="demo", running=1, waiting=0, kv_pressure=0.2, ts=clock.now
+        )
+    )
+    metrics.update_worker(
+        WorkerAnnounce(worker_id="w1", sku_id="demo", model="m", backend="torch", capacity=4)
+    )
+    metrics.update_worker(
+        WorkerHeartbeat(
+            worker_id="w1", sku_id="demo", running=2, waiting=0, kv_pressure=0.2, ts=clock.now
+        )
+    )
+    running = {k: v for k, v in samples(metrics).items() if k[0] == "vllm:num_requests_running"}
+    assert running == {
+        (
+            "vllm:num_requests_running",
+            frozenset({("model_name", "m"), ("sku", "demo"), ("engine", "w1")}),
+        ): 2
+    }
+
+
+def test_timeseries_percentiles_throughput_and_load_per_step(
+    metrics: OpsMetrics, clock: Clock
+) -> None:
+    clock.now = 1_000_000.0  # a step boundary (step 5 s)
+    for i in range(100):
+        metrics.observe_request(
+            sku="demo",
+            model="m",
+            tenant="t",
+            ttft_s=(i + 1) / 1000,
+            itl_s=[0.01] * 9 + [0.5],
+            e2e_s=1.0 + i / 100,
+            prompt_tokens=10,
+            completion_tokens=10,
+        )
+    metrics.update_worker(
+        WorkerHeartbeat(worker_id="w1", sku_id="demo", running=4, waiting=1, kv_pressure=0.2, ts=0)
+    )
+    metrics.update_worker(
+        WorkerHeartbeat(worker_id="w2", sku_id="demo", running=2, waiting=0, kv_pressure=0.6, ts=0)
+    )
+    clock.now += 5  # the next step: the first one closes
+    metrics.observe_request(
+        sku="demo",
+        model="m",
+        tenant="t",
+        ttft_s=9.0,
+        e2e_s=9.0,
+        prompt_tokens=1,
+        completion_tokens=1,
+    )
+    ts = metrics.timeseries()
+    assert ts["step_s"] == 5 and len(ts["t"]) == 12  # 60 s window / 5 s
+    demo = ts["skus"]["demo"]
+    assert demo["model"] == "m"
+    first = -2  # the closed step
+    assert ts["t"][first] == 1_000_000.0
+    assert demo["requests"][first] == 100
+    assert demo["ttft_p50"][first] == pytest.approx(0.050)
+    assert demo["ttft_p99"][first] == pytest.approx(0.099)
+    assert demo["itl_p50"][first] == pytest.approx(0.01)
+    assert demo["itl_p90"][first] == pytest.approx(0.01)
+    assert demo["itl_p99"][first] == pytest.approx(0.5)
+    assert demo["e2e_p90"][first] == pytest.approx(1.89)
+    assert demo["generation_tps"][first] == pytest.approx(1000 / 5)
+    assert demo["kv_usage"][first] == pytest.approx(0.4)
+    assert demo["kv_usage_max"][first] == pytest.approx(0.6)
+    assert (demo["running"][first], demo["waiting"][first]) == (6, 1)
+    assert demo["requests"][-1] == 1 and demo["ttft_p50"][-1] == 9.0
+    # steps with nothing: zero traffic, unknown latency
+    assert demo["requests"][0] == 0 and demo["ttft_p50"][0] is None and demo["kv_usage"][0] is None
+
+    clock.now += 60  # the whole window later, the old steps are gone
+    later = metrics.timeseries()["skus"]["demo"]
+    assert sum(later["requests"]) == 0
+
+
+def test_percentile_is_nearest_rank() -> None:
+    assert percentile([], 0.5) is None
+    assert percentile([1.0], 0.99) == 1.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.75) == 3.0

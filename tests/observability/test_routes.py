@@ -1,0 +1,91 @@
+"""The HTTP surface on its own Litestar app: /metrics without auth, /admin/v1/ops behind the
+admin guard, the page under /ui/ with its security headers."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator
+
+import pytest
+from litestar import Litestar
+from litestar.connection import ASGIConnection
+from litestar.exceptions import NotAuthorizedException
+from litestar.handlers import BaseRouteHandler
+from litestar.testing import AsyncTestClient
+
+from control_plane.observability.metrics import OpsMetrics
+from control_plane.observability.routes import observability_routes
+from worker.protocol import WorkerHeartbeat
+
+TOKEN = "test-admin-token"
+
+
+def admin_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    scheme, _, value = connection.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(value, TOKEN):
+        raise NotAuthorizedException("admin token required")
+
+
+@pytest.fixture()
+def metrics() -> OpsMetrics:
+    return OpsMetrics()
+
+
+@pytest.fixture()
+async def client(metrics: OpsMetrics) -> AsyncIterator[AsyncTestClient]:
+    app = Litestar(route_handlers=observability_routes(metrics, [admin_guard]))
+    async with AsyncTestClient(app) as c:
+        yield c
+
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+async def test_metrics_is_prometheus_text(client: AsyncTestClient, metrics: OpsMetrics) -> None:
+    metrics.observe_request(
+        sku="demo",
+        model="m",
+        tenant="t",
+        ttft_s=0.1,
+        e2e_s=0.2,
+        prompt_tokens=3,
+        completion_tokens=2,
+    )
+    r = await client.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert 'vllm:generation_tokens_total{model_name="m",sku="demo"} 2.0' in r.text
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in r.text
+
+
+async def test_ops_endpoints_need_the_admin_token(
+    client: AsyncTestClient, metrics: OpsMetrics
+) -> None:
+    assert (await client.get("/admin/v1/ops/timeseries")).status_code == 401
+    assert (
+        await client.get("/admin/v1/ops/workers", headers={"Authorization": "Bearer wrong"})
+    ).status_code == 401
+    metrics.update_worker(
+        WorkerHeartbeat(worker_id="w1", sku_id="demo", running=2, waiting=0, kv_pressure=0.5, ts=0)
+    )
+    workers = (await client.get("/admin/v1/ops/workers", headers=AUTH)).json()["workers"]
+    assert [(w["worker_id"], w["running"], w["state"]) for w in workers] == [("w1", 2, "live")]
+    ts = (
+        await client.get("/admin/v1/ops/timeseries", params={"window_s": 60}, headers=AUTH)
+    ).json()
+    assert ts["window_s"] == 60 and len(ts["t"]) == 12
+    assert ts["skus"]["demo"]["running"][-1] == 2
+    assert (
+        await client.get("/admin/v1/ops/timeseries", params={"window_s": -1}, headers=AUTH)
+    ).status_code == 400
+
+
+async def test_page_is_served_with_security_headers(client: AsyncTestClient) -> None:
+    r = await client.get("/", follow_redirects=False)
+    assert r.status_code in (301, 302, 307) and r.headers["location"] == "/ui/"
+    page = await client.get("/ui/")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert "<title>tokenmill · operations</title>" in page.text
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    module = await client.get("/ui/js/main.js")
+    assert module.status_code == 200 and "javascript" in module.headers["content-type"]

@@ -1,0 +1,94 @@
+// Small DOM helpers: element builder, tables, number formats. Text always goes in as text
+// nodes (never innerHTML), so nothing from the API can inject markup.
+
+export function h(tag, attrs = {}, ...children) {
+  const el = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (v === undefined || v === null || v === false) continue;
+    if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
+    else if (k === "class") el.className = v;
+    else el.setAttribute(k, v === true ? "" : v);
+  }
+  for (const child of children.flat()) {
+    if (child === undefined || child === null || child === false) continue;
+    el.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return el;
+}
+
+export function replace(target, ...children) {
+  const el = typeof target === "string" ? document.getElementById(target) : target;
+  el.replaceChildren(...children.flat().filter((c) => c !== null && c !== undefined));
+  return el;
+}
+
+export function notAvailable(what, reason) {
+  return h("p", { class: "na" }, `${what}: not available`, reason ? ` (${reason})` : "");
+}
+
+// columns: [{label, value: row => text|Node, num?: bool}]
+export function table(caption, columns, rows, { rowAttrs } = {}) {
+  return h(
+    "table",
+    {},
+    h("caption", { class: "visually-hidden" }, caption),
+    h("thead", {}, h("tr", {}, columns.map((c) => h("th", { scope: "col", class: c.num ? "num" : undefined }, c.label)))),
+    h(
+      "tbody",
+      {},
+      rows.length
+        ? rows.map((row) =>
+            h("tr", rowAttrs ? rowAttrs(row) : {}, columns.map((c) => h("td", { class: c.num ? "num" : undefined }, c.value(row) ?? "—"))),
+          )
+        : h("tr", {}, h("td", { colspan: columns.length, class: "na" }, "none yet")),
+    ),
+  );
+}
+
+export function fmtSeconds(s) {
+  if (s === null || s === undefined || Number.isNaN(s)) return "—";
+  if (s < 1) return `${(s * 1000).toFixed(s < 0.01 ? 2 : 1)} ms`;
+  return `${s.toFixed(2)} s`;
+}
+
+export function fmtNumber(n, digits = 0) {
+  if (n === null || n === undefined || n === "" || Number.isNaN(Number(n))) return "—";
+  return Number(n).toLocaleString(undefined, { maximumFractionDigits: digits, minimumFractionDigits: 0 });
+}
+
+export function fmtPercent(x) {
+  return x === null || x === undefined ? "—" : `${(x * 100).toFixed(1)} %`;
+}
+
+export function fmtTime(value) {
+  if (!value) return "—";
+  const d = typeof value === "number" ? new Date(value * 1000) : new Date(value);
+  return Number.isNaN(d.getTime()) ? String(value) : d.toLocaleString();
+}
+
+let toastTimer;
+export function toast(message) {
+  const el = document.getElementById("toast");
+  el.textContent = message;
+  clearTimeout(toastTimer);
+  toastTimer = setTimeout(() => (el.textContent = ""), 6000);
+}
+
+export function download(filename, blob) {
+  const url = URL.createObjectURL(blob);
+  const a = h("a", { href: url, download: filename });
+  document.body.append(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 1000);
+}
+
+export function toCsv(columns, rows) {
+  const cell = (v) => {
+    const s = v === null || v === undefined ? "" : String(v);
+    return /[",\n]/.test(s) ? `"${s.replaceAll('"', '""')}"` : s;
+  };
+  return [columns.map((c) => cell(c.label)), ...rows.map((r) => columns.map((c) => cell(c.csv ? c.csv(r) : c.value(r))))]
+    .map((line) => line.join(","))
+    .join("\n") + "\n";
+}

@@ -1,0 +1,682 @@
+// The operator's page: sign-in, hash-routed views, live polling of the visible view.
+
+import { api, ApiError, items, NotAvailable, token, Unauthorized } from "./api.js";
+import { lineChart } from "./charts.js";
+import { download, fmtNumber, fmtPercent, fmtSeconds, fmtTime, h, notAvailable, replace, table, toast, toCsv } from "./dom.js";
+
+// Every path the page calls, in one place.
+const API = {
+  timeseries: "/admin/v1/ops/timeseries",
+  workers: "/admin/v1/ops/workers",
+  tenants: "/admin/v1/tenants",
+  tenant: (id) => `/admin/v1/tenants/${encodeURIComponent(id)}`,
+  keys: (tenant) => `/admin/v1/tenants/${encodeURIComponent(tenant)}/keys`,
+  key: (tenant, key) => `/admin/v1/tenants/${encodeURIComponent(tenant)}/keys/${encodeURIComponent(key)}`,
+  skus: "/admin/v1/skus",
+  sku: (id) => `/admin/v1/skus/${encodeURIComponent(id)}`,
+  prices: (sku) => `/admin/v1/skus/${encodeURIComponent(sku)}/prices`,
+  usage: "/admin/v1/usage",
+  showbackCsv: "/admin/v1/showback.csv",
+  invoices: "/admin/v1/invoices",
+  invoice: (id) => `/admin/v1/invoices/${encodeURIComponent(id)}`,
+  capacity: "/admin/v1/capacity",
+};
+
+const POLL_MS = 2000;
+const views = ["overview", "workers", "tenants", "skus", "usage", "invoices", "capacity"];
+let pollTimer = null;
+let selectedTenant = null;
+
+// ---------------------------------------------------------------- shell
+function show(el, visible) {
+  document.getElementById(el).hidden = !visible;
+}
+
+function signedIn() {
+  return Boolean(token.get());
+}
+
+function showSignIn(message = "") {
+  token.clear();
+  show("app", false);
+  show("sign-out", false);
+  show("sign-in", true);
+  replace("health");
+  document.getElementById("sign-in-error").textContent = message;
+  document.getElementById("admin-token").focus();
+  stopPolling();
+}
+
+async function signIn(event) {
+  event.preventDefault();
+  const input = document.getElementById("admin-token");
+  const value = input.value.trim();
+  if (!value) {
+    document.getElementById("sign-in-error").textContent = "Enter the admin token.";
+    return;
+  }
+  token.set(value);
+  try {
+    await api(API.workers); // any admin read proves the token
+  } catch (err) {
+    showSignIn(err instanceof Unauthorized ? "That token was refused." : `Cannot sign in: ${err.message}`);
+    return;
+  }
+  input.value = "";
+  enterApp();
+}
+
+function enterApp() {
+  show("sign-in", false);
+  show("app", true);
+  show("sign-out", true);
+  route();
+}
+
+function currentView() {
+  const name = location.hash.replace(/^#/, "");
+  return views.includes(name) ? name : "overview";
+}
+
+function route() {
+  if (!signedIn()) return showSignIn();
+  const name = currentView();
+  for (const v of views) show(`view-${v}`, v === name);
+  for (const a of document.querySelectorAll("nav a")) {
+    if (a.getAttribute("href") === `#${name}`) a.setAttribute("aria-current", "page");
+    else a.removeAttribute("aria-current");
+  }
+  stopPolling();
+  refresh(true);
+}
+
+function stopPolling() {
+  clearTimeout(pollTimer);
+  pollTimer = null;
+}
+
+// Runs the visible view's loader; live views poll again after POLL_MS.
+async function refresh(first = false) {
+  const name = currentView();
+  try {
+    await Promise.all([loaders[name](first), loadHealth()]);
+  } catch (err) {
+    if (err instanceof Unauthorized) return showSignIn("The admin token was refused; sign in again.");
+    toast(err.message);
+  }
+  const live = name === "workers" || (name === "overview" && document.getElementById("live").checked);
+  if (live && signedIn() && currentView() === name) pollTimer = setTimeout(() => refresh(), POLL_MS);
+}
+
+// Show a view's failure in place: "not available" for missing endpoints, else the message.
+function failed(target, what, err) {
+  if (err instanceof Unauthorized) throw err;
+  replace(target, err instanceof NotAvailable ? notAvailable(what, err.message) : h("p", { class: "error" }, `${what}: ${err.message}`));
+}
+
+// ---------------------------------------------------------------- health
+async function probe(path) {
+  try {
+    const r = await fetch(path, { headers: { Accept: "application/json" } });
+    if (r.status === 404) return "na";
+    return r.ok ? "ok" : "bad";
+  } catch {
+    return "bad";
+  }
+}
+
+async function loadHealth() {
+  const [live, ready] = await Promise.all([probe("/healthz"), probe("/readyz")]);
+  const label = { ok: "ok", bad: "failing", na: "not available" };
+  replace(
+    "health",
+    h("span", { class: `pill ${live}` }, `API ${label[live]}`),
+    h("span", { class: `pill ${ready}` }, `Ready ${label[ready]}`),
+  );
+}
+
+// ---------------------------------------------------------------- overview
+const LAT = [
+  ["ttft", "Time to first token"],
+  ["itl", "Inter-token latency"],
+  ["e2e", "End-to-end latency"],
+];
+
+function last(values) {
+  for (let i = values.length - 1; i >= 0; i--) if (values[i] !== null && values[i] !== undefined) return values[i];
+  return null;
+}
+
+function card(label, value) {
+  return h("div", { class: "card" }, h("div", { class: "label" }, label), h("div", { class: "value" }, value));
+}
+
+async function loadOverview() {
+  const windowS = document.getElementById("window").value;
+  let ts;
+  let workers = [];
+  try {
+    [ts, workers] = await Promise.all([api(API.timeseries, { query: { window_s: windowS } }), api(API.workers).then((b) => items(b, "workers"))]);
+  } catch (err) {
+    failed("sku-charts", "Metrics", err);
+    return;
+  }
+  const skus = Object.entries(ts.skus);
+  const sum = (f) => skus.reduce((acc, [, s]) => acc + f(s), 0);
+  const recent = Math.max(1, Math.round(300 / ts.step_s)); // the last five minutes
+  const requests5m = sum((s) => s.requests.slice(-recent).reduce((a, b) => a + (b || 0), 0));
+  const tps = sum((s) => last(s.generation_tps.slice(0, -1)) || 0); // last closed step
+  const liveWorkers = workers.filter((w) => w.state === "live").length;
+  replace(
+    "summary",
+    card("Live workers", `${liveWorkers} / ${workers.length}`),
+    card("SKUs with traffic", String(skus.length)),
+    card("Requests, last 5 min", fmtNumber(requests5m)),
+    card("Output tokens/s", fmtNumber(tps, 1)),
+  );
+  if (!skus.length) {
+    replace("sku-charts", h("p", { class: "na" }, "No requests or workers seen yet: charts appear with the first request."));
+    return;
+  }
+  replace(
+    "sku-charts",
+    skus.map(([sku, s]) =>
+      h(
+        "section",
+        { class: "sku", "aria-label": `SKU ${sku}`, "data-sku": sku },
+        h("h3", {}, sku, " ", h("span", { class: "muted" }, s.model)),
+        h(
+          "div",
+          { class: "charts" },
+          LAT.map(([kind, title]) =>
+            lineChart({
+              title,
+              t: ts.t,
+              format: fmtSeconds,
+              series: [
+                { name: "p50", values: s[`${kind}_p50`] },
+                { name: "p90", values: s[`${kind}_p90`] },
+                { name: "p99", values: s[`${kind}_p99`] },
+              ],
+            }),
+          ),
+          lineChart({
+            title: "Throughput (tokens/s)",
+            t: ts.t,
+            format: (v) => fmtNumber(v, v !== null && v < 10 ? 1 : 0),
+            series: [
+              { name: "output", values: s.generation_tps },
+              { name: "prompt", values: s.prompt_tps },
+            ],
+          }),
+          lineChart({
+            title: "KV-cache pressure",
+            t: ts.t,
+            max: 1,
+            format: fmtPercent,
+            series: [
+              { name: "mean", values: s.kv_usage },
+              { name: "max", values: s.kv_usage_max },
+            ],
+          }),
+          lineChart({
+            title: "Requests in workers",
+            t: ts.t,
+            format: (v) => fmtNumber(v, 1),
+            series: [
+              { name: "running", values: s.running },
+              { name: "waiting", values: s.waiting },
+            ],
+          }),
+        ),
+      ),
+    ),
+  );
+}
+
+// ---------------------------------------------------------------- workers
+async function loadWorkers() {
+  let workers;
+  try {
+    workers = items(await api(API.workers), "workers");
+  } catch (err) {
+    return failed("workers-table", "Workers", err);
+  }
+  replace(
+    "workers-table",
+    table("Workers", [
+      { label: "Worker", value: (w) => h("span", { class: "mono" }, w.worker_id) },
+      { label: "SKU", value: (w) => w.sku_id },
+      { label: "Model", value: (w) => w.model },
+      { label: "Backend", value: (w) => w.backend },
+      { label: "State", value: (w) => h("span", { class: `status-${w.state}` }, w.state) },
+      { label: "Running", num: true, value: (w) => fmtNumber(w.running) },
+      { label: "Waiting", num: true, value: (w) => fmtNumber(w.waiting) },
+      { label: "Capacity", num: true, value: (w) => fmtNumber(w.capacity) },
+      { label: "KV cache", num: true, value: (w) => fmtPercent(w.kv_pressure) },
+      { label: "Last seen", num: true, value: (w) => `${fmtNumber(w.seconds_since_seen, 1)} s ago` },
+    ], workers),
+  );
+}
+
+// ---------------------------------------------------------------- tenants & keys
+const idOf = (x, ...names) => names.map((n) => x[n]).find((v) => v !== undefined && v !== null);
+const tenantId = (t) => idOf(t, "tenant_id", "id");
+const keyId = (k) => idOf(k, "key_id", "id");
+const statusOf = (x) => x.status || (x.revoked_at ? "revoked" : x.suspended_at || x.suspended ? "suspended" : x.retired_at ? "retired" : "active");
+
+async function action(fn, success) {
+  try {
+    const result = await fn();
+    if (success) toast(success);
+    return result;
+  } catch (err) {
+    if (err instanceof Unauthorized) return showSignIn("The admin token was refused; sign in again.");
+    toast(err instanceof ApiError || err instanceof NotAvailable ? err.message : String(err));
+    return undefined;
+  }
+}
+
+// A destructive button asks once more on its own first press, rather than through a dialog.
+function confirmButton(label, onConfirm) {
+  const button = h("button", { type: "button", class: "danger" }, label);
+  let armed = false;
+  let timer;
+  button.addEventListener("click", async () => {
+    if (!armed) {
+      armed = true;
+      button.classList.add("armed");
+      button.textContent = `Confirm ${label.toLowerCase()}`;
+      timer = setTimeout(() => {
+        armed = false;
+        button.classList.remove("armed");
+        button.textContent = label;
+      }, 5000);
+      return;
+    }
+    clearTimeout(timer);
+    button.disabled = true;
+    await onConfirm();
+  });
+  return button;
+}
+
+async function loadTenants() {
+  let tenants;
+  try {
+    tenants = items(await api(API.tenants), "tenants");
+  } catch (err) {
+    return failed("tenants-table", "Tenants", err);
+  }
+  replace(
+    "tenants-table",
+    table(
+      "Tenants",
+      [
+        { label: "Name", value: (t) => h("button", { type: "button", class: "secondary", "aria-label": `Keys of ${t.name}`, onclick: () => selectTenant(t) }, t.name) },
+        { label: "Tenant id", value: (t) => h("span", { class: "mono" }, tenantId(t)) },
+        { label: "Status", value: (t) => h("span", { class: `status-${statusOf(t)}` }, statusOf(t)) },
+        { label: "Created", value: (t) => fmtTime(t.created_at) },
+        {
+          label: "Actions",
+          value: (t) =>
+            statusOf(t) === "suspended"
+              ? h("button", { type: "button", class: "secondary", onclick: () => tenantAction(t, "reactivate") }, "Reactivate")
+              : h("button", { type: "button", class: "secondary", onclick: () => tenantAction(t, "suspend") }, "Suspend"),
+        },
+      ],
+      tenants,
+      { rowAttrs: (t) => ({ class: tenantId(t) === selectedTenant?.id ? "selected" : undefined }) },
+    ),
+  );
+  if (selectedTenant) await loadKeys();
+}
+
+async function tenantAction(t, verb) {
+  await action(() => api(`${API.tenant(tenantId(t))}/${verb}`, { method: "POST", body: {} }), `Tenant ${t.name}: ${verb} done`);
+  await loadTenants();
+}
+
+async function selectTenant(t) {
+  selectedTenant = { id: tenantId(t), name: t.name };
+  await loadTenants();
+  document.getElementById("key-name")?.focus();
+}
+
+async function loadKeys(justIssued) {
+  const { id, name } = selectedTenant;
+  let keys;
+  try {
+    keys = items(await api(API.keys(id)), "keys", "api_keys");
+  } catch (err) {
+    return failed("keys-panel", `Keys of ${name}`, err);
+  }
+  const form = h(
+    "form",
+    { class: "row", id: "key-form", onsubmit: (e) => issueKey(e) },
+    h("label", { for: "key-name" }, "Key name"),
+    h("input", { id: "key-name", name: "name", placeholder: "e.g. production" }),
+    h("label", { for: "key-scopes" }, "SKU scopes"),
+    h("input", { id: "key-scopes", name: "scopes", placeholder: "all SKUs (or comma-separated ids)" }),
+    h("button", { type: "submit" }, "Issue key"),
+  );
+  replace(
+    "keys-panel",
+    h(
+      "section",
+      { class: "panel", "aria-labelledby": "keys-title" },
+      h("h3", { id: "keys-title" }, `Keys of ${name}`),
+      form,
+      justIssued
+        ? h(
+            "div",
+            { class: "secret", role: "alert", id: "issued-key" },
+            h("p", {}, "The new key, shown this once only: copy it now."),
+            h("code", { id: "issued-key-value" }, justIssued),
+            " ",
+            h("button", { type: "button", class: "secondary", onclick: () => navigator.clipboard?.writeText(justIssued).then(() => toast("Copied")) }, "Copy"),
+          )
+        : null,
+      table(`Keys of ${name}`, [
+        { label: "Prefix", value: (k) => h("span", { class: "mono" }, k.prefix) },
+        { label: "Name", value: (k) => k.name },
+        { label: "Scopes", value: (k) => (k.scopes?.length ? k.scopes.join(", ") : "all SKUs") },
+        { label: "Status", value: (k) => h("span", { class: `status-${statusOf(k)}` }, statusOf(k)) },
+        { label: "Issued", value: (k) => fmtTime(k.created_at || k.issued_at) },
+        {
+          label: "Actions",
+          value: (k) => (statusOf(k) === "revoked" ? "—" : confirmButton("Revoke", () => revokeKey(k))),
+        },
+      ], keys, { rowAttrs: (k) => ({ "data-key-prefix": k.prefix }) }),
+    ),
+  );
+}
+
+async function issueKey(event) {
+  event.preventDefault();
+  const data = new FormData(event.target);
+  const scopes = String(data.get("scopes") || "").split(",").map((s) => s.trim()).filter(Boolean);
+  const body = { name: data.get("name") || null };
+  if (scopes.length) body.scopes = scopes;
+  const issued = await action(() => api(API.keys(selectedTenant.id), { method: "POST", body }), "Key issued");
+  if (issued) await loadKeys(issued.key || issued.api_key || issued.plaintext || issued.secret);
+}
+
+async function revokeKey(k) {
+  await action(() => api(`${API.key(selectedTenant.id, keyId(k))}/revoke`, { method: "POST", body: {} }), `Key ${k.prefix} revoked`);
+  await loadKeys();
+}
+
+async function createTenant(event) {
+  event.preventDefault();
+  const input = document.getElementById("tenant-name");
+  const created = await action(() => api(API.tenants, { method: "POST", body: { name: input.value.trim() } }), "Tenant created");
+  if (created) {
+    input.value = "";
+    selectedTenant = { id: tenantId(created), name: created.name };
+    await loadTenants();
+  }
+}
+
+// ---------------------------------------------------------------- SKUs & prices
+let skuCache = [];
+
+async function loadSkus() {
+  let skus;
+  try {
+    skus = items(await api(API.skus), "skus");
+  } catch (err) {
+    return failed("skus-table", "SKUs", err);
+  }
+  skuCache = skus;
+  const prices = await Promise.all(
+    skus.map((s) => api(API.prices(s.sku_id || s.id)).then((b) => items(b, "prices", "price_plans", "plans")).catch(() => null)),
+  );
+  const current = (plans) => (plans?.length ? [...plans].sort((a, b) => String(a.effective_from).localeCompare(String(b.effective_from))).filter((p) => new Date(p.effective_from) <= new Date()).pop() || plans[0] : null);
+  const price = (i, field) => {
+    const p = current(prices[i]);
+    return p ? `${p[field]} ${p.currency}` : prices[i] === null ? "n/a" : "—";
+  };
+  const rows = skus.map((s, i) => ({ ...s, i }));
+  replace(
+    "skus-table",
+    table("SKUs", [
+      { label: "SKU", value: (s) => s.name },
+      { label: "Id", value: (s) => h("span", { class: "mono" }, s.sku_id || s.id) },
+      { label: "Model", value: (s) => s.model },
+      { label: "Runtime", value: (s) => s.runtime },
+      { label: "GPU", value: (s) => s.gpu_type },
+      { label: "Status", value: (s) => h("span", { class: `status-${statusOf(s)}` }, statusOf(s)) },
+      { label: "Input /1M", num: true, value: (s) => price(s.i, "input_per_mtok") },
+      { label: "Cached /1M", num: true, value: (s) => price(s.i, "cached_input_per_mtok") },
+      { label: "Output /1M", num: true, value: (s) => price(s.i, "output_per_mtok") },
+      {
+        label: "Actions",
+        value: (s) =>
+          h(
+            "span",
+            {},
+            h("button", { type: "button", class: "secondary", onclick: () => editPrices(s, current(prices[s.i])) }, "Edit prices"),
+            " ",
+            statusOf(s) === "retired" ? null : confirmButton("Retire", () => retireSku(s)),
+          ),
+      },
+    ], rows),
+  );
+}
+
+function editPrices(sku, plan) {
+  const id = sku.sku_id || sku.id;
+  const now = new Date(Date.now() - new Date().getTimezoneOffset() * 60000).toISOString().slice(0, 16);
+  const field = (name, label, value, attrs = {}) => [h("label", { for: `price-${name}` }, label), h("input", { id: `price-${name}`, name, value: value ?? "", required: true, ...attrs })];
+  replace(
+    "price-editor",
+    h(
+      "section",
+      { class: "panel", "aria-labelledby": "price-title" },
+      h("h3", { id: "price-title" }, `New price plan for ${sku.name}`),
+      h(
+        "form",
+        { class: "grid-form", onsubmit: (e) => savePrices(e, id) },
+        field("input_per_mtok", "Input per 1M tokens", plan?.input_per_mtok, { inputmode: "decimal" }),
+        field("cached_input_per_mtok", "Cached input per 1M tokens", plan?.cached_input_per_mtok, { inputmode: "decimal" }),
+        field("output_per_mtok", "Output per 1M tokens", plan?.output_per_mtok, { inputmode: "decimal" }),
+        field("currency", "Currency", plan?.currency || "USD", { maxlength: 3 }),
+        field("effective_from", "Effective from", now, { type: "datetime-local" }),
+        h("span"),
+        h("button", { type: "submit" }, "Save price plan"),
+      ),
+    ),
+  );
+  document.getElementById("price-input_per_mtok").focus();
+}
+
+async function savePrices(event, skuId) {
+  event.preventDefault();
+  const data = Object.fromEntries(new FormData(event.target));
+  data.effective_from = new Date(data.effective_from).toISOString();
+  const saved = await action(() => api(API.prices(skuId), { method: "POST", body: data }), "Price plan saved");
+  if (saved !== undefined) {
+    replace("price-editor");
+    await loadSkus();
+  }
+}
+
+async function retireSku(s) {
+  await action(() => api(`${API.sku(s.sku_id || s.id)}/retire`, { method: "POST", body: {} }), `SKU ${s.name} retired`);
+  await loadSkus();
+}
+
+async function publishSku(event) {
+  event.preventDefault();
+  const body = Object.fromEntries(new FormData(event.target));
+  const created = await action(() => api(API.skus, { method: "POST", body }), "SKU published");
+  if (created) {
+    event.target.reset();
+    await loadSkus();
+  }
+}
+
+// ---------------------------------------------------------------- usage
+const USAGE_COLUMNS = [
+  { label: "Tenant", value: (r) => r.tenant_name || r.tenant || r.tenant_id },
+  { label: "SKU", value: (r) => r.sku_id || r.sku },
+  { label: "Requests", num: true, value: (r) => fmtNumber(r.requests), csv: (r) => r.requests },
+  { label: "Prompt tokens", num: true, value: (r) => fmtNumber(r.prompt_tokens), csv: (r) => r.prompt_tokens },
+  { label: "Cached tokens", num: true, value: (r) => fmtNumber(r.cached_tokens), csv: (r) => r.cached_tokens },
+  { label: "Completion tokens", num: true, value: (r) => fmtNumber(r.completion_tokens), csv: (r) => r.completion_tokens },
+  { label: "Cost", num: true, value: (r) => (r.cost !== undefined ? `${r.cost} ${r.currency || ""}` : "—"), csv: (r) => r.cost },
+];
+let usageRows = [];
+
+function usageRange() {
+  const from = document.getElementById("usage-from").value;
+  const to = document.getElementById("usage-to").value;
+  return { from: from || undefined, to: to || undefined };
+}
+
+async function loadUsage() {
+  const status = document.getElementById("usage-status");
+  try {
+    usageRows = items(await api(API.usage, { query: { group_by: "tenant", ...usageRange() } }), "usage", "rows");
+    status.textContent = `${usageRows.length} rows`;
+  } catch (err) {
+    usageRows = [];
+    status.textContent = "";
+    return failed("usage-table", "Usage", err);
+  }
+  replace("usage-table", table("Usage by tenant", USAGE_COLUMNS, usageRows));
+}
+
+// The showback export when the API has it; otherwise the table above, as CSV.
+async function downloadUsageCsv() {
+  const range = usageRange();
+  const name = `tokenmill-usage-${range.from || "all"}-${range.to || "now"}.csv`;
+  try {
+    const response = await api(API.showbackCsv, { query: range, raw: true });
+    download(name, await response.blob());
+    toast("Showback CSV downloaded");
+  } catch (err) {
+    if (err instanceof Unauthorized) return showSignIn("The admin token was refused; sign in again.");
+    if (!(err instanceof NotAvailable)) return toast(err.message);
+    download(name, new Blob([toCsv(USAGE_COLUMNS, usageRows)], { type: "text/csv" }));
+    toast("Usage table downloaded as CSV");
+  }
+}
+
+// ---------------------------------------------------------------- invoices
+async function loadInvoices() {
+  let invoices;
+  try {
+    invoices = items(await api(API.invoices), "invoices");
+  } catch (err) {
+    return failed("invoices-table", "Invoices", err);
+  }
+  const idOfInvoice = (i) => i.invoice_id || i.id;
+  replace(
+    "invoices-table",
+    table("Invoices", [
+      { label: "Invoice", value: (i) => h("button", { type: "button", class: "secondary", onclick: () => showInvoice(idOfInvoice(i)) }, idOfInvoice(i)) },
+      { label: "Tenant", value: (i) => i.tenant_name || i.tenant_id },
+      { label: "Period", value: (i) => `${String(i.period_start || i.period?.start || "").slice(0, 10)} → ${String(i.period_end || i.period?.end || "").slice(0, 10)}` },
+      { label: "Status", value: (i) => i.status },
+      { label: "Total", num: true, value: (i) => `${i.total ?? "—"} ${i.currency || ""}` },
+      { label: "Export", value: (i) => h("span", {}, exportLink(idOfInvoice(i), "json"), " ", exportLink(idOfInvoice(i), "csv")) },
+    ], invoices),
+  );
+}
+
+function exportLink(id, format) {
+  return h("button", {
+    type: "button",
+    class: "secondary",
+    "aria-label": `Download invoice ${id} as ${format.toUpperCase()}`,
+    onclick: async () => {
+      const response = await action(() => api(`${API.invoice(id)}.${format}`, { raw: true }));
+      if (response) download(`${id}.${format}`, await response.blob());
+    },
+  }, format.toUpperCase());
+}
+
+async function showInvoice(id) {
+  try {
+    const invoice = await api(API.invoice(id));
+    const lines = items(invoice, "lines", "line_items");
+    replace(
+      "invoice-detail",
+      h(
+        "section",
+        { class: "panel", "aria-label": `Invoice ${id}` },
+        h("h3", {}, `Invoice ${id}`),
+        table(`Lines of invoice ${id}`, [
+          { label: "SKU", value: (l) => l.sku_id },
+          { label: "Class", value: (l) => l.token_class || l.kind },
+          { label: "Quantity", num: true, value: (l) => fmtNumber(l.quantity ?? l.tokens) },
+          { label: "Unit price /1M", num: true, value: (l) => l.unit_price ?? l.price_per_mtok },
+          { label: "Amount", num: true, value: (l) => l.amount },
+        ], lines),
+      ),
+    );
+  } catch (err) {
+    failed("invoice-detail", `Invoice ${id}`, err);
+  }
+}
+
+// ---------------------------------------------------------------- capacity
+async function loadCapacity(first) {
+  if (!first) return;
+  const select = document.getElementById("cap-sku");
+  if (!skuCache.length) skuCache = await api(API.skus).then((b) => items(b, "skus")).catch(() => []);
+  replace(select, skuCache.map((s) => h("option", { value: s.sku_id || s.id }, s.name)));
+  await project();
+}
+
+async function project(event) {
+  event?.preventDefault();
+  const query = Object.fromEntries(new FormData(document.getElementById("capacity-form")));
+  try {
+    const result = await api(API.capacity, { query });
+    const rows = Array.isArray(result) ? result : items(result, "projections").length ? items(result, "projections") : [result];
+    replace(
+      "capacity-result",
+      rows.map((r) =>
+        table(`Capacity projection ${r.sku_id || ""}`, [
+          { label: "Figure", value: (kv) => kv[0].replaceAll("_", " ") },
+          { label: "Value", num: true, value: (kv) => (typeof kv[1] === "object" ? JSON.stringify(kv[1]) : String(kv[1] ?? "—")) },
+        ], Object.entries(r)),
+      ),
+    );
+  } catch (err) {
+    failed("capacity-result", "Capacity projection", err);
+  }
+}
+
+// ---------------------------------------------------------------- wiring
+const loaders = {
+  overview: loadOverview,
+  workers: loadWorkers,
+  tenants: loadTenants,
+  skus: loadSkus,
+  usage: loadUsage,
+  invoices: loadInvoices,
+  capacity: loadCapacity,
+};
+
+document.getElementById("sign-in-form").addEventListener("submit", signIn);
+document.getElementById("sign-out").addEventListener("click", () => showSignIn("Signed out."));
+document.getElementById("tenant-form").addEventListener("submit", createTenant);
+document.getElementById("sku-form").addEventListener("submit", publishSku);
+document.getElementById("usage-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  loadUsage();
+});
+document.getElementById("usage-csv").addEventListener("click", downloadUsageCsv);
+document.getElementById("capacity-form").addEventListener("submit", project);
+document.getElementById("window").addEventListener("change", () => refresh());
+document.getElementById("live").addEventListener("change", () => {
+  stopPolling();
+  refresh();
+});
+window.addEventListener("hashchange", route);
+if (signedIn()) enterApp();
+else showSignIn();
