@@ -10,6 +10,8 @@ token list) is the reference any engine run must reproduce.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from worker.engine.batch import BatchMetadata
@@ -60,10 +62,12 @@ class FakeCache:
 
 
 class FakeCausalLM(torch.nn.Module):
-    """Set `fail_on_step` to make forward raise (a failing device step)."""
+    """Set `fail_on_step` to make forward raise (a failing device step), `step_delay` (seconds)
+    to make steps slow."""
 
-    def __init__(self) -> None:
+    def __init__(self, step_delay: float = 0.0) -> None:
         super().__init__()
+        self.step_delay = step_delay
         self.steps = 0
         self.fail_on_step: int | None = None
         self.batches: list[BatchMetadata] = []
@@ -73,6 +77,8 @@ class FakeCausalLM(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, cache: FakeCache):
         self.steps += 1
+        if self.step_delay:
+            time.sleep(self.step_delay)
         if self.fail_on_step == self.steps:
             raise RuntimeError("device fell over")
         self.batches.append(meta)
