@@ -1,0 +1,344 @@
+"""The triton kernels against their plain-PyTorch references (worker.kernels.reference).
+
+On CPU the kernels run under the triton interpreter (small shapes, the CI check); with `-m gpu`
+the same checks run compiled on CUDA at the Qwen3.6-27B shapes, batch 8. Inputs are fresh random
+draws; agreement is by relative error ||out - ref|| / ||ref||, and state pools must change only
+in the slots the batch names.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # effective when triton is not yet imported
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from worker.kernels import ops, reference  # noqa: E402
+from worker.kernels.triton import (  # noqa: E402
+    causal_conv1d_prefill,
+    causal_conv1d_update,
+    gated_delta_rule_decode,
+    gated_delta_rule_prefill,
+    gated_rms_norm,
+    paged_attention_decode,
+    rms_norm,
+)
+from worker.kernels.triton.delta_rule import chunk_indices_of  # noqa: E402
+
+GPU = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite output"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def cu_seqlens_of(lengths: list[int], device: str) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32).to(
+        device
+    )
+
+
+# ---------------------------------------------------------------- norms
+
+
+def check_rms_norm(shape: tuple[int, ...], unit_offset: bool, device: str) -> None:
+    x = torch.randn(shape, device=device).bfloat16() * 3
+    weight = torch.randn(shape[-1], device=device).bfloat16() * 0.2
+    out = rms_norm(x, weight, 1e-6, unit_offset)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel_err(out, reference.rms_norm(x, weight, 1e-6, unit_offset)) < 1e-2
+
+
+def check_gated_rms_norm(rows: int, dim: int, device: str) -> None:
+    x = torch.randn(rows, dim, device=device).bfloat16()
+    gate = torch.randn(rows, dim, device=device).bfloat16()
+    weight = torch.randn(dim, device=device).bfloat16()
+    out = gated_rms_norm(x, gate, weight, 1e-6)
+    assert rel_err(out, reference.gated_rms_norm(x, gate, weight, 1e-6)) < 1e-2
+
+
+@pytest.mark.parametrize("unit_offset", [True, False])
+@pytest.mark.parametrize("shape", [(3, 5, 96), (7, 256)])
+def test_rms_norm(shape: tuple[int, ...], unit_offset: bool) -> None:
+    check_rms_norm(shape, unit_offset, "cpu")
+
+
+def test_gated_rms_norm() -> None:
+    check_gated_rms_norm(37, 128, "cpu")
+
+
+def test_rms_norm_strided_rows() -> None:
+    """A [T, H, D] view whose rows are not packed (q/k norms read slices of a projection)."""
+    packed = torch.randn(6, 3 * 64).bfloat16()
+    x = packed[:, 64:].view(6, 2, 64)
+    weight = torch.randn(64).bfloat16()
+    out = rms_norm(x, weight, 1e-6, True)
+    assert rel_err(out, reference.rms_norm(x, weight, 1e-6, True)) < 1e-2
+
+
+# ---------------------------------------------------------------- causal conv1d
+
+
+def conv_inputs(channels: int, kernel: int, slots: int, device: str, bias: bool):
+    weight = torch.randn(channels, kernel, device=device).bfloat16()
+    conv_bias = torch.randn(channels, device=device).bfloat16() if bias else None
+    conv_state = torch.randn(slots, channels, kernel - 1, device=device).bfloat16()
+    return weight, conv_bias, conv_state
+
+
+def check_conv1d_update(batch: int, channels: int, device: str, bias: bool) -> None:
+    weight, conv_bias, conv_state = conv_inputs(channels, 4, batch + 3, device, bias)
+    x = torch.randn(batch, channels, device=device).bfloat16()
+    slots = torch.randperm(batch + 3, device=device)[:batch]
+    expected_state = conv_state.clone()
+    expected = reference.causal_conv1d_update(x, weight, conv_bias, expected_state, slots)
+    out = causal_conv1d_update(x, weight, conv_bias, conv_state, slots)
+    assert rel_err(out, expected) < 1e-2
+    assert torch.equal(conv_state, expected_state)
+
+
+def check_conv1d_prefill(lengths: list[int], channels: int, device: str, bias: bool) -> None:
+    batch = len(lengths)
+    weight, conv_bias, conv_state = conv_inputs(channels, 4, batch + 2, device, bias)
+    cu_seqlens = cu_seqlens_of(lengths, device)
+    x = torch.randn(int(cu_seqlens[-1]), channels, device=device).bfloat16()
+    slots = torch.randperm(batch + 2, device=device)[:batch]
+    has_initial = torch.arange(batch, device=device) % 3 != 1
+    expected_state = conv_state.clone()
+    expected = reference.causal_conv1d_prefill(
+        x, weight, conv_bias, cu_seqlens, expected_state, slots, has_initial
+    )
+    out = causal_conv1d_prefill(x, weight, conv_bias, cu_seqlens, conv_state, slots, has_initial)
+    assert rel_err(out, expected) < 1e-2
+    assert rel_err(conv_state, expected_state) < 1e-2
+    assert torch.equal(conv_state.view(-1) == 0, expected_state.view(-1) == 0)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_causal_conv1d_update(bias: bool) -> None:
+    check_conv1d_update(5, 300, "cpu", bias)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_causal_conv1d_prefill(bias: bool) -> None:
+    # lengths shorter than K-1 take part of their new state from the old one
+    check_conv1d_prefill([1, 2, 37, 70, 5], 200, "cpu", bias)
+
+
+# ---------------------------------------------------------------- gated delta rule
+
+
+def delta_inputs(tokens: int, hk: int, hv: int, dk: int, dv: int, device: str):
+    """q, k as views into one packed projection (as the model slices them), bf16."""
+    packed = torch.randn(tokens, 2 * hk * dk + hv * dv, device=device).bfloat16()
+    q = packed[:, : hk * dk].view(tokens, hk, dk)
+    k = packed[:, hk * dk : 2 * hk * dk].view(tokens, hk, dk)
+    v = packed[:, 2 * hk * dk :].view(tokens, hv, dv)
+    g = -F.softplus(torch.randn(tokens, hv, device=device) - 1.0)  # log decay <= 0
+    beta = torch.rand(tokens, hv, device=device).bfloat16()
+    return q, k, v, g, beta
+
+
+def check_delta_decode(
+    batch: int, hk: int, hv: int, dk: int, dv: int, l2norm: bool, device: str
+) -> None:
+    q, k, v, g, beta = delta_inputs(batch, hk, hv, dk, dv, device)
+    pool = batch + 3
+    state = torch.randn(pool, hv, dk, dv, device=device) * 0.1
+    slots = torch.randperm(pool, device=device)[:batch]
+    expected_state = state.clone()
+    scale = dk**-0.5
+    expected = reference.gated_delta_rule_decode(
+        q, k, v, g, beta, expected_state, slots, scale, l2norm
+    )
+    out = gated_delta_rule_decode(q, k, v, g, beta, state, slots, scale, l2norm)
+    assert rel_err(out, expected) < 1e-2
+    assert rel_err(state, expected_state) < 1e-5
+    others = torch.ones(pool, dtype=torch.bool, device=device)
+    others[slots] = False
+    assert torch.equal(state[others], expected_state[others])
+
+
+def check_delta_prefill(
+    lengths: list[int],
+    hk: int,
+    hv: int,
+    dk: int,
+    dv: int,
+    chunk_size: int,
+    device: str,
+    tol: float = 1e-2,
+) -> None:
+    batch = len(lengths)
+    cu_seqlens = cu_seqlens_of(lengths, device)
+    q, k, v, g, beta = delta_inputs(int(cu_seqlens[-1]), hk, hv, dk, dv, device)
+    pool = batch + 2
+    state = torch.randn(pool, hv, dk, dv, device=device) * 0.1
+    slots = torch.randperm(pool, device=device)[:batch]
+    has_initial = torch.arange(batch, device=device) % 2 == 0
+    expected_state = state.clone()
+    scale = dk**-0.5
+    args = (cu_seqlens,)
+    expected = reference.gated_delta_rule_prefill(
+        q, k, v, g, beta, *args, expected_state, slots, has_initial, scale, True
+    )
+    out = gated_delta_rule_prefill(
+        q, k, v, g, beta, *args, state, slots, has_initial, scale, True, chunk_size=chunk_size
+    )
+    assert rel_err(out, expected) < tol
+    assert rel_err(state[slots], expected_state[slots]) < tol
+    others = torch.ones(pool, dtype=torch.bool, device=device)
+    others[slots] = False
+    assert torch.equal(state[others], expected_state[others])
+
+
+@pytest.mark.parametrize("l2norm", [True, False])
+@pytest.mark.parametrize(("hk", "hv"), [(1, 1), (2, 6)])
+def test_gated_delta_rule_decode(hk: int, hv: int, l2norm: bool) -> None:
+    check_delta_decode(3, hk, hv, 16, 32, l2norm, "cpu")
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32])
+def test_gated_delta_rule_prefill(chunk_size: int) -> None:
+    # a 1-token sequence, one ending mid-chunk, one of whole chunks
+    check_delta_prefill([1, 45, 2 * chunk_size], 1, 2, 16, 32, chunk_size, "cpu")
+
+
+def test_prefill_then_decode_continues_the_recurrence() -> None:
+    """Prefill of n tokens then one decode step leaves the state the n+1-token prefill leaves."""
+    n, hk, hv, dk, dv = 20, 1, 2, 16, 16
+    q, k, v, g, beta = delta_inputs(n + 1, hk, hv, dk, dv, "cpu")
+    slots = torch.tensor([0])
+    first = torch.tensor([False])
+    split_state = torch.zeros(1, hv, dk, dv)
+    gated_delta_rule_prefill(
+        q[:n], k[:n], v[:n], g[:n], beta[:n], cu_seqlens_of([n], "cpu"), split_state, slots, first,
+        0.25, True, chunk_size=16,
+    )  # fmt: skip
+    last = gated_delta_rule_decode(
+        q[n:], k[n:], v[n:], g[n:], beta[n:], split_state, slots, 0.25, True
+    )
+    whole_state = torch.zeros(1, hv, dk, dv)
+    whole = gated_delta_rule_prefill(
+        q, k, v, g, beta, cu_seqlens_of([n + 1], "cpu"), whole_state, slots, first, 0.25, True,
+        chunk_size=16,
+    )  # fmt: skip
+    assert rel_err(split_state, whole_state) < 1e-5
+    assert rel_err(last, whole[n:]) < 1e-2
+
+
+def test_chunk_indices() -> None:
+    indices = chunk_indices_of(torch.tensor([0, 3, 3, 40], dtype=torch.int32), 16)
+    assert indices.tolist() == [[0, 0], [2, 0], [2, 1], [2, 2]]
+
+
+# ---------------------------------------------------------------- paged attention decode
+
+
+def paged_cache(
+    lengths: list[int], hkv: int, dim: int, block_size: int, width: int, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random bf16 caches and block tables with the blocks of each sequence scattered."""
+    needed = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(needed) + 3
+    perm = torch.randperm(num_blocks).tolist()
+    tables = torch.zeros(len(lengths), width, dtype=torch.int32)
+    for b, count in enumerate(needed):
+        tables[b, :count] = torch.tensor(perm[:count], dtype=torch.int32)
+        perm = perm[count:]
+    k_cache = torch.randn(num_blocks, block_size, hkv, dim, device=device).bfloat16()
+    v_cache = torch.randn(num_blocks, block_size, hkv, dim, device=device).bfloat16()
+    return k_cache, v_cache, tables.to(device)
+
+
+def check_paged_decode(
+    lengths: list[int],
+    hq: int,
+    hkv: int,
+    dim: int,
+    block_size: int,
+    fp8: bool,
+    partition: int | None,
+    device: str,
+) -> None:
+    width = -(-max(lengths) // block_size) + 1
+    k_cache, v_cache, tables = paged_cache(lengths, hkv, dim, block_size, width, device)
+    k_scale, v_scale = 1.0, 1.0
+    if fp8:
+        k_scale, v_scale = 0.02, 0.03
+        k_cache = (k_cache.float() / k_scale).to(torch.float8_e4m3fn)
+        v_cache = (v_cache.float() / v_scale).to(torch.float8_e4m3fn)
+    q = torch.randn(len(lengths), hq, dim, device=device).bfloat16()
+    context_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    scale = dim**-0.5
+    args = (q, k_cache, v_cache, context_lens, tables, scale, k_scale, v_scale)
+    out = paged_attention_decode(*args, partition=partition)
+    assert rel_err(out, reference.paged_attention_decode(*args)) < 1e-2
+
+
+@pytest.mark.parametrize("partition", [None, 64, 1024])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_paged_attention_decode(fp8: bool, partition: int | None) -> None:
+    check_paged_decode([1, 50, 130], 6, 2, 32, 16, fp8, partition, "cpu")
+
+
+# ---------------------------------------------------------------- registry
+
+
+def test_registry_prefers_triton_on_cuda_only() -> None:
+    for op, name in [
+        ("rms_norm", "triton.rms_norm"),
+        ("gated_delta_rule_decode", "triton.gdn_decode"),
+        ("gated_delta_rule_prefill", "triton.gdn_chunked"),
+        ("paged_attention_decode", "triton.paged_decode"),
+    ]:
+        names = [impl.name for impl in ops.implementations(op)]
+        assert names[0] == name and names[-1] == "reference"
+        assert ops.select(op, torch.device("cpu"), torch.bfloat16).name == "reference"
+        kv = torch.float8_e4m3fn if "attention" in op else None
+        assert ops.select(op, torch.device("cuda"), torch.bfloat16, kv).name == name
+    ok, reason = ops.candidates(
+        "paged_attention_decode", torch.device("cuda"), torch.bfloat16, torch.float8_e5m2
+    )[0][1:]
+    assert not ok and "e4m3" in reason
+
+
+# ---------------------------------------------------------------- GPU, at the 27B shapes
+
+
+@GPU
+@needs_cuda
+def test_gpu_norms_27b() -> None:
+    check_rms_norm((8, 5120), True, "cuda")
+    check_rms_norm((8, 24, 256), True, "cuda")
+    check_gated_rms_norm(8 * 48, 128, "cuda")
+    check_gated_rms_norm(4096 * 48, 128, "cuda")
+
+
+@GPU
+@needs_cuda
+def test_gpu_conv1d_27b() -> None:
+    check_conv1d_update(8, 10240, "cuda", bias=False)
+    check_conv1d_prefill([512] * 7 + [3], 10240, "cuda", bias=False)
+
+
+@GPU
+@needs_cuda
+def test_gpu_delta_rule_27b() -> None:
+    check_delta_decode(8, 16, 48, 128, 128, True, "cuda")
+    check_delta_prefill([300, 64, 1, 77], 16, 48, 128, 128, 32, "cuda")
+
+
+@GPU
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_paged_attention_27b(fp8: bool) -> None:
+    check_paged_decode([700, 1, 33, 4000, 512, 768, 640, 129], 24, 4, 256, 16, fp8, None, "cuda")

@@ -1,0 +1,52 @@
+"""Triton kernels for the hybrid (Gated DeltaNet + gated attention) and dense models.
+
+Importing this package registers each kernel with `worker.kernels.ops` (the registry imports it
+lazily). Each kernel matches its plain-PyTorch reference in `worker.kernels.reference`; the tests
+in tests/worker/test_triton_kernels.py check that under the triton interpreter on CPU, and at the
+27B shapes on a GPU (`-m gpu`); bench/kernels_bench.py times them against their byte counts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.kernels import ops
+from worker.kernels.triton.conv1d import causal_conv1d_prefill, causal_conv1d_update
+from worker.kernels.triton.delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
+from worker.kernels.triton.norm import gated_rms_norm, rms_norm
+from worker.kernels.triton.paged_attention import paged_attention_decode
+
+_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+
+
+def cuda_attention(
+    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None
+) -> tuple[bool, str]:
+    """The paged attention kernel: CUDA, 16-bit queries, a 16-bit or fp8 e4m3 cache."""
+    ok, reason = ops.cuda_only(device, dtype, kv_dtype)
+    if not ok:
+        return ok, reason
+    if dtype not in (torch.bfloat16, torch.float16) or (kv_dtype or dtype) not in _KV_DTYPES:
+        return False, f"needs bf16/fp16 queries and a bf16/fp16/fp8-e4m3 cache, got {kv_dtype}"
+    return True, f"CUDA, {kv_dtype or dtype} cache"
+
+
+ops.register("rms_norm", rms_norm, ops.cuda_only, name="triton.rms_norm")
+ops.register("gated_rms_norm", gated_rms_norm, ops.cuda_only, name="triton.gated_rms_norm")
+ops.register("causal_conv1d_update", causal_conv1d_update, name="triton.causal_conv1d_update")
+ops.register("causal_conv1d_prefill", causal_conv1d_prefill, name="triton.causal_conv1d_prefill")
+ops.register("gated_delta_rule_decode", gated_delta_rule_decode, name="triton.gdn_decode")
+ops.register("gated_delta_rule_prefill", gated_delta_rule_prefill, name="triton.gdn_chunked")
+ops.register(
+    "paged_attention_decode", paged_attention_decode, cuda_attention, name="triton.paged_decode"
+)
+
+__all__ = [
+    "causal_conv1d_prefill",
+    "causal_conv1d_update",
+    "gated_delta_rule_decode",
+    "gated_delta_rule_prefill",
+    "gated_rms_norm",
+    "paged_attention_decode",
+    "rms_norm",
+]

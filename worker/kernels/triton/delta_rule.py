@@ -1,0 +1,383 @@
+"""Gated DeltaNet in triton: the one-token recurrent decode and the chunked (WY) prefill.
+
+The recurrence, per value head with state S [dk, dv] (fp32), for each token t:
+    q, k <- l2norm(q), l2norm(k)                 (when use_qk_l2norm)
+    S    <- exp(g_t) * S
+    S    <- S + k_t (beta_t * (v_t - S^T k_t))^T  (the delta rule)
+    o_t  <- S^T q_t * scale
+Value head h reads query/key head h // (Hv // Hk). States live in a slot pool [S, Hv, dk, dv];
+`state_slots[b]` names sequence b's slot, updated in place.
+
+Prefill splits each sequence into chunks of BT tokens. Within a chunk, with gc the cumulative
+log decay and A_ij = beta_i k_i.k_j exp(gc_i - gc_j) for i > j, the WY form gives
+    M = (I + A)^-1,  w = M (beta k exp(gc)),  u = M (beta v)
+and then, chunk by chunk with the state S at the chunk's start,
+    v' = u - w S
+    o  = scale * ((q exp(gc)) S + tril(q k^T exp(gc_i - gc_j)) v')
+    S  <- exp(gc_last) S + (k exp(gc_last - gc))^T v'
+`_wy_prepare_kernel` does the first part for all chunks in parallel; `_chunk_scan_kernel` walks
+each sequence's chunks in order, holding a [dk, BV] slice of the state in registers.
+Every exponent is <= 0, so no exp overflows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from worker.kernels.triton._launch import kernel
+
+L2NORM_EPS = 1e-6
+
+
+@kernel
+def _decode_kernel(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state,
+    state_slots,
+    o,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+):
+    i_bh = tl.program_id(0)
+    i_v = tl.program_id(1)
+    b = i_bh // HV
+    hv = i_bh % HV
+    hk = hv // (HV // HK)
+    offs_k = tl.arange(0, DK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+
+    b_q = tl.load(q + b * stride_qb + hk * stride_qh + offs_k).to(tl.float32)
+    b_k = tl.load(k + b * stride_kb + hk * stride_kh + offs_k).to(tl.float32)
+    b_v = tl.load(v + b * stride_vb + hv * stride_vh + offs_v).to(tl.float32)
+    b_g = tl.load(g + b * HV + hv).to(tl.float32)
+    b_beta = tl.load(beta + b * HV + hv).to(tl.float32)
+    if USE_L2NORM:
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+
+    slot = tl.load(state_slots + b).to(tl.int64)
+    p_s = state + ((slot * HV + hv) * DK + offs_k[:, None]) * DV + offs_v[None, :]
+    b_s = tl.load(p_s) * tl.exp(b_g)
+    delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
+    b_s += b_k[:, None] * delta[None, :]
+    b_o = tl.sum(b_s * b_q[:, None], 0) * scale
+    tl.store(p_s, b_s)
+    tl.store(o + (b * HV + hv) * DV + offs_v, b_o.to(o.dtype.element_ty))
+
+
+def gated_delta_rule_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+) -> torch.Tensor:
+    """One token per sequence: q, k [B, Hk, dk], v [B, Hv, dv], g, beta [B, Hv] -> o [B, Hv, dv]."""
+    batch, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    _check_heads(q, k, v, state)
+    g, beta = g.contiguous(), beta.contiguous()
+    o = torch.empty((batch, hv, dv), dtype=v.dtype, device=v.device)
+    block_v = min(dv, 32)
+    _decode_kernel[(batch * hv, dv // block_v)](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        state_slots,
+        o,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        HK=hk,
+        HV=hv,
+        DK=dk,
+        DV=dv,
+        BV=block_v,
+        USE_L2NORM=use_qk_l2norm,
+        num_warps=4,
+    )
+    return o
+
+
+@kernel
+def _wy_prepare_kernel(
+    k,
+    v,
+    g,
+    beta,
+    cu_seqlens,
+    chunk_indices,
+    gc_out,
+    w_out,
+    u_out,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BT: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // (HV // HK)
+    seq = tl.load(chunk_indices + i_c * 2)
+    chunk = tl.load(chunk_indices + i_c * 2 + 1)
+    bos = tl.load(cu_seqlens + seq).to(tl.int64)
+    eos = tl.load(cu_seqlens + seq + 1).to(tl.int64)
+    rows = bos + chunk * BT + tl.arange(0, BT)
+    valid = rows < eos
+    offs_k = tl.arange(0, DK)
+    offs_v = tl.arange(0, DV)
+
+    b_g = tl.load(g + rows * HV + hv, mask=valid, other=0.0).to(tl.float32)
+    b_gc = tl.cumsum(b_g, 0)
+    b_beta = tl.load(beta + rows * HV + hv, mask=valid, other=0.0).to(tl.float32)
+    b_k = tl.load(
+        k + rows[:, None] * stride_kt + hk * stride_kh + offs_k[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    if USE_L2NORM:
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
+    b_v = tl.load(
+        v + rows[:, None] * stride_vt + hv * stride_vh + offs_v[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    ).to(tl.float32)
+
+    # A: strictly lower triangle of beta_i k_i.k_j exp(gc_i - gc_j)
+    i_idx = tl.arange(0, BT)[:, None]
+    j_idx = tl.arange(0, BT)[None, :]
+    lower = i_idx > j_idx
+    decay = tl.exp(tl.where(lower, b_gc[:, None] - b_gc[None, :], float("-inf")))
+    b_a = tl.dot(b_k * b_beta[:, None], tl.trans(b_k)) * decay
+
+    # M = (I + A)^-1 by forward substitution, one row at a time: M_i = e_i - sum_{j<i} A_ij M_j.
+    # Row by row is the stable way; A's entries can be near 1 for repeated keys.
+    b_m = tl.where(i_idx == j_idx, 1.0, 0.0)
+    for i in range(1, BT):
+        a_i = tl.sum(tl.where(i_idx == i, b_a, 0.0), 0)
+        m_i = tl.where(tl.arange(0, BT) == i, 1.0, 0.0) - tl.sum(a_i[:, None] * b_m, 0)
+        b_m = tl.where(i_idx == i, m_i[None, :], b_m)
+
+    b_w = tl.dot(b_m, b_k * (b_beta * tl.exp(b_gc))[:, None])
+    b_u = tl.dot(b_m, b_v * b_beta[:, None])
+    tl.store(gc_out + rows * HV + hv, b_gc, mask=valid)
+    tl.store(w_out + (rows[:, None] * HV + hv) * DK + offs_k[None, :], b_w, mask=valid[:, None])
+    tl.store(u_out + (rows[:, None] * HV + hv) * DV + offs_v[None, :], b_u, mask=valid[:, None])
+
+
+@kernel
+def _chunk_scan_kernel(
+    q,
+    k,
+    gc,
+    w,
+    u,
+    o,
+    state,
+    state_slots,
+    has_initial_state,
+    cu_seqlens,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BT: tl.constexpr,
+    BV: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    hv = tl.program_id(1)
+    i_v = tl.program_id(2)
+    hk = hv // (HV // HK)
+    bos = tl.load(cu_seqlens + seq).to(tl.int64)
+    eos = tl.load(cu_seqlens + seq + 1).to(tl.int64)
+    offs_k = tl.arange(0, DK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    causal = tl.arange(0, BT)[:, None] >= tl.arange(0, BT)[None, :]
+
+    slot = tl.load(state_slots + seq).to(tl.int64)
+    p_s = state + ((slot * HV + hv) * DK + offs_k[:, None]) * DV + offs_v[None, :]
+    b_s = tl.load(p_s)
+    if tl.load(has_initial_state + seq) == 0:
+        b_s = tl.zeros([DK, BV], dtype=tl.float32)
+
+    for chunk in range(0, tl.cdiv(eos - bos, BT)):
+        rows = bos + chunk * BT + tl.arange(0, BT)
+        valid = rows < eos
+        b_q = tl.load(
+            q + rows[:, None] * stride_qt + hk * stride_qh + offs_k[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        b_k = tl.load(
+            k + rows[:, None] * stride_kt + hk * stride_kh + offs_k[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        if USE_L2NORM:
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None]
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
+        b_q = b_q * scale
+        b_gc = tl.load(gc + rows * HV + hv, mask=valid, other=0.0)
+        b_w = tl.load(
+            w + (rows[:, None] * HV + hv) * DK + offs_k[None, :], mask=valid[:, None], other=0.0
+        )
+        b_u = tl.load(
+            u + (rows[:, None] * HV + hv) * DV + offs_v[None, :], mask=valid[:, None], other=0.0
+        )
+        last = tl.minimum(bos + (chunk + 1) * BT, eos) - 1
+        g_last = tl.load(gc + last * HV + hv)
+
+        b_vn = b_u - tl.dot(b_w, b_s)
+        decay = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
+        b_attn = tl.dot(b_q, tl.trans(b_k)) * decay
+        b_o = tl.dot(b_q * tl.exp(b_gc)[:, None], b_s) + tl.dot(b_attn, b_vn)
+        tl.store(
+            o + (rows[:, None] * HV + hv) * DV + offs_v[None, :],
+            b_o.to(o.dtype.element_ty),
+            mask=valid[:, None],
+        )
+        b_kd = b_k * tl.exp(tl.where(valid, g_last - b_gc, float("-inf")))[:, None]
+        b_s = b_s * tl.exp(g_last) + tl.dot(tl.trans(b_kd), b_vn)
+
+    tl.store(p_s, b_s)
+
+
+def chunk_indices_of(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """[num_chunks, 2] int32 of (sequence, chunk within it) over all sequences (one host sync)."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    counts = (lens + chunk_size - 1) // chunk_size
+    total = int(counts.sum().item())
+    seqs = torch.repeat_interleave(
+        torch.arange(len(counts), device=cu_seqlens.device), counts, output_size=total
+    )
+    first = torch.cumsum(counts, 0) - counts
+    chunks = torch.arange(total, device=cu_seqlens.device) - first[seqs]
+    return torch.stack([seqs, chunks], 1).to(torch.int32).contiguous()
+
+
+def gated_delta_rule_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+    chunk_size: int = 32,
+) -> torch.Tensor:
+    """Varlen chunked prefill: q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv] -> o [T, Hv, dv]."""
+    tokens, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    _check_heads(q, k, v, state)
+    batch = cu_seqlens.numel() - 1
+    g, beta = g.contiguous(), beta.contiguous()
+    gc = torch.empty((tokens, hv), dtype=torch.float32, device=v.device)
+    w = torch.empty((tokens, hv, dk), dtype=torch.float32, device=v.device)
+    u = torch.empty((tokens, hv, dv), dtype=torch.float32, device=v.device)
+    o = torch.empty((tokens, hv, dv), dtype=v.dtype, device=v.device)
+    chunk_indices = chunk_indices_of(cu_seqlens, chunk_size)
+    _wy_prepare_kernel[(chunk_indices.shape[0], hv)](
+        k,
+        v,
+        g,
+        beta,
+        cu_seqlens,
+        chunk_indices,
+        gc,
+        w,
+        u,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        HK=hk,
+        HV=hv,
+        DK=dk,
+        DV=dv,
+        BT=chunk_size,
+        USE_L2NORM=use_qk_l2norm,
+        num_warps=4,
+    )
+    block_v = min(dv, 64)
+    _chunk_scan_kernel[(batch, hv, dv // block_v)](
+        q,
+        k,
+        gc,
+        w,
+        u,
+        o,
+        state,
+        state_slots,
+        has_initial_state.to(torch.int32),
+        cu_seqlens,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        HK=hk,
+        HV=hv,
+        DK=dk,
+        DV=dv,
+        BT=chunk_size,
+        BV=block_v,
+        USE_L2NORM=use_qk_l2norm,
+        num_warps=4,
+    )
+    return o
+
+
+def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor) -> None:
+    hk, dk, hv, dv = q.shape[1], q.shape[2], v.shape[1], v.shape[2]
+    if k.shape[1:] != q.shape[1:] or hv % hk or q.stride(2) != 1 or k.stride(2) != 1:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: bad heads")
+    if v.stride(2) != 1 or state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError("v needs a contiguous last dim and the state must be contiguous fp32")
+    if tuple(state.shape[1:]) != (hv, dk, dv):
+        raise ValueError(f"state {tuple(state.shape)} does not match [S, {hv}, {dk}, {dv}]")
+    if triton.next_power_of_2(dk) != dk or triton.next_power_of_2(dv) != dv:
+        raise ValueError("dk and dv must be powers of two")

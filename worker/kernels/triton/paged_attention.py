@@ -1,0 +1,206 @@
+"""Paged attention for decode (one query token per sequence), split over the context
+(flash-decoding): grid (sequence, kv head, split).
+
+Each program takes all Hq // Hkv query heads of its kv head at once (GQA: the K and V tiles are
+read once for the whole group, padded to 16 rows for the tensor cores) and one partition of the
+context, gathering BN tokens per step through the block table. It keeps an online softmax and
+writes its partial output with its log-sum-exp; `_combine_kernel` merges the partitions.
+
+The grid depends only on shapes (block_tables' width, not the context lengths), so the op can be
+captured in a CUDA graph; trimming block_tables to the batch's longest context keeps the number
+of empty partitions small. FP8 caches (e4m3, value / scale stored) are widened to bf16 for the
+dot; k_scale folds into the softmax scale and v_scale into the output. Under the CPU interpreter
+the dots run in fp32 (its bf16 dot multiplies raw bits).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from worker.kernels.triton._launch import dot_dtype, kernel
+
+_TARGET_PROGRAMS = 4 * 132  # enough programs to fill an H100/H200 several times over
+_TOKENS_PER_STEP = 64
+
+
+@kernel
+def _decode_partition_kernel(
+    q,
+    k_cache,
+    v_cache,
+    context_lens,
+    block_tables,
+    part_out,
+    part_lse,
+    out,
+    softmax_scale,
+    v_scale,
+    stride_qb,
+    stride_qh,
+    stride_bt,
+    num_splits,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GP: tl.constexpr,
+    BN: tl.constexpr,
+    PARTITION: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hkv = tl.program_id(1)
+    split = tl.program_id(2)
+    group = HQ // HKV
+    heads = hkv * group + tl.arange(0, GP)
+    in_group = tl.arange(0, GP) < group
+    offs_d = tl.arange(0, D)
+
+    ctx = tl.load(context_lens + b)
+    start = split * PARTITION
+    end = tl.minimum(start + PARTITION, ctx)
+    b_q = tl.load(
+        q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=in_group[:, None],
+        other=0.0,
+    ).to(DOT)
+
+    m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, D], dtype=tl.float32)
+    for t0 in range(start, end, BN):
+        tokens = t0 + tl.arange(0, BN)
+        valid = tokens < end
+        page = tl.load(block_tables + b * stride_bt + tokens // BLOCK_SIZE, mask=valid, other=0)
+        row = (page.to(tl.int64) * BLOCK_SIZE + tokens % BLOCK_SIZE) * HKV + hkv
+        b_k = tl.load(k_cache + row[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+        scores = tl.dot(b_q, tl.trans(b_k.to(DOT))) * softmax_scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        b_v = tl.load(v_cache + row[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), b_v.to(DOT))
+        m_i = m_new
+
+    if SINGLE_SPLIT:
+        result = acc * (v_scale / l_i)[:, None]
+        tl.store(
+            out + (b * HQ + heads[:, None]) * D + offs_d[None, :],
+            result.to(out.dtype.element_ty),
+            mask=in_group[:, None],
+        )
+    else:
+        # an empty partition (past the context) leaves l_i = 0: lse -inf, weight 0 in the merge
+        safe_l = tl.where(l_i > 0, l_i, 1.0)
+        lse = tl.where(l_i > 0, m_i + tl.log(safe_l), float("-inf"))
+        slot = (b * HQ + heads) * num_splits + split
+        tl.store(part_lse + slot, lse, mask=in_group)
+        tl.store(
+            part_out + slot[:, None] * D + offs_d[None, :],
+            acc / safe_l[:, None],
+            mask=in_group[:, None],
+        )
+
+
+@kernel
+def _combine_kernel(
+    part_out,
+    part_lse,
+    out,
+    v_scale,
+    num_splits,
+    D: tl.constexpr,
+    SP: tl.constexpr,
+):
+    bh = tl.program_id(0)  # b * HQ + h
+    splits = tl.arange(0, SP)
+    present = splits < num_splits
+    lse = tl.load(part_lse + bh * num_splits + splits, mask=present, other=float("-inf"))
+    weights = tl.exp(lse - tl.max(lse, 0))
+    weights = weights / tl.sum(weights, 0)
+    offs_d = tl.arange(0, D)
+    parts = tl.load(
+        part_out + (bh * num_splits + splits)[:, None] * D + offs_d[None, :],
+        mask=present[:, None],
+        other=0.0,
+    )
+    result = tl.sum(parts * weights[:, None], 0) * v_scale
+    tl.store(out + bh * D + offs_d, result.to(out.dtype.element_ty))
+
+
+def decode_partition(capacity: int, batch: int, kv_heads: int) -> int:
+    """Tokens per split: enough splits to fill the GPU, in whole steps of BN tokens."""
+    splits = max(1, min(triton.cdiv(_TARGET_PROGRAMS, batch * kv_heads), capacity // 256 + 1))
+    per_split = triton.cdiv(capacity, splits)
+    return triton.cdiv(per_split, _TOKENS_PER_STEP) * _TOKENS_PER_STEP
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    partition: int | None = None,
+) -> torch.Tensor:
+    """q [B, Hq, D] over caches [num_blocks, block_size, Hkv, D] (bf16/fp16 or fp8 e4m3)."""
+    batch, hq, dim = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("q needs a contiguous last dim and the caches must be contiguous")
+    if hq % hkv or triton.next_power_of_2(dim) != dim or block_tables.stride(1) != 1:
+        raise ValueError(f"unsupported shape q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
+    capacity = block_tables.shape[1] * block_size
+    partition = partition or decode_partition(capacity, batch, hkv)
+    num_splits = triton.cdiv(capacity, partition)
+    out = torch.empty((batch, hq, dim), dtype=q.dtype, device=q.device)
+    single = num_splits == 1
+    part_out = out if single else q.new_empty((batch, hq, num_splits, dim), dtype=torch.float32)
+    part_lse = out if single else q.new_empty((batch, hq, num_splits), dtype=torch.float32)
+    _decode_partition_kernel[(batch, hkv, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        context_lens,
+        block_tables,
+        part_out,
+        part_lse,
+        out,
+        scale * k_scale,
+        v_scale,
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        num_splits,
+        HQ=hq,
+        HKV=hkv,
+        D=dim,
+        BLOCK_SIZE=block_size,
+        GP=max(16, triton.next_power_of_2(hq // hkv)),
+        BN=_TOKENS_PER_STEP,
+        PARTITION=partition,
+        SINGLE_SPLIT=single,
+        DOT=dot_dtype(q.device),
+        num_warps=4,
+        num_stages=2,
+    )
+    if not single:
+        _combine_kernel[(batch * hq,)](
+            part_out,
+            part_lse,
+            out,
+            v_scale,
+            num_splits,
+            D=dim,
+            SP=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out
