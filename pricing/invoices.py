@@ -128,6 +128,9 @@ class InvoiceBasis(msgspec.Struct, frozen=True, kw_only=True):
     currency: str
     cut_seq: int
     previous: PreviousInvoice | None = None  # None: the tenant's first invoice
+    # Price plans recorded up to this control-stream sequence (None: all of them), so a
+    # rebuild prices exactly as the original did even if plans were added since.
+    price_cut_seq: int | None = None
 
     def __post_init__(self) -> None:
         if self.previous is not None and self.cut_seq < self.previous.cut_seq:
@@ -174,6 +177,7 @@ class Invoice(msgspec.Struct, frozen=True, kw_only=True):
     cut_seq: int
     previous_cut_seq: int | None
     previous_period_end: datetime | None
+    price_cut_seq: int | None
     lines: tuple[InvoiceLine, ...]
     usage_total: Decimal
     adjustments_total: Decimal
@@ -197,6 +201,7 @@ class Invoice(msgspec.Struct, frozen=True, kw_only=True):
             currency=self.currency,
             cut_seq=self.cut_seq,
             previous=previous,
+            price_cut_seq=self.price_cut_seq,
         )
 
     @property
@@ -331,7 +336,7 @@ def build_invoice(
     basis: InvoiceBasis, rows: Iterable[LedgerRow], plans: Iterable[PricePlan] | PriceBook
 ) -> Invoice:
     """The draft invoice for `basis`: the same inputs give the same invoice, byte for byte."""
-    book = plans if isinstance(plans, PriceBook) else PriceBook(plans)
+    book = (plans if isinstance(plans, PriceBook) else PriceBook(plans)).as_of(basis.price_cut_seq)
     charges, unpriced = invoice_charges(basis, rows, book)
     lines = tuple(_line(group, book, basis.currency) for group in group_charges(charges).values())
     usage_total = exact_sum(line.amount for line in lines if line.category == "usage")
@@ -347,6 +352,7 @@ def build_invoice(
         cut_seq=basis.cut_seq,
         previous_cut_seq=previous.cut_seq if previous else None,
         previous_period_end=utc(previous.period_end) if previous else None,
+        price_cut_seq=basis.price_cut_seq,
         lines=lines,
         usage_total=usage_total + zero,
         adjustments_total=adjustments_total + zero,
@@ -364,7 +370,7 @@ def finalize(invoice: Invoice, at: datetime) -> Invoice:
     return msgspec.structs.replace(invoice, status="finalized", finalized_at=utc(at))
 
 
-def next_basis(previous: Invoice, cut_seq: int) -> InvoiceBasis:
+def next_basis(previous: Invoice, cut_seq: int, price_cut_seq: int | None = None) -> InvoiceBasis:
     """The basis of the invoice that follows `previous` for the same tenant."""
     return InvoiceBasis(
         tenant_id=previous.tenant_id,
@@ -372,6 +378,7 @@ def next_basis(previous: Invoice, cut_seq: int) -> InvoiceBasis:
         currency=previous.currency,
         cut_seq=cut_seq,
         previous=PreviousInvoice(previous.period_end, previous.cut_seq),
+        price_cut_seq=price_cut_seq,
     )
 
 

@@ -47,6 +47,9 @@ class PricePlan(msgspec.Struct, frozen=True, kw_only=True):
     cached_input_per_mtok: Decimal
     output_per_mtok: Decimal
     effective_from: datetime
+    # Control-stream sequence that recorded the plan: lets an invoice use the price history
+    # as it was known at its cut, and breaks a tie between two plans with one start (later wins).
+    recorded_seq: int = 0
 
     def __post_init__(self) -> None:
         currency(self.currency)  # refuses an unknown code
@@ -73,22 +76,34 @@ class PriceBook:
     """Every SKU's price history, indexed for `in_force` lookups (O(log plans))."""
 
     def __init__(self, plans: Iterable[PricePlan]) -> None:
+        self.plans = tuple(plans)
         by_sku: dict[str, list[PricePlan]] = {}
-        for plan in plans:
+        for plan in self.plans:
             by_sku.setdefault(plan.sku_id, []).append(plan)
         self._history: dict[str, list[PricePlan]] = {}
         self._starts: dict[str, list[datetime]] = {}
         for sku_id, sku_plans in by_sku.items():
-            sku_plans.sort(key=lambda p: p.effective_from)
+            sku_plans.sort(key=lambda p: (p.effective_from, p.recorded_seq))
+            kept: list[PricePlan] = []
+            for plan in sku_plans:
+                if kept and kept[-1].effective_from == plan.effective_from:
+                    if kept[-1].recorded_seq == plan.recorded_seq:
+                        raise AmbiguousPriceHistory(
+                            f"SKU {sku_id}: plans {kept[-1].plan_id} and {plan.plan_id} both start "
+                            f"at {plan.effective_from.isoformat()}"
+                        )
+                    kept.pop()  # re-set for the same instant: the later record replaces it
+                kept.append(plan)
+            sku_plans = kept
             starts = [p.effective_from for p in sku_plans]
-            for earlier, later in zip(sku_plans, sku_plans[1:], strict=False):
-                if earlier.effective_from == later.effective_from:
-                    raise AmbiguousPriceHistory(
-                        f"SKU {sku_id}: plans {earlier.plan_id} and {later.plan_id} both start at "
-                        f"{later.effective_from.isoformat()}"
-                    )
             self._history[sku_id] = sku_plans
             self._starts[sku_id] = starts
+
+    def as_of(self, recorded_seq: int | None) -> PriceBook:
+        """The price history as it was known once the control stream reached `recorded_seq`."""
+        if recorded_seq is None:
+            return self
+        return PriceBook(p for p in self.plans if p.recorded_seq <= recorded_seq)
 
     def history(self, sku_id: str) -> Sequence[PricePlan]:
         return tuple(self._history.get(sku_id, ()))

@@ -204,7 +204,7 @@ def invoice_showback(
 ) -> list[ShowbackRecord]:
     """Chargeback of one invoice: its usage and late-usage corrections, BilledCost summing to
     the invoice total exactly."""
-    charges, _ = invoice_charges(basis, rows, plans)
+    charges, _ = invoice_charges(basis, rows, plans.as_of(basis.price_cut_seq))
     return _records(charges, granularity, {basis.tenant_id: basis.period})
 
 

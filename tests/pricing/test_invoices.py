@@ -8,6 +8,7 @@ from decimal import Decimal
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from msgspec.structs import replace
 
 from pricing.invoices import (
     CurrencyMismatch,
@@ -300,3 +301,17 @@ def test_every_request_is_billed_exactly_once_across_a_chain_of_invoices(
         ln.requests for inv in invoices for ln in inv.lines if ln.token_class == "output"
     )
     assert output_requests == sum(1 for r in rows if r.completion_tokens > 0)
+
+
+def test_a_rebuild_prices_with_the_plans_known_at_the_cut() -> None:
+    rows = random_rows(21, 200)
+    known = [replace(p, recorded_seq=i + 1) for i, p in enumerate(PLANS)]
+    basis = InvoiceBasis(
+        tenant_id="acme", period=MARCH, currency="USD", cut_seq=10**9, price_cut_seq=2
+    )
+    original = finalize(build_invoice(basis, rows, known), at(2026, 4, 2))
+    # A plan recorded later, even one claiming to start in the past, does not change the rebuild.
+    retro = replace(plan("p-retro", at(2026, 3, 1), output="9.99"), recorded_seq=3)
+    rebuilt = build_invoice(original.basis, rows, [*known, retro])
+    assert rebuilt.content_digest == original.content_digest
+    assert build_invoice(march_basis(), rows, [*known, retro]).total != original.total

@@ -1,6 +1,7 @@
 from datetime import datetime, timedelta
 
 import pytest
+from msgspec.structs import replace
 
 from pricing.plans import AmbiguousPriceHistory, PriceBook, TokenClass, plan_in_force
 from tests.pricing.factories import at, plan
@@ -42,3 +43,13 @@ def test_invalid_histories_and_plans_are_refused() -> None:
         plan("bad-currency", at(2026, 3, 1), currency="ZZZ")
     with pytest.raises(ValueError):
         PriceBook([plan("a", at(2026, 3, 1))]).in_force("qwen-27b", datetime(2026, 3, 2))
+
+
+def test_history_as_of_a_control_sequence_and_re_set_plans() -> None:
+    first = plan("p1", at(2026, 3, 1), output="3.00")
+    retroactive = replace(
+        first, plan_id="p2", output_per_mtok=first.output_per_mtok * 2, recorded_seq=9
+    )
+    book = PriceBook([first, retroactive])
+    assert book.in_force("qwen-27b", at(2026, 3, 5)) == retroactive  # same start, later record wins
+    assert book.as_of(8).in_force("qwen-27b", at(2026, 3, 5)) == first
