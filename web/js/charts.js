@@ -4,7 +4,7 @@
 const SVG = "http://www.w3.org/2000/svg";
 const W = 360;
 const H = 150;
-const PAD = { left: 46, right: 8, top: 8, bottom: 20 };
+const PAD = { left: 56, right: 8, top: 8, bottom: 20 };
 
 function s(tag, attrs = {}, text) {
   const el = document.createElementNS(SVG, tag);
@@ -26,7 +26,7 @@ function lastValue(values) {
 }
 
 // t: epoch seconds per point; series: [{name, values}]; format: value -> short text.
-export function lineChart({ title, t, series, format, max }) {
+export function lineChart({ title, t, series, format, tickFormat = format, max }) {
   const all = series.flatMap((x) => x.values).filter((v) => v !== null && v !== undefined);
   const yMax = max ?? niceMax(Math.max(0, ...all));
   const x0 = t[0];
@@ -40,7 +40,7 @@ export function lineChart({ title, t, series, format, max }) {
     const v = (yMax * i) / 4;
     const y = py(v);
     svg.append(s("line", { class: "grid", x1: PAD.left, x2: W - PAD.right, y1: y, y2: y }));
-    svg.append(s("text", { class: "axis", x: PAD.left - 4, y: y + 3, "text-anchor": "end" }, format(v)));
+    svg.append(s("text", { class: "axis", x: PAD.left - 4, y: y + 3, "text-anchor": "end" }, tickFormat(v)));
   }
   const minutes = Math.round(span / 60);
   svg.append(s("text", { class: "axis", x: PAD.left, y: H - 5 }, `−${minutes} min`));

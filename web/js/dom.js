@@ -51,6 +51,12 @@ export function fmtSeconds(s) {
   return `${s.toFixed(2)} s`;
 }
 
+// Axis ticks: short, no trailing zeros ("250 ms", "1.5 s").
+export function fmtSecondsShort(s) {
+  if (s === null || s === undefined) return "";
+  return s < 1 ? `${Number((s * 1000).toPrecision(3))} ms` : `${Number(s.toPrecision(3))} s`;
+}
+
 export function fmtNumber(n, digits = 0) {
   if (n === null || n === undefined || n === "" || Number.isNaN(Number(n))) return "—";
   return Number(n).toLocaleString(undefined, { maximumFractionDigits: digits, minimumFractionDigits: 0 });

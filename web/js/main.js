@@ -2,7 +2,7 @@
 
 import { api, ApiError, items, NotAvailable, token, Unauthorized } from "./api.js";
 import { lineChart } from "./charts.js";
-import { download, fmtNumber, fmtPercent, fmtSeconds, fmtTime, h, notAvailable, replace, table, toast, toCsv } from "./dom.js";
+import { download, fmtNumber, fmtPercent, fmtSeconds, fmtSecondsShort, fmtTime, h, notAvailable, replace, table, toast, toCsv } from "./dom.js";
 
 // Every path the page calls, in one place.
 const API = {
@@ -193,6 +193,7 @@ async function loadOverview() {
               title,
               t: ts.t,
               format: fmtSeconds,
+              tickFormat: fmtSecondsShort,
               series: [
                 { name: "p50", values: s[`${kind}_p50`] },
                 { name: "p90", values: s[`${kind}_p90`] },

@@ -1,0 +1,79 @@
+"""The Grafana dashboard reads only series that /metrics exposes, with the labels it uses."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from control_plane.observability.metrics import OpsMetrics
+from worker.protocol import WorkerAnnounce, WorkerHeartbeat
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "tokenmill.json"
+SERIES = re.compile(r"\b(vllm:[a-z0-9_]+|tokenmill_[a-z0-9_]+)")
+BY_LABELS = re.compile(r"by \(([^)]*)\)")
+
+
+def exposed() -> dict[str, set[str]]:
+    """Every sample name /metrics emits once each API has been called, with its label names."""
+    m = OpsMetrics()
+    m.observe_request(
+        sku="s",
+        model="m",
+        tenant="t",
+        ttft_s=0.1,
+        itl_s=[0.01],
+        e2e_s=0.3,
+        prompt_tokens=1,
+        completion_tokens=2,
+        cached_tokens=1,
+    )
+    m.refuse_admission("rate_limited", "s")
+    m.set_open_reservations("s", 1, tokens=10)
+    m.set_projection_lag("usage_ledger", 1, seconds=0.1)
+    m.observe_event_append("control", 0.001)
+    m.update_worker(
+        WorkerAnnounce(worker_id="w", sku_id="s", model="m", backend="torch", capacity=1)
+    )
+    m.update_worker(
+        WorkerHeartbeat(worker_id="w", sku_id="s", running=1, waiting=0, kv_pressure=0.1, ts=0)
+    )
+    names: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(m.exposition().decode()):
+        for sample in family.samples:
+            names.setdefault(sample.name, set()).update(sample.labels)
+    return names
+
+
+def test_every_panel_query_uses_exposed_series_and_labels() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    available = exposed()
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 15
+    for expr in exprs:
+        used = SERIES.findall(expr)
+        assert used, expr
+        for name in used:
+            assert name in available, f"{name} (in {expr!r}) is not exposed"
+            for group in BY_LABELS.findall(expr):
+                for label in (x.strip() for x in group.split(",")):
+                    assert label == "le" or label in available[name], f"{name} has no label {label}"
+    for var in dashboard["templating"]["list"][1:]:
+        name = SERIES.search(var["query"]["query"])
+        assert name and name.group(1) in available
+
+
+def test_panels_have_unique_ids_and_do_not_overlap() -> None:
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    cells: set[tuple[int, int]] = set()
+    for p in panels:
+        g = p["gridPos"]
+        mine = {
+            (x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])
+        }
+        assert not cells & mine, f"panel {p['title']!r} overlaps another"
+        assert g["x"] + g["w"] <= 24
+        cells |= mine
