@@ -1,0 +1,1 @@
+"""The admin API (/admin/v1): tenants, API keys, SKUs, price plans."""

@@ -1,0 +1,120 @@
+"""RFC 9457 problem details for the admin API: every error is `application/problem+json` with
+type, title, status, detail and a machine-readable `reason`. Bad input is a 4xx, never a 500;
+an unreachable NATS or Postgres is a 503."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import asyncpg
+import nats.errors
+from litestar import Request, Response
+from litestar.exceptions import (
+    HTTPException,
+    MethodNotAllowedException,
+    NotAuthorizedException,
+    NotFoundException,
+    PermissionDeniedException,
+    ValidationException,
+)
+from litestar.types import ExceptionHandlersMap
+
+log = logging.getLogger("tokenmill.api")
+
+PROBLEM_JSON = "application/problem+json"
+PROBLEM_TYPE_BASE = "https://tokenmill.dev/problems/"
+
+
+class ProblemError(Exception):
+    """A failure the client can act on; `reason` is a stable snake_case code."""
+
+    def __init__(
+        self,
+        status: int,
+        reason: str,
+        detail: str,
+        *,
+        title: str | None = None,
+        headers: dict[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.reason = reason
+        self.detail = detail
+        self.title = title or reason.replace("_", " ").capitalize()
+        self.headers = headers or {}
+        self.extra = extra
+
+
+def not_found(what: str, ident: str) -> ProblemError:
+    return ProblemError(404, f"{what}_not_found", f"no {what.replace('_', ' ')} {ident!r}")
+
+
+def problem_response(
+    request: Request[Any, Any, Any], exc: ProblemError
+) -> Response[dict[str, Any]]:
+    body = {
+        "type": PROBLEM_TYPE_BASE + exc.reason,
+        "title": exc.title,
+        "status": exc.status,
+        "detail": exc.detail,
+        "instance": request.url.path,
+        "reason": exc.reason,
+        **exc.extra,
+    }
+    return Response(body, status_code=exc.status, media_type=PROBLEM_JSON, headers=exc.headers)
+
+
+def _from_http_exception(exc: HTTPException) -> ProblemError:
+    if isinstance(exc, ValidationException):
+        errors = exc.extra if isinstance(exc.extra, list) else []
+        messages = " ".join(str(e.get("message", "")) for e in errors if isinstance(e, dict))
+        reason = "unknown_field" if "unknown field" in messages else "invalid_request"
+        detail = messages or exc.detail
+        return ProblemError(400, reason, detail, title="Invalid request", errors=errors)
+    if isinstance(exc, NotAuthorizedException):
+        return ProblemError(401, "unauthorized", exc.detail, headers={"WWW-Authenticate": "Bearer"})
+    if isinstance(exc, PermissionDeniedException):
+        return ProblemError(403, "forbidden", exc.detail)
+    if isinstance(exc, NotFoundException):
+        return ProblemError(404, "not_found", exc.detail)
+    if isinstance(exc, MethodNotAllowedException):
+        return ProblemError(405, "method_not_allowed", exc.detail, headers=dict(exc.headers or {}))
+    reason = "invalid_request" if exc.status_code == 400 else f"http_{exc.status_code}"
+    return ProblemError(exc.status_code, reason, exc.detail, headers=dict(exc.headers or {}))
+
+
+def handle_problem(request: Request[Any, Any, Any], exc: ProblemError) -> Response[dict[str, Any]]:
+    return problem_response(request, exc)
+
+
+def handle_http_exception(
+    request: Request[Any, Any, Any], exc: HTTPException
+) -> Response[dict[str, Any]]:
+    return problem_response(request, _from_http_exception(exc))
+
+
+def handle_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
+    if isinstance(exc, nats.errors.Error | asyncpg.PostgresConnectionStatusError | OSError):
+        log.warning("backend unavailable on %s: %r", request.url.path, exc)
+        return problem_response(
+            request, ProblemError(503, "backend_unavailable", "NATS or Postgres is unreachable")
+        )
+    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+        return problem_response(
+            request, ProblemError(503, "timeout", "a backend did not answer in time")
+        )
+    log.exception("unexpected error on %s", request.url.path)
+    return problem_response(
+        request, ProblemError(500, "internal_error", "unexpected error; see the server log")
+    )
+
+
+PROBLEM_HANDLERS: ExceptionHandlersMap = {
+    ProblemError: handle_problem,
+    HTTPException: handle_http_exception,
+    Exception: handle_unexpected,
+}
