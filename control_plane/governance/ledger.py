@@ -1,0 +1,105 @@
+"""Settled usage, read from the usage stream by every replica: the worker's RequestFinished
+events summed per (tenant or key, SKU or all, quota period). Every replica that has applied
+the same prefix of the stream holds the same sums, so settled usage needs no shared counter,
+survives any gateway crash, and is exactly what billing will charge."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from control_plane.governance.limits import cost_micros
+from control_plane.governance.position import StreamPosition
+from control_plane.governance.windows import quota_window
+from events.governance import GovernanceView
+from events.usage import RequestFinished, decode_usage, usage_stream_name
+
+# (scope id: tenant or key, SKU id or None for all SKUs, quota window label)
+UsageKey = tuple[str, str | None, str]
+
+
+@dataclass
+class Usage:
+    requests: int = 0
+    total_tokens: int = 0
+    output_tokens: int = 0
+    spend_micros: dict[str, int] = field(default_factory=dict)  # per currency
+
+
+def usage_keys(event: RequestFinished) -> list[UsageKey]:
+    at = event.started_at.timestamp()
+    labels = (quota_window("day", at).label, quota_window("month", at).label)
+    return [
+        (scope, sku, label)
+        for scope in (event.tenant_id, event.key_id)
+        for sku in (None, event.sku_id)
+        for label in labels
+    ]
+
+
+class UsageLedger:
+    """Follows the usage stream (all of it, so its position is the stream's) from the start of the previous month (quota periods
+    are at most a month) and keeps the sums; `on_settled` is told of each new request."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        prefix: str,
+        view: GovernanceView,
+        on_settled: Callable[[RequestFinished], None] | None = None,
+    ) -> None:
+        self.js, self.prefix, self.view, self.on_settled = js, prefix, view, on_settled
+        self.usage: dict[UsageKey, Usage] = {}
+        self.position = StreamPosition()
+        self._sub: object | None = None
+
+    def get(self, scope_id: str, sku_id: str | None, window_label: str) -> Usage:
+        return self.usage.get((scope_id, sku_id, window_label)) or Usage()
+
+    def apply(self, event: RequestFinished) -> None:
+        price = self.view.price_plan_at(event.sku_id, event.started_at)
+        cost = (
+            cost_micros(price, event.prompt_tokens, event.cached_tokens, event.completion_tokens)
+            if price
+            else 0
+        )
+        for key in usage_keys(event):
+            usage = self.usage.setdefault(key, Usage())
+            usage.requests += 1
+            usage.total_tokens += event.prompt_tokens + event.completion_tokens
+            usage.output_tokens += event.completion_tokens
+            if price:
+                usage.spend_micros[price.currency] = (
+                    usage.spend_micros.get(price.currency, 0) + cost
+                )
+
+    async def start(self) -> None:
+        info = await self.js.stream_info(usage_stream_name(self.prefix))
+        now = datetime.now(UTC)
+        since = datetime(now.year - (now.month == 1), (now.month - 2) % 12 + 1, 1, tzinfo=UTC)
+        self._sub = await self.js.subscribe(
+            f"{self.prefix}.usage.>",
+            cb=self._on_message,
+            ordered_consumer=True,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=since),
+        )
+        if info.state.last_seq:
+            await self.position.wait_for(info.state.last_seq, within_s=60.0)
+
+    async def _on_message(self, msg) -> None:  # type: ignore[no-untyped-def]
+        event = decode_usage(msg.data)
+        if isinstance(event, RequestFinished):
+            # Applying and telling admission happen without an await between them, so no
+            # admission ever sees the usage both settled and still reserved, or neither.
+            self.apply(event)
+            if self.on_settled:
+                self.on_settled(event)
+        await self.position.advance(msg.metadata.sequence.stream)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()  # type: ignore[attr-defined]
