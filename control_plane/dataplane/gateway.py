@@ -321,6 +321,7 @@ __all__ = [
     "GatewaySettings",
     "NoWorker",
     "Outcome",
+    "OutcomeListener",
     "Relay",
     "RequestRejected",
     "WorkerLost",

@@ -1,0 +1,176 @@
+"""A running tokenmill for data-plane tests: real NATS and Postgres, the real app served by
+uvicorn on a free port, tenants/keys/SKUs made through the admin API, and real worker
+processes (`python -m worker.serve`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+
+from control_plane.app import create_app
+from control_plane.dataplane import tokenmill_extension
+from control_plane.dataplane.routes import DataPlane
+from control_plane.embedded import free_port
+from control_plane.services import Services
+from control_plane.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+ADMIN_TOKEN = "tmadm_test"
+# Fast failure detection in tests: workers beat every 0.1 s and are dead after 1 s of silence.
+HEARTBEAT_S = 0.1
+DEAD_AFTER_S = 1.0
+
+
+@dataclass
+class Stack:
+    base_url: str
+    nats_url: str
+    prefix: str
+    services: Services
+    plane: DataPlane
+    workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def v1(self) -> str:
+        return self.base_url + "/v1"
+
+    async def admin(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        async with httpx.AsyncClient(base_url=self.base_url + "/admin/v1") as http:
+            r = await http.request(
+                method, path, json=body, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}
+            )
+        assert r.status_code < 300, r.text
+        return r.json()
+
+    async def publish_sku(self, name: str, model: str = "fixed-rate-test") -> dict[str, Any]:
+        return await self.admin(
+            "POST",
+            "/skus",
+            {"name": name, "model": model, "runtime": "fixed_rate", "gpu_type": "cpu"},
+        )
+
+    async def tenant_with_key(
+        self, scopes: list[str] | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        tenant = await self.admin("POST", "/tenants", {"name": "t-" + uuid.uuid4().hex[:6]})
+        key = await self.admin(
+            "POST", f"/tenants/{tenant['tenant_id']}/keys", {"scopes": scopes or []}
+        )
+        return tenant, key
+
+    def start_worker(
+        self, sku_id: str, backend: str = "fixed_rate", **config: Any
+    ) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "worker.serve", "--nats-url", self.nats_url, "--prefix", self.prefix,
+                "--sku-id", sku_id, "--model", "fixed-rate-test", "--backend", backend,
+                "--config", json.dumps(config), "--heartbeat-s", str(HEARTBEAT_S), "--drain-s", "2",
+            ],
+            cwd=ROOT,
+            env={**os.environ, "TOKENMILL_LOG_LEVEL": "WARNING"},
+        )  # fmt: skip
+        self.workers.append(proc)
+        return proc
+
+    async def wait_served(self, sku_id: str, count: int = 1, within: float = 20.0) -> None:
+        deadline = time.monotonic() + within
+        while len(self.plane.gateway.registry.live_workers(sku_id)) < count:
+            assert time.monotonic() < deadline, f"no worker for {sku_id} after {within}s"
+            await asyncio.sleep(0.05)
+
+    async def ledger_row(self, request_id: str, within: float = 10.0) -> dict[str, Any]:
+        return (await self.ledger_rows([request_id], within))[request_id]
+
+    async def ledger_rows(
+        self, request_ids: list[str], within: float = 15.0
+    ) -> dict[str, dict[str, Any]]:
+        """The usage_ledger rows of these requests, once the projection has written them all."""
+        deadline = time.monotonic() + within
+        while True:
+            rows = await self.services.pool.fetch(
+                "SELECT * FROM usage_ledger WHERE request_id = ANY($1)", request_ids
+            )
+            if len(rows) == len(set(request_ids)) or time.monotonic() > deadline:
+                found = {r["request_id"]: dict(r) for r in rows}
+                missing = set(request_ids) - set(found)
+                assert not missing, f"not in the ledger after {within}s: {sorted(missing)[:5]}"
+                return found
+            await asyncio.sleep(0.05)
+
+    async def delivery_rows(
+        self, request_ids: list[str], within: float = 15.0
+    ) -> dict[str, dict[str, Any]]:
+        deadline = time.monotonic() + within
+        while True:
+            rows = await self.services.pool.fetch(
+                "SELECT * FROM gateway_deliveries WHERE request_id = ANY($1)", request_ids
+            )
+            if len(rows) == len(set(request_ids)) or time.monotonic() > deadline:
+                found = {r["request_id"]: dict(r) for r in rows}
+                assert len(found) == len(set(request_ids)), "gateway deliveries missing"
+                return found
+            await asyncio.sleep(0.05)
+
+
+def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@asynccontextmanager
+async def running_stack(
+    nats_url: str, database_url: str, prefix: str, data_dir: Path
+) -> AsyncIterator[Stack]:
+    settings = Settings(
+        data_dir=data_dir, nats_url=nats_url, database_url=database_url, stream_prefix=prefix
+    )
+    services = await Services.connect(settings, admin_token=ADMIN_TOKEN)
+    saved = os.environ.get("TOKENMILL_GATEWAY_WORKER_DEAD_S")
+    os.environ["TOKENMILL_GATEWAY_WORKER_DEAD_S"] = str(DEAD_AFTER_S)
+    try:
+        ext = tokenmill_extension(services)
+    finally:
+        if saved is None:
+            del os.environ["TOKENMILL_GATEWAY_WORKER_DEAD_S"]
+        else:
+            os.environ["TOKENMILL_GATEWAY_WORKER_DEAD_S"] = saved
+    app = create_app(services, extensions=[ext], run_projectors=True)
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        assert not serving.done(), "uvicorn did not start"
+        await asyncio.sleep(0.02)
+    plane = ext.dataplane
+    assert plane is not None
+    stack = Stack(f"http://127.0.0.1:{port}", nats_url, prefix, services, plane)
+    try:
+        yield stack
+    finally:
+        for proc in stack.workers:
+            stop_process(proc)
+        server.should_exit = True
+        await serving
+        await services.close()
