@@ -92,14 +92,19 @@ def gated_delta_rule_decode(
     state_slots: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool,
+    block_v: int = 32,
+    num_warps: int = 4,
 ) -> torch.Tensor:
-    """One token per sequence: q, k [B, Hk, dk], v [B, Hv, dv], g, beta [B, Hv] -> o [B, Hv, dv]."""
+    """One token per sequence: q, k [B, Hk, dk], v [B, Hv, dv], g, beta [B, Hv] -> o [B, Hv, dv].
+
+    One program per (sequence, value head, block_v columns of the state): it reads its [dk,
+    block_v] fp32 slice once and writes it once, the bytes that bound this op."""
     batch, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     _check_heads(q, k, v, state)
     g, beta = g.contiguous(), beta.contiguous()
     o = torch.empty((batch, hv, dv), dtype=v.dtype, device=v.device)
-    block_v = min(dv, 32)
+    block_v = min(dv, block_v)
     _decode_kernel[(batch * hv, dv // block_v)](
         q,
         k,
@@ -122,7 +127,7 @@ def gated_delta_rule_decode(
         DV=dv,
         BV=block_v,
         USE_L2NORM=use_qk_l2norm,
-        num_warps=4,
+        num_warps=num_warps,
     )
     return o
 
@@ -308,6 +313,7 @@ def gated_delta_rule_prefill(
     scale: float,
     use_qk_l2norm: bool,
     chunk_size: int = 32,
+    block_v: int = 64,
 ) -> torch.Tensor:
     """Varlen chunked prefill: q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv] -> o [T, Hv, dv]."""
     tokens, hk, dk = q.shape
@@ -342,7 +348,7 @@ def gated_delta_rule_prefill(
         USE_L2NORM=use_qk_l2norm,
         num_warps=4,
     )
-    block_v = min(dv, 64)
+    block_v = min(dv, block_v)
     _chunk_scan_kernel[(batch, hv, dv // block_v)](
         q,
         k,
