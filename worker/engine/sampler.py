@@ -18,13 +18,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if logits.shape[0] != len(seqs):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(seqs)} sequences")
-        tokens = [0] * len(seqs)
-        sampled_rows = []
-        for i, seq in enumerate(seqs):
-            if seq.params.greedy:
-                tokens[i] = int(torch.argmax(logits[i]))
-            else:
-                sampled_rows.append(i)
+        # One argmax over all rows and one device-to-host copy; sampled rows are overwritten.
+        tokens: list[int] = torch.argmax(logits, dim=-1).tolist()
+        sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if not sampled_rows:
             return tokens
 
