@@ -72,6 +72,13 @@ class BillingPeriod(msgspec.Struct, frozen=True):
         return BillingPeriod(utc(self.end), utc(self.end) + (utc(self.end) - utc(self.start)))
 
 
+def last_closable(now: datetime, grace: timedelta) -> BillingPeriod:
+    """The latest calendar month whose end is at least `grace` before `now`."""
+    open_month = BillingPeriod.containing(utc(now) - grace)
+    start = open_month.start
+    return BillingPeriod(_add_months(start, -1), start)
+
+
 def floor_to(at: datetime, granularity: str) -> tuple[datetime, datetime]:
     """The hour or day (UTC) containing `at`, as [start, end)."""
     at = utc(at)

@@ -1,0 +1,444 @@
+"""Billing jobs on a schedule (APScheduler 3.x), one active instance across replicas.
+
+Jobs (each idempotent, and safe to re-run after a crash at any point):
+- close_periods: finalize every tenant's invoices for months that ended more than the grace
+  window ago, as of the ledger's committed position; publish InvoiceFinalized (JetStream
+  refuses a second one per invoice id) and record it. Re-running closes only what is left.
+- refresh_rollups: hourly usage rollups, recomputing the buckets touched by ledger rows past
+  the rollup's saved position, rows and position in one transaction.
+- refresh_capacity: capacity projection per SKU from throughput measured in the ledger.
+- reconcile: metering (worker vs gateway), billing (ledger vs invoices) and rebuild checks,
+  stored per window.
+
+Leadership: a JetStream KV bucket holds a `leader` key with a TTL. A replica becomes leader by
+creating the key (create-if-absent) and stays leader by updating it with the revision it
+last wrote (compare-and-set) every TTL/3; a leader that cannot renew steps down, and a dead
+one's key expires so another replica takes over. Jobs run only on the leader."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import msgspec
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig
+from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
+
+from pricing.capacity import CapacityInputs, Throughput, project, throughput_from_ledger
+from pricing.events import finalized_event, publish_finalized, read_finalized
+from pricing.invoices import (
+    Invoice,
+    InvoiceAlreadyFinalized,
+    InvoiceBasis,
+    LedgerRow,
+    PreviousInvoice,
+    build_invoice,
+    finalize,
+)
+from pricing.money import to_decimal
+from pricing.periods import BillingPeriod, last_closable, utc
+from pricing.plans import PriceBook
+from pricing.reconcile import ReconciliationReport, check_billing, check_metering, check_rebuild
+from pricing.store import BillingStore
+
+log = logging.getLogger(__name__)
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name) or default
+
+
+def _costs(spec: str) -> dict[str, Decimal]:
+    pairs = (item.split("=", 1) for item in spec.split(",") if "=" in item)
+    return {gpu.strip(): to_decimal(cost.strip()) for gpu, cost in pairs}
+
+
+@dataclass(frozen=True)
+class BillingSettings:
+    # TOKENMILL_BILLING_GRACE_S: a month closes this long after it ends; usage that reaches the
+    # ledger later is an adjustment on the next invoice. Default 6 hours.
+    grace_s: float = field(
+        default_factory=lambda: float(_env("TOKENMILL_BILLING_GRACE_S", "21600"))
+    )
+    # TOKENMILL_BILLING_CURRENCY: invoice currency of a tenant none of whose usage is priced.
+    default_currency: str = field(default_factory=lambda: _env("TOKENMILL_BILLING_CURRENCY", "USD"))
+    # TOKENMILL_GPU_HOUR_COSTS: cost of one GPU-hour per SKU gpu_type, "H200=3.50,L40S=1.10".
+    gpu_hour_costs: dict[str, Decimal] = field(
+        default_factory=lambda: _costs(_env("TOKENMILL_GPU_HOUR_COSTS", ""))
+    )
+    # TOKENMILL_CAPACITY_BUSY_FRACTION: share of the month a GPU is assumed busy.
+    busy_fraction: Decimal = field(
+        default_factory=lambda: to_decimal(_env("TOKENMILL_CAPACITY_BUSY_FRACTION", "0.70"))
+    )
+    # TOKENMILL_CAPACITY_WINDOW_S: how much recent ledger measures a SKU's throughput.
+    capacity_window_s: float = field(
+        default_factory=lambda: float(_env("TOKENMILL_CAPACITY_WINDOW_S", "86400"))
+    )
+    # TOKENMILL_RECONCILE_WINDOW_S: how far back each reconciliation report looks.
+    reconcile_window_s: float = field(
+        default_factory=lambda: float(_env("TOKENMILL_RECONCILE_WINDOW_S", "86400"))
+    )
+    # TOKENMILL_SCHEDULER_LOCK_TTL_S: the leader key's TTL; renewed every third of it.
+    lock_ttl_s: float = field(
+        default_factory=lambda: float(_env("TOKENMILL_SCHEDULER_LOCK_TTL_S", "15"))
+    )
+    # TOKENMILL_BILLING_{CLOSE,ROLLUP,CAPACITY,RECONCILE}_INTERVAL_S: how often each job runs.
+    close_interval_s: float = field(
+        default_factory=lambda: float(_env("TOKENMILL_BILLING_CLOSE_INTERVAL_S", "300"))
+    )
+    rollup_interval_s: float = field(
+        default_factory=lambda: float(_env("TOKENMILL_BILLING_ROLLUP_INTERVAL_S", "60"))
+    )
+    capacity_interval_s: float = field(
+        default_factory=lambda: float(_env("TOKENMILL_BILLING_CAPACITY_INTERVAL_S", "900"))
+    )
+    reconcile_interval_s: float = field(
+        default_factory=lambda: float(_env("TOKENMILL_BILLING_RECONCILE_INTERVAL_S", "3600"))
+    )
+
+    @property
+    def grace(self) -> timedelta:
+        return timedelta(seconds=self.grace_s)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass
+class BillingContext:
+    store: BillingStore
+    js: JetStreamContext
+    prefix: str
+    settings: BillingSettings = field(default_factory=BillingSettings)
+    clock: Callable[[], datetime] = _now
+
+
+# -- period close -----------------------------------------------------------------------------
+
+
+def tenant_currency(rows: list[LedgerRow], book: PriceBook, default: str) -> str:
+    currencies = {
+        plan.currency
+        for row in rows
+        if (plan := book.in_force(row.sku_id, row.usage_at)) is not None
+    }
+    if len(currencies) > 1:
+        raise ValueError(f"usage priced in several currencies: {sorted(currencies)}")
+    return currencies.pop() if currencies else default
+
+
+async def _finalize_one(ctx: BillingContext, invoice: Invoice) -> Invoice:
+    """Publish the finalization, or adopt the one already on the stream; record it."""
+    event = finalized_event(invoice)
+    try:
+        seq = await publish_finalized(ctx.js, ctx.prefix, event)
+    except InvoiceAlreadyFinalized:
+        found = await read_finalized(ctx.js, ctx.prefix, invoice.invoice_id)
+        if found is None:
+            raise
+        seq, event = found
+    await ctx.store.record_finalized(event, seq)
+    return event.invoice
+
+
+async def close_periods(ctx: BillingContext, now: datetime | None = None) -> list[Invoice]:
+    """Finalize, per tenant and in order, every month up to the last closable one. Returns
+    the invoices finalized (or adopted from the stream) by this run."""
+    now = now or ctx.clock()
+    closable = last_closable(now, ctx.settings.grace)
+    cut = await ctx.store.ledger_position()
+    price_cut = await ctx.store.control_position()
+    book = await ctx.store.price_book()
+    done: list[Invoice] = []
+    for tenant_id, first_usage in (await ctx.store.ledger_tenants(closable.end, cut)).items():
+        previous = await ctx.store.latest_invoice(tenant_id)
+        period = previous.period.following() if previous else BillingPeriod.containing(first_usage)
+        while utc(period.end) <= utc(closable.end):
+            basis = InvoiceBasis(
+                tenant_id=tenant_id,
+                period=period,
+                currency=ctx.settings.default_currency,
+                cut_seq=max(cut, previous.cut_seq if previous else 0),
+                previous=PreviousInvoice(previous.period_end, previous.cut_seq)
+                if previous
+                else None,
+                price_cut_seq=price_cut,
+            )
+            rows = await ctx.store.invoice_rows(basis)
+            try:
+                currency = tenant_currency(rows, book, ctx.settings.default_currency)
+            except ValueError:
+                log.exception("billing: cannot invoice tenant %s for %s", tenant_id, period.label)
+                break
+            draft = build_invoice(msgspec.structs.replace(basis, currency=currency), rows, book)
+            if draft.lines or draft.unpriced:  # an empty month issues no invoice
+                previous = await _finalize_one(ctx, finalize(draft, now))
+                done.append(previous)
+                log.info(
+                    "billing: finalized %s total %s %s",
+                    previous.invoice_id,
+                    previous.total,
+                    currency,
+                )
+            period = period.following()
+    return done
+
+
+# -- rollups ----------------------------------------------------------------------------------
+
+ROLLUP_JOB = "usage_rollups"
+
+
+async def refresh_rollups(ctx: BillingContext) -> int:
+    """Bring the hourly rollups up to the ledger's committed position; returns that position.
+    The buckets touched by new rows are recomputed whole from the ledger, in one transaction
+    with the saved position, so a crash or a second run changes nothing."""
+    head = await ctx.store.ledger_position()
+    async with ctx.store.pool.acquire() as conn, conn.transaction():
+        await conn.execute("SET LOCAL timezone = 'UTC'")
+        done = await ctx.store.position(conn, ROLLUP_JOB, for_update=True)
+        if head <= done:
+            return done
+        await conn.execute(
+            """CREATE TEMP TABLE touched ON COMMIT DROP AS
+               SELECT DISTINCT date_trunc('hour', finished_at) AS bucket_start, tenant_id
+               FROM usage_ledger WHERE stream_seq > $1 AND stream_seq <= $2""",
+            done,
+            head,
+        )
+        await conn.execute(
+            """DELETE FROM usage_rollups r USING touched t
+               WHERE r.bucket_start = t.bucket_start AND r.tenant_id = t.tenant_id"""
+        )
+        await conn.execute(
+            """INSERT INTO usage_rollups
+               SELECT date_trunc('hour', l.finished_at), l.tenant_id, l.key_id, l.sku_id, l.model,
+                      count(*), count(*) FILTER (WHERE l.finish_reason = 'cancelled'),
+                      sum(l.prompt_tokens), sum(l.cached_tokens), sum(l.completion_tokens)
+               FROM usage_ledger l JOIN touched t
+                 ON date_trunc('hour', l.finished_at) = t.bucket_start AND l.tenant_id = t.tenant_id
+               WHERE l.stream_seq <= $1
+               GROUP BY 1, 2, 3, 4, 5""",
+            head,
+        )
+        await ctx.store.save_position(conn, ROLLUP_JOB, head)
+    return head
+
+
+# -- capacity ---------------------------------------------------------------------------------
+
+
+async def refresh_capacity(ctx: BillingContext, now: datetime | None = None) -> dict[str, dict]:
+    """Project each SKU's month from the throughput its workers showed in the recent ledger
+    (the best worker: an idle-heavy one understates what the GPU can do)."""
+    now = now or ctx.clock()
+    start = now - timedelta(seconds=ctx.settings.capacity_window_s)
+    book = await ctx.store.price_book()
+    projections: dict[str, dict] = {}
+    for sku in await ctx.store.skus():
+        rows = await ctx.store.ledger_rows(sku_id=sku["sku_id"], start=start, end=now)
+        measured = throughput_from_ledger(rows, sku["sku_id"])
+        if not measured:
+            continue
+        best: Throughput = max(measured, key=lambda t: t.output_tokens_per_second)
+        inputs = CapacityInputs(
+            gpu_hour_cost=ctx.settings.gpu_hour_costs.get(sku["gpu_type"], Decimal(0)),
+            busy_fraction=ctx.settings.busy_fraction,
+        )
+        plan = book.in_force(sku["sku_id"], now)
+        if plan is not None:
+            inputs = inputs.priced_by(plan)
+        document = {**project(best, inputs).as_dict(), "gpu_type": sku["gpu_type"]}
+        projections[sku["sku_id"]] = document
+        await ctx.store.pool.execute(
+            """INSERT INTO capacity_projections VALUES ($1, $2, $3::jsonb)
+               ON CONFLICT (sku_id) DO UPDATE SET computed_at = EXCLUDED.computed_at,
+               document = EXCLUDED.document""",
+            sku["sku_id"],
+            now,
+            _json(document),
+        )
+    return projections
+
+
+def _json(value: object) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+# -- reconciliation ---------------------------------------------------------------------------
+
+
+async def reconcile(ctx: BillingContext, now: datetime | None = None) -> ReconciliationReport:
+    """Metering over the window; billing and rebuild checks over all finalized invoices."""
+    now = now or ctx.clock()
+    start = now - timedelta(seconds=ctx.settings.reconcile_window_s)
+    ledger_window = await ctx.store.ledger_rows(start=start, end=now)
+    deliveries = await ctx.store.deliveries(start, now)
+    invoices = await ctx.store.invoices()
+    book = await ctx.store.price_book()
+    rebuilds = []
+    billing = []
+    if invoices:
+        ledger = await ctx.store.ledger_rows(cut_seq=max(i.cut_seq for i in invoices))
+        billing = check_billing(invoices, ledger)
+        rebuilds = [check_rebuild(invoice, ledger, book) for invoice in invoices]
+    report = ReconciliationReport(
+        generated_at=now,
+        window_start=start,
+        window_end=now,
+        metering=check_metering(ledger_window, deliveries),
+        billing=billing,
+        rebuilds=rebuilds,
+    )
+    await ctx.store.pool.execute(
+        """INSERT INTO billing_reports VALUES ('reconciliation', $1, $2, $3, $4, $5::jsonb)
+           ON CONFLICT (kind, window_end) DO UPDATE SET generated_at = EXCLUDED.generated_at,
+           ok = EXCLUDED.ok, document = EXCLUDED.document""",
+        now,
+        start,
+        now,
+        report.ok,
+        _json(report.as_dict()),
+    )
+    return report
+
+
+# -- leadership -------------------------------------------------------------------------------
+
+
+class LeaderLock:
+    """One leader among replicas via a TTL'd key in a JetStream KV bucket."""
+
+    KEY = "leader"
+
+    def __init__(
+        self, js: JetStreamContext, bucket: str, ttl_s: float, owner: str | None = None
+    ) -> None:
+        self.js = js
+        self.bucket = bucket
+        self.ttl_s = ttl_s
+        self.owner = owner or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._kv: KeyValue | None = None
+        self._revision: int | None = None
+        self._valid_until = 0.0
+
+    async def _bucket(self) -> KeyValue:
+        if self._kv is None:
+            try:
+                self._kv = await self.js.key_value(self.bucket)
+            except BucketNotFoundError:
+                self._kv = await self.js.create_key_value(
+                    KeyValueConfig(bucket=self.bucket, ttl=self.ttl_s, history=1)
+                )
+        return self._kv
+
+    @property
+    def is_leader(self) -> bool:
+        # Trust leadership only while the key we wrote cannot have expired yet.
+        return self._revision is not None and asyncio.get_running_loop().time() < self._valid_until
+
+    async def renew(self) -> bool:
+        """Acquire (create-if-absent) or keep (update at our revision) the leader key."""
+        kv = await self._bucket()
+        started = asyncio.get_running_loop().time()
+        try:
+            if self._revision is None:
+                self._revision = await kv.create(self.KEY, self.owner.encode())
+                log.info("scheduler: %s is the leader", self.owner)
+            else:
+                self._revision = await kv.update(self.KEY, self.owner.encode(), last=self._revision)
+        except (KeyWrongLastSequenceError, NotFoundError):
+            if self._revision is not None:
+                log.warning("scheduler: %s lost the leadership", self.owner)
+            self._revision = None
+            return False
+        self._valid_until = started + self.ttl_s * 0.9
+        return True
+
+    async def release(self) -> None:
+        if self._revision is None:
+            return
+        try:
+            kv = await self._bucket()
+            await kv.delete(self.KEY, last=self._revision)
+        except (KeyWrongLastSequenceError, NotFoundError):
+            pass
+        self._revision = None
+
+
+Job = Callable[[BillingContext], Awaitable[object]]
+
+
+def default_jobs(settings: BillingSettings) -> dict[str, tuple[Job, float]]:
+    return {
+        "close_periods": (close_periods, settings.close_interval_s),
+        "refresh_rollups": (refresh_rollups, settings.rollup_interval_s),
+        "refresh_capacity": (refresh_capacity, settings.capacity_interval_s),
+        "reconcile": (reconcile, settings.reconcile_interval_s),
+    }
+
+
+class BillingScheduler:
+    """The jobs on an AsyncIOScheduler, each run only while this replica holds the lock."""
+
+    def __init__(
+        self,
+        ctx: BillingContext,
+        jobs: dict[str, tuple[Job, float]] | None = None,
+        owner: str | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.jobs = jobs if jobs is not None else default_jobs(ctx.settings)
+        self.lock = LeaderLock(ctx.js, f"{ctx.prefix}_scheduler", ctx.settings.lock_ttl_s, owner)
+        self.scheduler = AsyncIOScheduler(timezone=UTC)
+        self.runs: dict[str, int] = dict.fromkeys(self.jobs, 0)
+
+    async def start(self) -> None:
+        await self.lock.renew()
+        self.scheduler.add_job(
+            self.lock.renew,
+            "interval",
+            seconds=self.ctx.settings.lock_ttl_s / 3,
+            id="leader",
+            max_instances=1,
+            coalesce=True,
+        )
+        for name, (job, interval) in self.jobs.items():
+            self.scheduler.add_job(
+                self._guarded,
+                "interval",
+                args=(name, job),
+                seconds=interval,
+                id=name,
+                max_instances=1,
+                coalesce=True,
+                next_run_time=datetime.now(UTC),
+            )
+        self.scheduler.start()
+
+    async def _guarded(self, name: str, job: Job) -> None:
+        if not self.lock.is_leader:
+            return
+        try:
+            await job(self.ctx)
+            self.runs[name] += 1
+        except Exception:
+            # A failed run leaves nothing half-done (each job is transactional or idempotent);
+            # the next interval retries it.
+            log.exception("billing job %s failed", name)
+
+    async def stop(self) -> None:
+        self.scheduler.shutdown(wait=False)
+        await self.lock.release()

@@ -1,0 +1,296 @@
+"""Billing's Postgres side: reads the usage ledger, gateway deliveries, price plans, tenants and
+keys (read models kept by events/), and keeps billing's own tables:
+
+- invoices: finalized invoices, a projection of InvoiceFinalized on the control stream
+  (`InvoicesProjection`, rebuildable like every read model); the period-close job also writes
+  the row it just published, idempotently, so billing does not wait on a projector.
+- usage_rollups: tokens and requests per hour x tenant x key x SKU x model.
+- billing_positions: how far each incremental job got (the rollup's ledger sequence).
+- capacity_projections, billing_reports: the latest projection per SKU, reconciliation reports.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from events.control import control_stream_name
+from events.projections.runner import Entry
+from events.store import StreamLayout
+from pricing.events import InvoiceFinalized, decode_invoice_event
+from pricing.invoices import Invoice, InvoiceBasis, LedgerRow, invoice_from_json, invoice_json
+from pricing.plans import PriceBook, PricePlan
+from pricing.reconcile import DeliveryRow
+from pricing.showback import Attribution
+
+# The projections in events/ whose positions tell billing how far the read models are.
+LEDGER_PROJECTION = "usage_ledger"
+CONTROL_PROJECTION = "read_models"
+
+INVOICES_DDL = """
+CREATE TABLE IF NOT EXISTS invoices (
+    invoice_id text PRIMARY KEY,
+    tenant_id text NOT NULL,
+    period_start timestamptz NOT NULL,
+    period_end timestamptz NOT NULL,
+    currency text NOT NULL,
+    cut_seq bigint NOT NULL,
+    total numeric NOT NULL,
+    status text NOT NULL,
+    finalized_at timestamptz,
+    digest text NOT NULL,
+    document text NOT NULL,  -- the exact JSON bytes that were finalized
+    seq bigint NOT NULL      -- control-stream sequence of InvoiceFinalized
+);
+CREATE INDEX IF NOT EXISTS invoices_tenant_period ON invoices (tenant_id, period_start);
+"""
+
+BILLING_DDL = """
+CREATE TABLE IF NOT EXISTS usage_rollups (
+    bucket_start timestamptz NOT NULL,
+    tenant_id text NOT NULL,
+    key_id text NOT NULL,
+    sku_id text NOT NULL,
+    model text NOT NULL,
+    requests bigint NOT NULL,
+    cancelled bigint NOT NULL,
+    prompt_tokens bigint NOT NULL,
+    cached_tokens bigint NOT NULL,
+    completion_tokens bigint NOT NULL,
+    PRIMARY KEY (bucket_start, tenant_id, key_id, sku_id, model)
+);
+CREATE TABLE IF NOT EXISTS billing_positions (
+    job text PRIMARY KEY,
+    last_seq bigint NOT NULL,
+    updated_at timestamptz NOT NULL
+);
+CREATE TABLE IF NOT EXISTS capacity_projections (
+    sku_id text PRIMARY KEY,
+    computed_at timestamptz NOT NULL,
+    document jsonb NOT NULL
+);
+CREATE TABLE IF NOT EXISTS billing_reports (
+    kind text NOT NULL,
+    window_end timestamptz NOT NULL,
+    window_start timestamptz NOT NULL,
+    generated_at timestamptz NOT NULL,
+    ok boolean NOT NULL,
+    document jsonb NOT NULL,
+    PRIMARY KEY (kind, window_end)
+);
+"""
+
+_LEDGER_SELECT = """SELECT request_id, tenant_id, key_id, sku_id, model, worker_id, prompt_tokens,
+    cached_tokens, completion_tokens, finish_reason, started_at, finished_at, stream_seq
+    FROM usage_ledger"""
+
+
+class InvoicesProjection:
+    """invoices <- InvoiceFinalized events of the control stream (a events.projections Projection)."""
+
+    name = "invoices"
+    tables: tuple[str, ...] = ("invoices",)
+    ddl = INVOICES_DDL
+
+    def stream(self, layout: StreamLayout) -> str:
+        return control_stream_name(layout.prefix)
+
+    async def apply(self, conn: asyncpg.Connection, batch: Sequence[Entry]) -> None:
+        for seq, data in batch:
+            event = decode_invoice_event(data)
+            if event is not None:
+                await upsert_invoice(conn, event, seq)
+
+
+async def upsert_invoice(
+    conn: asyncpg.Connection | asyncpg.Pool, event: InvoiceFinalized, seq: int
+) -> None:
+    """Record a finalization; the first record of an invoice id stays (finalized is final)."""
+    inv = event.invoice
+    await conn.execute(
+        """INSERT INTO invoices VALUES ($1, $2, $3, $4, $5, $6, $7::numeric, $8, $9, $10, $11, $12)
+           ON CONFLICT (invoice_id) DO NOTHING""",
+        inv.invoice_id,
+        inv.tenant_id,
+        inv.period_start,
+        inv.period_end,
+        inv.currency,
+        inv.cut_seq,
+        inv.total,
+        inv.status,
+        inv.finalized_at,
+        event.digest,
+        invoice_json(inv).decode(),
+        seq,
+    )
+
+
+def _ledger_row(record: asyncpg.Record) -> LedgerRow:
+    return LedgerRow(**dict(record))
+
+
+class BillingStore:
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+
+    async def ensure_schema(self) -> None:
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext('tokenmill.schema'))")
+            await conn.execute(INVOICES_DDL)
+            await conn.execute(BILLING_DDL)
+
+    # -- positions -------------------------------------------------------------------------
+
+    async def projection_position(self, projection: str) -> int:
+        """How far a read model of events/ has committed (0 if it never ran)."""
+        seq = await self.pool.fetchval(
+            """SELECT last_seq FROM projection_positions WHERE projection = $1""", projection
+        )
+        return int(seq or 0)
+
+    async def ledger_position(self) -> int:
+        return await self.projection_position(LEDGER_PROJECTION)
+
+    async def control_position(self) -> int:
+        return await self.projection_position(CONTROL_PROJECTION)
+
+    # -- ledger ----------------------------------------------------------------------------
+
+    async def ledger_rows(
+        self,
+        *,
+        tenant_id: str | None = None,
+        sku_id: str | None = None,
+        start: datetime | None = None,
+        end: datetime | None = None,
+        cut_seq: int | None = None,
+    ) -> list[LedgerRow]:
+        """Rows that finished in [start, end), up to `cut_seq`, in stream order."""
+        records = await self.pool.fetch(
+            _LEDGER_SELECT
+            + """ WHERE ($1::text IS NULL OR tenant_id = $1) AND ($2::text IS NULL OR sku_id = $2)
+                  AND ($3::timestamptz IS NULL OR finished_at >= $3)
+                  AND ($4::timestamptz IS NULL OR finished_at < $4)
+                  AND ($5::bigint IS NULL OR stream_seq <= $5)
+                ORDER BY stream_seq""",
+            tenant_id,
+            sku_id,
+            start,
+            end,
+            cut_seq,
+        )
+        return [_ledger_row(r) for r in records]
+
+    async def invoice_rows(self, basis: InvoiceBasis) -> list[LedgerRow]:
+        """A superset of what `basis` bills (build_invoice picks exactly): the tenant's rows
+        up to the cut that finished before the period ended and are new or in the period."""
+        previous = basis.previous
+        records = await self.pool.fetch(
+            _LEDGER_SELECT
+            + """ WHERE tenant_id = $1 AND stream_seq <= $2 AND finished_at < $3
+                  AND (finished_at >= $4 OR $5::bigint IS NULL OR stream_seq > $5
+                       OR finished_at >= $6::timestamptz)
+                ORDER BY stream_seq""",
+            basis.tenant_id,
+            basis.cut_seq,
+            basis.period.end,
+            basis.period.start,
+            previous.cut_seq if previous else None,
+            previous.period_end if previous else None,
+        )
+        return [_ledger_row(r) for r in records]
+
+    async def ledger_tenants(self, before: datetime, cut_seq: int) -> dict[str, datetime]:
+        """Tenants with usage before `before` (up to the cut), with their first usage time."""
+        records = await self.pool.fetch(
+            """SELECT tenant_id, min(finished_at) AS first FROM usage_ledger
+               WHERE finished_at < $1 AND stream_seq <= $2 GROUP BY tenant_id ORDER BY tenant_id""",
+            before,
+            cut_seq,
+        )
+        return {r["tenant_id"]: r["first"] for r in records}
+
+    async def deliveries(self, start: datetime, end: datetime) -> list[DeliveryRow]:
+        records = await self.pool.fetch(
+            """SELECT request_id, tenant_id, key_id, sku_id, gateway_id, prompt_tokens,
+                      completion_tokens, finish_reason, client_disconnected, finished_at, stream_seq
+               FROM gateway_deliveries WHERE finished_at >= $1 AND finished_at < $2""",
+            start,
+            end,
+        )
+        return [DeliveryRow(**dict(r)) for r in records]
+
+    # -- control read models ---------------------------------------------------------------
+
+    async def price_book(self) -> PriceBook:
+        records = await self.pool.fetch(
+            """SELECT plan_id, sku_id, currency, input_per_mtok, cached_input_per_mtok,
+                      output_per_mtok, effective_from, seq AS recorded_seq FROM price_plans"""
+        )
+        return PriceBook(PricePlan(**dict(r)) for r in records)
+
+    async def attribution(self) -> Attribution:
+        tenants = await self.pool.fetch("SELECT tenant_id, name, labels FROM tenants")
+        keys = await self.pool.fetch("SELECT key_id, name FROM api_keys")
+
+        def labels(value: Any) -> dict[str, str]:
+            return json.loads(value) if isinstance(value, str) else dict(value or {})
+
+        return Attribution(
+            tenant_names={r["tenant_id"]: r["name"] for r in tenants},
+            tenant_labels={r["tenant_id"]: labels(r["labels"]) for r in tenants},
+            key_names={r["key_id"]: r["name"] or "" for r in keys},
+        )
+
+    async def skus(self) -> list[asyncpg.Record]:
+        return await self.pool.fetch(
+            "SELECT sku_id, name, model, gpu_type, status FROM skus ORDER BY sku_id"
+        )
+
+    # -- invoices --------------------------------------------------------------------------
+
+    async def invoices(self, tenant_id: str | None = None) -> list[Invoice]:
+        records = await self.pool.fetch(
+            """SELECT document FROM invoices WHERE ($1::text IS NULL OR tenant_id = $1)
+               ORDER BY tenant_id, period_start""",
+            tenant_id,
+        )
+        return [invoice_from_json(r["document"].encode()) for r in records]
+
+    async def invoice(self, invoice_id: str) -> Invoice | None:
+        document = await self.pool.fetchval(
+            "SELECT document FROM invoices WHERE invoice_id = $1", invoice_id
+        )
+        return invoice_from_json(document.encode()) if document is not None else None
+
+    async def latest_invoice(self, tenant_id: str) -> Invoice | None:
+        document = await self.pool.fetchval(
+            """SELECT document FROM invoices WHERE tenant_id = $1
+               ORDER BY period_start DESC LIMIT 1""",
+            tenant_id,
+        )
+        return invoice_from_json(document.encode()) if document is not None else None
+
+    async def record_finalized(self, event: InvoiceFinalized, seq: int) -> None:
+        await upsert_invoice(self.pool, event, seq)
+
+    # -- job state -------------------------------------------------------------------------
+
+    async def position(self, conn: asyncpg.Connection, job: str, for_update: bool = False) -> int:
+        lock = " FOR UPDATE" if for_update else ""
+        seq = await conn.fetchval(
+            f"SELECT last_seq FROM billing_positions WHERE job = $1{lock}", job
+        )
+        return int(seq or 0)
+
+    async def save_position(self, conn: asyncpg.Connection, job: str, seq: int) -> None:
+        await conn.execute(
+            """INSERT INTO billing_positions VALUES ($1, $2, now())
+               ON CONFLICT (job) DO UPDATE SET last_seq = EXCLUDED.last_seq, updated_at = now()""",
+            job,
+            seq,
+        )
