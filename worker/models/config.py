@@ -117,6 +117,10 @@ class ModelConfig:
             h * (q_out + 2 * self.num_key_value_heads * d) + self.num_attention_heads * d * h
         )
         attention += 2 * d if self.qk_norm else 0
+        if self.attention_bias:
+            attention += q_out + 2 * self.num_key_value_heads * d + h
+        if self.mlp_bias:
+            mlp += 2 * self.intermediate_size + h
         nv = self.linear_num_value_heads
         deltanet = h * (self.conv_dim + self.linear_value_dim + 2 * nv)  # in_proj qkv, z, b, a
         deltanet += (
