@@ -35,6 +35,7 @@ from nats.js.api import KeyValueConfig
 from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
+from control_plane.reconcile import reconcile as reconcile_metering
 from pricing.capacity import CapacityInputs, Throughput, project, throughput_from_ledger
 from pricing.events import finalized_event, publish_finalized, read_finalized
 from pricing.invoices import (
@@ -49,7 +50,7 @@ from pricing.invoices import (
 from pricing.money import to_decimal
 from pricing.periods import BillingPeriod, last_closable, utc
 from pricing.plans import PriceBook
-from pricing.reconcile import ReconciliationReport, check_billing, check_metering, check_rebuild
+from pricing.reconcile import ReconciliationReport, check_billing, check_rebuild
 from pricing.store import BillingStore
 
 log = logging.getLogger(__name__)
@@ -284,8 +285,6 @@ async def reconcile(ctx: BillingContext, now: datetime | None = None) -> Reconci
     """Metering over the window; billing and rebuild checks over all finalized invoices."""
     now = now or ctx.clock()
     start = now - timedelta(seconds=ctx.settings.reconcile_window_s)
-    ledger_window = await ctx.store.ledger_rows(start=start, end=now)
-    deliveries = await ctx.store.deliveries(start, now)
     invoices = await ctx.store.invoices()
     book = await ctx.store.price_book()
     rebuilds = []
@@ -298,7 +297,7 @@ async def reconcile(ctx: BillingContext, now: datetime | None = None) -> Reconci
         generated_at=now,
         window_start=start,
         window_end=now,
-        metering=check_metering(ledger_window, deliveries),
+        metering=await reconcile_metering(ctx.store.pool, since=start, until=now),
         billing=billing,
         rebuilds=rebuilds,
     )

@@ -24,7 +24,6 @@ from events.store import StreamLayout
 from pricing.events import InvoiceFinalized, decode_invoice_event
 from pricing.invoices import Invoice, InvoiceBasis, LedgerRow, invoice_from_json, invoice_json
 from pricing.plans import PriceBook, PricePlan
-from pricing.reconcile import DeliveryRow
 from pricing.showback import Attribution
 
 # The projections in events/ whose positions tell billing how far the read models are.
@@ -213,16 +212,6 @@ class BillingStore:
             cut_seq,
         )
         return {r["tenant_id"]: r["first"] for r in records}
-
-    async def deliveries(self, start: datetime, end: datetime) -> list[DeliveryRow]:
-        records = await self.pool.fetch(
-            """SELECT request_id, tenant_id, key_id, sku_id, gateway_id, prompt_tokens,
-                      completion_tokens, finish_reason, client_disconnected, finished_at, stream_seq
-               FROM gateway_deliveries WHERE finished_at >= $1 AND finished_at < $2""",
-            start,
-            end,
-        )
-        return [DeliveryRow(**dict(r)) for r in records]
 
     # -- control read models ---------------------------------------------------------------
 
