@@ -39,4 +39,5 @@ def tokenmill_extension(services: Services) -> DataPlaneExtension:
         lifespan=[running],
         up_hooks=[demo_up_hook],
         dataplane=plane,
+        extra={"dataplane": plane},  # for other extensions: outcome listeners, admission checks
     )

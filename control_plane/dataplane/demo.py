@@ -80,7 +80,7 @@ def start_demo_worker(services: Services, sku_id: str, gguf_path: Path) -> subpr
         [
             sys.executable, "-m", "worker.serve", "--nats-url", s.nats_url, "--prefix", s.stream_prefix,
             "--sku-id", sku_id, "--model", DEMO_SKU, "--backend", "torch_runtime",
-            "--config", json.dumps({"gguf_path": str(gguf_path)}), "--worker-id", "demo-cpu-worker",
+            "--config", json.dumps({"model_path": str(gguf_path)}), "--worker-id", "demo-cpu-worker",
         ],
         stdout=log_file,
         stderr=subprocess.STDOUT,

@@ -73,7 +73,11 @@ class Stack:
         return tenant, key
 
     def start_worker(
-        self, sku_id: str, backend: str = "fixed_rate", **config: Any
+        self,
+        sku_id: str,
+        backend: str = "fixed_rate",
+        env: dict[str, str] | None = None,
+        **config: Any,
     ) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
             [
@@ -82,7 +86,7 @@ class Stack:
                 "--config", json.dumps(config), "--heartbeat-s", str(HEARTBEAT_S), "--drain-s", "2",
             ],
             cwd=ROOT,
-            env={**os.environ, "TOKENMILL_LOG_LEVEL": "WARNING"},
+            env={**os.environ, "TOKENMILL_LOG_LEVEL": "WARNING", **(env or {})},
         )  # fmt: skip
         self.workers.append(proc)
         return proc

@@ -43,8 +43,14 @@ class InvalidRequest(Exception):
 
 class Backend(Protocol):
     name: str
-    capacity: int  # concurrent requests it serves at full speed
-    max_context: int | None
+
+    @property
+    def capacity(self) -> int:
+        """Concurrent requests it serves at full speed."""
+        ...
+
+    @property
+    def max_context(self) -> int | None: ...
 
     async def start(self) -> None: ...
 

@@ -1,0 +1,122 @@
+"""Our runtime: a model loaded by `worker.loading` (GGUF or a Hugging Face checkpoint) served by
+the engine (`worker.engine`: scheduler, paged KV cache, continuous batching) on its own thread.
+
+The tokenizer renders chats with the model's own template and counts prompt tokens; the
+engine applies stop strings, sampling and max_tokens, and aborts a request whose iterator is
+left (a client that hung up)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from worker.backends.base import InvalidRequest, Load, Progress
+from worker.protocol import GenerateRequest
+
+log = logging.getLogger("tokenmill.worker.torch")
+
+
+@dataclass
+class TorchRuntimeBackend:
+    model_path: str  # a .gguf file or a Hugging Face checkpoint directory
+    device: str = "cpu"
+    dtype: str = "float32"  # CPUs run float32 fastest; "bfloat16" on GPUs
+    max_num_seqs: int = 8
+    max_model_len: int = 2048
+    name: str = "torch_runtime"
+
+    def __post_init__(self) -> None:
+        self.engine: Any = None  # AsyncLLMEngine, once started
+        self.tokenizer: Any = None
+
+    @property
+    def capacity(self) -> int:
+        return self.max_num_seqs
+
+    @property
+    def max_context(self) -> int:
+        return self.max_model_len
+
+    async def start(self) -> None:
+        self.engine, self.tokenizer = await asyncio.to_thread(self._load)
+
+    def _load(self) -> tuple[Any, Any]:
+        import torch
+
+        from worker.engine.async_engine import AsyncLLMEngine
+        from worker.engine.engine import EngineConfig, LLMEngine
+        from worker.loading import load_model
+
+        model, tokenizer = load_model(self.model_path, self.device, getattr(torch, self.dtype))
+        config = EngineConfig.from_env(
+            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len
+        )
+        engine = AsyncLLMEngine(LLMEngine(model, tokenizer, config))
+        engine.start()
+        log.info("loaded %s on %s (%s)", self.model_path, self.device, self.dtype)
+        return engine, tokenizer
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await self.engine.close()
+
+    def load(self) -> Load:
+        if self.engine is None:
+            return Load()
+        # Read without the engine thread's lock: a heartbeat may be one step stale, no more.
+        llm = self.engine.engine
+        blocks = llm.block_manager
+        return Load(
+            running=len(llm.scheduler.running),
+            waiting=len(llm.scheduler.waiting),
+            kv_pressure=blocks.num_used_blocks / blocks.num_blocks if blocks.num_blocks else 0.0,
+        )
+
+    def prompt_ids(self, request: GenerateRequest) -> list[int]:
+        if request.messages is not None:
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            return list(self.tokenizer.encode_chat(messages))
+        return list(self.tokenizer.encode(request.prompt or ""))
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Progress]:
+        from worker.engine.sequence import SamplingParams
+
+        assert self.engine is not None, "the backend is not started"
+        ids = self.prompt_ids(request)
+        param = "messages" if request.chat else "prompt"
+        if not ids:
+            raise InvalidRequest("The prompt is empty.", param=param)
+        room = self.max_model_len - len(ids)
+        s = request.sampling
+        if room < 1 or (s.max_tokens is not None and s.max_tokens > room):
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(ids)} tokens and asks for {s.max_tokens or 'at least 1'} more.",
+                param=param,
+            )
+        if s.max_tokens == 0:
+            yield Progress("", 0, len(ids), finish_reason="length")
+            return
+        params = SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            max_tokens=room if s.max_tokens is None else s.max_tokens,
+            stop=list(s.stop),
+        )
+        async for out in self.engine.generate(ids, params, request.request_id):
+            finish = None
+            if out.finished:
+                if out.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(out.error or f"generation ended: {out.finish_reason}")
+                finish = str(out.finish_reason)
+            yield Progress(
+                out.text,
+                out.usage.completion_tokens,
+                out.usage.prompt_tokens,
+                out.usage.cached_tokens,
+                finish_reason=finish,  # type: ignore[arg-type]
+            )
