@@ -1,0 +1,222 @@
+"""`tokenmill invoices ...` and `tokenmill capacity ...` (wired in control_plane/cli.py).
+
+    tokenmill invoices list [--tenant T]
+    tokenmill invoices show ID | --tenant T --period 2026-03  [--format json|csv]
+    tokenmill invoices close [--now ISO]            finalize every closable month (idempotent)
+    tokenmill invoices showback --from ISO --to ISO [--tenant T] [--granularity hour|day]
+    tokenmill invoices rollups | report             run the rollup / reconciliation job once
+    tokenmill capacity (--bench results.json | --sku S --tok-s 387.6) --gpu-hour-cost 2.00
+                       [--busy 0.5 --busy 0.7 ...] [--output-price 3.00 ...] [--json]
+
+Connections come from --database-url / --nats-url or TOKENMILL_DATABASE_URL / TOKENMILL_NATS_URL
+(and TOKENMILL_STREAM_PREFIX). Writes the document to stdout, or to --out."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from datetime import UTC, datetime
+from decimal import Decimal
+from pathlib import Path
+
+import asyncpg
+import nats
+
+from pricing.capacity import CapacityInputs, Throughput, project, throughput_from_bench
+from pricing.invoices import invoice_csv, invoice_json
+from pricing.jobs import BillingContext, BillingSettings, close_periods, reconcile, refresh_rollups
+from pricing.money import plain, to_decimal
+from pricing.periods import BillingPeriod
+from pricing.queries import invoice_for, showback_export
+from pricing.store import BillingStore
+
+
+def _instant(text: str) -> datetime:
+    at = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return at if at.tzinfo else at.replace(tzinfo=UTC)
+
+
+def _invoices_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tokenmill invoices", description="Invoices and showback.")
+    ap.add_argument("--database-url", default=os.environ.get("TOKENMILL_DATABASE_URL"))
+    ap.add_argument("--nats-url", default=os.environ.get("TOKENMILL_NATS_URL"))
+    ap.add_argument("--prefix", default=os.environ.get("TOKENMILL_STREAM_PREFIX") or "TM")
+    ap.add_argument("--out", type=Path, help="write here instead of stdout")
+    sub = ap.add_subparsers(dest="command", required=True)
+    ls = sub.add_parser("list", help="finalized invoices")
+    ls.add_argument("--tenant")
+    show = sub.add_parser("show", help="one invoice: finalized, or the draft as of now")
+    show.add_argument("invoice_id", nargs="?")
+    show.add_argument("--tenant")
+    show.add_argument("--period", type=BillingPeriod.parse, help="YYYY-MM")
+    show.add_argument("--format", choices=("json", "csv"), default="json")
+    close = sub.add_parser("close", help="finalize every month past its grace window")
+    close.add_argument("--now", type=_instant)
+    sb = sub.add_parser("showback", help="FOCUS-style chargeback/showback CSV")
+    sb.add_argument("--from", dest="start", type=_instant, required=True)
+    sb.add_argument("--to", dest="end", type=_instant, required=True)
+    sb.add_argument("--tenant")
+    sb.add_argument("--granularity", choices=("hour", "day"), default="day")
+    sub.add_parser("rollups", help="bring the hourly usage rollups up to date")
+    sub.add_parser("report", help="run the reconciliation report now")
+    return ap
+
+
+@asynccontextmanager
+async def _context(args: argparse.Namespace, need_nats: bool) -> AsyncIterator[BillingContext]:
+    if not args.database_url:
+        raise SystemExit("tokenmill invoices: give --database-url or set TOKENMILL_DATABASE_URL")
+    if need_nats and not args.nats_url:
+        raise SystemExit("tokenmill invoices: give --nats-url or set TOKENMILL_NATS_URL")
+    pool = await asyncpg.create_pool(args.database_url, min_size=1, max_size=4)
+    assert pool is not None
+    nc = await nats.connect(args.nats_url) if need_nats else None
+    try:
+        store = BillingStore(pool)
+        await store.ensure_schema()
+        js = nc.jetstream() if nc is not None else None
+        yield BillingContext(store=store, js=js, prefix=args.prefix, settings=BillingSettings())  # type: ignore[arg-type]
+    finally:
+        if nc is not None:
+            await nc.drain()
+        await pool.close()
+
+
+def _emit(args: argparse.Namespace, data: bytes) -> None:
+    if args.out:
+        args.out.write_bytes(data)
+    else:
+        sys.stdout.buffer.write(data if data.endswith(b"\n") else data + b"\n")
+        sys.stdout.flush()
+
+
+async def invoices_main(argv: list[str] | None = None) -> int:
+    args = _invoices_parser().parse_args(argv)
+    async with _context(args, need_nats=args.command == "close") as ctx:
+        store = ctx.store
+        if args.command == "list":
+            rows = [
+                f"{i.invoice_id}\t{i.tenant_id}\t{i.period.label}\t{i.status}\t{plain(i.total)} {i.currency}"
+                for i in await store.invoices(args.tenant)
+            ]
+            _emit(args, "\n".join(rows).encode())
+        elif args.command == "show":
+            if args.invoice_id:
+                invoice = await store.invoice(args.invoice_id)
+                if invoice is None:
+                    print(f"no finalized invoice {args.invoice_id}", file=sys.stderr)
+                    return 1
+            elif args.tenant and args.period:
+                invoice = await invoice_for(
+                    store, args.tenant, args.period, ctx.settings.default_currency
+                )
+            else:
+                print("show: give an invoice id, or --tenant and --period", file=sys.stderr)
+                return 2
+            _emit(args, invoice_json(invoice) if args.format == "json" else invoice_csv(invoice))
+        elif args.command == "close":
+            closed = await close_periods(ctx, args.now)
+            _emit(
+                args,
+                "\n".join(
+                    f"finalized {i.invoice_id} {plain(i.total)} {i.currency}" for i in closed
+                ).encode(),
+            )
+        elif args.command == "showback":
+            _emit(
+                args,
+                await showback_export(store, args.start, args.end, args.granularity, args.tenant),
+            )
+        elif args.command == "rollups":
+            _emit(args, f"rollups at ledger sequence {await refresh_rollups(ctx)}".encode())
+        elif args.command == "report":
+            report = await reconcile(ctx)
+            _emit(args, json.dumps(report.as_dict(), indent=2, default=str).encode())
+            return 0 if report.ok else 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return asyncio.run(invoices_main(argv))
+
+
+# -- capacity (no servers needed) ----------------------------------------------------------
+
+
+def _capacity_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="tokenmill capacity",
+        description="GPU-hours per 1M output tokens, tokens per period, cost and margin per SKU.",
+    )
+    ap.add_argument(
+        "--bench", type=Path, action="append", default=[], help="benchmark results JSON"
+    )
+    ap.add_argument("--sku", help="SKU id (with --tok-s, or to override the results file's)")
+    ap.add_argument("--tok-s", type=to_decimal, help="measured aggregate output tokens/s")
+    ap.add_argument("--gpus", type=int, default=1, help="GPUs per replica (with --tok-s)")
+    ap.add_argument("--gpu-hour-cost", type=to_decimal, required=True)
+    ap.add_argument("--currency", default="USD")
+    ap.add_argument(
+        "--busy", type=to_decimal, action="append", help="busy fraction(s); default 0.70"
+    )
+    ap.add_argument("--days", type=int, default=30)
+    ap.add_argument("--output-price", type=to_decimal)
+    ap.add_argument("--input-price", type=to_decimal)
+    ap.add_argument("--cached-price", type=to_decimal)
+    ap.add_argument("--input-per-output", type=to_decimal, help="input tokens per output token")
+    ap.add_argument("--cached-share", type=to_decimal, default=Decimal(0))
+    ap.add_argument("--json", action="store_true")
+    return ap
+
+
+def capacity_main(argv: list[str] | None = None) -> int:
+    args = _capacity_parser().parse_args(argv)
+    measured = [throughput_from_bench(path, args.sku) for path in args.bench]
+    if args.tok_s is not None:
+        if not args.sku:
+            raise SystemExit("tokenmill capacity: --tok-s needs --sku")
+        measured.append(Throughput(args.sku, args.tok_s, gpus=args.gpus, source="given"))
+    if not measured:
+        raise SystemExit("tokenmill capacity: give --bench FILE or --sku with --tok-s")
+    base = CapacityInputs(
+        gpu_hour_cost=args.gpu_hour_cost,
+        currency=args.currency,
+        days=args.days,
+        output_price=args.output_price,
+        input_price=args.input_price,
+        cached_input_price=args.cached_price,
+        input_tokens_per_output_token=args.input_per_output,
+        cached_share_of_input=args.cached_share,
+    )
+    projections = [
+        project(t, replace(base, busy_fraction=busy))
+        for t in measured
+        for busy in (args.busy or [Decimal("0.70")])
+    ]
+    if args.json:
+        print(json.dumps([p.as_dict() for p in projections], indent=2))
+        return 0
+    header = (
+        f"{'sku':<20} {'tok/s':>9} {'busy':>5} {'GPU-h/1M':>9} {'M tok/' + str(args.days) + 'd':>11} "
+        f"{'cost/1M':>9} {'price/1M':>9} {'margin/1M':>10} {'margin':>7} {'break-even':>10}"
+    )
+    print(header)
+    for p in projections:
+
+        def show(value: object) -> str:
+            return "-" if value is None else str(value)
+
+        margin = "-" if p.margin_fraction is None else f"{p.margin_fraction * 100:.1f}%"
+        print(
+            f"{p.sku_id:<20} {plain(p.output_tokens_per_second):>9} {plain(p.busy_fraction):>5} "
+            f"{plain(p.gpu_hours_per_million_output):>9} {p.output_tokens_per_period / 1e6:>11.1f} "
+            f"{plain(p.cost_per_million_output):>9} {show(p.revenue_per_million_output):>9} "
+            f"{show(p.margin_per_million_output):>10} {margin:>7} {show(p.breakeven_busy_fraction):>10}"
+        )
+    return 0

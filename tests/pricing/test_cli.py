@@ -1,0 +1,89 @@
+import csv
+import io
+import json
+from datetime import UTC, datetime
+from decimal import Decimal
+
+import pytest
+
+from control_plane.embedded import EmbeddedNats
+from pricing.cli import capacity_main, invoices_main
+from pricing.invoices import invoice_from_json
+from tests.pricing.conftest import BillingRig, finished
+from tests.pricing.test_jobs import setup_catalogue
+
+
+def test_capacity_cli_reference_and_what_if(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "--sku",
+        "qwen",
+        "--tok-s",
+        "387.6",
+        "--gpu-hour-cost",
+        "2.00",
+        "--output-price",
+        "3.00",
+    ]
+    assert capacity_main([*argv, "--busy", "0.70", "--busy", "0.90", "--json"]) == 0
+    seventy, ninety = json.loads(capsys.readouterr().out)
+    assert seventy["output_tokens_per_period"] == 703_261_440
+    assert seventy["gpu_hours_per_million_output"] == "0.7167"
+    assert Decimal(ninety["cost_per_million_output"]) < Decimal(seventy["cost_per_million_output"])
+    assert capacity_main(argv) == 0
+    assert "703.3" in capsys.readouterr().out
+
+
+async def test_invoices_cli(
+    rig: BillingRig, nats_server: EmbeddedNats, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:  # noqa: ANN001
+    await setup_catalogue(rig)
+    await rig.usage(
+        [finished("r1", datetime(2026, 3, 3, tzinfo=UTC), completion=1_000_000, prompt=0)]
+    )
+    await rig.project()
+    base = [
+        "--database-url",
+        rig.database_url,
+        "--nats-url",
+        nats_server.url,
+        "--prefix",
+        rig.layout.prefix,
+    ]
+
+    assert await invoices_main([*base, "show", "--tenant", "acme", "--period", "2026-03"]) == 0
+    draft = invoice_from_json(capsys.readouterr().out.strip().encode())
+    assert (draft.status, draft.total) == ("draft", Decimal("3.00"))
+
+    assert await invoices_main([*base, "close", "--now", "2026-04-02T00:00:00Z"]) == 0
+    assert "finalized inv_acme_202603 3.00 USD" in capsys.readouterr().out
+    assert await invoices_main([*base, "list"]) == 0
+    assert capsys.readouterr().out.split("\t")[:4] == [
+        "inv_acme_202603",
+        "acme",
+        "2026-03",
+        "finalized",
+    ]
+    out = tmp_path / "inv.csv"
+    assert (
+        await invoices_main(
+            [*base, "--out", str(out), "show", "inv_acme_202603", "--format", "csv"]
+        )
+        == 0
+    )
+    assert [r["amount"] for r in csv.DictReader(io.StringIO(out.read_text()))] == ["3.00"]
+
+    argv = [
+        *base,
+        "showback",
+        "--from",
+        "2026-03-01",
+        "--to",
+        "2026-04-01",
+        "--granularity",
+        "hour",
+    ]
+    assert await invoices_main(argv) == 0
+    (record,) = csv.DictReader(io.StringIO(capsys.readouterr().out))
+    assert (record["BilledCost"], record["BillingAccountName"]) == ("3.00", "Acme")
+    assert json.loads(record["Tags"]) == {"cost_centre": "CC-1042"}
+    assert await invoices_main([*base, "show", "inv_nope"]) == 1
