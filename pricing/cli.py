@@ -5,6 +5,7 @@
     tokenmill invoices close [--now ISO]            finalize every closable month (idempotent)
     tokenmill invoices showback --from ISO --to ISO [--tenant T] [--granularity hour|day]
     tokenmill invoices rollups | report             run the rollup / reconciliation job once
+    tokenmill scheduler                             run all billing jobs (one leader)
     tokenmill capacity (--bench results.json | --sku S --tok-s 387.6) --gpu-hour-cost 2.00
                        [--busy 0.5 --busy 0.7 ...] [--output-price 3.00 ...] [--json]
 
@@ -30,7 +31,14 @@ import nats
 
 from pricing.capacity import CapacityInputs, Throughput, project, throughput_from_bench
 from pricing.invoices import invoice_csv, invoice_json
-from pricing.jobs import BillingContext, BillingSettings, close_periods, reconcile, refresh_rollups
+from pricing.jobs import (
+    BillingContext,
+    BillingScheduler,
+    BillingSettings,
+    close_periods,
+    reconcile,
+    refresh_rollups,
+)
 from pricing.money import plain, to_decimal
 from pricing.periods import BillingPeriod
 from pricing.queries import invoice_for, showback_export
@@ -144,6 +152,23 @@ async def invoices_main(argv: list[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     return asyncio.run(invoices_main(argv))
+
+
+async def scheduler_main(argv: list[str] | None = None) -> int:
+    """`tokenmill scheduler`: run the billing jobs until cancelled; replicas elect one leader."""
+    ap = argparse.ArgumentParser(prog="tokenmill scheduler", description=scheduler_main.__doc__)
+    ap.add_argument("--database-url", default=os.environ.get("TOKENMILL_DATABASE_URL"))
+    ap.add_argument("--nats-url", default=os.environ.get("TOKENMILL_NATS_URL"))
+    ap.add_argument("--prefix", default=os.environ.get("TOKENMILL_STREAM_PREFIX") or "TM")
+    args = ap.parse_args(argv)
+    async with _context(args, need_nats=True) as ctx:
+        scheduler = BillingScheduler(ctx)
+        await scheduler.start()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await scheduler.stop()
+    return 0
 
 
 # -- capacity (no servers needed) ----------------------------------------------------------

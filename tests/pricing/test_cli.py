@@ -87,3 +87,42 @@ async def test_invoices_cli(
     assert (record["BilledCost"], record["BillingAccountName"]) == ("3.00", "Acme")
     assert json.loads(record["Tags"]) == {"cost_centre": "CC-1042"}
     assert await invoices_main([*base, "show", "inv_nope"]) == 1
+
+
+async def test_scheduler_runs_the_jobs(
+    rig: BillingRig, nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from pricing.cli import scheduler_main
+
+    await setup_catalogue(rig)
+    await rig.usage([finished("s1", datetime(2026, 3, 3, tzinfo=UTC))])
+    await rig.project()
+    monkeypatch.setenv("TOKENMILL_BILLING_GRACE_S", "0")
+    argv = [
+        "--database-url",
+        rig.database_url,
+        "--nats-url",
+        nats_server.url,
+        "--prefix",
+        rig.layout.prefix,
+    ]
+    task = asyncio.create_task(scheduler_main(argv))
+    for _ in range(100):
+        if await rig.pool.fetchval("SELECT count(*) FROM invoices") and await rig.pool.fetchval(
+            "SELECT count(*) FROM billing_reports"
+        ):
+            break
+        await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await rig.pool.fetchval("SELECT invoice_id FROM invoices") == "inv_acme_202603"
+    assert (
+        await rig.pool.fetchval(
+            "SELECT last_seq FROM billing_positions WHERE job = 'usage_rollups'"
+        )
+        == 1
+    )
+    assert await rig.pool.fetchval("SELECT ok FROM billing_reports") is True
