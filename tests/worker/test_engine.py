@@ -206,3 +206,35 @@ def test_duplicate_request_id_is_refused():
     engine.add_request([1], request_id="r1")
     with pytest.raises(ValueError, match="already"):
         engine.add_request([2], request_id="r1")
+
+
+def test_runner_builds_the_contract_metadata():
+    engine, _ = make_engine(block_size=4, max_num_batched_tokens=9)
+    engine.add_request([1, 2, 3])  # decodes next step
+    engine.add_request(list(range(10, 20)))  # 10 tokens: chunked 6 + 4
+    engine.step()  # seq 0: prompt (3); seq 1: first 6 tokens
+    batch = engine.scheduler.schedule()
+    input_ids, meta = engine.runner.prepare(batch)
+    s0, s1 = (engine._requests[r].seq for r in list(engine._requests))
+    assert meta.seq_ids == [s1.seq_id, s0.seq_id] and meta.num_prefills == 1
+    assert meta.query_lens == [4, 1]
+    assert input_ids.tolist() == [16, 17, 18, 19, s0.output_token_ids[0]]
+    assert meta.positions.tolist() == [6, 7, 8, 9, 3]
+    assert meta.context_lens.tolist() == [10, 4]
+    assert meta.cu_seqlens.tolist() == [0, 4, 5]
+    assert meta.logits_indices.tolist() == [3, 4]
+    assert meta.has_initial_state.tolist() == [True, True]
+    assert meta.state_slots.tolist() == [s1.state_slot, s0.state_slot]
+    t1, t0 = s1.block_table, s0.block_table
+    assert meta.block_tables.tolist() == [t1, t0 + [0, 0]]  # padded with 0
+    assert meta.slot_mapping.tolist() == [
+        t1[1] * 4 + 2, t1[1] * 4 + 3, t1[2] * 4, t1[2] * 4 + 1, t0[0] * 4 + 3,
+    ]  # fmt: skip
+
+
+def test_config_from_env(monkeypatch):
+    monkeypatch.setenv("TOKENMILL_ENGINE_MAX_NUM_SEQS", "3")
+    monkeypatch.setenv("TOKENMILL_ENGINE_KV_CACHE_BYTES", "1048576")
+    config = EngineConfig.from_env(max_model_len=256)
+    assert (config.max_num_seqs, config.kv_cache_bytes, config.max_model_len) == (3, 1048576, 256)
+    assert config.block_size == 16
