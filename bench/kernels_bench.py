@@ -165,6 +165,21 @@ def graph_matches_eager(case: Case) -> bool:
     return same
 
 
+def kernel_breakdown(fn: Callable[[Inputs], Any], sets: list[Inputs]) -> dict[str, float]:
+    """Device microseconds per call of each kernel one call launches (torch profiler)."""
+    calls = 4
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            fn(sets[i % len(sets)])
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if total:
+            times[event.key[:60]] = total / calls
+    return dict(sorted(times.items(), key=lambda kv: -kv[1])[:5])
+
+
 def measure(case: Case) -> Result:
     inputs = case.make()
     mine, theirs = clone_inputs(inputs), clone_inputs(inputs)
@@ -178,7 +193,7 @@ def measure(case: Case) -> Result:
     eager = time_eager(case.run, sets)
     us = time_graph(case.run, sets) if case.graph else eager
     ref_us = time_eager(case.ref, sets[:2], rep_ms=100) if case.time_ref else None
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"kernels_us": kernel_breakdown(case.run, sets)}
     if case.graph:
         extra["graph_equals_eager"] = graph_matches_eager(case)
     gbs = case.bytes_moved / us / 1e3
@@ -275,20 +290,30 @@ def conv_cases() -> list[Case]:
             bytes_moved=2 * BATCH * CONV_DIM * 2 + state_bytes + CONV_DIM * CONV_K * 2,
             mutated=("state",),
         ),
+    ] + [
         Case(
-            "causal_conv1d_prefill",
+            f"causal_conv1d_prefill bt={bt} bc={bc}",
             f"[{BATCH}x{PROMPT}, {CONV_DIM}]",
             make_prefill,
-            lambda i: causal_conv1d_prefill(
-                i["x"], i["w"], None, i["cu"], i["state"], i["slots"], i["init"]
-            ),
+            lambda i, bt=bt, bc=bc: causal_conv1d_prefill(
+                i["x"],
+                i["w"],
+                None,
+                i["cu"],
+                i["state"],
+                i["slots"],
+                i["init"],
+                block_t=bt,
+                block_c=bc,
+            ),  # fmt: skip
             lambda i: reference.causal_conv1d_prefill(
                 i["x"], i["w"], None, i["cu"], i["state"], i["slots"], i["init"]
             ),
             bytes_moved=2 * BATCH * PROMPT * CONV_DIM * 2 + state_bytes,
-            graph=False,
             mutated=("state",),
-        ),
+            time_ref=bt == 32 and bc == 128,
+        )
+        for bt, bc in ((32, 128), (64, 64), (16, 256))
     ]
 
 
@@ -310,7 +335,7 @@ def delta_cases() -> list[Case]:
     state_bytes = BATCH * HV * DK * DV * 4
     decode_bytes = 2 * state_bytes + BATCH * (2 * HK * DK + 2 * HV * DV) * 2 + BATCH * HV * 6
     cases = []
-    for block_v, warps in ((16, 2), (32, 4), (64, 4), (128, 8)):
+    for block_v, warps in ((32, 4), (64, 4), (64, 8), (32, 2)):
         cases.append(
             Case(
                 f"gdn_decode bv={block_v} w={warps}",
@@ -348,14 +373,26 @@ def delta_cases() -> list[Case]:
 
     tokens = BATCH * PROMPT
     io_bytes = tokens * (2 * HK * DK + 2 * HV * DV) * 2 + tokens * HV * 6 + 2 * state_bytes
-    for chunk, block_v in ((32, 64), (64, 64), (32, 128), (16, 64)):
+    variants = (
+        # chunk, block_v, bf16 dots, prepare warps, scan warps
+        (32, 64, False, 4, 4),
+        (16, 64, False, 4, 4),
+        (64, 64, False, 4, 4),
+        (32, 64, True, 4, 4),
+        (64, 64, True, 4, 4),
+        (32, 32, True, 4, 4),
+        (64, 128, True, 4, 8),
+        (32, 64, True, 2, 4),
+        (16, 32, True, 2, 4),
+    )
+    for chunk, block_v, dot16, pw, sw in variants:
         flops = 2 * tokens * HV * (3 * DK * DV + chunk * (2 * DK + 2 * DV) + chunk * chunk // 3)
         cases.append(
             Case(
-                f"gdn_prefill BT={chunk} bv={block_v}",
+                f"gdn_prefill BT={chunk} bv={block_v}{' bf16' if dot16 else ''} w={pw}/{sw}",
                 f"{BATCH}x{PROMPT} tok, Hv={HV}",
                 make_prefill,
-                lambda i, c=chunk, bv=block_v: gated_delta_rule_prefill(
+                lambda i, c=chunk, bv=block_v, d=dot16, pw=pw, sw=sw: gated_delta_rule_prefill(
                     i["q"],
                     i["k"],
                     i["v"],
@@ -369,6 +406,9 @@ def delta_cases() -> list[Case]:
                     True,
                     chunk_size=c,
                     block_v=bv,
+                    dot16=d,
+                    prepare_warps=pw,
+                    scan_warps=sw,
                 ),  # fmt: skip
                 lambda i: reference.gated_delta_rule_prefill_chunked(
                     i["q"],
@@ -385,9 +425,8 @@ def delta_cases() -> list[Case]:
                 ),  # fmt: skip
                 bytes_moved=io_bytes,
                 flops=flops,
-                graph=False,
                 mutated=("state",),
-                time_ref=chunk == 32 and block_v == 64,
+                time_ref=(chunk, block_v, dot16) == (32, 64, False),
             )
         )
     return cases
@@ -395,9 +434,9 @@ def delta_cases() -> list[Case]:
 
 def attention_cases() -> list[Case]:
     cases = []
-    for context in (PROMPT + 256, 4096):
+    for context, partitions in ((PROMPT + 256, (None, 64, 128)), (4096, (None, 512))):
         for fp8 in (False, True):
-            for partition in (None, 256):
+            for partition in partitions:
                 cases.append(attention_case(context, fp8, partition))
     return cases
 
@@ -521,6 +560,10 @@ def main() -> None:
             f"{r.rel_err:8.1e} {state:>8}"
             + ("" if r.extra.get("graph_equals_eager", True) else "  GRAPH MISMATCH")
         )
+    print("\nper-kernel device time (us per call, torch profiler, eager):")
+    for r in results:
+        parts = ", ".join(f"{k.split('(')[0]} {v:.1f}" for k, v in r.extra["kernels_us"].items())
+        print(f"  {r.name:<34} {parts}")
     budget: dict[str, float] = {}
     try:
         budget = decode_step_budget(results)

@@ -101,43 +101,46 @@ def _conv_prefill_kernel(
     state_slots,
     has_initial_state,
     cu_seqlens,
+    num_seqs,
     out,
+    n_tokens,
     stride_xt,
     C,
     K: tl.constexpr,
-    KP: tl.constexpr,
     BT: tl.constexpr,
     BC: tl.constexpr,
+    B_PAD: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    i_t = tl.program_id(1)
-    offs_c = tl.program_id(2) * BC + tl.arange(0, BC)
+    """Outputs for BT tokens of the flat token axis (which may span sequences) x BC channels."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     in_c = offs_c < C
-    bos = tl.load(cu_seqlens + seq).to(tl.int64)
-    eos = tl.load(cu_seqlens + seq + 1).to(tl.int64)
-    length = eos - bos
+    valid = t < n_tokens
+    # each token's sequence: how many sequences end at or before it
+    offs_b = tl.arange(0, B_PAD)
+    ends = tl.load(cu_seqlens + 1 + offs_b, mask=offs_b < num_seqs, other=2**31 - 1)
+    seq = tl.minimum(tl.sum((ends[None, :] <= t[:, None]).to(tl.int32), 1), num_seqs - 1)
+    bos = tl.load(cu_seqlens + seq)
     slot = tl.load(state_slots + seq).to(tl.int64)
-    # earliest readable state entry, as a negative input index: -(K-1), or 0 when there is no
-    # initial state (a vector compare, since the interpreter mis-types vector & scalar masks)
+    # earliest readable state entry, as an offset from the sequence start: -(K-1) or 0
     first_src = -(K - 1) * tl.load(has_initial_state + seq)
-    p_state = conv_state + (slot * C + offs_c) * (K - 1)
-    t_rel = i_t * BT + tl.arange(0, BT)  # token index within the sequence
-    valid = t_rel < length
+    p_state = conv_state + (slot * C)[:, None] * (K - 1) + offs_c[None, :] * (K - 1)
 
     y = tl.zeros([BT, BC], dtype=tl.float32)
     for j in range(K):
-        src = t_rel - (K - 1) + j  # input index within the sequence, negative: from the state
-        from_x = valid & (src >= 0)
+        src = t - (K - 1) + j  # flat input index; before bos it comes from the state
+        rel = src - bos
+        from_x = valid & (rel >= 0)
         vals = tl.load(
-            x + (bos + src)[:, None] * stride_xt + offs_c[None, :],
+            x + src.to(tl.int64)[:, None] * stride_xt + offs_c[None, :],
             mask=from_x[:, None] & in_c[None, :],
             other=0.0,
         ).to(tl.float32)
-        from_state = valid & (src < 0) & (src >= first_src)
+        from_state = valid & (rel < 0) & (rel >= first_src)
         vals += tl.load(
-            p_state[None, :] + (K - 1 + src)[:, None],
+            p_state + (K - 1 + rel)[:, None],
             mask=from_state[:, None] & in_c[None, :],
             other=0.0,
         ).to(tl.float32)
@@ -148,31 +151,49 @@ def _conv_prefill_kernel(
     if SILU:
         y = y / (1.0 + tl.exp(-y))
     tl.store(
-        out + (bos + t_rel)[:, None] * C + offs_c[None, :],
+        out + t.to(tl.int64)[:, None] * C + offs_c[None, :],
         y.to(out.dtype.element_ty),
         mask=valid[:, None] & in_c[None, :],
     )
 
-    # The first token block is the only reader of the old state, so it writes the new one: the
-    # sequence's last K-1 inputs, reaching back into the old state when the sequence is short.
-    if i_t == 0:
-        taps = tl.arange(0, KP)
-        src = length - (K - 1) + taps
-        in_window = taps < K - 1
-        mask = in_window[:, None] & in_c[None, :]
-        new_state = tl.load(
-            x + (bos + src)[:, None] * stride_xt + offs_c[None, :],
-            mask=mask & (src >= 0)[:, None],
-            other=0.0,
-        ).to(tl.float32)
-        new_state += tl.load(
-            p_state[None, :] + (K - 1 + src)[:, None],
-            mask=mask & ((src < 0) & (src >= first_src))[:, None],
-            other=0.0,
-        ).to(tl.float32)
-        tl.store(
-            p_state[None, :] + taps[:, None], new_state.to(conv_state.dtype.element_ty), mask=mask
-        )
+
+@kernel
+def _conv_prefill_state_kernel(
+    x,
+    conv_state,
+    state_slots,
+    has_initial_state,
+    cu_seqlens,
+    stride_xt,
+    C,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    BC: tl.constexpr,
+):
+    """Each sequence's new state: its last K-1 inputs, reaching back into the old state when it is
+    shorter than K-1 (run after the outputs, which read the old state)."""
+    seq = tl.program_id(0)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    in_c = offs_c < C
+    bos = tl.load(cu_seqlens + seq).to(tl.int64)
+    length = tl.load(cu_seqlens + seq + 1).to(tl.int64) - bos
+    slot = tl.load(state_slots + seq).to(tl.int64)
+    first_src = -(K - 1) * tl.load(has_initial_state + seq)
+    p_state = conv_state + (slot * C + offs_c) * (K - 1)
+    taps = tl.arange(0, KP)
+    src = length - (K - 1) + taps
+    mask = (taps < K - 1)[:, None] & in_c[None, :]
+    new_state = tl.load(
+        x + (bos + src)[:, None] * stride_xt + offs_c[None, :],
+        mask=mask & (src >= 0)[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    new_state += tl.load(
+        p_state[None, :] + (K - 1 + src)[:, None],
+        mask=mask & ((src < 0) & (src >= first_src))[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    tl.store(p_state[None, :] + taps[:, None], new_state.to(conv_state.dtype.element_ty), mask=mask)
 
 
 def causal_conv1d_prefill(
@@ -184,37 +205,52 @@ def causal_conv1d_prefill(
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor,
     activation: str | None = "silu",
+    block_t: int = 32,
+    block_c: int = 128,
 ) -> torch.Tensor:
     """Varlen causal conv over x[T, C]; writes each sequence's last K-1 inputs to its state slot.
 
-    The grid covers the longest sequence (one host read of cu_seqlens)."""
+    Two launches with shape-only grids (no host reads): outputs over the flat token axis, then
+    the states."""
     tokens, channels = x.shape
     taps = weight.shape[1]
     _check(x, weight, conv_state, activation)
     batch = cu_seqlens.numel() - 1
     out = torch.empty((tokens, channels), dtype=x.dtype, device=x.device)
-    if tokens == 0:
-        return out
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
-    block_t, block_c = 32, 128
-    grid = (batch, triton.cdiv(longest, block_t), triton.cdiv(channels, block_c))
-    _conv_prefill_kernel[grid](
+    has_state = has_initial_state.to(torch.int32)
+    if tokens > 0:
+        _conv_prefill_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))](
+            x,
+            weight,
+            bias if bias is not None else weight,
+            conv_state,
+            state_slots,
+            has_state,
+            cu_seqlens,
+            batch,
+            out,
+            tokens,
+            x.stride(0),
+            channels,
+            K=taps,
+            BT=block_t,
+            BC=block_c,
+            B_PAD=max(2, triton.next_power_of_2(batch)),
+            HAS_BIAS=bias is not None,
+            SILU=activation == "silu",
+            num_warps=4,
+        )
+    _conv_prefill_state_kernel[(batch, triton.cdiv(channels, 256))](
         x,
-        weight,
-        bias if bias is not None else weight,
         conv_state,
         state_slots,
-        has_initial_state.to(torch.int32),
+        has_state,
         cu_seqlens,
-        out,
         x.stride(0),
         channels,
         K=taps,
         KP=triton.next_power_of_2(taps),
-        BT=block_t,
-        BC=block_c,
-        HAS_BIAS=bias is not None,
-        SILU=activation == "silu",
+        BC=256,
         num_warps=4,
     )
     return out

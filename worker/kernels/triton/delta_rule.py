@@ -139,7 +139,7 @@ def _wy_prepare_kernel(
     g,
     beta,
     cu_seqlens,
-    chunk_indices,
+    num_seqs,
     gc_out,
     w_out,
     u_out,
@@ -152,15 +152,25 @@ def _wy_prepare_kernel(
     DK: tl.constexpr,
     DV: tl.constexpr,
     BT: tl.constexpr,
+    SUB: tl.constexpr,
+    B_PAD: tl.constexpr,
     USE_L2NORM: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     hv = tl.program_id(1)
     hk = hv // (HV // HK)
-    seq = tl.load(chunk_indices + i_c * 2)
-    chunk = tl.load(chunk_indices + i_c * 2 + 1)
-    bos = tl.load(cu_seqlens + seq).to(tl.int64)
-    eos = tl.load(cu_seqlens + seq + 1).to(tl.int64)
+    # Which sequence and which of its chunks this program has, from cu_seqlens alone (no host
+    # read, so the op can be graph-captured); programs past the last chunk mask everything.
+    offs_b = tl.arange(0, B_PAD)
+    starts = tl.load(cu_seqlens + offs_b, mask=offs_b < num_seqs, other=0)
+    ends = tl.load(cu_seqlens + offs_b + 1, mask=offs_b < num_seqs, other=0)
+    counts = (ends - starts + BT - 1) // BT
+    chunks_through = tl.cumsum(counts, 0)
+    seq = tl.sum((chunks_through <= i_c).to(tl.int32), 0)
+    chunk = i_c - tl.sum(tl.where(offs_b == seq, chunks_through - counts, 0), 0)
+    seq_c = tl.minimum(seq, num_seqs - 1)
+    bos = tl.load(cu_seqlens + seq_c).to(tl.int64)
+    eos = tl.where(seq < num_seqs, tl.load(cu_seqlens + seq_c + 1).to(tl.int64), bos)
     rows = bos + chunk * BT + tl.arange(0, BT)
     valid = rows < eos
     offs_k = tl.arange(0, DK)
@@ -189,19 +199,31 @@ def _wy_prepare_kernel(
     decay = tl.exp(tl.where(lower, b_gc[:, None] - b_gc[None, :], float("-inf")))
     b_a = tl.dot(b_k * b_beta[:, None], tl.trans(b_k)) * decay
 
-    # M = (I + A)^-1 by forward substitution, one row at a time: M_i = e_i - sum_{j<i} A_ij M_j.
-    # Row by row is the stable way; A's entries can be near 1 for repeated keys.
-    b_m = tl.where(i_idx == j_idx, 1.0, 0.0)
-    for i in range(1, BT):
-        a_i = tl.sum(tl.where(i_idx == i, b_a, 0.0), 0)
-        m_i = tl.where(tl.arange(0, BT) == i, 1.0, 0.0) - tl.sum(a_i[:, None] * b_m, 0)
-        b_m = tl.where(i_idx == i, m_i[None, :], b_m)
+    # M = (I + A)^-1. Forward substitution, M_i = e_i - sum_{j<i} A_ij M_j, is the stable way (A's
+    # entries can be near 1 for repeated keys) but sequential: it runs inside the diagonal blocks
+    # of SUB rows, all blocks at once (row i of every block per step), giving the block-diagonal
+    # inverse D. The off-diagonal part A_off then enters exactly through M = D - D A_off M, whose
+    # iteration from D ends after BT/SUB - 1 steps (D A_off is nilpotent across blocks).
+    same_block = (i_idx // SUB) == (j_idx // SUB)
+    a_diag = tl.where(same_block, b_a, 0.0)
+    eye = tl.where(i_idx == j_idx, 1.0, 0.0)
+    b_m = eye
+    for i in range(1, SUB):
+        step_rows = (i_idx % SUB) == i
+        b_m = tl.where(step_rows, eye - tl.dot(a_diag, b_m, input_precision="ieee"), b_m)
+    if BT > SUB:
+        d_a_off = tl.dot(b_m, tl.where(same_block, 0.0, b_a), input_precision="ieee")
+        b_d = b_m
+        for _ in tl.static_range(BT // SUB - 1):
+            b_m = b_d - tl.dot(d_a_off, b_m, input_precision="ieee")
 
     b_w = tl.dot(b_m, b_k * (b_beta * tl.exp(b_gc))[:, None])
     b_u = tl.dot(b_m, b_v * b_beta[:, None])
     tl.store(gc_out + rows * HV + hv, b_gc, mask=valid)
-    tl.store(w_out + (rows[:, None] * HV + hv) * DK + offs_k[None, :], b_w, mask=valid[:, None])
-    tl.store(u_out + (rows[:, None] * HV + hv) * DV + offs_v[None, :], b_u, mask=valid[:, None])
+    p_w = w_out + (rows[:, None] * HV + hv) * DK + offs_k[None, :]
+    tl.store(p_w, b_w.to(w_out.dtype.element_ty), mask=valid[:, None])
+    p_u = u_out + (rows[:, None] * HV + hv) * DV + offs_v[None, :]
+    tl.store(p_u, b_u.to(u_out.dtype.element_ty), mask=valid[:, None])
 
 
 @kernel
@@ -228,6 +250,7 @@ def _chunk_scan_kernel(
     BT: tl.constexpr,
     BV: tl.constexpr,
     USE_L2NORM: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     hv = tl.program_id(1)
@@ -272,32 +295,22 @@ def _chunk_scan_kernel(
         last = tl.minimum(bos + (chunk + 1) * BT, eos) - 1
         g_last = tl.load(gc + last * HV + hv)
 
-        b_vn = b_u - tl.dot(b_w, b_s)
+        b_s_op = b_s.to(DOT)
+        b_vn = b_u.to(tl.float32) - tl.dot(b_w.to(DOT), b_s_op)
+        b_vn_op = b_vn.to(DOT)
         decay = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
-        b_attn = tl.dot(b_q, tl.trans(b_k)) * decay
-        b_o = tl.dot(b_q * tl.exp(b_gc)[:, None], b_s) + tl.dot(b_attn, b_vn)
+        b_attn = tl.dot(b_q.to(DOT), tl.trans(b_k.to(DOT))) * decay
+        b_o = tl.dot((b_q * tl.exp(b_gc)[:, None]).to(DOT), b_s_op)
+        b_o += tl.dot(b_attn.to(DOT), b_vn_op)
         tl.store(
             o + (rows[:, None] * HV + hv) * DV + offs_v[None, :],
             b_o.to(o.dtype.element_ty),
             mask=valid[:, None],
         )
         b_kd = b_k * tl.exp(tl.where(valid, g_last - b_gc, float("-inf")))[:, None]
-        b_s = b_s * tl.exp(g_last) + tl.dot(tl.trans(b_kd), b_vn)
+        b_s = b_s * tl.exp(g_last) + tl.dot(tl.trans(b_kd.to(DOT)), b_vn_op)
 
     tl.store(p_s, b_s)
-
-
-def chunk_indices_of(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """[num_chunks, 2] int32 of (sequence, chunk within it) over all sequences (one host sync)."""
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    counts = (lens + chunk_size - 1) // chunk_size
-    total = int(counts.sum().item())
-    seqs = torch.repeat_interleave(
-        torch.arange(len(counts), device=cu_seqlens.device), counts, output_size=total
-    )
-    first = torch.cumsum(counts, 0) - counts
-    chunks = torch.arange(total, device=cu_seqlens.device) - first[seqs]
-    return torch.stack([seqs, chunks], 1).to(torch.int32).contiguous()
 
 
 def gated_delta_rule_prefill(
@@ -314,25 +327,35 @@ def gated_delta_rule_prefill(
     use_qk_l2norm: bool,
     chunk_size: int = 32,
     block_v: int = 64,
+    dot16: bool = False,
+    prepare_warps: int = 4,
+    scan_warps: int = 4,
 ) -> torch.Tensor:
-    """Varlen chunked prefill: q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv] -> o [T, Hv, dv]."""
+    """Varlen chunked prefill: q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv] -> o [T, Hv, dv].
+
+    No host reads: the grid depends on shapes only. `dot16` runs the chunk walk's dots on bf16
+    operands (fp32 accumulate; w and u stored in bf16), else tf32 on fp32 operands."""
     tokens, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     _check_heads(q, k, v, state)
     batch = cu_seqlens.numel() - 1
     g, beta = g.contiguous(), beta.contiguous()
+    inner = torch.bfloat16 if dot16 else torch.float32
     gc = torch.empty((tokens, hv), dtype=torch.float32, device=v.device)
-    w = torch.empty((tokens, hv, dk), dtype=torch.float32, device=v.device)
-    u = torch.empty((tokens, hv, dv), dtype=torch.float32, device=v.device)
+    w = torch.empty((tokens, hv, dk), dtype=inner, device=v.device)
+    u = torch.empty((tokens, hv, dv), dtype=inner, device=v.device)
     o = torch.empty((tokens, hv, dv), dtype=v.dtype, device=v.device)
-    chunk_indices = chunk_indices_of(cu_seqlens, chunk_size)
-    _wy_prepare_kernel[(chunk_indices.shape[0], hv)](
+    if tokens == 0:
+        return o
+    # every sequence adds at most one partial chunk
+    max_chunks = triton.cdiv(tokens, chunk_size) + batch
+    _wy_prepare_kernel[(max_chunks, hv)](
         k,
         v,
         g,
         beta,
         cu_seqlens,
-        chunk_indices,
+        batch,
         gc,
         w,
         u,
@@ -345,8 +368,10 @@ def gated_delta_rule_prefill(
         DK=dk,
         DV=dv,
         BT=chunk_size,
+        SUB=min(chunk_size, 16),
+        B_PAD=max(2, triton.next_power_of_2(batch)),
         USE_L2NORM=use_qk_l2norm,
-        num_warps=4,
+        num_warps=prepare_warps,
     )
     block_v = min(dv, block_v)
     _chunk_scan_kernel[(batch, hv, dv // block_v)](
@@ -372,7 +397,8 @@ def gated_delta_rule_prefill(
         BT=chunk_size,
         BV=block_v,
         USE_L2NORM=use_qk_l2norm,
-        num_warps=4,
+        DOT=tl.bfloat16 if dot16 and q.device.type != "cpu" else tl.float32,
+        num_warps=scan_warps,
     )
     return o
 

@@ -8,8 +8,8 @@ writes its partial output with its log-sum-exp; `_combine_kernel` merges the par
 
 The grid depends only on shapes (block_tables' width, not the context lengths), so the op can be
 captured in a CUDA graph; trimming block_tables to the batch's longest context keeps the number
-of empty partitions small. FP8 caches (e4m3, value / scale stored) are widened to bf16 for the
-dot; k_scale folds into the softmax scale and v_scale into the output. Under the CPU interpreter
+of empty partitions small. FP8 caches (e4m3, value / scale stored) are widened to fp16 for the
+dot (q too; post-norm queries are far inside fp16's range); k_scale folds into the softmax scale and v_scale into the output. Under the CPU interpreter
 the dots run in fp32 (its bf16 dot multiplies raw bits).
 """
 
@@ -135,7 +135,7 @@ def _combine_kernel(
 
 def decode_partition(capacity: int, batch: int, kv_heads: int) -> int:
     """Tokens per split: enough splits to fill the GPU, in whole steps of BN tokens."""
-    splits = max(1, min(triton.cdiv(_TARGET_PROGRAMS, batch * kv_heads), capacity // 256 + 1))
+    splits = max(1, triton.cdiv(_TARGET_PROGRAMS, batch * kv_heads))
     per_split = triton.cdiv(capacity, splits)
     return triton.cdiv(per_split, _TOKENS_PER_STEP) * _TOKENS_PER_STEP
 
@@ -188,7 +188,8 @@ def paged_attention_decode(
         BN=_TOKENS_PER_STEP,
         PARTITION=partition,
         SINGLE_SPLIT=single,
-        DOT=dot_dtype(q.device),
+        # fp8 widens to fp16 in one instruction (to bf16 it takes a detour through fp32)
+        DOT=tl.float16 if k_cache.dtype.itemsize == 1 and q.is_cuda else dot_dtype(q.device),
         num_warps=4,
         num_stages=2,
     )
