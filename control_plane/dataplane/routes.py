@@ -141,11 +141,11 @@ class DataPlane:
                 _dumps(_model_card(plane.authorizer.sku(caller, model))), media_type=JSON
             )
 
-        @post("/chat/completions")
+        @post("/chat/completions", status_code=200)
         async def chat_completions(request: Request) -> Response[bytes] | Stream:
             return await plane._complete("chat", request)
 
-        @post("/completions")
+        @post("/completions", status_code=200)
         async def completions(request: Request) -> Response[bytes] | Stream:
             return await plane._complete("completion", request)
 
