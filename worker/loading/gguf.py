@@ -109,7 +109,7 @@ def load_gguf_model(
         elif config.family == "llama" and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
             weight = _unpermute_rotary_rows(weight, config.num_key_value_heads)
         param = params[target]
-        param.copy_(torch.from_numpy(np.ascontiguousarray(weight)).reshape(param.shape))
+        param.copy_(torch.from_numpy(np.array(weight, copy=True)).reshape(param.shape))
         missing.discard(target)
     if missing:
         raise KeyError(f"GGUF file lacks {sorted(missing)[:8]}")
