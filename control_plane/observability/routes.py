@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from datetime import date
 from pathlib import Path
 
 from litestar import Response, Router, get
@@ -21,6 +22,8 @@ from litestar.static_files import create_static_files_router
 from litestar.types import ControllerRouterHandler, Guard
 
 from control_plane.observability.metrics import PROMETHEUS_TEXT, OpsMetrics
+from control_plane.observability.usage import usage_by_tenant, usage_csv
+from control_plane.services import Services  # a runtime import: Litestar reads the annotations
 
 # Security headers of the page: everything from our own origin, nothing inline.
 PAGE_HEADERS = {
@@ -70,6 +73,32 @@ def workers(metrics: OpsMetrics) -> dict[str, object]:
     return {"workers": metrics.workers()}
 
 
+@get("/usage", summary="Usage by tenant and SKU from the usage ledger (token counts)")
+async def usage(
+    services: Services,
+    start: date | None = Parameter(
+        query="from", default=None, description="First UTC day (inclusive)"
+    ),
+    end: date | None = Parameter(query="to", default=None, description="Last UTC day (inclusive)"),
+) -> dict[str, object]:
+    return {"items": await usage_by_tenant(services.pool, services.view, start, end)}
+
+
+@get("/usage.csv", media_type="text/csv", summary="Usage by tenant and SKU as CSV")
+async def usage_as_csv(
+    services: Services,
+    start: date | None = Parameter(query="from", default=None),
+    end: date | None = Parameter(query="to", default=None),
+) -> Response[str]:
+    rows = await usage_by_tenant(services.pool, services.view, start, end)
+    name = f"tokenmill-usage-{start or 'start'}-{end or 'now'}.csv"
+    return Response(
+        usage_csv(rows),
+        media_type="text/csv",
+        headers={"Content-Disposition": f'attachment; filename="{name}"'},
+    )
+
+
 @get("/", include_in_schema=False, sync_to_thread=False)
 def root() -> Redirect:
     return Redirect("/ui/")
@@ -81,14 +110,18 @@ def _page_headers(response: Response) -> Response:
 
 
 def observability_routes(
-    metrics: OpsMetrics, admin_guards: Sequence[Guard] = ()
+    metrics: OpsMetrics, admin_guards: Sequence[Guard] = (), *, with_ledger: bool = True
 ) -> list[ControllerRouterHandler]:
     """Route handlers to add to the app: `/metrics`, `/admin/v1/ops/{timeseries,workers}`
-    behind `admin_guards`, the page under `/ui/`, and `/` redirecting to it."""
+    behind `admin_guards`, the page under `/ui/`, and `/` redirecting to it. `with_ledger`
+    adds `/admin/v1/ops/usage[.csv]`, which need the app's `services` dependency."""
     provide = {"metrics": Provide(lambda: metrics, use_cache=True, sync_to_thread=False)}
+    handlers: list[ControllerRouterHandler] = [timeseries, workers]
+    if with_ledger:
+        handlers += [usage, usage_as_csv]
     ops = Router(
         path="/admin/v1/ops",
-        route_handlers=[timeseries, workers],
+        route_handlers=handlers,
         guards=list(admin_guards),
         dependencies=provide,
         tags=["operations"],

@@ -33,7 +33,7 @@ def metrics() -> OpsMetrics:
 
 @pytest.fixture()
 async def client(metrics: OpsMetrics) -> AsyncIterator[AsyncTestClient]:
-    app = Litestar(route_handlers=observability_routes(metrics, [admin_guard]))
+    app = Litestar(route_handlers=observability_routes(metrics, [admin_guard], with_ledger=False))
     async with AsyncTestClient(app) as c:
         yield c
 

@@ -27,7 +27,7 @@ def metrics() -> OpsMetrics:
 @pytest.fixture()
 def base_url(metrics: OpsMetrics) -> Iterator[str]:
     with serve_in_thread(
-        Litestar(route_handlers=observability_routes(metrics, [admin_guard]))
+        Litestar(route_handlers=observability_routes(metrics, [admin_guard], with_ledger=False))
     ) as url:
         yield url
 

@@ -54,26 +54,6 @@ export async function api(path, { method = "GET", body, query, raw = false } = {
   return parse(response);
 }
 
-// The first of several candidate paths that exists (the API may name a resource one of a
-// few ways while it grows); caches the winner per key.
-const resolved = new Map();
-export async function apiFirst(key, paths, options = {}) {
-  const known = resolved.get(key);
-  const order = known ? [known, ...paths.filter((p) => p !== known)] : paths;
-  let last;
-  for (const path of order) {
-    try {
-      const result = await api(path, options);
-      resolved.set(key, path);
-      return result;
-    } catch (err) {
-      if (!(err instanceof NotAvailable)) throw err;
-      last = err;
-    }
-  }
-  throw last || new NotAvailable("not available");
-}
-
 // Lists come back either bare or wrapped ({items: [...]}, {tenants: [...]}, ...).
 export function items(body, ...names) {
   if (Array.isArray(body)) return body;

@@ -88,13 +88,3 @@ export function download(filename, blob) {
   a.remove();
   setTimeout(() => URL.revokeObjectURL(url), 1000);
 }
-
-export function toCsv(columns, rows) {
-  const cell = (v) => {
-    const s = v === null || v === undefined ? "" : String(v);
-    return /[",\n]/.test(s) ? `"${s.replaceAll('"', '""')}"` : s;
-  };
-  return [columns.map((c) => cell(c.label)), ...rows.map((r) => columns.map((c) => cell(c.csv ? c.csv(r) : c.value(r))))]
-    .map((line) => line.join(","))
-    .join("\n") + "\n";
-}

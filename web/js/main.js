@@ -2,7 +2,7 @@
 
 import { api, ApiError, items, NotAvailable, token, Unauthorized } from "./api.js";
 import { lineChart } from "./charts.js";
-import { download, fmtNumber, fmtPercent, fmtSeconds, fmtSecondsShort, fmtTime, h, notAvailable, replace, table, toast, toCsv } from "./dom.js";
+import { download, fmtNumber, fmtPercent, fmtSeconds, fmtSecondsShort, fmtTime, h, notAvailable, replace, table, toast } from "./dom.js";
 
 // Every path the page calls, in one place.
 const API = {
@@ -14,15 +14,18 @@ const API = {
   key: (tenant, key) => `/admin/v1/tenants/${encodeURIComponent(tenant)}/keys/${encodeURIComponent(key)}`,
   skus: "/admin/v1/skus",
   sku: (id) => `/admin/v1/skus/${encodeURIComponent(id)}`,
-  prices: (sku) => `/admin/v1/skus/${encodeURIComponent(sku)}/prices`,
-  usage: "/admin/v1/usage",
-  showbackCsv: "/admin/v1/showback.csv",
+  prices: (sku) => `/admin/v1/skus/${encodeURIComponent(sku)}/price-plans`,
+  usage: "/admin/v1/ops/usage",
+  usageCsv: "/admin/v1/ops/usage.csv",
   invoices: "/admin/v1/invoices",
   invoice: (id) => `/admin/v1/invoices/${encodeURIComponent(id)}`,
   capacity: "/admin/v1/capacity",
 };
 
 const POLL_MS = 2000;
+// Admin lists read the Postgres read models; `consistent` waits for them to catch up with the
+// event log, so the page shows its own writes at once.
+const FRESH = { query: { consistent: true } };
 const views = ["overview", "workers", "tenants", "skus", "usage", "invoices", "capacity"];
 let pollTimer = null;
 let selectedTenant = null;
@@ -106,6 +109,15 @@ async function refresh(first = false) {
   }
   const live = name === "workers" || (name === "overview" && document.getElementById("live").checked);
   if (live && signedIn() && currentView() === name) pollTimer = setTimeout(() => refresh(), POLL_MS);
+}
+
+// Latest-wins for loaders that may overlap (a click while the previous load is in flight):
+// `const mine = turn("keys")` before the fetch, `if (!mine()) return` after it.
+const turns = new Map();
+function turn(key) {
+  const n = (turns.get(key) || 0) + 1;
+  turns.set(key, n);
+  return () => turns.get(key) === n;
 }
 
 // Show a view's failure in place: "not available" for missing endpoints, else the message.
@@ -303,12 +315,14 @@ function confirmButton(label, onConfirm) {
 }
 
 async function loadTenants() {
+  const mine = turn("tenants");
   let tenants;
   try {
-    tenants = items(await api(API.tenants), "tenants");
+    tenants = items(await api(API.tenants, FRESH), "tenants");
   } catch (err) {
     return failed("tenants-table", "Tenants", err);
   }
+  if (!mine()) return;
   replace(
     "tenants-table",
     table(
@@ -346,12 +360,14 @@ async function selectTenant(t) {
 
 async function loadKeys(justIssued) {
   const { id, name } = selectedTenant;
+  const mine = turn("keys");
   let keys;
   try {
-    keys = items(await api(API.keys(id)), "keys", "api_keys");
+    keys = items(await api(API.keys(id), FRESH), "keys", "api_keys");
   } catch (err) {
     return failed("keys-panel", `Keys of ${name}`, err);
   }
+  if (!mine()) return;
   const form = h(
     "form",
     { class: "row", id: "key-form", onsubmit: (e) => issueKey(e) },
@@ -425,13 +441,13 @@ let skuCache = [];
 async function loadSkus() {
   let skus;
   try {
-    skus = items(await api(API.skus), "skus");
+    skus = items(await api(API.skus, FRESH), "skus");
   } catch (err) {
     return failed("skus-table", "SKUs", err);
   }
   skuCache = skus;
   const prices = await Promise.all(
-    skus.map((s) => api(API.prices(s.sku_id || s.id)).then((b) => items(b, "prices", "price_plans", "plans")).catch(() => null)),
+    skus.map((s) => api(API.prices(s.sku_id || s.id), FRESH).then((b) => items(b, "prices", "price_plans", "plans")).catch(() => null)),
   );
   const current = (plans) => (plans?.length ? [...plans].sort((a, b) => String(a.effective_from).localeCompare(String(b.effective_from))).filter((p) => new Date(p.effective_from) <= new Date()).pop() || plans[0] : null);
   const price = (i, field) => {
@@ -520,15 +536,15 @@ async function publishSku(event) {
 
 // ---------------------------------------------------------------- usage
 const USAGE_COLUMNS = [
-  { label: "Tenant", value: (r) => r.tenant_name || r.tenant || r.tenant_id },
-  { label: "SKU", value: (r) => r.sku_id || r.sku },
-  { label: "Requests", num: true, value: (r) => fmtNumber(r.requests), csv: (r) => r.requests },
-  { label: "Prompt tokens", num: true, value: (r) => fmtNumber(r.prompt_tokens), csv: (r) => r.prompt_tokens },
-  { label: "Cached tokens", num: true, value: (r) => fmtNumber(r.cached_tokens), csv: (r) => r.cached_tokens },
-  { label: "Completion tokens", num: true, value: (r) => fmtNumber(r.completion_tokens), csv: (r) => r.completion_tokens },
-  { label: "Cost", num: true, value: (r) => (r.cost !== undefined ? `${r.cost} ${r.currency || ""}` : "—"), csv: (r) => r.cost },
+  { label: "Tenant", value: (r) => r.tenant_name || r.tenant_id },
+  { label: "Tenant id", value: (r) => h("span", { class: "mono" }, r.tenant_id) },
+  { label: "SKU", value: (r) => r.sku_name || r.sku_id },
+  { label: "Requests", num: true, value: (r) => fmtNumber(r.requests) },
+  { label: "Prompt tokens", num: true, value: (r) => fmtNumber(r.prompt_tokens) },
+  { label: "Cached tokens", num: true, value: (r) => fmtNumber(r.cached_tokens) },
+  { label: "Completion tokens", num: true, value: (r) => fmtNumber(r.completion_tokens) },
+  { label: "Last request", value: (r) => fmtTime(r.last_at) },
 ];
-let usageRows = [];
 
 function usageRange() {
   const from = document.getElementById("usage-from").value;
@@ -538,31 +554,23 @@ function usageRange() {
 
 async function loadUsage() {
   const status = document.getElementById("usage-status");
+  let usageRows;
   try {
-    usageRows = items(await api(API.usage, { query: { group_by: "tenant", ...usageRange() } }), "usage", "rows");
-    status.textContent = `${usageRows.length} rows`;
+    usageRows = items(await api(API.usage, { query: usageRange() }));
+    status.textContent = `${usageRows.length} ${usageRows.length === 1 ? "row" : "rows"}`;
   } catch (err) {
-    usageRows = [];
     status.textContent = "";
     return failed("usage-table", "Usage", err);
   }
   replace("usage-table", table("Usage by tenant", USAGE_COLUMNS, usageRows));
 }
 
-// The showback export when the API has it; otherwise the table above, as CSV.
 async function downloadUsageCsv() {
   const range = usageRange();
-  const name = `tokenmill-usage-${range.from || "all"}-${range.to || "now"}.csv`;
-  try {
-    const response = await api(API.showbackCsv, { query: range, raw: true });
-    download(name, await response.blob());
-    toast("Showback CSV downloaded");
-  } catch (err) {
-    if (err instanceof Unauthorized) return showSignIn("The admin token was refused; sign in again.");
-    if (!(err instanceof NotAvailable)) return toast(err.message);
-    download(name, new Blob([toCsv(USAGE_COLUMNS, usageRows)], { type: "text/csv" }));
-    toast("Usage table downloaded as CSV");
-  }
+  const response = await action(() => api(API.usageCsv, { query: range, raw: true }));
+  if (!response) return;
+  download(`tokenmill-usage-${range.from || "start"}-${range.to || "now"}.csv`, await response.blob());
+  toast("Usage CSV downloaded");
 }
 
 // ---------------------------------------------------------------- invoices
