@@ -150,10 +150,13 @@ class Projector:
 
     async def _lock(self, conn: asyncpg.Connection, standby: bool) -> None:
         key = f"tokenmill.projection.{self.stream}.{self.projection.name}"
+        waiting = False
         while not await conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1))", key):
             if not standby:
                 raise ProjectionLocked(f"projection {self.projection.name} is running elsewhere")
-            log.info("projection %s runs elsewhere; standing by", self.projection.name)
+            if not waiting:
+                log.info("projection %s runs elsewhere; standing by", self.projection.name)
+                waiting = True
             await asyncio.sleep(1.0)
 
     async def _committed(self, conn: asyncpg.Connection) -> int:
