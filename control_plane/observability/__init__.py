@@ -27,7 +27,7 @@ def _dataplane(services: Services) -> Any:
 def tokenmill_extension(services: Services) -> Extension:
     from control_plane.app import Extension
     from control_plane.auth import admin_guard
-    from control_plane.observability.feed import feeding, outcome_listener
+    from control_plane.observability.feed import RefusalCounter, feeding, outcome_listener
     from control_plane.observability.routes import observability_routes
 
     metrics = OpsMetrics()
@@ -43,6 +43,7 @@ def tokenmill_extension(services: Services) -> Extension:
     return Extension(
         name="observability",
         route_handlers=observability_routes(metrics, [admin_guard(services.admin_token)]),
+        plugins=[RefusalCounter(metrics)],
         lifespan=[feeding(metrics), gateway_outcomes],
         extra={"metrics": metrics},
     )

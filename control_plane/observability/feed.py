@@ -15,6 +15,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
+from litestar.config.app import AppConfig
+from litestar.exceptions import HTTPException
+from litestar.plugins import InitPluginProtocol
 
 from control_plane.observability.metrics import OpsMetrics
 from worker import protocol as p
@@ -136,3 +139,30 @@ def feeding(
                 await sub.unsubscribe()
 
     return run
+
+
+class RefusalCounter(InitPluginProtocol):
+    """Counts /v1 requests turned away before any token was generated, by the OpenAI error
+    code (invalid_api_key, tenant_suspended, model_not_found, rate_limit_exceeded, ...). It
+    watches the app's exceptions, so every refusal counts wherever it is raised: the key
+    lookup, a governance admission check, or no live worker (503). Failures after dispatch
+    (a 502 from a worker) are not refusals."""
+
+    def __init__(self, metrics: OpsMetrics) -> None:
+        self.metrics = metrics
+
+    def on_app_init(self, app_config: AppConfig) -> AppConfig:
+        app_config.after_exception = [*app_config.after_exception, self.after_exception]
+        return app_config
+
+    async def after_exception(self, exc: Exception, scope: Any) -> None:
+        if not str(scope.get("path", "")).startswith("/v1/"):
+            return
+        from control_plane.dataplane.errors import OpenAIError
+
+        if isinstance(exc, OpenAIError):
+            if exc.status >= 500 and exc.status != 503:
+                return
+            self.metrics.refuse_admission(exc.body.error.code or exc.body.error.type)
+        elif isinstance(exc, HTTPException) and 400 <= exc.status_code < 500:
+            self.metrics.refuse_admission(f"http_{exc.status_code}")

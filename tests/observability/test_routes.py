@@ -7,7 +7,7 @@ import hmac
 from collections.abc import AsyncIterator
 
 import pytest
-from litestar import Litestar
+from litestar import Litestar, Response
 from litestar.connection import ASGIConnection
 from litestar.exceptions import NotAuthorizedException
 from litestar.handlers import BaseRouteHandler
@@ -89,3 +89,36 @@ async def test_page_is_served_with_security_headers(client: AsyncTestClient) -> 
     assert "script-src 'self'" in page.headers["content-security-policy"]
     module = await client.get("/ui/js/main.js")
     assert module.status_code == 200 and "javascript" in module.headers["content-type"]
+
+
+async def test_refusals_under_v1_are_counted_by_code_and_worker_failures_are_not() -> None:
+    from litestar import post
+
+    from control_plane.dataplane import errors
+    from control_plane.observability.feed import RefusalCounter
+
+    @post("/v1/chat/completions/{what:str}")
+    async def refuse(what: str) -> None:
+        raise {
+            "key": errors.invalid_api_key(),
+            "worker": errors.worker_failed("boom"),
+            "none": errors.no_worker("m"),
+        }[what]
+
+    metrics = OpsMetrics()
+    app = Litestar(
+        route_handlers=[refuse],
+        plugins=[RefusalCounter(metrics)],
+        exception_handlers={
+            errors.OpenAIError: lambda _, e: Response(e.to_json(), status_code=e.status)
+        },
+    )
+    async with AsyncTestClient(app) as c:
+        assert (await c.post("/v1/chat/completions/key")).status_code == 401
+        assert (await c.post("/v1/chat/completions/key")).status_code == 401
+        assert (await c.post("/v1/chat/completions/none")).status_code == 503
+        assert (await c.post("/v1/chat/completions/worker")).status_code == 502
+    text = metrics.exposition().decode()
+    assert 'tokenmill_admissions_refused_total{reason="invalid_api_key",sku=""} 2.0' in text
+    assert 'reason="worker_failed"' not in text and 'reason="server_error"' not in text
+    assert text.count("tokenmill_admissions_refused_total{") == 2  # invalid_api_key and no-worker

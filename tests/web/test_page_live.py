@@ -166,4 +166,7 @@ async def test_operator_signs_in_issues_a_key_sees_latency_downloads_csv_revokes
     while (await chat(stack.base_url, key, sku["name"])).status_code != 401:
         assert time.monotonic() < deadline, "revoked key still accepted after 1 s"
         await asyncio.sleep(0.05)
+    async with httpx.AsyncClient() as http:
+        metrics = (await http.get(f"{stack.base_url}/metrics")).text
+    assert 'tokenmill_admissions_refused_total{reason="invalid_api_key",sku=""}' in metrics
     assert page.js_errors == []
