@@ -523,7 +523,9 @@ def decode_step_budget(results: list[Result]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
-    parser.add_argument("--only", default="", help="run cases whose name contains this")
+    parser.add_argument(
+        "--only", default="", help="run cases whose name contains one of these (comma-separated)"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     started = time.time()
@@ -531,7 +533,7 @@ def main() -> None:
     cases = norm_cases() + conv_cases() + delta_cases() + attention_cases()
     results = []
     for case in cases:
-        if args.only and args.only not in case.name:
+        if args.only and not any(part in case.name for part in args.only.split(",")):
             continue
         try:
             result = measure(case)

@@ -229,7 +229,7 @@ def test_prefill_then_decode_continues_the_recurrence() -> None:
     split_state = torch.zeros(1, hv, dk, dv)
     gated_delta_rule_prefill(
         q[:n], k[:n], v[:n], g[:n], beta[:n], cu_seqlens_of([n], "cpu"), split_state, slots, first,
-        0.25, True, chunk_size=16,
+        0.25, True, chunk_size=16, dot16=False,
     )  # fmt: skip
     last = gated_delta_rule_decode(
         q[n:], k[n:], v[n:], g[n:], beta[n:], split_state, slots, 0.25, True
@@ -237,7 +237,7 @@ def test_prefill_then_decode_continues_the_recurrence() -> None:
     whole_state = torch.zeros(1, hv, dk, dv)
     whole = gated_delta_rule_prefill(
         q, k, v, g, beta, cu_seqlens_of([n + 1], "cpu"), whole_state, slots, first, 0.25, True,
-        chunk_size=16,
+        chunk_size=16, dot16=False,
     )  # fmt: skip
     assert rel_err(split_state, whole_state) < 1e-5
     assert rel_err(last, whole[n:]) < 1e-2
@@ -259,7 +259,7 @@ def test_prefill_with_repeated_keys_stays_exact() -> None:
         q, k, v, g, beta, cu_seqlens, expected_state, slots, first, 0.25, True
     )
     out = gated_delta_rule_prefill(
-        q, k, v, g, beta, cu_seqlens, state, slots, first, 0.25, True, chunk_size=64
+        q, k, v, g, beta, cu_seqlens, state, slots, first, 0.25, True, chunk_size=64, dot16=False
     )
     assert rel_err(out, expected) < 1e-4
     assert rel_err(state, expected_state) < 1e-4
@@ -359,9 +359,8 @@ def test_gpu_conv1d_27b() -> None:
 @needs_cuda
 def test_gpu_delta_rule_27b() -> None:
     check_delta_decode(8, 16, 48, 128, 128, True, "cuda")
-    for chunk_size in (16, 32, 64):
-        check_delta_prefill([300, 64, 1, 0, 77], 16, 48, 128, 128, chunk_size, "cuda")
-    check_delta_prefill([300, 64, 1, 77], 16, 48, 128, 128, 32, "cuda", dot16=True)
+    for chunk_size, dot16 in ((16, False), (32, False), (32, True), (64, True)):
+        check_delta_prefill([300, 64, 1, 0, 77], 16, 48, 128, 128, chunk_size, "cuda", dot16)
 
 
 @GPU

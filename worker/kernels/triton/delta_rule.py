@@ -93,7 +93,7 @@ def gated_delta_rule_decode(
     scale: float,
     use_qk_l2norm: bool,
     block_v: int = 32,
-    num_warps: int = 4,
+    num_warps: int = 2,
 ) -> torch.Tensor:
     """One token per sequence: q, k [B, Hk, dk], v [B, Hv, dv], g, beta [B, Hv] -> o [B, Hv, dv].
 
@@ -327,14 +327,16 @@ def gated_delta_rule_prefill(
     use_qk_l2norm: bool,
     chunk_size: int = 32,
     block_v: int = 64,
-    dot16: bool = False,
+    dot16: bool = True,
     prepare_warps: int = 4,
     scan_warps: int = 4,
 ) -> torch.Tensor:
     """Varlen chunked prefill: q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv] -> o [T, Hv, dv].
 
     No host reads: the grid depends on shapes only. `dot16` runs the chunk walk's dots on bf16
-    operands (fp32 accumulate; w and u stored in bf16), else tf32 on fp32 operands."""
+    operands (fp32 accumulate; w and u stored in bf16), else tf32 on fp32 operands. The defaults
+    were the fastest measured on an H200 (docs/perf-notes.md, run 2): chunk 32 with bf16 dots;
+    chunk 64 is much slower there and in fp32 exceeds shared memory."""
     tokens, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     _check_heads(q, k, v, state)
