@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import asyncpg
+import pytest
 from nats.aio.client import Client as NATS
 
 from bench.ledger_ingest import make_events
@@ -27,6 +28,7 @@ from events.control import (
 )
 from events.projections import (
     Entry,
+    ProjectionLocked,
     Projector,
     ReadModelsProjection,
     UsageLedgerProjection,
@@ -257,3 +259,35 @@ async def test_rebuild_yields_identical_tables(
     assert proc.returncode == 0, out
     assert "rebuilt read_models" in out and "rebuilt usage_ledger" in out
     assert await _snapshot(database_url) == before
+
+
+async def test_one_projector_per_projection_others_stand_by(
+    nc: NATS, store: EventStore, database_url: str
+) -> None:
+    await store.append(TenantCreated(tenant_id="t1", name="acme"), 0)
+    active = Projector(nc, database_url, store.layout, ReadModelsProjection())
+    task = asyncio.create_task(active.run())
+    try:
+        await active.wait_caught_up(1)
+        with pytest.raises(ProjectionLocked):
+            await Projector(nc, database_url, store.layout, ReadModelsProjection()).run(
+                until_seq=1, standby=False
+            )
+        # A standby takes over once the active one stops.
+        standby = asyncio.create_task(
+            Projector(nc, database_url, store.layout, ReadModelsProjection()).run(until_seq=2)
+        )
+        await asyncio.sleep(0.3)
+        assert not standby.done()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    await store.append(TenantSuspended(tenant_id="t1"), None)
+    await asyncio.wait_for(standby, 10)
+    conn = await asyncpg.connect(database_url)
+    try:
+        assert (
+            await conn.fetchval("SELECT status FROM tenants WHERE tenant_id = 't1'") == "suspended"
+        )
+    finally:
+        await conn.close()
