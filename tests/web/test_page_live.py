@@ -165,6 +165,17 @@ async def operator_journey(
     assert mine[0]["completion_tokens"] in await row.inner_text()
     await page.screenshot(path=str(artifacts / f"{shots}-usage.png"), full_page=True)
 
+    # edit the SKU's prices: a new plan, effective now, shows in the table
+    await page.get_by_role("link", name="SKUs & prices").click()
+    sku_row = page.get_by_role("row").filter(has_text=sku_name)
+    await sku_row.get_by_role("button", name="Edit prices").click()
+    await page.get_by_label("Input per 1M tokens", exact=True).fill("0.25")
+    await page.get_by_label("Cached input per 1M tokens").fill("0.05")
+    await page.get_by_label("Output per 1M tokens").fill("1.75")
+    await page.get_by_role("button", name="Save price plan").click()
+    await sku_row.filter(has_text="1.75 USD").wait_for()
+    await page.screenshot(path=str(artifacts / f"{shots}-prices.png"), full_page=True)
+
     # revoke the key (the button asks once more), then the key stops working
     await page.get_by_role("link", name="Tenants & keys").click()
     await page.get_by_role("button", name=f"Keys of {tenant_name}").click()
