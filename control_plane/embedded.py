@@ -67,7 +67,16 @@ class EmbeddedNats:
         self.port = self.port or free_port()
         log = open(self.store_dir / "nats-server.log", "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store_dir)],
+            [
+                nats_server_binary(),
+                "-a",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-js",
+                "-sd",
+                str(self.store_dir),
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -95,7 +104,11 @@ def _as_system_user() -> dict[str, Any]:
     try:
         pw = pwd.getpwnam(PG_SYSTEM_USER)
     except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", PG_SYSTEM_USER], check=True, capture_output=True)
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", PG_SYSTEM_USER],
+            check=True,
+            capture_output=True,
+        )
         pw = pwd.getpwnam(PG_SYSTEM_USER)
     # Drop root's groups too: with gid 0 left, a root-owned 0700 parent's group bits (none)
     # would apply instead of the "other" bits _make_traversable grants.
@@ -145,7 +158,16 @@ class EmbeddedPostgres:
             self.pgdata.chmod(0o700)
         if not (self.pgdata / "PG_VERSION").exists():
             subprocess.run(
-                [str(bin_dir / "initdb"), "-D", str(self.pgdata), "-U", "postgres", "--auth=trust", "--encoding=UTF8", "--no-sync"],
+                [
+                    str(bin_dir / "initdb"),
+                    "-D",
+                    str(self.pgdata),
+                    "-U",
+                    "postgres",
+                    "--auth=trust",
+                    "--encoding=UTF8",
+                    "--no-sync",
+                ],
                 check=True,
                 capture_output=True,
                 **as_user,  # type: ignore[arg-type]
@@ -156,9 +178,23 @@ class EmbeddedPostgres:
         self.port = self.port or free_port()
         self.proc = subprocess.Popen(
             [
-                str(bin_dir / "postgres"), "-D", str(self.pgdata), "-h", "127.0.0.1", "-p", str(self.port),
-                "-c", "unix_socket_directories=", "-c", "max_connections=200", "-c", "fsync=on",
-                "-c", "synchronous_commit=off", "-c", "logging_collector=off",
+                str(bin_dir / "postgres"),
+                "-D",
+                str(self.pgdata),
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-c",
+                "unix_socket_directories=",
+                "-c",
+                "max_connections=200",
+                "-c",
+                "fsync=on",
+                "-c",
+                "synchronous_commit=off",
+                "-c",
+                "logging_collector=off",
             ],
             stdout=subprocess.DEVNULL,
             stderr=open(self.pgdata.parent / f"{self.pgdata.name}.log", "ab"),  # noqa: SIM115
@@ -173,9 +209,21 @@ class EmbeddedPostgres:
         deadline = time.monotonic() + 30
         while True:
             r = subprocess.run(
-                [str(bin_dir / "psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-d", "postgres", "-tAc",
-                 f"SELECT 1 FROM pg_database WHERE datname='{self.database}'"],
-                capture_output=True, text=True,
+                [
+                    str(bin_dir / "psql"),
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    str(self.port),
+                    "-U",
+                    "postgres",
+                    "-d",
+                    "postgres",
+                    "-tAc",
+                    f"SELECT 1 FROM pg_database WHERE datname='{self.database}'",
+                ],
+                capture_output=True,
+                text=True,
             )
             if r.returncode == 0:
                 break
@@ -184,9 +232,21 @@ class EmbeddedPostgres:
             time.sleep(0.1)
         if r.stdout.strip() != "1":
             subprocess.run(
-                [str(bin_dir / "psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-d", "postgres", "-c",
-                 f'CREATE DATABASE "{self.database}"'],
-                check=True, capture_output=True,
+                [
+                    str(bin_dir / "psql"),
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    str(self.port),
+                    "-U",
+                    "postgres",
+                    "-d",
+                    "postgres",
+                    "-c",
+                    f'CREATE DATABASE "{self.database}"',
+                ],
+                check=True,
+                capture_output=True,
             )
 
     def stop(self) -> None:

@@ -18,7 +18,9 @@ def _env(name: str, default: str | None = None) -> str | None:
 @dataclass(frozen=True)
 class Settings:
     # TOKENMILL_DATA_DIR: where the embedded servers, admin token and model cache live.
-    data_dir: Path = field(default_factory=lambda: Path(_env("TOKENMILL_DATA_DIR", ".tokenmill") or ".tokenmill"))
+    data_dir: Path = field(
+        default_factory=lambda: Path(_env("TOKENMILL_DATA_DIR", ".tokenmill") or ".tokenmill")
+    )
     # TOKENMILL_NATS_URL: an external NATS (JetStream enabled). Unset: start an embedded one.
     nats_url: str | None = field(default_factory=lambda: _env("TOKENMILL_NATS_URL"))
     # TOKENMILL_DATABASE_URL: an external PostgreSQL (postgresql://...). Unset: embedded.
@@ -29,9 +31,13 @@ class Settings:
     host: str = field(default_factory=lambda: _env("TOKENMILL_HOST", "127.0.0.1") or "127.0.0.1")
     port: int = field(default_factory=lambda: int(_env("TOKENMILL_PORT", "8080") or "8080"))
     # TOKENMILL_STREAM_PREFIX: prefix of stream names, so several installs can share a NATS.
-    stream_prefix: str = field(default_factory=lambda: _env("TOKENMILL_STREAM_PREFIX", "TM") or "TM")
+    stream_prefix: str = field(
+        default_factory=lambda: _env("TOKENMILL_STREAM_PREFIX", "TM") or "TM"
+    )
     # TOKENMILL_STREAM_REPLICAS: JetStream replicas for the streams (3 on a production cluster).
-    stream_replicas: int = field(default_factory=lambda: int(_env("TOKENMILL_STREAM_REPLICAS", "1") or "1"))
+    stream_replicas: int = field(
+        default_factory=lambda: int(_env("TOKENMILL_STREAM_REPLICAS", "1") or "1")
+    )
 
     def with_overrides(self, **changes: object) -> Settings:
         from dataclasses import replace

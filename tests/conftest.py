@@ -50,7 +50,19 @@ def database_url(postgres_server: EmbeddedPostgres) -> Iterator[str]:
     from control_plane.embedded import _pg_bin
 
     name = "t_" + uuid.uuid4().hex[:12]
-    psql = [str(_pg_bin() / "psql"), "-h", "127.0.0.1", "-p", str(postgres_server.port), "-U", "postgres", "-d", "postgres"]
+    psql = [
+        str(_pg_bin() / "psql"),
+        "-h",
+        "127.0.0.1",
+        "-p",
+        str(postgres_server.port),
+        "-U",
+        "postgres",
+        "-d",
+        "postgres",
+    ]
     subprocess.run([*psql, "-c", f'CREATE DATABASE "{name}"'], check=True, capture_output=True)
     yield f"postgresql://postgres@127.0.0.1:{postgres_server.port}/{name}"
-    subprocess.run([*psql, "-c", f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'], capture_output=True)
+    subprocess.run(
+        [*psql, "-c", f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'], capture_output=True
+    )
