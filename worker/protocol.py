@@ -37,10 +37,23 @@ class ChatMessage(msgspec.Struct, frozen=True):
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     temperature: float = 1.0
     top_p: float = 1.0
-    # None: up to the model's context length (the worker caps it).
+    # The client's max_tokens; None: up to the model's context length. A worker refuses a
+    # request whose prompt + max_tokens exceeds its context.
     max_tokens: int | None = None
     stop: list[str] = []
     seed: int | None = None
+    # A cap set by the gateway (what admission reserved): generation stops there with finish
+    # reason "length", but unlike max_tokens it is never a reason to refuse the request.
+    token_budget: int | None = None
+
+    def max_new_tokens(self, room: int | None) -> int | None:
+        """Most tokens to generate, given `room` left in the context (None: unknown)."""
+        limits = [
+            x
+            for x in (room if self.max_tokens is None else self.max_tokens, self.token_budget)
+            if x is not None
+        ]
+        return min(limits) if limits else None
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate"):

@@ -1,43 +1,42 @@
 """The OpenAI-compatible data plane (`/v1`) and the gateway that dispatches to workers.
 
-Plugs into the app as an Extension whose `dataplane` is the `DataPlane`: other extensions add
-admission checks there (`admission_checks`) and outcome listeners (`on_outcome`)."""
+Plugs into the app as an Extension. It shares its `DataPlane` as `extra["dataplane"]` (other
+extensions add outcome listeners with `on_outcome`), and uses the governance extension's
+`extra["admission"]` (quotas, rate limits) when there is one."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from control_plane.app import Extension
-from control_plane.dataplane.routes import DataPlane
-from control_plane.services import Services
-
-
-@dataclass
-class DataPlaneExtension(Extension):
-    dataplane: DataPlane | None = None
+if TYPE_CHECKING:
+    from control_plane.app import Extension
+    from control_plane.services import Services
 
 
-def tokenmill_extension(services: Services) -> DataPlaneExtension:
+def tokenmill_extension(services: Services) -> Extension:
+    from control_plane.app import Extension
     from control_plane.dataplane.demo import demo_up_hook
+    from control_plane.dataplane.routes import DataPlane
 
     assert services.settings.nats_url is not None
     plane = DataPlane(services.settings.nats_url, services.layout.prefix, services.view)
 
     @contextlib.asynccontextmanager
-    async def running(_: Services) -> AsyncIterator[None]:
+    async def running(services: Services) -> AsyncIterator[None]:
+        # Extensions load in order; by the time the app starts, governance has shared its own.
+        plane.admission = services.extra.get("admission")
         await plane.start()
         try:
             yield
         finally:
             await plane.stop()
 
-    return DataPlaneExtension(
+    return Extension(
         name="dataplane",
         route_handlers=[plane.router()],
         lifespan=[running],
         up_hooks=[demo_up_hook],
-        dataplane=plane,
-        extra={"dataplane": plane},  # for other extensions: outcome listeners, admission checks
+        extra={"dataplane": plane},
     )

@@ -37,7 +37,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
@@ -106,8 +106,21 @@ class Outcome:
     itl_s: list[float]
 
 
-# Called once per dispatched request when it ends (metrics, quota settlement, ...).
+# Called once per dispatched request when it ends (metrics, ...).
 OutcomeListener = Callable[[Outcome], None]
+
+
+class Reservation(Protocol):
+    """What admission reserved for a request (governance's Ticket): exactly one of these
+    ends it."""
+
+    def finish(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> None: ...
+
+    def abandon(self) -> None:
+        """Dispatched, outcome unknown here: quotas settle from the usage stream."""
+
+    def release(self) -> None:
+        """Never ran: everything goes back."""
 
 
 class Gateway:
@@ -143,11 +156,14 @@ class Gateway:
     def serves(self, sku_id: str) -> bool:
         return bool(self.registry.live_workers(sku_id))
 
-    async def open(self, request: p.GenerateRequest) -> Relay:
-        """Dispatches to a worker of the request's SKU. Raises NoWorker when none is live."""
+    async def open(
+        self, request: p.GenerateRequest, reservation: Reservation | None = None
+    ) -> Relay:
+        """Dispatches to a worker of the request's SKU. Raises NoWorker when none is live.
+        The relay ends `reservation` when the request ends."""
         if not self.serves(request.sku_id):
             raise NoWorker(request.sku_id)
-        return Relay(self, await self.client.dispatch(request))
+        return Relay(self, await self.client.dispatch(request), reservation)
 
     # -- metering ------------------------------------------------------------------------------
 
@@ -174,6 +190,11 @@ class Gateway:
             itl_s=relay.itl_s,
         )
         finished_at = datetime.now(UTC)
+        if relay.reservation is not None:
+            if worker_lost:
+                relay.reservation.abandon()
+            else:
+                relay.reservation.finish(d.prompt_tokens, d.cached_tokens, d.completion_tokens)
         if worker_lost:
             self._publish(self._on_behalf_of_worker(outcome, relay.started_at, finished_at))
         self._publish(
@@ -248,8 +269,10 @@ class Relay:
     """One dispatched request, for the HTTP layer: iterate `chunks()`, and call `release()` when
     done with it, however that happened (a client gone mid-stream is noticed there)."""
 
-    def __init__(self, gateway: Gateway, dispatch: Dispatch) -> None:
-        self.gateway, self.dispatch = gateway, dispatch
+    def __init__(
+        self, gateway: Gateway, dispatch: Dispatch, reservation: Reservation | None = None
+    ) -> None:
+        self.gateway, self.dispatch, self.reservation = gateway, dispatch, reservation
         self.started = time.monotonic()
         self.started_at = datetime.now(UTC)
         self.first_token_at: float | None = None
@@ -281,6 +304,8 @@ class Relay:
                 yield chunk
         except (NoWorker, RequestRejected):
             self._concluded = True
+            if self.reservation is not None:
+                self.reservation.release()
             raise
         except WorkerLost:
             self._concluded = True
@@ -305,6 +330,8 @@ class Relay:
             async for _ in d.chunks():
                 pass
         except (NoWorker, RequestRejected):
+            if self.reservation is not None:
+                self.reservation.release()
             return
         except WorkerLost:
             self.gateway._conclude(self, "error", client_disconnected, worker_lost=True)
@@ -323,6 +350,7 @@ __all__ = [
     "Outcome",
     "OutcomeListener",
     "Relay",
+    "Reservation",
     "RequestRejected",
     "WorkerLost",
 ]

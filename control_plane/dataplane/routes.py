@@ -9,8 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 
 import msgspec
 import nats
@@ -20,7 +19,7 @@ from litestar.response import Stream
 from nats.aio.client import Client as NATS
 
 from control_plane.dataplane import errors
-from control_plane.dataplane.auth import Authorizer, Caller
+from control_plane.dataplane.auth import Authorizer
 from control_plane.dataplane.gateway import (
     ChunkLost,
     Gateway,
@@ -38,23 +37,22 @@ from control_plane.dataplane.requests import (
     parse_completion,
 )
 from control_plane.dataplane.responses import DONE, Kind, StreamWriter, full_response, usage
+from control_plane.governance.admission import Admission, Refusal, Ticket
 from events.governance import GovernanceView, Sku
-from worker.protocol import GenerateRequest, TokenChunk
+from worker.protocol import ChatMessage, GenerateRequest, TokenChunk
 
 log = logging.getLogger("tokenmill.dataplane")
 
 JSON = "application/json"
 
 
-@dataclass(frozen=True, slots=True)
-class Admitted:
-    caller: Caller
-    sku: Sku
-
-
-# A check run after authorization and before dispatch (rate limits, quotas: the governance
-# issue plugs in here). It raises OpenAIError to refuse, and returns headers for the response.
-AdmissionCheck = Callable[[Admitted, GenerateRequest], Awaitable[dict[str, str]]]
+def estimate_prompt_tokens(prompt: str | None, messages: list[ChatMessage] | None) -> int:
+    """What admission reserves for the prompt before the worker has tokenized it: a third of
+    its UTF-8 bytes (BPE vocabularies average 3-4 bytes a token on text) plus the chat
+    template's framing. It settles to the worker's count when the request ends."""
+    if messages is not None:
+        return sum(len(m.content.encode()) // 3 + 8 for m in messages) + 8
+    return len((prompt or "").encode()) // 3 + 1
 
 
 def _error_response(exc: errors.OpenAIError) -> Response[bytes]:
@@ -90,7 +88,8 @@ class DataPlane:
         self.governance = governance
         self.settings = settings or GatewaySettings()
         self.authorizer = Authorizer(governance)
-        self.admission_checks: list[AdmissionCheck] = []
+        # Quotas and rate limits (the governance extension's Admission), when there is one.
+        self.admission: Admission | None = None
         self._outcome_listeners: list[OutcomeListener] = []
         self.nc: NATS | None = None
         self._gateway: Gateway | None = None
@@ -182,12 +181,34 @@ class DataPlane:
             reply_to="",
             admitted_at=time.time(),
         )
-        headers: dict[str, str] = {}
-        for check in self.admission_checks:
-            headers.update(await check(Admitted(caller, sku), gen))
+        ticket: Ticket | None = None
+        if self.admission is not None:
+            decision = await self.admission.admit(
+                gen.tenant_id,
+                gen.key_id,
+                gen.sku_id,
+                estimate_prompt_tokens(prompt, messages),
+                sampling.max_tokens,
+                gen.request_id,
+            )
+            if isinstance(decision, Refusal):
+                raise errors.OpenAIError(
+                    decision.status,
+                    decision.message,
+                    type=decision.type,
+                    code=decision.code,
+                    headers=decision.response_headers(),
+                )
+            ticket = decision
+            # The answer can never outgrow what admission reserved.
+            budget = msgspec.structs.replace(sampling, token_budget=ticket.max_tokens)
+            gen = msgspec.structs.replace(gen, sampling=budget)
+        headers = dict(ticket.headers) if ticket is not None else {}
         try:
-            relay = await self.gateway.open(gen)
+            relay = await self.gateway.open(gen, ticket)
         except NoWorker:
+            if ticket is not None:
+                ticket.release()
             raise errors.no_worker(sku.name) from None
         created = int(gen.admitted_at)
         if body.stream:

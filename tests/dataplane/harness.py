@@ -21,8 +21,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from control_plane.app import create_app
-from control_plane.dataplane import tokenmill_extension
+from control_plane.app import create_app, load_extensions
 from control_plane.dataplane.routes import DataPlane
 from control_plane.embedded import free_port
 from control_plane.services import Services
@@ -152,13 +151,13 @@ async def running_stack(
     saved = os.environ.get("TOKENMILL_GATEWAY_WORKER_DEAD_S")
     os.environ["TOKENMILL_GATEWAY_WORKER_DEAD_S"] = str(DEAD_AFTER_S)
     try:
-        ext = tokenmill_extension(services)
+        extensions = load_extensions(services)  # the whole app: governance, observability too
     finally:
         if saved is None:
             del os.environ["TOKENMILL_GATEWAY_WORKER_DEAD_S"]
         else:
             os.environ["TOKENMILL_GATEWAY_WORKER_DEAD_S"] = saved
-    app = create_app(services, extensions=[ext], run_projectors=True)
+    app = create_app(services, extensions=extensions, run_projectors=True)
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
@@ -167,8 +166,8 @@ async def running_stack(
     while not server.started:
         assert not serving.done(), "uvicorn did not start"
         await asyncio.sleep(0.02)
-    plane = ext.dataplane
-    assert plane is not None
+    plane = services.extra["dataplane"]
+    assert isinstance(plane, DataPlane)
     stack = Stack(f"http://127.0.0.1:{port}", nats_url, prefix, services, plane)
     try:
         yield stack

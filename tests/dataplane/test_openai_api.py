@@ -346,3 +346,31 @@ async def test_a_suspended_tenant_is_refused_within_a_second(
         model=sku["name"], messages=MESSAGES, max_tokens=1
     )
     assert r.usage is not None and r.usage.completion_tokens == 1
+
+
+# -- admission (the governance extension) on the request path ---------------------------------
+
+
+async def test_rate_limits_are_enforced_and_reported_on_v1(
+    stack: Stack, sku: dict[str, Any]
+) -> None:
+    tenant, key = await stack.tenant_with_key()
+    await stack.admin("PUT", f"/tenants/{tenant['tenant_id']}/limits", {"requests_per_minute": 2})
+    client = async_client(stack, key["key"])
+    for _ in range(100):  # the limit reaches the gateway through the control stream
+        r = await client.chat.completions.with_raw_response.create(
+            model=sku["name"], messages=MESSAGES, max_tokens=1
+        )
+        if r.headers.get("x-ratelimit-limit-requests") == "2":
+            break
+        await asyncio.sleep(0.01)
+    assert (
+        r.headers["x-ratelimit-limit-requests"] == "2"
+        and "x-ratelimit-remaining-tokens" in r.headers
+    )
+    with pytest.raises(openai.RateLimitError) as e:
+        for _ in range(3):
+            await client.chat.completions.create(
+                model=sku["name"], messages=MESSAGES, max_tokens=1, stream=True
+            )
+    assert e.value.code == "rate_limit_exceeded" and "retry-after" in e.value.response.headers

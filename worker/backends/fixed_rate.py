@@ -54,7 +54,8 @@ class FixedRateBackend:
                 f"has {prompt_tokens} prompt tokens and asks for {max_tokens} more.",
                 param="messages" if request.chat else "prompt",
             )
-        budget = self.output_tokens if max_tokens is None else min(self.output_tokens, max_tokens)
+        cap = request.sampling.max_new_tokens(None)
+        budget = self.output_tokens if cap is None else min(self.output_tokens, cap)
         stop = StopMatcher(request.sampling.stop)
         self._running += 1
         try:

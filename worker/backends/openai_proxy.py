@@ -81,6 +81,14 @@ class OpenAIProxyBackend:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Progress]:
         assert self._http is not None, "the backend is not started"
         path, body = self._body(request)
+        # The gateway's budget is enforced here when it is tighter than what upstream was asked.
+        s = request.sampling
+        cut_at = (
+            s.token_budget
+            if s.token_budget is not None
+            and (s.max_tokens is None or s.token_budget < s.max_tokens)
+            else None
+        )
         prompt_tokens = cached_tokens = completion_tokens = 0
         finish: str | None = None
         self._running += 1
@@ -120,6 +128,9 @@ class OpenAIProxyBackend:
                         if text:
                             completion_tokens += 0 if usage else 1
                             yield Progress(text, completion_tokens, prompt_tokens, cached_tokens)
+                    if cut_at is not None and completion_tokens >= cut_at and finish is None:
+                        finish = "length"  # leaving the stream cancels the upstream request
+                        break
             # Tool calls or content filters end a generation normally too; for billing, "stop".
             yield Progress(
                 "",

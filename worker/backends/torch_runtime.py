@@ -97,14 +97,15 @@ class TorchRuntimeBackend:
                 f"{len(ids)} tokens and asks for {s.max_tokens or 'at least 1'} more.",
                 param=param,
             )
-        if s.max_tokens == 0:
+        max_new = s.max_new_tokens(room) or 0
+        if max_new == 0:
             yield Progress("", 0, len(ids), finish_reason="length")
             return
         params = SamplingParams(
             temperature=s.temperature,
             top_p=s.top_p,
             seed=s.seed,
-            max_tokens=room if s.max_tokens is None else s.max_tokens,
+            max_tokens=max_new,
             stop=list(s.stop),
         )
         async for out in self.engine.generate(ids, params, request.request_id):
