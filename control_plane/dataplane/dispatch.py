@@ -31,6 +31,10 @@ class ChunkLost(Exception):
     """A token chunk never arrived (core NATS is at most once): the text has a hole."""
 
 
+class ClientGone(Exception):
+    """The HTTP client hung up (the relay was interrupted)."""
+
+
 class RequestRejected(Exception):
     def __init__(self, rejected: p.Rejected) -> None:
         super().__init__(rejected.message)
@@ -114,7 +118,11 @@ class _Lost:
     pass
 
 
-_Item = p.Reply | _NoResponders | _Lost
+class _Interrupted:
+    pass
+
+
+_Item = p.Reply | _NoResponders | _Lost | _Interrupted
 
 
 @dataclass(eq=False)
@@ -161,12 +169,18 @@ class Dispatch:
             elif isinstance(item, _NoResponders):
                 self.client._forget(self)
                 raise NoWorker(self.request.sku_id)
+            elif isinstance(item, _Interrupted):
+                raise ClientGone()
             else:
                 raise WorkerLost(self.worker_id or "(no worker accepted it)")
 
     def _count(self, m: p.TokenChunk | p.Finished) -> None:
         self.prompt_tokens, self.cached_tokens = m.prompt_tokens, m.cached_tokens
         self.completion_tokens = m.completion_tokens
+
+    def interrupt(self) -> None:
+        """Wakes the consumer of `chunks()` with ClientGone (the client hung up)."""
+        self._queue.put_nowait(_Interrupted())
 
     async def cancel(self) -> None:
         """Tells the worker to stop; it still answers with Finished (finish reason cancelled)."""

@@ -44,6 +44,7 @@ from nats.js import JetStreamContext
 
 from control_plane.dataplane.dispatch import (
     ChunkLost,
+    ClientGone,
     Dispatch,
     NoWorker,
     RequestRejected,
@@ -287,7 +288,8 @@ class Relay:
 
     async def chunks(self) -> AsyncIterator[p.TokenChunk]:
         """The worker's chunks, in order. Raises NoWorker, RequestRejected (nothing metered),
-        WorkerLost (metered with what was relayed) or ChunkLost (metered once drained)."""
+        WorkerLost (metered with what was relayed), ChunkLost or ClientGone (metered once
+        `release` has cancelled and drained it)."""
         d = self.dispatch
         try:
             async for chunk in d.chunks():
@@ -315,6 +317,11 @@ class Relay:
         self._concluded = True
         self.gateway._conclude(self, d.finished.finish_reason, False, worker_lost=False)
 
+    def interrupt(self) -> None:
+        """The client hung up: whoever iterates `chunks()` gets ClientGone."""
+        if not self._concluded:
+            self.dispatch.interrupt()
+
     def release(self) -> None:
         """If the request has not ended (the client hung up, a chunk was lost), cancel it on
         the worker and meter it once the worker confirms — in the background."""
@@ -327,8 +334,13 @@ class Relay:
         d = self.dispatch
         await d.cancel()
         try:
-            async for _ in d.chunks():
-                pass
+            while True:
+                try:
+                    async for _ in d.chunks():
+                        pass
+                    break
+                except ClientGone:  # a late interrupt: we are already draining
+                    continue
         except (NoWorker, RequestRejected):
             if self.reservation is not None:
                 self.reservation.release()
@@ -344,6 +356,7 @@ class Relay:
 
 __all__ = [
     "ChunkLost",
+    "ClientGone",
     "Gateway",
     "GatewaySettings",
     "NoWorker",

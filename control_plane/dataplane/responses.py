@@ -96,7 +96,7 @@ class StreamWriter:
     def __init__(
         self, kind: Kind, request_id: str, created: int, model: str, include_usage: bool
     ) -> None:
-        self.kind = kind
+        self.kind, self.created, self.include_usage = kind, created, include_usage
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self._head = (
             b'data: {"id":'

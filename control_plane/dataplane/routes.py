@@ -9,37 +9,28 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import msgspec
 import nats
-from litestar import Request, Response, Router, get, post
+from litestar import Request, Response, Router, asgi, get
 from litestar.exceptions import HTTPException
-from litestar.response import Stream
+from litestar.types import Receive, Scope, Send
 from nats.aio.client import Client as NATS
 
 from control_plane.dataplane import errors
-from control_plane.dataplane.auth import Authorizer
-from control_plane.dataplane.gateway import (
-    ChunkLost,
-    Gateway,
-    GatewaySettings,
-    NoWorker,
-    OutcomeListener,
-    Relay,
-    RequestRejected,
-    WorkerLost,
-)
+from control_plane.dataplane.asgi import Completion, serve_completion
+from control_plane.dataplane.auth import Authorizer, Caller
+from control_plane.dataplane.gateway import Gateway, GatewaySettings, NoWorker, OutcomeListener
 from control_plane.dataplane.requests import (
     ChatCompletionBody,
     CompletionBody,
     parse_chat,
     parse_completion,
 )
-from control_plane.dataplane.responses import DONE, Kind, StreamWriter, full_response, usage
+from control_plane.dataplane.responses import Kind, StreamWriter
 from control_plane.governance.admission import Admission, Refusal, Ticket
 from events.governance import GovernanceView, Sku
-from worker.protocol import ChatMessage, GenerateRequest, TokenChunk
+from worker.protocol import ChatMessage, GenerateRequest, SamplingParams
 
 log = logging.getLogger("tokenmill.dataplane")
 
@@ -140,13 +131,13 @@ class DataPlane:
                 _dumps(_model_card(plane.authorizer.sku(caller, model))), media_type=JSON
             )
 
-        @post("/chat/completions", status_code=200)
-        async def chat_completions(request: Request) -> Response[bytes] | Stream:
-            return await plane._complete("chat", request)
+        @asgi("/chat/completions", copy_scope=False)
+        async def chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
+            await serve_completion(plane._prepare_chat, scope, receive, send)
 
-        @post("/completions", status_code=200)
-        async def completions(request: Request) -> Response[bytes] | Stream:
-            return await plane._complete("completion", request)
+        @asgi("/completions", copy_scope=False)
+        async def completions(scope: Scope, receive: Receive, send: Send) -> None:
+            await serve_completion(plane._prepare_text, scope, receive, send)
 
         return Router(
             path="/v1",
@@ -158,38 +149,37 @@ class DataPlane:
             include_in_schema=True,
         )
 
-    async def _complete(self, kind: Kind, request: Request) -> Response[bytes] | Stream:
-        caller = self.authorizer.caller(request.headers.get("authorization"))
-        raw = await request.body()
-        body: ChatCompletionBody | CompletionBody
-        if kind == "chat":
-            body, messages, sampling = parse_chat(raw)
-            prompt = None
-        else:
-            body, prompt, sampling = parse_completion(raw)
-            messages = None
+    async def _prepare_chat(self, authorization: str | None, raw: bytes) -> Completion:
+        caller = self.authorizer.caller(authorization)
+        body, messages, sampling = parse_chat(raw)
+        return await self._dispatch("chat", caller, body, sampling, None, messages)
+
+    async def _prepare_text(self, authorization: str | None, raw: bytes) -> Completion:
+        caller = self.authorizer.caller(authorization)
+        body, prompt, sampling = parse_completion(raw)
+        return await self._dispatch("completion", caller, body, sampling, prompt, None)
+
+    async def _dispatch(
+        self,
+        kind: Kind,
+        caller: Caller,
+        body: ChatCompletionBody | CompletionBody,
+        sampling: SamplingParams,
+        prompt: str | None,
+        messages: list[ChatMessage] | None,
+    ) -> Completion:
+        """Authorize the model, admit (quotas, rate limits), dispatch to a worker."""
         sku = self.authorizer.sku(caller, body.model)
-        gen = GenerateRequest(
-            request_id=uuid.uuid4().hex,
-            tenant_id=caller.tenant.tenant_id,
-            key_id=caller.key.key_id,
-            sku_id=sku.sku_id,
-            model=sku.model,
-            prompt=prompt,
-            messages=messages,
-            sampling=sampling,
-            reply_to="",
-            admitted_at=time.time(),
-        )
+        request_id = uuid.uuid4().hex
         ticket: Ticket | None = None
         if self.admission is not None:
             decision = await self.admission.admit(
-                gen.tenant_id,
-                gen.key_id,
-                gen.sku_id,
+                caller.tenant.tenant_id,
+                caller.key.key_id,
+                sku.sku_id,
                 estimate_prompt_tokens(prompt, messages),
                 sampling.max_tokens,
-                gen.request_id,
+                request_id,
             )
             if isinstance(decision, Refusal):
                 raise errors.OpenAIError(
@@ -201,109 +191,29 @@ class DataPlane:
                 )
             ticket = decision
             # The answer can never outgrow what admission reserved.
-            budget = msgspec.structs.replace(sampling, token_budget=ticket.max_tokens)
-            gen = msgspec.structs.replace(gen, sampling=budget)
-        headers = dict(ticket.headers) if ticket is not None else {}
+            sampling = msgspec.structs.replace(sampling, token_budget=ticket.max_tokens)
+        gen = GenerateRequest(
+            request_id=request_id,
+            tenant_id=caller.tenant.tenant_id,
+            key_id=caller.key.key_id,
+            sku_id=sku.sku_id,
+            model=sku.model,
+            prompt=prompt,
+            messages=messages,
+            sampling=sampling,
+            reply_to="",
+            admitted_at=time.time(),
+        )
         try:
             relay = await self.gateway.open(gen, ticket)
         except NoWorker:
             if ticket is not None:
                 ticket.release()
             raise errors.no_worker(sku.name) from None
-        created = int(gen.admitted_at)
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            writer = StreamWriter(kind, gen.request_id, created, sku.name, include_usage)
-            chunks = relay.chunks()
-            # Wait for the first chunk before answering, so that a request refused by the worker
-            # or unserved gets a proper status instead of an error inside a 200 stream.
-            first = await _first_or_error(relay, chunks, sku.name)
-            return Stream(
-                _sse(relay, chunks, first, writer, include_usage),
-                media_type="text/event-stream",
-                headers={"cache-control": "no-cache", "x-request-id": gen.request_id, **headers},
-            )
-        text = []
-        try:
-            async for chunk in relay.chunks():
-                text.append(chunk.text)
-        except BaseException as exc:
-            raise _relay_error(exc, sku.name) from None
-        finally:
-            relay.release()
-        fin = relay.finished
-        assert fin is not None
-        if fin.finish_reason == "error":
-            raise errors.worker_failed(fin.error or "generation failed")
-        u = usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens)
-        content = full_response(
-            kind, gen.request_id, created, sku.name, "".join(text), fin.finish_reason, u
-        )
-        return Response(
-            content, media_type=JSON, headers={"x-request-id": gen.request_id, **headers}
-        )
-
-
-def _relay_error(exc: BaseException, model: str) -> BaseException:
-    """Maps what a relay raises to the client's error (other exceptions pass through)."""
-    if isinstance(exc, NoWorker):
-        return errors.no_worker(model)
-    if isinstance(exc, RequestRejected):
-        r = exc.rejected
-        return errors.invalid_request(
-            r.message, param=r.param, code="context_length_exceeded" if r.param else None
-        )
-    if isinstance(exc, WorkerLost):
-        return errors.worker_failed("the worker stopped responding")
-    if isinstance(exc, ChunkLost):
-        return errors.worker_failed("part of the token stream was lost")
-    return exc
-
-
-async def _first_or_error(
-    relay: Relay, chunks: AsyncIterator[TokenChunk], model: str
-) -> TokenChunk | None:
-    try:
-        return await anext(chunks, None)
-    except BaseException as exc:
-        relay.release()
-        raise _relay_error(exc, model) from None
-
-
-async def _sse(
-    relay: Relay,
-    chunks: AsyncIterator[TokenChunk],
-    first: TokenChunk | None,
-    writer: StreamWriter,
-    include_usage: bool,
-) -> AsyncIterator[bytes]:
-    """The SSE events of one streamed response. The `finally` runs when the client goes away
-    too (Litestar cancels the stream): the relay then cancels generation and still meters."""
-    try:
-        try:
-            chunk = first
-            while chunk is not None:
-                if chunk.text:
-                    yield writer.delta(chunk.text)
-                chunk = await anext(chunks, None)
-        except (NoWorker, RequestRejected, WorkerLost, ChunkLost) as exc:
-            err = _relay_error(exc, "")
-            assert isinstance(err, errors.OpenAIError)
-            yield StreamWriter.error(err.to_json())
-            return
-        fin = relay.finished
-        assert fin is not None
-        if fin.finish_reason == "error":
-            yield StreamWriter.error(
-                errors.worker_failed(fin.error or "generation failed").to_json()
-            )
-            return
-        yield writer.delta("", fin.finish_reason)
-        if include_usage:
-            yield writer.usage(usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens))
-        yield DONE
-    finally:
-        relay.release()
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        writer = StreamWriter(kind, request_id, int(gen.admitted_at), sku.name, include_usage)
+        headers = ticket.headers if ticket is not None else {}
+        return Completion(relay, writer, sku.name, bool(body.stream), headers)
 
 
 def _model_card(sku: Sku) -> dict[str, object]:
