@@ -7,6 +7,9 @@
     tokenmill project    the projectors only (one active per projection, others stand by)
     tokenmill projections rebuild [--only NAME]
         drop the read models and replay them from the streams (stop the projectors first)
+    tokenmill invoices list|show|close|showback|rollups|report ...   billing (--help for more)
+    tokenmill scheduler  the billing jobs only (one active across replicas; `up` runs them too)
+    tokenmill capacity ...   capacity projection what-ifs (needs no servers; --help for more)
 
 Every command finds NATS and Postgres the same way: the environment variables; else the
 servers of a `tokenmill up` running on the same data dir; else it starts the embedded
@@ -35,6 +38,7 @@ from control_plane.embedded import EmbeddedNats, EmbeddedPostgres
 from control_plane.services import Services
 from control_plane.settings import Settings
 from events.projections import ProjectionLocked, Projector, all_projections
+from pricing.cli import capacity_main, invoices_main, scheduler_main
 
 log = logging.getLogger("tokenmill")
 
@@ -173,6 +177,35 @@ async def _rebuild(settings: Settings, only: str | None) -> None:
         await services.close()
 
 
+# Billing's commands parse their own arguments (pricing.cli); they get the servers' URLs.
+BILLING_COMMANDS = {
+    "invoices": "invoices, showback CSV, rollups and the reconciliation report",
+    "scheduler": "run the billing jobs (one active instance across replicas)",
+    "capacity": "capacity projections: GPU-hours per 1M tokens, tokens per month, margin",
+}
+
+
+async def _scheduler(argv: list[str]) -> int:
+    stop = _Stop()
+    stop.install()
+    return await scheduler_main(argv, stop.event)
+
+
+def _billing(command: str, argv: list[str], settings: Settings) -> int:
+    if command == "capacity":
+        return capacity_main(argv)
+    if "-h" not in argv and "--help" not in argv:
+        assert settings.database_url and settings.nats_url
+        argv = [
+            *("--database-url", settings.database_url, "--nats-url", settings.nats_url),
+            *("--prefix", settings.stream_prefix),
+            *argv,
+        ]
+    if command == "scheduler":
+        return asyncio.run(_scheduler(argv))
+    return asyncio.run(invoices_main(argv))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tokenmill", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -194,7 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     p = projections.add_parser("rebuild")
     p.add_argument("--data-dir", type=Path, dest="sub_data_dir", help=argparse.SUPPRESS)
     p.add_argument("--only", choices=[x.name for x in all_projections()])
-    args = parser.parse_args(argv)
+    for name, summary in BILLING_COMMANDS.items():
+        p = sub.add_parser(name, help=summary, add_help=False)
+        p.add_argument("--data-dir", type=Path, dest="sub_data_dir", help=argparse.SUPPRESS)
+    args, billing_argv = parser.parse_known_args(argv)
+    if billing_argv and args.command not in BILLING_COMMANDS:
+        parser.error(f"unrecognized arguments: {' '.join(billing_argv)}")
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -207,9 +245,13 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings.with_overrides(port=args.port)
     if getattr(args, "host", None):
         settings = settings.with_overrides(host=args.host)
+    if args.command == "capacity" or {"-h", "--help"} & set(billing_argv):
+        return _billing(args.command, billing_argv, settings)  # no servers needed
     settings.data_dir.mkdir(parents=True, exist_ok=True)
 
     with backends(settings) as settings:
+        if args.command in BILLING_COMMANDS:
+            return _billing(args.command, billing_argv, settings)
         if args.command in ("up", "serve"):
             token, generated = resolve_admin_token(settings)
             if generated and args.command == "serve":

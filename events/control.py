@@ -6,10 +6,11 @@ with defaults (old messages then decode unchanged); a breaking change is a new t
 
 from __future__ import annotations
 
+import logging
 import secrets
 import uuid
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 
@@ -167,6 +168,34 @@ def encode_control(event: AnyControlEvent) -> bytes:
 
 def decode_control(data: bytes) -> AnyControlEvent:
     return _decoder.decode(data)
+
+
+class _Tagged(msgspec.Struct):
+    type: str  # msgspec's tag field
+
+
+_tag_decoder = msgspec.json.Decoder(_Tagged)
+_CONTROL_TAGS = frozenset(t.__struct_config__.tag for t in get_args(AnyControlEvent))
+
+
+def decode_control_or_skip(
+    data: bytes, seq: int, log: logging.Logger, reader: str
+) -> AnyControlEvent | None:
+    """The event, or None for one to skip. Other parts of the product keep their own event
+    types on the control stream (billing's `invoice.finalized`): those are skipped quietly.
+    A message of no type, or a malformed one of a known type, is skipped with a warning."""
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError:
+        try:
+            tag: str | None = _tag_decoder.decode(data).type
+        except msgspec.DecodeError:
+            tag = None
+        if tag is not None and tag not in _CONTROL_TAGS:
+            log.debug("%s: skipping %s event at seq %d (not a governance event)", reader, tag, seq)
+        else:
+            log.warning("%s: skipping undecodable control event at seq %d", reader, seq)
+        return None
 
 
 def new_id(kind: str) -> str:

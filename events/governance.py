@@ -34,7 +34,7 @@ from events.control import (
     TenantReactivated,
     TenantSuspended,
     aggregate_of,
-    decode_control,
+    decode_control_or_skip,
 )
 from events.store import StreamLayout
 
@@ -163,11 +163,8 @@ class GovernanceView:
         seq = msg.metadata.sequence.stream
         if seq <= self.seq:
             return
-        try:
-            event = decode_control(msg.data)
-        except msgspec.DecodeError:
-            # An event type this build does not know (a newer writer): skip, keep following.
-            log.warning("skipping undecodable control event at seq %d", seq)
+        event = decode_control_or_skip(msg.data, seq, log, "governance view")
+        if event is None:  # not a governance event: skip it, keep following
             self._advance(seq)
             return
         self.apply(event, seq)

@@ -22,13 +22,13 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 
 import asyncpg
 import nats
 
+from events.projections import all_projections, ensure_schema
 from pricing.capacity import CapacityInputs, Throughput, project, throughput_from_bench
 from pricing.invoices import invoice_csv, invoice_json
 from pricing.jobs import (
@@ -40,14 +40,9 @@ from pricing.jobs import (
     refresh_rollups,
 )
 from pricing.money import plain, to_decimal
-from pricing.periods import BillingPeriod
+from pricing.periods import BillingPeriod, parse_instant
 from pricing.queries import invoice_for, showback_export
 from pricing.store import BillingStore
-
-
-def _instant(text: str) -> datetime:
-    at = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    return at if at.tzinfo else at.replace(tzinfo=UTC)
 
 
 def _invoices_parser() -> argparse.ArgumentParser:
@@ -65,10 +60,10 @@ def _invoices_parser() -> argparse.ArgumentParser:
     show.add_argument("--period", type=BillingPeriod.parse, help="YYYY-MM")
     show.add_argument("--format", choices=("json", "csv"), default="json")
     close = sub.add_parser("close", help="finalize every month past its grace window")
-    close.add_argument("--now", type=_instant)
+    close.add_argument("--now", type=parse_instant)
     sb = sub.add_parser("showback", help="FOCUS-style chargeback/showback CSV")
-    sb.add_argument("--from", dest="start", type=_instant, required=True)
-    sb.add_argument("--to", dest="end", type=_instant, required=True)
+    sb.add_argument("--from", dest="start", type=parse_instant, required=True)
+    sb.add_argument("--to", dest="end", type=parse_instant, required=True)
     sb.add_argument("--tenant")
     sb.add_argument("--granularity", choices=("hour", "day"), default="day")
     sub.add_parser("rollups", help="bring the hourly usage rollups up to date")
@@ -86,6 +81,8 @@ async def _context(args: argparse.Namespace, need_nats: bool) -> AsyncIterator[B
     assert pool is not None
     nc = await nats.connect(args.nats_url) if need_nats else None
     try:
+        async with pool.acquire() as conn:  # the read models billing reads, on a fresh database
+            await ensure_schema(conn, all_projections())
         store = BillingStore(pool)
         await store.ensure_schema()
         js = nc.jetstream() if nc is not None else None
@@ -154,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     return asyncio.run(invoices_main(argv))
 
 
-async def scheduler_main(argv: list[str] | None = None) -> int:
-    """`tokenmill scheduler`: run the billing jobs until cancelled; replicas elect one leader."""
+async def scheduler_main(argv: list[str] | None = None, stop: asyncio.Event | None = None) -> int:
+    """`tokenmill scheduler`: run the billing jobs until `stop` is set (or the task is
+    cancelled); replicas elect one leader."""
     ap = argparse.ArgumentParser(prog="tokenmill scheduler", description=scheduler_main.__doc__)
     ap.add_argument("--database-url", default=os.environ.get("TOKENMILL_DATABASE_URL"))
     ap.add_argument("--nats-url", default=os.environ.get("TOKENMILL_NATS_URL"))
@@ -165,7 +163,7 @@ async def scheduler_main(argv: list[str] | None = None) -> int:
         scheduler = BillingScheduler(ctx)
         await scheduler.start()
         try:
-            await asyncio.Event().wait()
+            await (stop or asyncio.Event()).wait()
         finally:
             await scheduler.stop()
     return 0

@@ -24,9 +24,10 @@ import os
 import socket
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from typing import Any
 
 import msgspec
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
@@ -46,10 +47,12 @@ from pricing.invoices import (
     PreviousInvoice,
     build_invoice,
     finalize,
+    invoice_id,
+    iso,
 )
 from pricing.money import to_decimal
 from pricing.periods import BillingPeriod, last_closable, utc
-from pricing.plans import PriceBook
+from pricing.plans import PriceBook, PricePlan
 from pricing.reconcile import ReconciliationReport, check_billing, check_rebuild
 from pricing.store import BillingStore
 
@@ -140,8 +143,36 @@ def tenant_currency(rows: list[LedgerRow], book: PriceBook, default: str) -> str
     return currencies.pop() if currencies else default
 
 
-async def _finalize_one(ctx: BillingContext, invoice: Invoice) -> Invoice:
-    """Publish the finalization, or adopt the one already on the stream; record it."""
+async def draft_invoice(
+    store: BillingStore,
+    tenant_id: str,
+    period: BillingPeriod,
+    previous: Invoice | None,
+    *,
+    cut_seq: int,
+    price_cut_seq: int,
+    book: PriceBook,
+    default_currency: str,
+) -> Invoice:
+    """The tenant's draft for `period` as of the ledger cut, following its `previous` invoice.
+    Raises ValueError if the usage is priced in several currencies."""
+    basis = InvoiceBasis(
+        tenant_id=tenant_id,
+        period=period,
+        currency=default_currency,
+        cut_seq=max(cut_seq, previous.cut_seq if previous else 0),
+        previous=PreviousInvoice(previous.period_end, previous.cut_seq) if previous else None,
+        price_cut_seq=price_cut_seq,
+    )
+    rows = await store.invoice_rows(basis)
+    currency = tenant_currency(rows, book, default_currency)
+    return build_invoice(msgspec.structs.replace(basis, currency=currency), rows, book)
+
+
+async def record_finalization(ctx: BillingContext, invoice: Invoice, *, adopt: bool) -> Invoice:
+    """Publish the finalization and record it. If the invoice is already finalized on the
+    stream, record that one (the stream is the truth) and return it (`adopt`, as the close job
+    does after a crash) or raise InvoiceAlreadyFinalized (an operator's second finalize)."""
     event = finalized_event(invoice)
     try:
         seq = await publish_finalized(ctx.js, ctx.prefix, event)
@@ -150,6 +181,9 @@ async def _finalize_one(ctx: BillingContext, invoice: Invoice) -> Invoice:
         if found is None:
             raise
         seq, event = found
+        if not adopt:
+            await ctx.store.record_finalized(event, seq)
+            raise
     await ctx.store.record_finalized(event, seq)
     return event.invoice
 
@@ -167,34 +201,84 @@ async def close_periods(ctx: BillingContext, now: datetime | None = None) -> lis
         previous = await ctx.store.latest_invoice(tenant_id)
         period = previous.period.following() if previous else BillingPeriod.containing(first_usage)
         while utc(period.end) <= utc(closable.end):
-            basis = InvoiceBasis(
-                tenant_id=tenant_id,
-                period=period,
-                currency=ctx.settings.default_currency,
-                cut_seq=max(cut, previous.cut_seq if previous else 0),
-                previous=PreviousInvoice(previous.period_end, previous.cut_seq)
-                if previous
-                else None,
-                price_cut_seq=price_cut,
-            )
-            rows = await ctx.store.invoice_rows(basis)
             try:
-                currency = tenant_currency(rows, book, ctx.settings.default_currency)
+                draft = await draft_invoice(
+                    ctx.store,
+                    tenant_id,
+                    period,
+                    previous,
+                    cut_seq=cut,
+                    price_cut_seq=price_cut,
+                    book=book,
+                    default_currency=ctx.settings.default_currency,
+                )
             except ValueError:
                 log.exception("billing: cannot invoice tenant %s for %s", tenant_id, period.label)
                 break
-            draft = build_invoice(msgspec.structs.replace(basis, currency=currency), rows, book)
             if draft.lines or draft.unpriced:  # an empty month issues no invoice
-                previous = await _finalize_one(ctx, finalize(draft, now))
+                previous = await record_finalization(ctx, finalize(draft, now), adopt=True)
                 done.append(previous)
                 log.info(
                     "billing: finalized %s total %s %s",
                     previous.invoice_id,
                     previous.total,
-                    currency,
+                    previous.currency,
                 )
             period = period.following()
     return done
+
+
+class PeriodNotClosable(ValueError):
+    """An operator asked to finalize a period that cannot be finalized now; `reason` says why."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+async def finalize_period(
+    ctx: BillingContext, tenant_id: str, period: BillingPeriod, now: datetime | None = None
+) -> Invoice:
+    """Finalize one tenant's period now, on an operator's request, ignoring the grace window
+    (the close job finalizes every period after it). The period must have ended, follow the
+    tenant's last invoice, and leave no earlier month with usage unbilled. Raises
+    InvoiceAlreadyFinalized for a period that is already finalized."""
+    now = now or ctx.clock()
+    if utc(period.end) > utc(now):
+        raise PeriodNotClosable("period_not_ended", f"{period.label} ends at {iso(period.end)}")
+    if await ctx.store.invoice(invoice_id(tenant_id, period)) is not None:
+        raise InvoiceAlreadyFinalized(f"{invoice_id(tenant_id, period)} is already finalized")
+    cut = await ctx.store.ledger_position()
+    previous = await ctx.store.latest_invoice(tenant_id)
+    if previous is not None and utc(previous.period_end) > utc(period.start):
+        raise PeriodNotClosable(
+            "period_superseded",
+            f"{previous.invoice_id} for a later period is finalized; {period.label} is closed",
+        )
+    unbilled = await ctx.store.ledger_rows(
+        tenant_id=tenant_id,
+        start=previous.period_end if previous else None,
+        end=period.start,
+        cut_seq=cut,
+    )
+    if unbilled:
+        earlier = BillingPeriod.containing(min(r.usage_at for r in unbilled))
+        raise PeriodNotClosable(
+            "earlier_period_open", f"finalize {earlier.label} of {tenant_id} first"
+        )
+    draft = await draft_invoice(
+        ctx.store,
+        tenant_id,
+        period,
+        previous,
+        cut_seq=cut,
+        price_cut_seq=await ctx.store.control_position(),
+        book=await ctx.store.price_book(),
+        default_currency=ctx.settings.default_currency,
+    )
+    if not (draft.lines or draft.unpriced):
+        raise PeriodNotClosable("empty_period", f"{tenant_id} has no usage in {period.label}")
+    return await record_finalization(ctx, finalize(draft, now), adopt=False)
 
 
 # -- rollups ----------------------------------------------------------------------------------
@@ -241,26 +325,40 @@ async def refresh_rollups(ctx: BillingContext) -> int:
 # -- capacity ---------------------------------------------------------------------------------
 
 
+async def measured_throughput(
+    store: BillingStore, sku_id: str, start: datetime, end: datetime
+) -> Throughput | None:
+    """The SKU's throughput in the ledger's [start, end): its best worker's (an idle-heavy one
+    understates what the GPU can do), or None without usage."""
+    rows = await store.ledger_rows(sku_id=sku_id, start=start, end=end)
+    measured = throughput_from_ledger(rows, sku_id)
+    return max(measured, key=lambda t: t.output_tokens_per_second) if measured else None
+
+
+def capacity_inputs(
+    settings: BillingSettings, gpu_type: str, plan: PricePlan | None, **what_if: Any
+) -> CapacityInputs:
+    """The configured GPU cost and busy fraction, changed by `what_if` (CapacityInputs
+    fields), priced by the plan in force where no price is given."""
+    inputs = CapacityInputs(
+        gpu_hour_cost=settings.gpu_hour_costs.get(gpu_type, Decimal(0)),
+        busy_fraction=settings.busy_fraction,
+    )
+    inputs = replace(inputs, **what_if)
+    return inputs.priced_by(plan) if plan is not None else inputs
+
+
 async def refresh_capacity(ctx: BillingContext, now: datetime | None = None) -> dict[str, dict]:
-    """Project each SKU's month from the throughput its workers showed in the recent ledger
-    (the best worker: an idle-heavy one understates what the GPU can do)."""
+    """Project each SKU's month from the throughput its workers showed in the recent ledger."""
     now = now or ctx.clock()
     start = now - timedelta(seconds=ctx.settings.capacity_window_s)
     book = await ctx.store.price_book()
     projections: dict[str, dict] = {}
     for sku in await ctx.store.skus():
-        rows = await ctx.store.ledger_rows(sku_id=sku["sku_id"], start=start, end=now)
-        measured = throughput_from_ledger(rows, sku["sku_id"])
-        if not measured:
+        best = await measured_throughput(ctx.store, sku["sku_id"], start, now)
+        if best is None:
             continue
-        best: Throughput = max(measured, key=lambda t: t.output_tokens_per_second)
-        inputs = CapacityInputs(
-            gpu_hour_cost=ctx.settings.gpu_hour_costs.get(sku["gpu_type"], Decimal(0)),
-            busy_fraction=ctx.settings.busy_fraction,
-        )
-        plan = book.in_force(sku["sku_id"], now)
-        if plan is not None:
-            inputs = inputs.priced_by(plan)
+        inputs = capacity_inputs(ctx.settings, sku["gpu_type"], book.in_force(sku["sku_id"], now))
         document = {**project(best, inputs).as_dict(), "gpu_type": sku["gpu_type"]}
         projections[sku["sku_id"]] = document
         await ctx.store.pool.execute(

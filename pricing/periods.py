@@ -72,6 +72,12 @@ class BillingPeriod(msgspec.Struct, frozen=True):
         return BillingPeriod(utc(self.end), utc(self.end) + (utc(self.end) - utc(self.start)))
 
 
+def parse_instant(text: str) -> datetime:
+    """An ISO 8601 instant ('Z' allowed); one without a zone is taken as UTC."""
+    at = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return utc(at) if at.tzinfo else at.replace(tzinfo=UTC)
+
+
 def last_closable(now: datetime, grace: timedelta) -> BillingPeriod:
     """The latest calendar month whose end is at least `grace` before `now`."""
     open_month = BillingPeriod.containing(utc(now) - grace)

@@ -4,13 +4,12 @@ showback exports, capacity projections. Thin: the figures come from the pure mod
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
-import msgspec
-
-from pricing.invoices import Invoice, InvoiceBasis, PreviousInvoice, build_invoice, invoice_id
-from pricing.jobs import tenant_currency
+from pricing.capacity import CapacityProjection, Throughput, project
+from pricing.invoices import Invoice, invoice_id
+from pricing.jobs import BillingSettings, capacity_inputs, draft_invoice, measured_throughput
 from pricing.periods import BillingPeriod, utc
 from pricing.showback import Granularity, showback_csv, usage_showback
 from pricing.store import BillingStore
@@ -19,7 +18,8 @@ from pricing.store import BillingStore
 async def invoice_for(
     store: BillingStore, tenant_id: str, period: BillingPeriod, default_currency: str = "USD"
 ) -> Invoice:
-    """The finalized invoice of the tenant's period, or else its draft as of the ledger now."""
+    """The finalized invoice of the tenant's period, or else its draft as of the ledger now.
+    Raises ValueError if the usage is priced in several currencies."""
     finalized = await store.invoice(invoice_id(tenant_id, period))
     if finalized is not None:
         return finalized
@@ -31,18 +31,16 @@ async def invoice_for(
         ),
         None,
     )
-    basis = InvoiceBasis(
-        tenant_id=tenant_id,
-        period=period,
-        currency=default_currency,
-        cut_seq=max(await store.ledger_position(), previous.cut_seq if previous else 0),
-        previous=PreviousInvoice(previous.period_end, previous.cut_seq) if previous else None,
+    return await draft_invoice(
+        store,
+        tenant_id,
+        period,
+        previous,
+        cut_seq=await store.ledger_position(),
         price_cut_seq=await store.control_position(),
+        book=await store.price_book(),
+        default_currency=default_currency,
     )
-    rows = await store.invoice_rows(basis)
-    book = await store.price_book()
-    basis = msgspec.structs.replace(basis, currency=tenant_currency(rows, book, default_currency))
-    return build_invoice(basis, rows, book)
 
 
 async def showback_export(
@@ -67,3 +65,33 @@ async def capacity_projections(store: BillingStore) -> list[dict[str, Any]]:
     return [
         {**json.loads(r["document"]), "computed_at": r["computed_at"].isoformat()} for r in records
     ]
+
+
+class NoThroughput(LookupError):
+    """Nothing measured for the SKU recently, and no throughput was given."""
+
+
+async def capacity_what_if(
+    store: BillingStore,
+    settings: BillingSettings,
+    sku_id: str,
+    gpu_type: str,
+    now: datetime,
+    *,
+    tok_s: Any = None,
+    gpus: int = 1,
+    **what_if: Any,
+) -> CapacityProjection:
+    """One SKU's projection: from `tok_s` if given, else the throughput measured in the recent
+    ledger; GPU cost, busy fraction and prices as configured and in force, changed by
+    `what_if` (CapacityInputs fields). Raises NoThroughput, or ValueError for bad inputs."""
+    if tok_s is not None:
+        throughput = Throughput(sku_id, tok_s, gpus=gpus, source="what-if")
+    else:
+        start = now - timedelta(seconds=settings.capacity_window_s)
+        measured = await measured_throughput(store, sku_id, start, now)
+        if measured is None:
+            raise NoThroughput(f"no usage of {sku_id} in the last {settings.capacity_window_s:g} s")
+        throughput = measured
+    plan = (await store.price_book()).in_force(sku_id, now)
+    return project(throughput, capacity_inputs(settings, gpu_type, plan, **what_if))

@@ -16,7 +16,11 @@ from events.projections.usage_ledger import UsageLedgerProjection
 
 
 def all_projections() -> list[Projection]:
-    return [ReadModelsProjection(), UsageLedgerProjection()]
+    # Billing's finalized invoices are a read model of the control stream too (imported here,
+    # not at the top: pricing builds on this package).
+    from pricing.store import InvoicesProjection
+
+    return [ReadModelsProjection(), UsageLedgerProjection(), InvoicesProjection()]
 
 
 __all__ = [

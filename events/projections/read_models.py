@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from decimal import Decimal
 
 import asyncpg
-import msgspec
 
 from events.control import (
     ApiKeyIssued,
@@ -24,7 +23,7 @@ from events.control import (
     TenantReactivated,
     TenantSuspended,
     control_stream_name,
-    decode_control,
+    decode_control_or_skip,
 )
 from events.projections.runner import Entry
 from events.store import StreamLayout
@@ -102,12 +101,9 @@ class ReadModelsProjection:
     async def apply(self, conn: asyncpg.Connection, batch: Sequence[Entry]) -> None:
         # Control events are few: one statement each keeps the fold obvious.
         for seq, data in batch:
-            try:
-                event = decode_control(data)
-            except msgspec.DecodeError:
-                log.warning("read_models: skipping undecodable event at seq %d", seq)
-                continue
-            await self._apply_one(conn, event, seq)
+            event = decode_control_or_skip(data, seq, log, "read_models")
+            if event is not None:
+                await self._apply_one(conn, event, seq)
 
     async def _apply_one(self, conn: asyncpg.Connection, event: object, seq: int) -> None:
         match event:

@@ -250,7 +250,11 @@ async def test_health_and_openapi(api: httpx.AsyncClient) -> None:
     assert (await api.get("/healthz")).json() == {"status": "ok"}
     r = await api.get("/readyz")
     assert r.status_code == 200, r.text
-    assert r.json()["checks"]["projection_lag"] == {"read_models": 0, "usage_ledger": 0}
+    assert r.json()["checks"]["projection_lag"] == {
+        "read_models": 0,
+        "usage_ledger": 0,
+        "invoices": 0,
+    }
     spec = (await api.get("/schema/openapi.json")).json()
     assert (
         "/admin/v1/tenants" in spec["paths"] and "/admin/v1/skus/{sku}/price-plans" in spec["paths"]

@@ -21,7 +21,7 @@ from events.projections.runner import Projection
 from events.store import EventStore, StreamLayout
 from events.usage import GatewayDelivered, RequestFinished
 from pricing.jobs import BillingContext, BillingSettings
-from pricing.store import BillingStore, InvoicesProjection
+from pricing.store import BillingStore
 
 
 @dataclass
@@ -45,7 +45,7 @@ class BillingRig:
 
     async def project(self, *projections: Projection) -> None:
         """Run projections until they hold every event appended so far."""
-        for projection in projections or (*all_projections(), InvoicesProjection()):
+        for projection in projections or all_projections():
             head = await self.events.head(projection.stream(self.layout))
             await Projector(self.nc, self.database_url, self.layout, projection).run(until_seq=head)
 
