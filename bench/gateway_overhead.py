@@ -53,6 +53,12 @@ def pct(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -133,7 +139,14 @@ class Bench:
         return r.json()
 
     def start(self) -> None:
-        self.spawn("-m", "control_plane.cli", "serve", "--port", str(self.port), log="serve.log")
+        serve = ["-m", "control_plane.cli", "serve", "--port", str(self.port)]
+        if self.a.uvloop:  # what `tokenmill serve` would gain from uvloop's event loop
+            serve = [
+                "-c",
+                "import sys, uvloop; uvloop.install(); from control_plane.cli import main; sys.exit(main())",
+                *serve[2:],
+            ]
+        self.serve = self.spawn(*serve, log="serve.log")
         self.spawn("-m", "control_plane.cli", "project", log="project.log")
         wait_http(self.url + "/healthz")
         tenant = self.admin("POST", "/tenants", {"name": "bench"})
@@ -184,10 +197,13 @@ class Bench:
             "--nats-url", self.nats_url, "--prefix", self.prefix, "--sku-id", sku["sku_id"],
             "--stagger-s", str(stagger_s),
         ]  # fmt: skip
+        cpu0 = cpu_seconds(self.serve.pid)
         out = subprocess.run(
             [sys.executable, *args], cwd=ROOT, env=self.env, capture_output=True, check=True
         )
-        return json.loads(out.stdout)
+        run: dict[str, Any] = json.loads(out.stdout)
+        run["gateway_cpu_s"] = cpu_seconds(self.serve.pid) - cpu0
+        return run
 
     async def _reconcile(self, expected: int, since: datetime) -> Any:
         import asyncpg
@@ -232,6 +248,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "tokens": tokens,
         "wall_s": wall,
         "tokens_per_s": tokens / wall if wall else float("nan"),
+        # The gateway process's CPU while this mode ran (idle for direct calls).
+        "gateway_cpu_s": sum(run["gateway_cpu_s"] for run in runs),
+        "gateway_cpu_ms_per_1k_tokens": 1e6 * sum(run["gateway_cpu_s"] for run in runs) / tokens
+        if tokens
+        else float("nan"),
     }
 
 
@@ -252,6 +273,7 @@ def main() -> int:
     ap.add_argument("--recon-tokens", type=int, default=16)
     ap.add_argument("--recon-rate", type=float, default=400.0)
     ap.add_argument("--cancel-frac", type=float, default=0.06)
+    ap.add_argument("--uvloop", action="store_true", help="run the gateway on uvloop's event loop")
     ap.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "gateway_overhead.json"
     )
@@ -261,12 +283,14 @@ def main() -> int:
         b = Bench(a, stack)
         b.start()
         sku = b.worker_sku("bench-fixed", a.rate, a.tokens)
+        # Users start spread over one answer's duration: a steady state of `concurrency` streams.
+        stagger = a.tokens / a.rate
         b.load("gateway", sku, a.concurrency, a.tokens)  # warm-up: connections, caches
         b.load("direct", sku, a.concurrency, a.tokens)
         runs: dict[str, list[dict[str, Any]]] = {"direct": [], "gateway": []}
         for _ in range(a.rounds):
             for mode in ("direct", "gateway"):
-                runs[mode].append(b.load(mode, sku, a.requests, a.tokens))
+                runs[mode].append(b.load(mode, sku, a.requests, a.tokens, stagger_s=stagger))
                 print(f"  {mode}: round done", flush=True)
         direct, gateway = summarize(runs["direct"]), summarize(runs["gateway"])
 
@@ -275,7 +299,14 @@ def main() -> int:
         # by design, never pass the gateway).
         since = datetime.now(UTC)
         t0 = time.perf_counter()
-        recon_run = b.load("gateway", recon_sku, a.recon_requests, a.recon_tokens, a.cancel_frac)
+        recon_run = b.load(
+            "gateway",
+            recon_sku,
+            a.recon_requests,
+            a.recon_tokens,
+            a.cancel_frac,
+            a.recon_tokens / a.recon_rate,
+        )
         recon_wall = time.perf_counter() - t0
         cancelled = sum(r["cancelled"] for r in recon_run["results"])
         recon_errors = sum(not r["ok"] for r in recon_run["results"])
@@ -333,6 +364,11 @@ def main() -> int:
         f"{'throughput (tok/s)':24}{direct['tokens_per_s']:>16.1f}{gateway['tokens_per_s']:>16.1f}{f'{cost:.2f}%':>12}"
     )
     print(f"{'errors':24}{direct['errors']:>16}{gateway['errors']:>16}")
+    gw_cpu = gateway["gateway_cpu_s"] / gateway["wall_s"]
+    print(
+        f"gateway process CPU: {100 * gw_cpu:.0f}% of one core while relaying "
+        f"({gateway['gateway_cpu_ms_per_1k_tokens']:.1f} ms per 1,000 streamed tokens)"
+    )
     print(
         f"\nreconciliation: {report.requests} requests ({cancelled} = {recon['cancelled_pct']:.1f}% hung up by the client, "
         f"{recon_errors} errors) at {recon['requests_per_s']:.0f} req/s: match rate {recon['match_rate_pct']:.2f}% "

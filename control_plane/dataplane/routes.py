@@ -206,10 +206,12 @@ class DataPlane:
         )
         try:
             relay = await self.gateway.open(gen, ticket)
-        except NoWorker:
+        except BaseException as exc:  # never dispatched: give back what admission reserved
             if ticket is not None:
                 ticket.release()
-            raise errors.no_worker(sku.name) from None
+            if isinstance(exc, NoWorker):
+                raise errors.no_worker(sku.name) from None
+            raise
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         writer = StreamWriter(kind, request_id, int(gen.admitted_at), sku.name, include_usage)
         headers = ticket.headers if ticket is not None else {}
