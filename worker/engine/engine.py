@@ -28,6 +28,11 @@ def _env_int(name: str, default: int | None) -> int | None:
     return int(value) if value else default
 
 
+def _env_bool(name: str) -> bool | None:
+    value = os.environ.get(name, "").strip().lower()
+    return None if not value else value not in ("0", "false", "no", "off")
+
+
 @dataclass
 class EngineConfig:
     """Engine sizing. Every field can be set from the environment (see `from_env`)."""
@@ -45,6 +50,11 @@ class EngineConfig:
     kv_dtype: torch.dtype | None = None  # default: the model's dtype
     device: str | None = None  # default: where the model's parameters are
     eos_token_ids: list[int] | None = None  # default: from the tokenizer, else the model config
+    # Decode-only steps as CUDA-graph replays on a GPU (TOKENMILL_ENGINE_CUDA_GRAPHS=0 turns off).
+    cuda_graphs: bool = True
+    # Decode-only steps through the padded static buffers even without graphs (default: with
+    # graphs only); eager padded steps give the same tokens as unpadded ones (tested on CPU).
+    pad_decode: bool | None = None
 
     @classmethod
     def from_env(cls, **overrides: Any) -> EngineConfig:
@@ -55,6 +65,7 @@ class EngineConfig:
             "max_num_seqs": _env_int("TOKENMILL_ENGINE_MAX_NUM_SEQS", None),
             "max_num_batched_tokens": _env_int("TOKENMILL_ENGINE_MAX_NUM_BATCHED_TOKENS", None),
             "max_model_len": _env_int("TOKENMILL_ENGINE_MAX_MODEL_LEN", None),
+            "cuda_graphs": _env_bool("TOKENMILL_ENGINE_CUDA_GRAPHS"),
         }
         return cls(**{k: v for k, v in env.items() if v is not None}, **overrides)
 
@@ -127,7 +138,11 @@ class LLMEngine:
             num_state_slots=config.max_num_seqs,
             kv_dtype=config.kv_dtype,
             device=config.device,
+            max_model_len=config.max_model_len,
+            cuda_graphs=config.cuda_graphs,
+            pad_decode=config.pad_decode,
         )
+        self.runner.capture_graphs()  # no-op off CUDA
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.block_manager,

@@ -1,7 +1,16 @@
-"""The one runner between decide and execute: ScheduledBatch -> tensors -> model -> tokens."""
+"""The one runner between decide and execute: ScheduledBatch -> tensors -> model -> tokens.
+
+Decode-only steps (every entry one token on top of its cache) take a fixed-shape path: the batch
+is padded to the next captured size (1, 2, 4, 8, ... max_num_seqs) in static input buffers with
+block tables padded to `max_model_len / block_size` blocks, and on a GPU that step is a CUDA-graph
+replay of forward + logits. Padded rows point at a scratch KV block and a scratch state slot that
+the cache holds beyond what the engine hands out, so they never touch a real sequence. Prefill
+and mixed steps run eagerly with exactly sized metadata.
+"""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -9,6 +18,8 @@ import torch
 from worker.engine.batch import BatchMetadata
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler import ScheduledBatch
+
+log = logging.getLogger(__name__)
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -24,11 +35,115 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
     return torch.float32
 
 
+def padded_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes decode steps are padded to: powers of two, and max_num_seqs itself."""
+    sizes, size = [], 1
+    while size < max_num_seqs:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_num_seqs]
+
+
+class DecodeInputs:
+    """Static buffers of a padded decode step (device), filled from pinned host staging buffers.
+
+    Row r < B is a real sequence; rows B..P-1 are padding: token 0 at position 0 with context 1,
+    writing KV to the scratch block and state to the scratch slot.
+    """
+
+    def __init__(
+        self,
+        max_rows: int,
+        max_blocks: int,
+        block_size: int,
+        scratch_block: int,
+        scratch_slot: int,
+        device: torch.device,
+    ) -> None:
+        self.max_rows, self.max_blocks, self.block_size = max_rows, max_blocks, block_size
+        self.scratch_block, self.scratch_slot = scratch_block, scratch_slot
+        pin = device.type == "cuda"
+        self.host = {
+            "input_ids": torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin),
+            "positions": torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin),
+            "slot_mapping": torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin),
+            "context_lens": torch.zeros(max_rows, dtype=torch.int32, pin_memory=pin),
+            "state_slots": torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin),
+            "block_tables": torch.zeros(max_rows, max_blocks, dtype=torch.int32, pin_memory=pin),
+        }
+        self.device_buffers = {k: torch.zeros_like(v, device=device) for k, v in self.host.items()}
+        rows = torch.arange(max_rows + 1, dtype=torch.int32, device=device)
+        self.cu_seqlens = rows  # one token per row
+        self.logits_indices = rows[:max_rows].long()
+        self.has_initial_state = torch.ones(max_rows, dtype=torch.bool, device=device)
+        self.fill_padding(0, max_rows)
+        self.upload()
+
+    def fill_padding(self, start: int, stop: int) -> None:
+        h = self.host
+        h["input_ids"][start:stop] = 0
+        h["positions"][start:stop] = 0
+        h["slot_mapping"][start:stop] = self.scratch_block * self.block_size
+        h["context_lens"][start:stop] = 1
+        h["state_slots"][start:stop] = self.scratch_slot
+        h["block_tables"][start:stop] = self.scratch_block
+
+    def fill(self, batch: ScheduledBatch, rows: int) -> None:
+        """Stage the decodes of `batch` in rows [0, B) and padding in [B, rows)."""
+        h = self.host
+        ids, positions, slots, lens, states = [], [], [], [], []
+        for r, e in enumerate(batch.decodes):
+            seq, pos = e.seq, e.start
+            table = seq.block_table
+            if len(table) > self.max_blocks:
+                raise RuntimeError(f"sequence {seq.seq_id} outgrew max_model_len")
+            ids.append(seq.token_ids(pos, pos + 1)[0])
+            positions.append(pos)
+            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            lens.append(pos + 1)
+            states.append(seq.state_slot)
+            h["block_tables"][r, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        b = len(ids)
+        h["input_ids"][:b] = torch.tensor(ids)
+        h["positions"][:b] = torch.tensor(positions)
+        h["slot_mapping"][:b] = torch.tensor(slots)
+        h["context_lens"][:b] = torch.tensor(lens, dtype=torch.int32)
+        h["state_slots"][:b] = torch.tensor(states)
+        self.fill_padding(b, rows)
+        self.upload(rows)
+
+    def upload(self, rows: int | None = None) -> None:
+        rows = self.max_rows if rows is None else rows
+        for name, host in self.host.items():
+            self.device_buffers[name][:rows].copy_(host[:rows], non_blocking=True)
+
+    def input_ids(self, rows: int) -> torch.Tensor:
+        return self.device_buffers["input_ids"][:rows]
+
+    def meta(self, rows: int) -> BatchMetadata:
+        d = self.device_buffers
+        return BatchMetadata(
+            seq_ids=list(range(rows)),
+            num_prefills=0,
+            query_lens=[1] * rows,
+            context_lens=d["context_lens"][:rows],
+            cu_seqlens=self.cu_seqlens[: rows + 1],
+            positions=d["positions"][:rows],
+            slot_mapping=d["slot_mapping"][:rows],
+            block_tables=d["block_tables"][:rows],
+            state_slots=d["state_slots"][:rows],
+            has_initial_state=self.has_initial_state[:rows],
+            logits_indices=self.logits_indices[:rows],
+        )
+
+
 class ModelRunner:
     """Owns the model's cache; runs one scheduled batch per call and returns sampled tokens.
 
-    `forward` is the seam for CUDA graphs: a graph runner overrides it to replay captured
-    decode-only steps (padded to a captured batch size) and falls back to eager otherwise.
+    The cache holds `num_blocks + 1` KV blocks and `num_state_slots + 1` state slots: the last
+    of each is scratch for padded decode rows. `pad_decode` (needs `max_model_len`) sends
+    decode-only steps through the padded static buffers; `cuda_graphs` (CUDA only, implies
+    padding) captures them, one graph per padded size, sharing one memory pool.
     """
 
     def __init__(
@@ -39,15 +154,35 @@ class ModelRunner:
         num_state_slots: int,
         kv_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        max_model_len: int | None = None,
+        cuda_graphs: bool = False,
+        pad_decode: bool | None = None,
     ) -> None:
         self.model = model
         self.device = torch.device(device) if device is not None else model_device(model)
         self.block_size = block_size
         self.kv_dtype = kv_dtype or model_dtype(model)
         self.cache = model.allocate_cache(
-            num_blocks, block_size, num_state_slots, self.kv_dtype, self.device
+            num_blocks + 1, block_size, num_state_slots + 1, self.kv_dtype, self.device
         )
         self.sampler = Sampler()
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        pad = self.cuda_graphs if pad_decode is None else (pad_decode or self.cuda_graphs)
+        self.decode_inputs: DecodeInputs | None = None
+        self.sizes = padded_sizes(num_state_slots)
+        if pad and max_model_len is not None:
+            self.decode_inputs = DecodeInputs(
+                self.sizes[-1],
+                -(-max_model_len // block_size),
+                block_size,
+                scratch_block=num_blocks,
+                scratch_slot=num_state_slots,
+                device=self.device,
+            )
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_error: str | None = None  # why capture failed (decode then runs eagerly)
+
+    # --- eager steps ----------------------------------------------------------------------
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, BatchMetadata]:
         """Input token ids [T] and the step's metadata, on the model's device."""
@@ -98,16 +233,74 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
         return self.model.forward(input_ids, meta, self.cache)
 
+    def _logits(self, input_ids: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+        """Float32 logits of every sequence's last fed token."""
+        hidden = self.forward(input_ids, meta)
+        return self.model.compute_logits(hidden[meta.logits_indices])
+
+    # --- padded decode steps --------------------------------------------------------------
+
+    def padded_size(self, num_decodes: int) -> int:
+        return next(s for s in self.sizes if s >= num_decodes)
+
+    def decode_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits [B, vocab] of a decode-only batch through the padded buffers (graph or eager)."""
+        assert self.decode_inputs is not None
+        rows = self.padded_size(len(batch.decodes))
+        self.decode_inputs.fill(batch, rows)
+        graph = self.graphs.get(rows)
+        if graph is not None:
+            graph[0].replay()
+            return graph[1][: len(batch.decodes)]
+        inputs = self.decode_inputs
+        return self._logits(inputs.input_ids(rows), inputs.meta(rows))[: len(batch.decodes)]
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture forward + logits for every padded size (largest first, one shared pool).
+
+        Each size runs eagerly once first (kernel compilation and lazy init stay outside the
+        capture). All rows are padding during capture, so only scratch memory is written. A
+        failure leaves decode eager and records why in `graph_error`.
+        """
+        if not self.cuda_graphs or self.decode_inputs is None or self.graphs:
+            return
+        inputs = self.decode_inputs
+        inputs.fill_padding(0, inputs.max_rows)
+        inputs.upload()
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            for rows in reversed(self.sizes):
+                ids, meta = inputs.input_ids(rows), inputs.meta(rows)
+                self._logits(ids, meta)  # warm: compile kernels, allocate lazily held buffers
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._logits(ids, meta)
+                self.graphs[rows] = (graph, logits)
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:  # eager decode still works; say why graphs are off
+            self.graphs.clear()
+            self.graph_error = f"{type(exc).__name__}: {exc}"
+            log.exception("CUDA graph capture failed; decode runs eagerly")
+
+    # --- one step -------------------------------------------------------------------------
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Run one step; the next token of every entry that samples, None for the others."""
         entries = batch.entries
+        if self.decode_inputs is not None and not batch.prefills:
+            logits = self.decode_logits(batch)
+            sampled = self.sampler(logits, [e.seq for e in batch.decodes])
+            return list(sampled)
         input_ids, meta = self.prepare(batch)
-        hidden = self.forward(input_ids, meta)
         rows = [i for i, e in enumerate(entries) if e.samples]
         next_tokens: list[int | None] = [None] * len(entries)
-        if not rows:
-            return next_tokens  # only prefill chunks that do not reach their sequence's end
+        if not rows:  # only prefill chunks that do not reach their sequence's end
+            self.forward(input_ids, meta)
+            return next_tokens
+        hidden = self.forward(input_ids, meta)
         row_index = torch.tensor(rows, device=self.device)
         logits = self.model.compute_logits(hidden[meta.logits_indices[row_index]])
         sampled = self.sampler(logits, [entries[i].seq for i in rows])

@@ -39,6 +39,7 @@ OPS = (
     "write_kv_cache",
     "paged_attention_prefill",
     "paged_attention_decode",
+    "fp8_linear",
 )
 # Ops whose implementation choice also depends on the KV cache dtype (fp8 or not).
 _KV_OPS = {"write_kv_cache", "paged_attention_prefill", "paged_attention_decode"}
@@ -320,3 +321,10 @@ def paged_attention_decode(
 ) -> torch.Tensor:
     fn = _pick("paged_attention_decode", q, k_cache)
     return fn(q, k_cache, v_cache, context_lens, block_tables, scale, k_scale, v_scale)
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] times an e4m3 weight [N, K] with per-output-channel scales [N] (fp32)."""
+    return _pick("fp8_linear", x)(x, weight, scale, bias)

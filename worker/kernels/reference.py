@@ -265,6 +265,14 @@ def write_kv_cache(
     v_flat[slots] = _quantize(v[keep], v_cache.dtype, v_scale)
 
 
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] times an fp8 weight [N, K] with per-output-channel fp32 scales [N]: the weight
+    is dequantized (w * scale) to x's dtype and used as a plain linear layer."""
+    return F.linear(x, (weight.float() * scale[:, None]).to(x.dtype), bias)
+
+
 def _quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     if dtype.is_floating_point and dtype.itemsize == 1:
         return (x.float() / scale).to(dtype)

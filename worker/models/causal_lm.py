@@ -65,7 +65,8 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = TextModel(config)
         # A tied head reads the embedding matrix (see `head_weight`), so it cannot come untied.
-        self.lm_head: nn.Linear | None = None
+        # An untied head may be swapped for an FP8 one (worker.models.fp8).
+        self.lm_head: nn.Module | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -78,7 +79,11 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight.device
 
     def head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.lm_head is None:
+            return self.model.embed_tokens.weight
+        weight = self.lm_head.weight
+        assert isinstance(weight, torch.Tensor)
+        return weight
 
     def reset_buffers(self) -> None:
         """Recompute non-persistent buffers (rotary tables) after materialising on a device."""
@@ -130,6 +135,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in float32."""
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
         return F.linear(hidden, self.head_weight()).float()
 
 

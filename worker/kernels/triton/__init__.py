@@ -13,6 +13,8 @@ import torch
 from worker.kernels import ops
 from worker.kernels.triton.conv1d import causal_conv1d_prefill, causal_conv1d_update
 from worker.kernels.triton.delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
+from worker.kernels.triton.fp8_gemm import fp8_linear
+from worker.kernels.triton.kv_cache import write_kv_cache
 from worker.kernels.triton.norm import gated_rms_norm, rms_norm
 from worker.kernels.triton.paged_attention import paged_attention_decode
 
@@ -31,6 +33,18 @@ def cuda_attention(
     return True, f"CUDA, {kv_dtype or dtype} cache"
 
 
+def cuda_half(
+    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None
+) -> tuple[bool, str]:
+    """FP8 weight GEMMs: CUDA with 16-bit activations (w8a16 dots in fp16, scaled_mm out bf16)."""
+    ok, reason = ops.cuda_only(device, dtype, kv_dtype)
+    if not ok:
+        return ok, reason
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False, f"needs bf16/fp16 activations, got {dtype}"
+    return True, f"CUDA, {dtype} activations"
+
+
 ops.register("rms_norm", rms_norm, ops.cuda_only, name="triton.rms_norm")
 ops.register("gated_rms_norm", gated_rms_norm, ops.cuda_only, name="triton.gated_rms_norm")
 ops.register("causal_conv1d_update", causal_conv1d_update, name="triton.causal_conv1d_update")
@@ -40,13 +54,17 @@ ops.register("gated_delta_rule_prefill", gated_delta_rule_prefill, name="triton.
 ops.register(
     "paged_attention_decode", paged_attention_decode, cuda_attention, name="triton.paged_decode"
 )
+ops.register("write_kv_cache", write_kv_cache, cuda_attention, name="triton.write_kv_cache")
+ops.register("fp8_linear", fp8_linear, cuda_half, name="triton.fp8_linear")
 
 __all__ = [
     "causal_conv1d_prefill",
     "causal_conv1d_update",
+    "fp8_linear",
     "gated_delta_rule_decode",
     "gated_delta_rule_prefill",
     "gated_rms_norm",
     "paged_attention_decode",
     "rms_norm",
+    "write_kv_cache",
 ]

@@ -1,0 +1,584 @@
+"""One GPU call, every number of the H200 results table: our engine in BF16 and FP8, Hugging Face
+transformers at the same shape, and the bandwidth roofline, at the load point.
+
+    PYTHONPATH=. python3 bench/gpu_suite.py                 # on the GPU; JSON to $OUT
+    python -m bench.gpu_suite --preset tiny-qwen3_5 --device cpu --budget-s 120   # plumbing check
+
+Sections, in order (each guarded: a failure is recorded and the next one runs; the JSON is
+rewritten after every section, so a killed run still leaves what it measured):
+1. roofline: device-to-device copy bandwidth; decode-step floor = bytes a batch-8 step must move
+   (weights + DeltaNet state read and written) / bandwidth.
+2. fp8_gemm: w8a16 (triton) vs torch._scaled_mm (rowwise) vs bf16 F.linear at M=8 and M=4096 for
+   the big projection shapes; sets the w8a16 -> scaled_mm switch for the FP8 engine.
+3. bf16, fp8: the engine at the load point (32 requests, 8 in flight, 512 prompt + 256 output
+   tokens; one warm-up round, then up to 5 repeats while the section's time budget lasts), with
+   CUDA-graph decode; plus phases: decode step as a graph replay, the same step eager, a
+   per-kernel profile of the eager step (kernels grouped), and the 8 x 512 prefill step.
+4. hf: transformers Qwen3_5ForCausalLM bf16 (sdpa; fla kernels when importable), static batch 8,
+   512 prompt: generate 1 token and 1 + D tokens; decode step = difference / D; the 256-token
+   run is extrapolated as t(1) + 255 x step (method recorded in the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.engine_bench import percentile, random_prompts, run_round
+from worker.engine.engine import EngineConfig, LLMEngine
+from worker.engine.sequence import SamplingParams
+
+GIB = 1024**3
+FP8_E4M3 = torch.float8_e4m3fn
+
+
+class Suite:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.start = time.perf_counter()
+        self.out = Path(args.out or os.environ.get("OUT") or "bench/results")
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.report: dict[str, Any] = {
+            "load_point": {
+                "num_requests": args.num_requests,
+                "concurrency": args.concurrency,
+                "prompt_len": args.prompt_len,
+                "max_tokens": args.max_tokens,
+                "max_repeats": args.repeats,
+            },
+            "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "sections": {},
+        }
+
+    def left(self) -> float:
+        return self.args.budget_s - (time.perf_counter() - self.start)
+
+    def section(self, name: str, fn: Callable[[float], dict[str, Any]], share: float) -> None:
+        """Run one section with `share` of the time left (it gets at least what it needs to
+        start; it checks its own budget as it goes)."""
+        budget = self.left() * share
+        print(f"== {name} (budget {budget:.0f} s, {self.left():.0f} s left)", file=sys.stderr)
+        began = time.perf_counter()
+        try:
+            result = fn(budget)
+        except Exception as exc:  # record and go on: the other sections still count
+            traceback.print_exc()
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+        result["section_s"] = time.perf_counter() - began
+        self.report["sections"][name] = result
+        self.write()
+        free_gpu()
+
+    def write(self) -> None:
+        (self.out / "gpu_suite.json").write_text(json.dumps(self.report, indent=2, default=str))
+
+
+def free_gpu() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def cuda_time(fn: Callable[[], Any], iters: int, warmup: int = 1) -> float:
+    """Mean seconds per call on the GPU (events), after warm-up calls."""
+    for _ in range(warmup):
+        fn()
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / 1e3 / iters
+
+
+# --- 1. roofline ----------------------------------------------------------------------------
+
+
+def roofline(args: argparse.Namespace, config: Any) -> dict[str, Any]:
+    n = (1 << 30) if args.device == "cuda" else (1 << 22)
+    src = torch.empty(n, dtype=torch.uint8, device=args.device)
+    dst = torch.empty_like(src)
+    seconds = cuda_time(lambda: dst.copy_(src), iters=20, warmup=3)
+    bandwidth = 2 * n / seconds  # bytes read + written
+    params = config.num_parameters()
+    state = state_bytes_per_seq(config)
+    batch = args.concurrency
+    rows = {}
+    for name, weight_bytes in (("bf16", 2 * params), ("fp8", params)):
+        step_bytes = weight_bytes + 2 * batch * state  # state read and written
+        step_s = step_bytes / bandwidth
+        rows[name] = {
+            "weight_bytes": weight_bytes,
+            "step_bytes": step_bytes,
+            "decode_step_ms": step_s * 1e3,
+            "decode_tok_s": batch / step_s,
+        }
+    return {"copy_bandwidth_gb_s": bandwidth / 1e9, "batch": batch, "configs": rows}
+
+
+def state_bytes_per_seq(config: Any) -> int:
+    c = config
+    layers = len(c.linear_attention_layers)
+    recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    return layers * recurrent
+
+
+# --- 2. fp8 GEMM paths ----------------------------------------------------------------------
+
+
+def fp8_gemm(args: argparse.Namespace, config: Any) -> dict[str, Any]:
+    from worker.kernels.triton import fp8_gemm as fp8k
+    from worker.models.fp8 import quantize_weight
+
+    h, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    shapes = {
+        "gate|up": (f, h),
+        "down": (h, f),
+        "in_proj_qkv": (config.conv_dim, h),
+        "head": (v, h),
+    }
+    rows_list = (8, 4096) if args.device == "cuda" else (8, 64)
+    results: dict[str, Any] = {}
+    wins = {m: {"w8a16": 0.0, "scaled_mm": 0.0} for m in rows_list}
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=args.device, dtype=torch.bfloat16) * 0.02
+        q, s = quantize_weight(w)
+        for m in rows_list:
+            x = torch.randn(m, k, device=args.device, dtype=torch.bfloat16)
+            row: dict[str, Any] = {"weight_bytes_fp8": n * k, "flop": 2 * m * n * k}
+            paths: dict[str, Callable[[], torch.Tensor]] = {
+                "bf16": functools.partial(torch.nn.functional.linear, x, w),
+                "w8a16": functools.partial(fp8k.w8a16, x, q, s),
+                "scaled_mm": functools.partial(fp8k.scaled_mm, x, q, s),
+            }
+            ref = torch.nn.functional.linear(x, (q.float() * s[:, None]).bfloat16()).float()
+            for path, fn in paths.items():
+                try:
+                    err = ((fn().float() - ref).norm() / ref.norm()).item()
+                    t = cuda_time(fn, iters=10, warmup=2)
+                    row[path] = {"us": t * 1e6, "rel_err_vs_dequant": err}
+                    row[path]["gb_s"] = (n * k * (2 if path == "bf16" else 1)) / t / 1e9
+                    row[path]["tflop_s"] = 2 * m * n * k / t / 1e12
+                    if path in wins[m]:
+                        wins[m][path] += t
+                except Exception as exc:
+                    row[path] = {"error": f"{type(exc).__name__}: {exc}"}
+                    if path in wins[m]:
+                        wins[m][path] = float("inf")
+            results[f"{name} M={m}"] = row
+        del w, q, s
+    small, large = rows_list
+    # the switch: scaled_mm from the first size where it is faster in total
+    if wins[small]["scaled_mm"] < wins[small]["w8a16"]:
+        switch = 1
+    elif wins[large]["scaled_mm"] < wins[large]["w8a16"]:
+        switch = 64
+    else:
+        switch = 1 << 30  # scaled_mm broken or slower everywhere
+    fp8k.FP8_SCALED_MM_MIN_ROWS = switch
+    return {"shapes": results, "totals_s": wins, "scaled_mm_min_rows": switch}
+
+
+# --- 3. our engine --------------------------------------------------------------------------
+
+
+class StepLog:
+    """Wraps runner.execute: wall time of every step, tagged prefill (any prefill chunk) or
+    decode (the number of decodes). The sampler's host copy ends every step, so wall = GPU."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner, self.inner = runner, runner.execute
+        self.steps: list[tuple[str, int, float]] = []
+        runner.execute = self
+
+    def __call__(self, batch: Any) -> Any:
+        t0 = time.perf_counter()
+        out = self.inner(batch)
+        kind = "prefill" if batch.prefills else "decode"
+        self.steps.append((kind, batch.num_tokens, time.perf_counter() - t0))
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        decode = [s for k, n, s in self.steps if k == "decode" and n == self.runner.sizes[-1]]
+        prefill = [s for k, _, s in self.steps if k == "prefill"]
+        return {
+            "decode_steps": len(decode),
+            "decode_step_wall_ms_p50": 1e3 * statistics.median(decode) if decode else None,
+            "prefill_steps": len(prefill),
+            "prefill_step_wall_ms_p50": 1e3 * statistics.median(prefill) if prefill else None,
+            "prefill_tokens_per_step_max": max(
+                (n for k, n, _ in self.steps if k == "prefill"), default=0
+            ),
+        }
+
+
+KERNEL_GROUPS = (
+    ("fp8 w8a16", ("w8a16",)),
+    ("fp8 quantize rows", ("quantize_rows",)),
+    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "splitk", "scaled_mm")),
+    ("gdn decode", ("gdn", "delta", "recurrent")),
+    ("conv1d", ("conv",)),
+    ("paged attention", ("decode_partition", "combine", "paged")),
+    ("kv write", ("write_kv",)),
+    ("norms", ("rms_norm",)),
+)
+
+
+def kernel_group(name: str) -> str:
+    low = name.lower()
+    for group, keys in KERNEL_GROUPS:
+        if any(k in low for k in keys):
+            return group
+    return "other (elementwise, copies, index)"
+
+
+def profile_step(fn: Callable[[], Any], steps: int) -> dict[str, Any]:
+    """Per-kernel GPU time of `fn` (eager), per step: the top kernels and the groups."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = []
+    for e in prof.key_averages():
+        # self time: a CPU op's device total would count its kernels a second time
+        device_us = float(getattr(e, "self_device_time_total", 0) or 0)
+        if device_us <= 0:
+            continue
+        kernels.append((e.key, e.count / steps, device_us / steps))
+    kernels.sort(key=lambda k: -k[2])
+    groups: dict[str, dict[str, float]] = {}
+    for name, count, us in kernels:
+        g = groups.setdefault(kernel_group(name), {"ms": 0.0, "launches": 0.0})
+        g["ms"] += us / 1e3
+        g["launches"] += count
+    return {
+        "total_ms": sum(k[2] for k in kernels) / 1e3,
+        "groups": dict(sorted(groups.items(), key=lambda g: -g[1]["ms"])),
+        "top": [
+            {"kernel": name[:120], "launches": count, "ms": us / 1e3}
+            for name, count, us in kernels[:25]
+        ],
+    }
+
+
+def engine_phases(engine: LLMEngine) -> dict[str, Any]:
+    """Decode step (batch max_num_seqs) as a graph replay and eager, and a kernel profile.
+    All rows are padding (scratch block and slot): no sequence is touched."""
+    runner = engine.runner
+    inputs: Any = runner.decode_inputs
+    if inputs is None:
+        return {"error": "no padded decode path"}
+    rows = runner.sizes[-1]
+    inputs.fill_padding(0, inputs.max_rows)
+    inputs.upload()
+    ids, meta = inputs.input_ids(rows), inputs.meta(rows)
+    phases: dict[str, Any] = {"batch": rows, "graph_error": runner.graph_error}
+    with torch.inference_mode():
+        if rows in runner.graphs:
+            graph = runner.graphs[rows][0]
+            phases["decode_step_graph_ms"] = 1e3 * cuda_time(graph.replay, iters=20, warmup=3)
+        eager = lambda: runner._logits(ids, meta)  # noqa: E731
+        phases["decode_step_eager_ms"] = 1e3 * cuda_time(eager, iters=5, warmup=1)
+        if torch.cuda.is_available():
+            phases["decode_step_eager_profile"] = profile_step(eager, steps=3)
+    return phases
+
+
+def engine_config(
+    args: argparse.Namespace, config: Any, fp8: bool, budget: float
+) -> dict[str, Any]:
+    from worker.models import build_random
+    from worker.models.fp8 import quantize_fp8
+
+    began = time.perf_counter()
+    device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = build_random(config, device, dtype, seed=args.seed)
+    if fp8:
+        quantize_fp8(model)
+    free_gpu()
+    build_s = time.perf_counter() - began
+    max_model_len = args.prompt_len + args.max_tokens
+    engine = LLMEngine(
+        model,
+        None,
+        EngineConfig(
+            block_size=16,
+            num_kv_blocks=-(-max_model_len // 16) * args.concurrency,
+            max_num_seqs=args.concurrency,
+            max_num_batched_tokens=args.prompt_len * args.concurrency,
+            max_model_len=max_model_len,
+            kv_dtype=FP8_E4M3 if fp8 else None,
+            device=device,
+            pad_decode=True,  # on CPU too, so the plumbing check covers the same path
+        ),
+    )
+    result: dict[str, Any] = {
+        "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / GIB,
+        "kv_dtype": str(engine.runner.kv_dtype),
+        "kv_bytes_per_token": engine.kv_bytes_per_token(),
+        "attention_kv_gib_at_1m_tokens": engine.kv_bytes_per_token() * 1e6 / GIB,
+        "deltanet_state_bytes_per_sequence": engine.state_bytes_per_sequence(),
+        "deltanet_state_mib_per_sequence": engine.state_bytes_per_sequence() / 2**20,
+        "build_s": build_s,
+        "graph_capture_s": time.perf_counter() - began - build_s,
+        "cuda_graph_sizes": sorted(engine.runner.graphs),
+        "graph_error": engine.runner.graph_error,
+    }
+    if device == "cuda":
+        from worker.kernels import ops
+
+        result["kernels"] = ops.explain(device, dtype, engine.runner.kv_dtype)
+        result["gpu_memory_gib"] = torch.cuda.memory_allocated() / GIB
+
+    steps = StepLog(engine.runner)
+    rng = random.Random(args.seed)
+    vocab = config.vocab_size
+    warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    run_round(engine, random_prompts(args.concurrency, args.prompt_len, vocab, rng), 8, warm)
+    result["phases"] = engine_phases(engine)
+    steps.steps.clear()
+
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    repeats: list[Any] = []
+    while len(repeats) < args.repeats:
+        spent = time.perf_counter() - began
+        longest = max((r.wall_s for r in repeats), default=0.0)
+        if repeats and spent + 1.2 * longest > budget:
+            break
+        prompts = random_prompts(args.num_requests, args.prompt_len, vocab, rng)
+        r = run_round(engine, prompts, args.concurrency, params)
+        repeats.append(r)
+        print(
+            f"  repeat {len(repeats)}: {r.output_tok_s:.1f} tok/s, {r.wall_s:.1f} s",
+            file=sys.stderr,
+        )
+    result["phases"].update(steps.summary())
+    ttft = [t for r in repeats for t in r.ttft_s]
+    e2e = [t for r in repeats for t in r.e2e_s]
+    tok_s = statistics.median(r.output_tok_s for r in repeats)
+    result.update(
+        {
+            "repeats": len(repeats),
+            "output_tok_s": tok_s,
+            "output_tok_s_repeats": [r.output_tok_s for r in repeats],
+            "completion_tokens": sum(r.completion_tokens for r in repeats),
+            "preemptions": sum(r.preemptions for r in repeats),
+            "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p95_s": percentile(ttft, 95),
+            "e2e_p50_s": percentile(e2e, 50),
+            "e2e_p95_s": percentile(e2e, 95),
+            "gpu_hours_per_1m_output_tokens": 1e6 / tok_s / 3600,
+        }
+    )
+    del engine, model
+    return result
+
+
+# --- 4. Hugging Face transformers -----------------------------------------------------------
+
+
+def hf_config(config: Any) -> Any:
+    import transformers
+
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        layer_types=list(config.layer_types),
+        linear_num_key_heads=config.linear_num_key_heads,
+        linear_num_value_heads=config.linear_num_value_heads,
+        linear_key_head_dim=config.linear_key_head_dim,
+        linear_value_head_dim=config.linear_value_head_dim,
+        linear_conv_kernel_dim=config.linear_conv_kernel_dim,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+
+
+def hf_baseline(args: argparse.Namespace, config: Any, budget: float) -> dict[str, Any]:
+    import transformers
+
+    began = time.perf_counter()
+    result: dict[str, Any] = {"transformers": transformers.__version__}
+    try:
+        import fla  # noqa: F401
+
+        result["fla"] = getattr(fla, "__version__", "present")
+    except Exception as exc:
+        result["fla"] = f"not importable ({type(exc).__name__}): torch fallback kernels"
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    with torch.device(args.device):
+        model = transformers.Qwen3_5ForCausalLM._from_config(
+            hf_config(config), dtype=dtype, attn_implementation="sdpa"
+        )
+    model.eval()
+    result["weights_gib"] = sum(p.numel() * p.element_size() for p in model.parameters()) / GIB
+    result["build_s"] = time.perf_counter() - began
+    batch = torch.randint(0, config.vocab_size, (args.concurrency, args.prompt_len))
+    ids = batch.to(args.device)
+
+    def generate(n: int) -> float:
+        sync()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        sync()
+        return time.perf_counter() - t0
+
+    generate(2)  # warm: kernel compilation, allocator
+    first = generate(1)
+    left = budget - (time.perf_counter() - began)
+    # decode tokens to time: as many as fit in half of what is left (at most 64, at least 4)
+    step_guess = max(first / 4, 0.02)
+    d = int(max(4, min(64, (left * 0.5 - first) / step_guess)))
+    longer = generate(1 + d)
+    step = (longer - first) / d
+    e2e = first + (args.max_tokens - 1) * step
+    result.update(
+        {
+            "method": (
+                f"static batch {args.concurrency}: t(1 token) = prefill + 1 step; decode step = "
+                f"(t(1+{d}) - t(1)) / {d}; e2e for {args.max_tokens} tokens extrapolated as "
+                f"t(1) + {args.max_tokens - 1} x step; tok/s = batch x tokens / e2e; TTFT = t(1)"
+            ),
+            "decode_tokens_timed": d,
+            "t1_s": first,
+            "decode_step_ms": step * 1e3,
+            "ttft_p50_s": first,
+            "ttft_p95_s": first,
+            "e2e_p50_s": e2e,
+            "e2e_p95_s": e2e,
+            "output_tok_s": args.concurrency * args.max_tokens / e2e,
+            "gpu_hours_per_1m_output_tokens": 1e6
+            / (args.concurrency * args.max_tokens / e2e)
+            / 3600,
+        }
+    )
+    return result  # the model goes with this frame
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# --- table ----------------------------------------------------------------------------------
+
+
+def print_table(report: dict[str, Any]) -> None:
+    s = report["sections"]
+    cols = ("output tok/s", "TTFT p50/p95 s", "E2E p50/p95 s", "weights GiB", "KV GiB@1M",
+            "state MiB/seq", "GPU-h/1M tok", "decode ms (graph/eager)")  # fmt: skip
+    print(" | ".join(["config", *cols]))
+    for name in ("bf16", "fp8", "hf"):
+        r = s.get(name, {})
+        if "output_tok_s" not in r:
+            print(f"{name} | {r.get('error', 'not run')}")
+            continue
+        ph = r.get("phases", {})
+        decode = (
+            f"{ph.get('decode_step_graph_ms', float('nan')):.2f}/"
+            f"{ph.get('decode_step_eager_ms', float('nan')):.2f}"
+            if ph
+            else f"{r.get('decode_step_ms', float('nan')):.2f} (HF)"
+        )
+        print(
+            " | ".join(
+                [
+                    name,
+                    f"{r['output_tok_s']:.1f}",
+                    f"{r['ttft_p50_s']:.3f}/{r['ttft_p95_s']:.3f}",
+                    f"{r['e2e_p50_s']:.2f}/{r['e2e_p95_s']:.2f}",
+                    f"{r['weights_gib']:.2f}",
+                    f"{r.get('attention_kv_gib_at_1m_tokens', float('nan')):.2f}",
+                    f"{r.get('deltanet_state_mib_per_sequence', float('nan')):.1f}",
+                    f"{r['gpu_hours_per_1m_output_tokens']:.3f}",
+                    decode,
+                ]
+            )
+        )
+    roof = s.get("roofline", {})
+    for name, row in roof.get("configs", {}).items():
+        print(
+            f"roofline {name}: {row['decode_step_ms']:.2f} ms/step, {row['decode_tok_s']:.0f} tok/s "
+            f"(copy {roof['copy_bandwidth_gb_s']:.0f} GB/s)"
+        )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--preset", default="qwen3_6-27b")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--budget-s", type=float, default=500.0, help="the whole suite's time guard")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sections", default="roofline,fp8_gemm,bf16,fp8,hf")
+    p.add_argument("--out", help="folder for gpu_suite.json (default $OUT, else bench/results)")
+    args = p.parse_args(argv)
+    from worker.models.presets import PRESETS
+
+    config = PRESETS[args.preset.replace("_", ".")]
+    suite = Suite(args)
+    suite.report["model"] = f"{config.name} (random weights)"
+    wanted = args.sections.split(",")
+    # shares of the time left when each section starts
+    plan: list[tuple[str, Callable[[float], dict[str, Any]], float]] = [
+        ("roofline", lambda b: roofline(args, config), 0.1),
+        ("fp8_gemm", lambda b: fp8_gemm(args, config), 0.1),
+        ("bf16", lambda b: engine_config(args, config, False, b), 0.37),
+        ("fp8", lambda b: engine_config(args, config, True, b), 0.55),
+        ("hf", lambda b: hf_baseline(args, config, b), 0.9),
+    ]
+    for name, fn, share in plan:
+        if name in wanted:
+            suite.section(name, fn, share)
+    suite.report["suite_s"] = time.perf_counter() - suite.start
+    suite.write()
+    print_table(suite.report)
+    return suite.report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The fixed-shape decode path (what CUDA graphs replay) run eagerly on CPU: padding a decode
+batch to the captured size, with padded rows on a scratch KV block and state slot, must give the
+same tokens and logits as the exactly sized step, and must never touch another sequence's state."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from worker.engine.engine import EngineConfig, LLMEngine
+from worker.engine.runner import padded_sizes
+from worker.engine.sequence import SamplingParams
+
+presets = pytest.importorskip("worker.models.presets")
+from worker.models import build_random  # noqa: E402
+from worker.models.cache import AttentionCache  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_padded_sizes():
+    assert padded_sizes(1) == [1]
+    assert padded_sizes(5) == [1, 2, 4, 5]
+    assert padded_sizes(8) == [1, 2, 4, 8]
+
+
+def serve(model, pad: bool, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
+    config = EngineConfig(
+        block_size=4,
+        max_num_seqs=5,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        pad_decode=pad,
+    )
+    engine = LLMEngine(model, None, config)
+    assert (engine.runner.decode_inputs is not None) == pad
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts[:3]]  # 3 decodes pad to 4
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished_requests() or len(ids) < len(prompts):
+        step += 1
+        if step == 4:  # join mid-way: 5 in flight, then they leave at different times
+            ids += [engine.add_request(p, params) for p in prompts[3:]]
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return [tokens[i] for i in ids]
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-llama"])
+def test_padded_decode_equals_unpadded(preset):
+    config = presets.PRESETS[preset]
+    model = build_random(config, "cpu", torch.float64, seed=3)
+    rng = random.Random(1)
+    prompts = [
+        [rng.randrange(config.vocab_size) for _ in range(rng.randint(2, 20))] for _ in range(5)
+    ]
+    assert serve(model, True, prompts) == serve(model, False, prompts)
+
+
+def tensors_of(layer: object) -> list[torch.Tensor]:
+    return [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+
+
+def test_padded_rows_write_only_scratch():
+    config = presets.PRESETS["tiny-qwen3.5"]
+    model = build_random(config, "cpu", torch.float64, seed=4)
+    engine = LLMEngine(
+        model,
+        None,
+        EngineConfig(
+            block_size=4,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            max_model_len=32,
+            pad_decode=True,
+        ),
+    )
+    runner = engine.runner
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for prompt in ([1, 2, 3], [4, 5, 6, 7, 8], [9, 10]):
+        engine.add_request(prompt, params)
+    engine.step()  # prefill all three
+    batch = engine.scheduler.schedule()
+    assert not batch.prefills and len(batch.decodes) == 3
+    used_slots = {e.seq.state_slot for e in batch.decodes}
+    used_blocks = {b for e in batch.decodes for b in e.seq.block_table}
+    before = [[t.clone() for t in tensors_of(layer)] for layer in runner.cache.layers]
+
+    unpadded_ids, unpadded_meta = runner.prepare(batch)
+    with torch.inference_mode():
+        expected = runner._logits(unpadded_ids, unpadded_meta)
+        for layer, saved in zip(runner.cache.layers, before, strict=True):  # undo that step
+            for t, s in zip(tensors_of(layer), saved, strict=True):
+                t.copy_(s)
+        logits = runner.decode_logits(batch)  # padded to 4 rows
+    torch.testing.assert_close(logits, expected, rtol=1e-9, atol=1e-9)
+
+    inputs = runner.decode_inputs
+    assert inputs is not None
+    for layer, saved in zip(runner.cache.layers, before, strict=True):
+        is_kv = isinstance(layer, AttentionCache)
+        # KV caches change only in this batch's blocks and the scratch block; state pools only
+        # in this batch's slots and the scratch slot (which the padded row did write).
+        scratch = inputs.scratch_block if is_kv else inputs.scratch_slot
+        allowed = (used_blocks if is_kv else used_slots) | {scratch}
+        for t, s in zip(tensors_of(layer), saved, strict=True):
+            changed = set((t != s).flatten(1).any(1).nonzero().flatten().tolist())
+            assert changed <= allowed
+            assert scratch in changed
