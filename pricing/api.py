@@ -245,6 +245,7 @@ def billing_admin_router(services: Services, ctx: BillingContext) -> Router:
         cached_input_price: Amount = None,
         input_tokens_per_output_token: Amount = None,
         cached_share_of_input: Amount = None,
+        consistent: Consistent = False,
     ) -> dict[str, Any]:
         found = services.view.sku(sku) or services.view.sku_by_name(sku)
         if found is None:
@@ -261,6 +262,8 @@ def billing_admin_router(services: Services, ctx: BillingContext) -> Router:
         what_if: dict[str, Any] = {k: _decimal(k, v) for k, v in given.items() if v is not None}
         if days is not None:
             what_if["days"] = days
+        if consistent:
+            await caught_up(services)
         try:
             projection = await capacity_what_if(
                 store,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 
 import msgspec
@@ -45,6 +46,8 @@ class BillingPeriod(msgspec.Struct, frozen=True):
     @classmethod
     def parse(cls, label: str) -> BillingPeriod:
         """'2026-03' -> March 2026 (UTC)."""
+        if not re.fullmatch(r"\d{4}-\d{2}", label):
+            raise ValueError(f"a billing month is YYYY-MM, got {label!r}")
         year, month = label.split("-")
         return cls.month(int(year), int(month))
 
