@@ -503,6 +503,9 @@ class BillingScheduler:
         self.runs: dict[str, int] = dict.fromkeys(self.jobs, 0)
 
     async def start(self) -> None:
+        # APScheduler logs every run at INFO, the leader renewal every few seconds included;
+        # keep its warnings and errors, the jobs log what they do themselves.
+        logging.getLogger("apscheduler").setLevel(logging.WARNING)
         await self.lock.renew()
         self.scheduler.add_job(
             self.lock.renew,

@@ -117,6 +117,8 @@ async def test_price_change_splits_lines_finalize_once_exports_tie_out(
         }
     ]
     assert (await b.http.get("/invoices", params={"period": "2026-08"})).json()["items"] == []
+    in_september = (await b.http.get("/invoices", params={"period": "2026-09"})).json()["items"]
+    assert [i["invoice_id"] for i in in_september] == [final.invoice_id]
     by_id = await b.http.get(f"/invoices/{final.invoice_id}")
     assert invoice_from_json(by_id.content) == final
     # The view and the read models met the invoice event on the control stream: quietly.
