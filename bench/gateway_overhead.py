@@ -189,9 +189,10 @@ class Bench:
         max_tokens: int,
         cancel_frac: float = 0.0,
         stagger_s: float = 0.0,
+        concurrency: int | None = None,
     ) -> dict[str, Any]:
         args = [
-            "-m", "bench.gateway_load", "--mode", mode, "--concurrency", str(self.a.concurrency),
+            "-m", "bench.gateway_load", "--mode", mode, "--concurrency", str(concurrency or self.a.concurrency),
             "--requests", str(requests), "--max-tokens", str(max_tokens), "--cancel-frac", str(cancel_frac),
             "--url", self.url, "--key", self.key, "--model", sku["name"],
             "--nats-url", self.nats_url, "--prefix", self.prefix, "--sku-id", sku["sku_id"],
@@ -269,6 +270,7 @@ def main() -> int:
         "--requests", type=int, default=500, help="requests per overhead round and mode"
     )
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--idle-requests", type=int, default=100, help="requests one at a time")
     ap.add_argument("--recon-requests", type=int, default=10_000)
     ap.add_argument("--recon-tokens", type=int, default=16)
     ap.add_argument("--recon-rate", type=float, default=400.0)
@@ -293,6 +295,11 @@ def main() -> int:
                 runs[mode].append(b.load(mode, sku, a.requests, a.tokens, stagger_s=stagger))
                 print(f"  {mode}: round done", flush=True)
         direct, gateway = summarize(runs["direct"]), summarize(runs["gateway"])
+        # The same, one stream at a time: what the gateway adds by itself, without queueing.
+        idle = {
+            mode: summarize([b.load(mode, sku, a.idle_requests, a.tokens, concurrency=1)])
+            for mode in ("direct", "gateway")
+        }
 
         recon_sku = b.worker_sku("bench-recon", a.recon_rate, a.recon_tokens)
         # Only the reconciliation run's requests (the direct runs are billed by the worker but,
@@ -316,6 +323,8 @@ def main() -> int:
         "ttft_added_ms_p50": gateway["ttft_ms_p50"] - direct["ttft_ms_p50"],
         "ttft_added_ms_p99": gateway["ttft_ms_p99"] - direct["ttft_ms_p99"],
         "throughput_cost_pct": 100 * (1 - gateway["tokens_per_s"] / direct["tokens_per_s"]),
+        "idle_ttft_added_ms_p50": idle["gateway"]["ttft_ms_p50"] - idle["direct"]["ttft_ms_p50"],
+        "idle_ttft_added_ms_p99": idle["gateway"]["ttft_ms_p99"] - idle["direct"]["ttft_ms_p99"],
     }
     recon = {
         "requests": a.recon_requests,
@@ -341,6 +350,7 @@ def main() -> int:
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
         "direct": direct,
         "gateway": gateway,
+        "idle": idle,
         "overhead": overhead,
         "reconciliation": recon,
     }
@@ -364,6 +374,12 @@ def main() -> int:
         f"{'throughput (tok/s)':24}{direct['tokens_per_s']:>16.1f}{gateway['tokens_per_s']:>16.1f}{f'{cost:.2f}%':>12}"
     )
     print(f"{'errors':24}{direct['errors']:>16}{gateway['errors']:>16}")
+    i_d, i_g = idle["direct"], idle["gateway"]
+    for label, key in (
+        ("1 stream: TTFT p50", "ttft_ms_p50"),
+        ("1 stream: TTFT p99", "ttft_ms_p99"),
+    ):
+        print(f"{label:24}{i_d[key]:>16.2f}{i_g[key]:>16.2f}{i_g[key] - i_d[key]:>12.2f}")
     gw_cpu = gateway["gateway_cpu_s"] / gateway["wall_s"]
     print(
         f"gateway process CPU: {100 * gw_cpu:.0f}% of one core while relaying "

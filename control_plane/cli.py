@@ -185,6 +185,25 @@ BILLING_COMMANDS = {
 }
 
 
+# The data plane's commands parse their own arguments (control_plane.reconcile, worker.serve).
+DATAPLANE_COMMANDS = {
+    "reconcile": "compare the usage ledger with the gateway's deliveries, request by request",
+    "worker": "serve one SKU from a worker backend (torch_runtime, openai_proxy, fixed_rate)",
+}
+
+
+def _dataplane(command: str, argv: list[str], settings: Settings) -> int:
+    if command == "reconcile":
+        from control_plane.reconcile import main as reconcile_main
+
+        return reconcile_main(["--database-url", str(settings.database_url), *argv])
+    from worker.serve import main as worker_main
+
+    return worker_main(
+        ["--nats-url", str(settings.nats_url), "--prefix", settings.stream_prefix, *argv]
+    )
+
+
 async def _scheduler(argv: list[str]) -> int:
     stop = _Stop()
     stop.install()
@@ -227,11 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     p = projections.add_parser("rebuild")
     p.add_argument("--data-dir", type=Path, dest="sub_data_dir", help=argparse.SUPPRESS)
     p.add_argument("--only", choices=[x.name for x in all_projections()])
-    for name, summary in BILLING_COMMANDS.items():
+    for name, summary in {**BILLING_COMMANDS, **DATAPLANE_COMMANDS}.items():
         p = sub.add_parser(name, help=summary, add_help=False)
         p.add_argument("--data-dir", type=Path, dest="sub_data_dir", help=argparse.SUPPRESS)
     args, billing_argv = parser.parse_known_args(argv)
-    if billing_argv and args.command not in BILLING_COMMANDS:
+    if billing_argv and args.command not in BILLING_COMMANDS | DATAPLANE_COMMANDS:
         parser.error(f"unrecognized arguments: {' '.join(billing_argv)}")
 
     logging.basicConfig(
@@ -245,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings.with_overrides(port=args.port)
     if getattr(args, "host", None):
         settings = settings.with_overrides(host=args.host)
+    if args.command in DATAPLANE_COMMANDS and {"-h", "--help"} & set(billing_argv):
+        return _dataplane(args.command, billing_argv, settings)  # no servers needed
     if args.command == "capacity" or {"-h", "--help"} & set(billing_argv):
         return _billing(args.command, billing_argv, settings)  # no servers needed
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -252,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     with backends(settings) as settings:
         if args.command in BILLING_COMMANDS:
             return _billing(args.command, billing_argv, settings)
+        if args.command in DATAPLANE_COMMANDS:
+            return _dataplane(args.command, billing_argv, settings)
         if args.command in ("up", "serve"):
             token, generated = resolve_admin_token(settings)
             if generated and args.command == "serve":
