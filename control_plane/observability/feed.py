@@ -12,12 +12,12 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import msgspec
 from litestar.config.app import AppConfig
-from litestar.exceptions import HTTPException
 from litestar.plugins import InitPluginProtocol
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from control_plane.observability.metrics import OpsMetrics
 from worker import protocol as p
@@ -141,28 +141,67 @@ def feeding(
     return run
 
 
+class _ErrorCode(msgspec.Struct):
+    code: str | None = None
+    type: str | None = None
+
+
+class _ErrorBody(msgspec.Struct):
+    error: _ErrorCode
+
+
+def refusal_reason(status: int, body: bytes) -> str:
+    """The OpenAI error code of a refusal's body (else its type, else `http_<status>`)."""
+    try:
+        error = msgspec.json.decode(body, type=_ErrorBody).error
+    except msgspec.DecodeError:
+        return f"http_{status}"
+    return error.code or error.type or f"http_{status}"
+
+
+def refused(status: int) -> bool:
+    """A refusal turns a request away before any token: a 4xx, or 503 (no live worker). A
+    502 is a failure after dispatch, not a refusal."""
+    return 400 <= status < 500 or status == 503
+
+
 class RefusalCounter(InitPluginProtocol):
     """Counts /v1 requests turned away before any token was generated, by the OpenAI error
-    code (invalid_api_key, tenant_suspended, model_not_found, rate_limit_exceeded, ...). It
-    watches the app's exceptions, so every refusal counts wherever it is raised: the key
-    lookup, a governance admission check, or no live worker (503). Failures after dispatch
-    (a 502 from a worker) are not refusals."""
+    code (invalid_api_key, tenant_suspended, model_not_found, rate_limit_exceeded, ...).
+
+    It reads the responses, not exceptions: the completion routes are ASGI handlers that
+    write their own error responses (no exception reaches Litestar), while /v1/models and
+    Litestar's own refusals go through exception handlers. Both pass this middleware, so every
+    refusal counts once wherever it is decided. Past the response start of a 2xx the wrapper
+    only forwards, so the token stream pays one function call per chunk."""
 
     def __init__(self, metrics: OpsMetrics) -> None:
         self.metrics = metrics
 
     def on_app_init(self, app_config: AppConfig) -> AppConfig:
-        app_config.after_exception = [*app_config.after_exception, self.after_exception]
+        app_config.middleware = [*app_config.middleware, self.middleware]
         return app_config
 
-    async def after_exception(self, exc: Exception, scope: Any) -> None:
-        if not str(scope.get("path", "")).startswith("/v1/"):
-            return
-        from control_plane.dataplane.errors import OpenAIError
+    def middleware(self, app: ASGIApp) -> ASGIApp:
+        metrics = self.metrics
 
-        if isinstance(exc, OpenAIError):
-            if exc.status >= 500 and exc.status != 503:
+        async def count_refusals(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+                await app(scope, receive, send)
                 return
-            self.metrics.refuse_admission(exc.body.error.code or exc.body.error.type)
-        elif isinstance(exc, HTTPException) and 400 <= exc.status_code < 500:
-            self.metrics.refuse_admission(f"http_{exc.status_code}")
+            status = 0
+            body: list[bytes] = []
+
+            async def watching(message: Message) -> None:
+                nonlocal status
+                if message["type"] == "http.response.start":
+                    status = message["status"]
+                elif refused(status):
+                    body.append(cast(bytes, message.get("body", b"")))
+                    if not message.get("more_body", False):
+                        metrics.refuse_admission(refusal_reason(status, b"".join(body)))
+                await send(message)
+
+            await app(scope, receive, watching)
+
+        return count_refusals
