@@ -77,6 +77,20 @@ def test_w8a16_kernel_matches_reference():
         x = torch.randn(rows, 96)
         out = w8a16(x, q, scale, bias)
         assert rel_err(out, reference.fp8_linear(x, q, scale, bias)) < 1e-5
+    # split K (decode): partials over 3 ranges of K, then the reduce kernel scales and adds bias
+    q, scale = quantize_weight(torch.randn(40, 600) * 0.02)
+    x = torch.randn(5, 600)
+    for split_k, bias in ((3, None), (2, torch.randn(40))):
+        out = w8a16(x, q, scale, bias, split_k=split_k)
+        assert rel_err(out, reference.fp8_linear(x, q, scale, bias)) < 1e-5
+
+
+def test_decode_splits_fill_the_gpu():
+    from worker.kernels.triton.fp8_gemm import decode_splits
+
+    assert decode_splits(248_320, 5120) == 1  # the head: 3,880 column tiles already
+    assert decode_splits(5120, 17_408) == 7  # down: 80 tiles -> 560 programs
+    assert decode_splits(48, 5120) == 20  # one tile: as many splits as K steps
 
 
 def test_quantize_rows_per_token():
