@@ -132,6 +132,7 @@ class Dispatch:
     request: p.GenerateRequest
     client: WorkerClient
     sent_at: float = field(default_factory=time.monotonic)
+    heard_at: float = field(default_factory=time.monotonic)  # the worker's last reply
     worker_id: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -196,10 +197,18 @@ class WorkerClient:
     subscription and are routed by their token."""
 
     def __init__(
-        self, nc: NATS, prefix: str, registry: WorkerRegistry, accept_timeout_s: float = 5.0
+        self,
+        nc: NATS,
+        prefix: str,
+        registry: WorkerRegistry,
+        accept_timeout_s: float = 5.0,
+        silence_timeout_s: float = 300.0,
     ) -> None:
         self.nc, self.prefix, self.registry = nc, prefix, registry
         self.accept_timeout_s = accept_timeout_s
+        # A live worker silent this long on one request lost its replies (say, our NATS
+        # connection dropped and came back): fail it rather than wait forever.
+        self.silence_timeout_s = silence_timeout_s
         self._inbox = nc.new_inbox()
         self._in_flight: dict[str, Dispatch] = {}
         self._sub: Subscription | None = None
@@ -248,6 +257,7 @@ class WorkerClient:
             return
         if isinstance(reply, p.Accepted):  # the reaper watches this worker from now on
             d.worker_id = reply.worker_id
+        d.heard_at = time.monotonic()
         d._queue.put_nowait(reply)
 
     async def _reap(self) -> None:
@@ -262,7 +272,10 @@ class WorkerClient:
                 if d.worker_id is None:
                     lost = now - d.sent_at > self.accept_timeout_s
                 else:
-                    lost = not self.registry.alive(d.worker_id)
+                    lost = (
+                        not self.registry.alive(d.worker_id)
+                        or now - d.heard_at > self.silence_timeout_s
+                    )
                 if lost:
                     self._forget(d)
                     d._queue.put_nowait(_Lost())

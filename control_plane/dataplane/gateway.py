@@ -82,6 +82,11 @@ class GatewaySettings:
     accept_timeout_s: float = field(
         default_factory=lambda: _env_float("TOKENMILL_GATEWAY_ACCEPT_TIMEOUT_S", 5.0)
     )
+    # TOKENMILL_GATEWAY_SILENCE_TIMEOUT_S: a request whose live worker sent nothing for this
+    # long is failed (its replies were lost); longer than any prefill.
+    silence_timeout_s: float = field(
+        default_factory=lambda: _env_float("TOKENMILL_GATEWAY_SILENCE_TIMEOUT_S", 300.0)
+    )
     # TOKENMILL_GATEWAY_ID: this replica's id in GatewayDelivered; default host-pid-random.
     gateway_id: str = field(
         default_factory=lambda: (
@@ -132,7 +137,13 @@ class Gateway:
         self.settings = settings or GatewaySettings()
         self.js: JetStreamContext = nc.jetstream()
         self.registry = WorkerRegistry(nc, prefix, self.settings.worker_dead_after_s)
-        self.client = WorkerClient(nc, prefix, self.registry, self.settings.accept_timeout_s)
+        self.client = WorkerClient(
+            nc,
+            prefix,
+            self.registry,
+            self.settings.accept_timeout_s,
+            self.settings.silence_timeout_s,
+        )
         self._listeners: list[OutcomeListener] = []
         self._background: set[asyncio.Task[None]] = set()
 
