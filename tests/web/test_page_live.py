@@ -1,7 +1,10 @@
 """The operator's page in Debian's chromium against the whole control plane: every extension
 loaded as `tokenmill up` loads them, real NATS and Postgres, projectors running, and a real
-fixed-rate worker process. An operator signs in, creates a tenant, issues a key, watches the
-latency of a request made with it appear, downloads the usage CSV and revokes the key."""
+fixed-rate worker process. An operator signs in, creates a tenant, issues a key, prices the SKU,
+watches the latency of a request made with it appear, downloads the usage and showback CSVs,
+reads the tenant's draft invoice and exports it, is refused finalizing a month that has not
+ended, projects a SKU's capacity with what-if inputs, and revokes the key; once the month is
+over (the billing clock moved past its end) the invoice is finalized from the page."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import asyncio
 import contextlib
 import csv
 import io
+import json
 import os
 import re
 import subprocess
@@ -16,6 +20,8 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +33,7 @@ from control_plane.app import create_app, load_extensions
 from control_plane.embedded import EmbeddedNats, free_port
 from control_plane.services import Services
 from control_plane.settings import Settings
+from pricing.periods import BillingPeriod
 from tests.dataplane.harness import ADMIN_TOKEN, Stack, stop_process
 
 
@@ -48,7 +55,7 @@ async def stack(
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     )
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]  # leave pytest's signals alone
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # leave pytest's signals alone
     serving = asyncio.create_task(server.serve())
     while not server.started:
         assert not serving.done(), "uvicorn did not start"
@@ -80,6 +87,21 @@ async def chat(base_url: str, key: str, model: str) -> httpx.Response:
             return r
 
 
+# A premium price, so that one short request bills whole cents (12 tokens at 5000/1M: 0.06).
+OUTPUT_PER_MTOK = "5000.00"
+
+
+async def save_download(page: Any, click: Any, path: Path) -> Path:
+    async with page.expect_download() as info:
+        await click()
+    await (await info.value).save_as(str(path))
+    return path
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    return list(csv.DictReader(io.StringIO(path.read_text())))
+
+
 async def operator_journey(
     page: Any,
     base_url: str,
@@ -88,9 +110,11 @@ async def operator_journey(
     model: str,
     shots: str,
     artifacts: Path,
-) -> None:
-    """Sign in, create a tenant, issue a key, make one streamed request with it and watch its
-    latency appear, download the usage CSV, revoke the key and see it refused."""
+) -> dict[str, Any]:
+    """Sign in, create a tenant, issue a key, price the SKU, make one streamed request with the
+    key and watch its latency appear, download the usage and showback CSVs, read and export the
+    tenant's draft invoice (finalizing is refused: the month is open), project the SKU's
+    capacity, revoke the key and see it refused. Returns what the caller may check further."""
     tenant_name = "acme-" + uuid.uuid4().hex[:6]
 
     # sign in
@@ -110,6 +134,17 @@ async def operator_journey(
     key = (await page.locator("#issued-key-value").inner_text()).strip()
     assert len(key) > 20
     await page.screenshot(path=str(artifacts / f"{shots}-key-issued.png"), full_page=True)
+
+    # price the SKU: a new plan, effective now, shows in the table and bills the request below
+    await page.get_by_role("link", name="SKUs & prices").click()
+    sku_row = page.get_by_role("row").filter(has_text=sku_name)
+    await sku_row.get_by_role("button", name="Edit prices").click()
+    await page.get_by_label("Input per 1M tokens", exact=True).fill("0.25")
+    await page.get_by_label("Cached input per 1M tokens").fill("0.05")
+    await page.get_by_label("Output per 1M tokens").fill(OUTPUT_PER_MTOK)
+    await page.get_by_role("button", name="Save price plan").click()
+    await sku_row.filter(has_text=f"{OUTPUT_PER_MTOK} USD").wait_for()
+    await page.screenshot(path=str(artifacts / f"{shots}-prices.png"), full_page=True)
 
     # a request with the new key: its latency appears on the overview without a reload
     started = time.monotonic()
@@ -140,6 +175,7 @@ async def operator_journey(
     )
     assert generated and float(generated.group(1)) > 0, metrics[:2000]
     assert f'sku="{sku_name}"' in metrics and "vllm:num_requests_running" in metrics
+    completion_tokens = int(float(generated.group(1)))  # one request
 
     await page.get_by_role("link", name="Workers").click()
     await page.get_by_role("row").filter(has_text=sku_name).filter(has_text="live").wait_for()
@@ -149,32 +185,93 @@ async def operator_journey(
     await page.get_by_role("link", name="Usage").click()
     row = page.get_by_role("row").filter(has_text=tenant_name)
     for _ in range(50):
-        await page.get_by_role("button", name="Show").click()
+        await page.get_by_role("button", name="Show", exact=True).click()
         if await row.count():
             break
         await asyncio.sleep(0.2)
-    async with page.expect_download() as download_info:
-        await page.get_by_role("button", name="Download CSV").click()
-    download = await download_info.value
-    saved = artifacts / f"{shots}-usage.csv"
-    await download.save_as(str(saved))
-    rows = list(csv.DictReader(io.StringIO(saved.read_text())))
-    mine = [x for x in rows if x["tenant_name"] == tenant_name]
+    saved = await save_download(
+        page,
+        page.get_by_role("button", name="Download CSV", exact=True).click,
+        artifacts / f"{shots}-usage.csv",
+    )
+    mine = [x for x in read_csv(saved) if x["tenant_name"] == tenant_name]
     assert len(mine) == 1 and mine[0]["sku_name"] == sku_name
-    assert int(mine[0]["completion_tokens"]) == int(float(generated.group(1)))  # one request
+    assert int(mine[0]["completion_tokens"]) == completion_tokens
     assert mine[0]["completion_tokens"] in await row.inner_text()
     await page.screenshot(path=str(artifacts / f"{shots}-usage.png"), full_page=True)
 
-    # edit the SKU's prices: a new plan, effective now, shows in the table
-    await page.get_by_role("link", name="SKUs & prices").click()
-    sku_row = page.get_by_role("row").filter(has_text=sku_name)
-    await sku_row.get_by_role("button", name="Edit prices").click()
-    await page.get_by_label("Input per 1M tokens", exact=True).fill("0.25")
-    await page.get_by_label("Cached input per 1M tokens").fill("0.05")
-    await page.get_by_label("Output per 1M tokens").fill("1.75")
-    await page.get_by_role("button", name="Save price plan").click()
-    await sku_row.filter(has_text="1.75 USD").wait_for()
-    await page.screenshot(path=str(artifacts / f"{shots}-prices.png"), full_page=True)
+    # the showback CSV (FinOps FOCUS columns) of this month: the request, priced
+    saved = await save_download(
+        page,
+        page.get_by_role("button", name="Download showback CSV").click,
+        artifacts / f"{shots}-showback.csv",
+    )
+    showback = [x for x in read_csv(saved) if x["BillingAccountName"] == tenant_name]
+    output = [x for x in showback if x["x_TokenClass"] == "output"]
+    assert len(output) == 1 and int(output[0]["ConsumedQuantity"]) == completion_tokens
+    assert (
+        output[0]["ListUnitPrice"] == OUTPUT_PER_MTOK
+        and output[0]["SubAccountName"] == "production"
+    )
+    showback_total = sum(Decimal(x["BilledCost"]) for x in showback)
+    assert showback_total > 0
+
+    # the tenant's invoice for this month: the draft so far, its lines, its exports
+    period = datetime.now(UTC).strftime("%Y-%m")
+    await page.get_by_role("link", name="Invoices").click()
+    await page.get_by_label("Tenant", exact=True).select_option(label=tenant_name)
+    invoice = page.locator("#invoice-detail section")
+    await invoice.get_by_role("heading", name=f"{tenant_name} · {period} draft").wait_for()
+    await page.wait_for_load_state("networkidle")  # settled: no re-render disarms Finalize
+    output_line = invoice.get_by_role("row").filter(has_text="output")
+    assert f"{completion_tokens}" in await output_line.inner_text()
+    assert "5,000.00 USD" in await output_line.inner_text()  # grouped for reading
+    assert (
+        f"{showback_total} USD"
+        in await invoice.locator(".card").filter(has_text="Total").inner_text()
+    )
+    saved = await save_download(
+        page,
+        invoice.get_by_role("button", name=re.compile(r"as CSV$")).click,
+        artifacts / f"{shots}-invoice-draft.csv",
+    )
+    lines = read_csv(saved)
+    assert {x["status"] for x in lines} == {"draft"}
+    assert sum(Decimal(x["amount"]) for x in lines) == showback_total  # CSV = showback = total
+    await page.screenshot(path=str(artifacts / f"{shots}-invoice-draft.png"), full_page=True)
+    # finalizing asks once more, and is refused while the month is open
+    await invoice.get_by_role("button", name="Finalize").click()
+    await invoice.get_by_role(
+        "button", name=f"Confirm: finalize {period} (cannot be undone)"
+    ).click()
+    refusal = page.get_by_role("alert").filter(has_text="Not finalized")
+    await refusal.wait_for()
+    assert "Period not ended" in await refusal.inner_text()
+    assert await invoice.get_attribute("data-status") == "draft"
+    await page.screenshot(path=str(artifacts / f"{shots}-invoice-not-ended.png"), full_page=True)
+
+    # capacity what-if: the reference row, 387.6 tok/s at 70% busy on a 3.50/h GPU
+    await page.get_by_role("link", name="Capacity").click()
+    await page.locator("#cap-sku").select_option(label=sku_name)
+    await page.get_by_label("Throughput (output tok/s; blank = measured)").fill("387.6")
+    await page.get_by_label("Busy (% of the time)").fill("70")
+    await page.get_by_label("GPU cost per hour (blank = configured)").fill("3.50")
+    await page.get_by_role("button", name="Project").click()
+    what_if = page.locator("#capacity-what-if")
+    await what_if.wait_for()
+    cards = {
+        (await c.locator(".label").inner_text()): (await c.locator(".value").inner_text())
+        for c in await what_if.locator(".card").all()
+    }
+    assert cards["Output tokens / 30 days"] == "703.3M"
+    assert cards["GPU-hours per 1M tokens"] == "0.7167"
+    assert cards["Cost per 1M tokens"] == "3.5833 USD"
+    assert cards["Revenue per 1M tokens"].startswith("5,000.") and cards["Margin per 1M tokens"]
+    assert (
+        "703,261,440 tokens"
+        in await what_if.get_by_role("row").filter(has_text="per period").first.inner_text()
+    )
+    await page.screenshot(path=str(artifacts / f"{shots}-capacity.png"), full_page=True)
 
     # revoke the key (the button asks once more), then the key stops working
     await page.get_by_role("link", name="Tenants & keys").click()
@@ -193,6 +290,40 @@ async def operator_journey(
         metrics = (await http.get(f"{base_url}/metrics")).text
     assert 'tokenmill_admissions_refused_total{reason="invalid_api_key",sku=""}' in metrics
     assert page.js_errors == []
+    return {"tenant_name": tenant_name, "period": period, "total": showback_total}
+
+
+async def finalize_once_the_month_is_over(
+    page: Any, stack: Stack, journey: dict[str, Any], artifacts: Path
+) -> None:
+    """Billing's clock moved just past the month's end: the operator finalizes the invoice
+    (confirming), finds it among the finalized ones and exports it unchanged."""
+    period, tenant_name = journey["period"], journey["tenant_name"]
+    month_end = BillingPeriod.parse(period).end
+    stack.services.extra["billing"].clock = lambda: month_end + timedelta(minutes=1)
+    await page.get_by_role("link", name="Invoices").click()
+    await page.get_by_label("Tenant", exact=True).select_option(label=tenant_name)
+    invoice = page.locator("#invoice-detail section")
+    await invoice.get_by_role("heading", name=f"{tenant_name} · {period} draft").wait_for()
+    await page.wait_for_load_state("networkidle")  # settled: no re-render disarms Finalize
+    await invoice.get_by_role("button", name="Finalize").click()
+    await invoice.get_by_role("button", name=re.compile("^Confirm: finalize")).click()
+    await page.locator("#invoice-detail section[data-status='finalized']").wait_for()
+    finalized = page.locator("#invoice-detail section")
+    assert "Finalized" in await finalized.inner_text()
+    assert await finalized.get_by_role("button", name="Finalize").count() == 0  # immutable
+    listed = page.locator("#invoices-table tr[data-invoice]").filter(has_text=period)
+    await listed.wait_for()
+    assert f"{journey['total']} USD" in await listed.inner_text()
+    await page.screenshot(path=str(artifacts / "live-invoice-finalized.png"), full_page=True)
+    saved = await save_download(
+        page,
+        listed.get_by_role("button", name=re.compile(r"as JSON$")).click,
+        artifacts / "live-invoice-finalized.json",
+    )
+    document = json.loads(saved.read_text())
+    assert document["status"] == "finalized" and Decimal(document["total"]) == journey["total"]
+    assert page.js_errors == []
 
 
 async def test_operator_signs_in_issues_a_key_sees_latency_downloads_csv_revokes(
@@ -201,9 +332,10 @@ async def test_operator_signs_in_issues_a_key_sees_latency_downloads_csv_revokes
     sku = await stack.publish_sku("ops-" + uuid.uuid4().hex[:6])
     stack.start_worker(str(sku["sku_id"]), tokens_per_s=100, output_tokens=12)
     await stack.wait_served(str(sku["sku_id"]))
-    await operator_journey(
+    journey = await operator_journey(
         page, stack.base_url, ADMIN_TOKEN, str(sku["name"]), "fixed-rate-test", "live", artifacts
     )
+    await finalize_once_the_month_is_over(page, stack, journey, artifacts)
 
 
 def start_tokenmill_up(env: dict[str, str], tmp_path: Path, port: int) -> subprocess.Popen[bytes]:

@@ -3,7 +3,12 @@
 
 const TOKEN_KEY = "tokenmill.adminToken";
 
-export class NotAvailable extends Error {}
+export class NotAvailable extends Error {
+  constructor(message, problem = null) {
+    super(message);
+    this.problem = problem; // the RFC 9457 body, when the server sent one
+  }
+}
 export class Unauthorized extends Error {}
 export class ApiError extends Error {
   constructor(status, problem) {
@@ -46,7 +51,10 @@ export async function api(path, { method = "GET", body, query, raw = false } = {
   if (!response.ok) {
     const problem = await parse(response).catch(() => null);
     const missing = [404, 405, 501].includes(response.status) && method === "GET";
-    if (missing) throw new NotAvailable(typeof problem === "object" ? problem?.detail || "not available" : "not available");
+    if (missing) {
+      const detail = typeof problem === "object" ? problem : null;
+      throw new NotAvailable(detail?.detail || "not available", detail);
+    }
     throw new ApiError(response.status, typeof problem === "object" ? problem : { detail: String(problem).slice(0, 200) });
   }
   if (raw) return response;

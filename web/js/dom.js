@@ -62,6 +62,22 @@ export function fmtNumber(n, digits = 0) {
   return Number(n).toLocaleString(undefined, { maximumFractionDigits: digits, minimumFractionDigits: 0 });
 }
 
+// Money and other decimals arrive as strings ("2520.00"): grouped for reading, never turned
+// into floats, so what is shown is exactly what was billed.
+export function fmtDecimal(text) {
+  if (text === null || text === undefined || text === "") return "—";
+  const [whole, frac] = String(text).split(".");
+  const sign = whole.startsWith("-") ? "-" : "";
+  const digits = whole.replace("-", "").replace(/\B(?=(\d{3})+(?!\d))/g, ",");
+  return `${sign}${digits}${frac === undefined ? "" : `.${frac}`}`;
+}
+
+// 703261440 -> "703.3M"
+export function fmtCompact(n) {
+  if (n === null || n === undefined || Number.isNaN(Number(n))) return "—";
+  return new Intl.NumberFormat("en", { notation: "compact", maximumFractionDigits: 1 }).format(Number(n));
+}
+
 export function fmtPercent(x) {
   return x === null || x === undefined ? "—" : `${(x * 100).toFixed(1)} %`;
 }

@@ -2,7 +2,7 @@
 
 import { api, ApiError, items, NotAvailable, token, Unauthorized } from "./api.js";
 import { lineChart } from "./charts.js";
-import { download, fmtNumber, fmtPercent, fmtSeconds, fmtSecondsShort, fmtTime, h, notAvailable, replace, table, toast } from "./dom.js";
+import { download, fmtCompact, fmtDecimal, fmtNumber, fmtPercent, fmtSeconds, fmtSecondsShort, fmtTime, h, notAvailable, replace, table, toast } from "./dom.js";
 
 // Every path the page calls, in one place.
 const API = {
@@ -17,9 +17,13 @@ const API = {
   prices: (sku) => `/admin/v1/skus/${encodeURIComponent(sku)}/price-plans`,
   usage: "/admin/v1/ops/usage",
   usageCsv: "/admin/v1/ops/usage.csv",
-  invoices: "/admin/v1/invoices",
-  invoice: (id) => `/admin/v1/invoices/${encodeURIComponent(id)}`,
-  capacity: "/admin/v1/capacity",
+  invoices: "/admin/v1/invoices", // finalized ones; ?tenant_id=
+  tenantInvoice: (tenant, period) => `/admin/v1/tenants/${encodeURIComponent(tenant)}/invoices/${encodeURIComponent(period)}`, // finalized, else the draft now
+  finalize: (tenant, period) => `${API.tenantInvoice(tenant, period)}/finalize`,
+  invoiceExport: (tenant, period) => `${API.tenantInvoice(tenant, period)}/export`, // ?format=json|csv
+  showback: "/admin/v1/showback", // FOCUS CSV: ?period=YYYY-MM | from=&to=, &granularity=day|hour
+  capacity: "/admin/v1/capacity", // the capacity job's latest per SKU
+  skuCapacity: (sku) => `/admin/v1/capacity/${encodeURIComponent(sku)}`, // what-ifs as query
 };
 
 const POLL_MS = 2000;
@@ -291,7 +295,7 @@ async function action(fn, success) {
 }
 
 // A destructive button asks once more on its own first press, rather than through a dialog.
-function confirmButton(label, onConfirm) {
+function confirmButton(label, onConfirm, confirmLabel = `Confirm ${label.toLowerCase()}`) {
   const button = h("button", { type: "button", class: "danger" }, label);
   let armed = false;
   let timer;
@@ -299,7 +303,7 @@ function confirmButton(label, onConfirm) {
     if (!armed) {
       armed = true;
       button.classList.add("armed");
-      button.textContent = `Confirm ${label.toLowerCase()}`;
+      button.textContent = confirmLabel;
       timer = setTimeout(() => {
         armed = false;
         button.classList.remove("armed");
@@ -565,99 +569,281 @@ async function loadUsage() {
   replace("usage-table", table("Usage by tenant", USAGE_COLUMNS, usageRows));
 }
 
+// Fetches a file with the admin token (a plain link cannot send it) and saves it under the
+// name the server gave in Content-Disposition.
+async function downloadFrom(path, query, fallbackName) {
+  const response = await action(() => api(path, { query, raw: true }));
+  if (!response) return false;
+  const named = /filename="([^"]+)"/.exec(response.headers.get("content-disposition") || "");
+  download(named ? named[1] : fallbackName, await response.blob());
+  return true;
+}
+
 async function downloadUsageCsv() {
   const range = usageRange();
-  const response = await action(() => api(API.usageCsv, { query: range, raw: true }));
-  if (!response) return;
-  download(`tokenmill-usage-${range.from || "start"}-${range.to || "now"}.csv`, await response.blob());
-  toast("Usage CSV downloaded");
+  if (await downloadFrom(API.usageCsv, range, `tokenmill-usage-${range.from || "start"}-${range.to || "now"}.csv`)) toast("Usage CSV downloaded");
+}
+
+const thisMonth = () => new Date().toISOString().slice(0, 7); // YYYY-MM, UTC like billing
+
+// The usage view's days (inclusive, UTC) as the showback's [from, to); none: this month.
+function showbackWindow() {
+  const { from, to } = usageRange();
+  if (!from && !to) return { period: thisMonth() };
+  const end = new Date(`${to || new Date().toISOString().slice(0, 10)}T00:00:00Z`);
+  end.setUTCDate(end.getUTCDate() + 1);
+  return { from: `${from || `${(to || thisMonth()).slice(0, 7)}-01`}T00:00:00Z`, to: end.toISOString().replace(".000Z", "Z") };
+}
+
+async function downloadShowback(event) {
+  event.preventDefault();
+  const query = { ...showbackWindow(), granularity: document.getElementById("showback-granularity").value };
+  if (await downloadFrom(API.showback, query, "showback.csv")) toast("Showback CSV downloaded");
 }
 
 // ---------------------------------------------------------------- invoices
-async function loadInvoices() {
+let tenantNames = new Map(); // tenant id -> name, for the invoice lists
+const skuName = (id) => skuCache.find((s) => (s.sku_id || s.id) === id)?.name || id;
+const money = (amount, currency) => `${fmtDecimal(amount)} ${currency}`;
+
+async function loadInvoices(first) {
+  const select = document.getElementById("invoice-tenant");
+  const month = document.getElementById("invoice-period");
+  if (first) {
+    const [tenants, skus] = await Promise.all([
+      api(API.tenants).then((b) => items(b, "tenants")).catch((err) => (err instanceof Unauthorized ? Promise.reject(err) : [])),
+      skuCache.length ? skuCache : api(API.skus).then((b) => items(b, "skus")).catch(() => []),
+    ]);
+    skuCache = skus;
+    tenantNames = new Map(tenants.map((t) => [tenantId(t), t.name]));
+    const chosen = select.value || selectedTenant?.id || "";
+    replace(select, h("option", { value: "" }, "All tenants"), tenants.map((t) => h("option", { value: tenantId(t) }, t.name)));
+    select.value = tenantNames.has(chosen) ? chosen : "";
+    if (!month.value) month.value = thisMonth();
+  }
+  await Promise.all([loadFinalizedInvoices(), showInvoice()]);
+}
+
+async function loadFinalizedInvoices() {
+  const tenant = document.getElementById("invoice-tenant").value;
+  const mine = turn("invoices");
   let invoices;
   try {
-    invoices = items(await api(API.invoices), "invoices");
+    invoices = items(await api(API.invoices, { query: { tenant_id: tenant, consistent: true } }), "invoices");
   } catch (err) {
     return failed("invoices-table", "Invoices", err);
   }
-  const idOfInvoice = (i) => i.invoice_id || i.id;
+  if (!mine()) return;
   replace(
     "invoices-table",
-    table("Invoices", [
-      { label: "Invoice", value: (i) => h("button", { type: "button", class: "secondary", onclick: () => showInvoice(idOfInvoice(i)) }, idOfInvoice(i)) },
-      { label: "Tenant", value: (i) => i.tenant_name || i.tenant_id },
-      { label: "Period", value: (i) => `${String(i.period_start || i.period?.start || "").slice(0, 10)} → ${String(i.period_end || i.period?.end || "").slice(0, 10)}` },
-      { label: "Status", value: (i) => i.status },
-      { label: "Total", num: true, value: (i) => `${i.total ?? "—"} ${i.currency || ""}` },
-      { label: "Export", value: (i) => h("span", {}, exportLink(idOfInvoice(i), "json"), " ", exportLink(idOfInvoice(i), "csv")) },
-    ], invoices),
+    table("Finalized invoices", [
+      { label: "Invoice", value: (i) => h("span", { class: "mono" }, i.invoice_id) },
+      { label: "Tenant", value: (i) => tenantNames.get(i.tenant_id) || i.tenant_id },
+      { label: "Month", value: (i) => i.period },
+      { label: "Status", value: (i) => h("span", { class: `status-${i.status}` }, i.status) },
+      { label: "Lines", num: true, value: (i) => fmtNumber(i.lines) },
+      { label: "Total", num: true, value: (i) => money(i.total, i.currency) },
+      { label: "Finalized", value: (i) => fmtTime(i.finalized_at) },
+      {
+        label: "Actions",
+        value: (i) =>
+          h(
+            "span",
+            { class: "actions" },
+            h("button", { type: "button", class: "secondary", "aria-label": `Open ${i.invoice_id}`, onclick: () => openInvoice(i.tenant_id, i.period) }, "Open"),
+            exportButtons(i.tenant_id, i.period, i.invoice_id),
+          ),
+      },
+    ], invoices, { rowAttrs: (i) => ({ "data-invoice": i.invoice_id }) }),
   );
 }
 
-function exportLink(id, format) {
-  return h("button", {
-    type: "button",
-    class: "secondary",
-    "aria-label": `Download invoice ${id} as ${format.toUpperCase()}`,
-    onclick: async () => {
-      const response = await action(() => api(`${API.invoice(id)}.${format}`, { raw: true }));
-      if (response) download(`${id}.${format}`, await response.blob());
-    },
-  }, format.toUpperCase());
+function exportButtons(tenant, period, id) {
+  return ["json", "csv"].map((format) =>
+    h("button", {
+      type: "button",
+      class: "secondary",
+      "aria-label": `Download ${id} as ${format.toUpperCase()}`,
+      onclick: () => downloadFrom(API.invoiceExport(tenant, period), { format, consistent: true }, `${id}.${format}`),
+    }, format.toUpperCase()),
+  );
 }
 
-async function showInvoice(id) {
-  try {
-    const invoice = await api(API.invoice(id));
-    const lines = items(invoice, "lines", "line_items");
-    replace(
-      "invoice-detail",
-      h(
-        "section",
-        { class: "panel", "aria-label": `Invoice ${id}` },
-        h("h3", {}, `Invoice ${id}`),
-        table(`Lines of invoice ${id}`, [
-          { label: "SKU", value: (l) => l.sku_id },
-          { label: "Class", value: (l) => l.token_class || l.kind },
-          { label: "Quantity", num: true, value: (l) => fmtNumber(l.quantity ?? l.tokens) },
-          { label: "Unit price /1M", num: true, value: (l) => l.unit_price ?? l.price_per_mtok },
-          { label: "Amount", num: true, value: (l) => l.amount },
-        ], lines),
-      ),
-    );
-  } catch (err) {
-    failed("invoice-detail", `Invoice ${id}`, err);
+async function openInvoice(tenant, period) {
+  document.getElementById("invoice-tenant").value = tenant;
+  document.getElementById("invoice-period").value = period;
+  await Promise.all([loadFinalizedInvoices(), showInvoice()]);
+  document.getElementById("invoice-detail").scrollIntoView({ block: "nearest" });
+}
+
+// The chosen tenant's month: the finalized invoice, else its draft as of now.
+async function showInvoice(problem) {
+  const tenant = document.getElementById("invoice-tenant").value;
+  const period = document.getElementById("invoice-period").value;
+  if (!tenant || !period) {
+    replace("invoice-detail", h("p", { class: "na" }, "Choose a tenant to see its invoice for the month: the draft so far, or the finalized one."));
+    return;
   }
+  const mine = turn("invoice");
+  let invoice;
+  try {
+    invoice = await api(API.tenantInvoice(tenant, period), FRESH);
+  } catch (err) {
+    return failed("invoice-detail", `Invoice of ${tenantNames.get(tenant) || tenant} for ${period}`, err);
+  }
+  if (!mine()) return;
+  const name = tenantNames.get(tenant) || tenant;
+  const draft = invoice.status !== "finalized";
+  const c = invoice.currency;
+  replace(
+    "invoice-detail",
+    h(
+      "section",
+      { class: "panel", "aria-labelledby": "invoice-title", "data-status": invoice.status },
+      h("h3", { id: "invoice-title" }, `${name} · ${period} `, h("span", { class: `badge status-${invoice.status}` }, invoice.status), " ", h("span", { class: "muted mono" }, invoice.invoice_id)),
+      h(
+        "p",
+        { class: "muted" },
+        draft
+          ? "Draft as of now, from the usage ledger at the prices in force at each request; it changes as usage arrives until the month is finalized."
+          : `Finalized ${fmtTime(invoice.finalized_at)}; immutable. Usage that arrives later becomes an adjustment on the next invoice.`,
+      ),
+      h(
+        "div",
+        { class: "cards" },
+        card("Usage", money(invoice.usage_total, c)),
+        card("Adjustments", money(invoice.adjustments_total, c)),
+        card("Total", money(invoice.total, c)),
+      ),
+      table(`Lines of ${invoice.invoice_id}`, [
+        { label: "Category", value: (l) => l.category },
+        { label: "SKU", value: (l) => skuName(l.sku_id) },
+        { label: "Tokens", value: (l) => l.token_class.replaceAll("_", " ") },
+        { label: "Quantity", num: true, value: (l) => fmtNumber(l.quantity) },
+        { label: "Unit price /1M", num: true, value: (l) => money(l.unit_price_per_mtok, c) },
+        { label: "Amount", num: true, value: (l) => money(l.amount, c) },
+        { label: "Requests", num: true, value: (l) => fmtNumber(l.requests) },
+        { label: "Price in force", value: (l) => `${fmtTime(l.charge_period_start)} → ${fmtTime(l.charge_period_end)}` },
+      ], invoice.lines),
+      invoice.unpriced?.length
+        ? h("p", { class: "warn", role: "note" }, "Usage without a price plan in force, billed at nothing: ", invoice.unpriced.map((u) => `${fmtNumber(u.quantity)} ${u.token_class} tokens of ${skuName(u.sku_id)}`).join("; "))
+        : null,
+      h(
+        "div",
+        { class: "row" },
+        exportButtons(tenant, period, invoice.invoice_id),
+        draft ? confirmButton("Finalize", () => finalizeInvoice(tenant, period), `Confirm: finalize ${period} (cannot be undone)`) : null,
+      ),
+      problem ? h("p", { class: "error", role: "alert", id: "invoice-problem" }, problem) : null,
+    ),
+  );
+}
+
+async function finalizeInvoice(tenant, period) {
+  let problem;
+  try {
+    const invoice = await api(API.finalize(tenant, period), { method: "POST" });
+    toast(`${invoice.invoice_id} finalized: ${money(invoice.total, invoice.currency)}`);
+  } catch (err) {
+    if (err instanceof Unauthorized) return showSignIn("The admin token was refused; sign in again.");
+    // e.g. 409 period_not_ended: a month is finalized once it is over
+    problem = `Not finalized: ${err.problem?.title ? `${err.problem.title}. ` : ""}${err.message}`;
+  }
+  await Promise.all([loadFinalizedInvoices(), showInvoice(problem)]);
 }
 
 // ---------------------------------------------------------------- capacity
+const CAPACITY_COLUMNS = [
+  { label: "SKU", value: (p) => skuName(p.sku_id) },
+  { label: "Measured from", value: (p) => p.source },
+  { label: "Output tok/s", num: true, value: (p) => fmtDecimal(p.output_tokens_per_second) },
+  { label: "GPUs", num: true, value: (p) => fmtNumber(p.gpus) },
+  { label: "Busy", num: true, value: (p) => fmtPercent(Number(p.busy_fraction)) },
+  { label: "Tokens / period", num: true, value: (p) => `${fmtCompact(p.output_tokens_per_period)} / ${p.days} d` },
+  { label: "GPU-h per 1M", num: true, value: (p) => fmtDecimal(p.gpu_hours_per_million_output) },
+  { label: "Cost per 1M", num: true, value: (p) => money(p.cost_per_million_output, p.currency) },
+  { label: "Margin per 1M", num: true, value: (p) => (p.margin_per_million_output === null ? "no price" : money(p.margin_per_million_output, p.currency)) },
+  { label: "Computed", value: (p) => fmtTime(p.computed_at) },
+];
+
 async function loadCapacity(first) {
   if (!first) return;
   const select = document.getElementById("cap-sku");
   if (!skuCache.length) skuCache = await api(API.skus).then((b) => items(b, "skus")).catch(() => []);
-  replace(select, skuCache.map((s) => h("option", { value: s.sku_id || s.id }, s.name)));
-  await project();
+  const chosen = select.value;
+  replace(select, skuCache.map((s) => h("option", { value: s.name }, s.name)));
+  if (chosen) select.value = chosen;
+  try {
+    const latest = items(await api(API.capacity), "projections");
+    replace(
+      "capacity-table",
+      latest.length
+        ? table("Latest capacity projection per SKU", CAPACITY_COLUMNS, latest)
+        : h("p", { class: "na" }, "None yet: the capacity job projects each SKU with recent usage (every 15 minutes under tokenmill up). Try a what-if below."),
+    );
+  } catch (err) {
+    return failed("capacity-table", "Capacity projection", err);
+  }
+}
+
+// Blank what-if fields are left out: the server then uses the measured throughput, the
+// configured GPU cost and the SKU's price plan.
+function whatIf() {
+  const form = Object.fromEntries(new FormData(document.getElementById("capacity-form")));
+  const { sku, busy_percent: busy, ...query } = form;
+  // 70 -> "0.7"; toPrecision drops binary noise (33.3 / 100 = 0.33299999999999996)
+  query.busy_fraction = String(Number((Number(busy) / 100).toPrecision(12)));
+  return { sku, query };
 }
 
 async function project(event) {
   event?.preventDefault();
-  const query = Object.fromEntries(new FormData(document.getElementById("capacity-form")));
+  const { sku, query } = whatIf();
+  if (!sku) return replace("capacity-result", h("p", { class: "na" }, "Publish a SKU first."));
+  const mine = turn("capacity");
+  let p;
   try {
-    const result = await api(API.capacity, { query });
-    const rows = Array.isArray(result) ? result : items(result, "projections").length ? items(result, "projections") : [result];
-    replace(
-      "capacity-result",
-      rows.map((r) =>
-        table(`Capacity projection ${r.sku_id || ""}`, [
-          { label: "Figure", value: (kv) => kv[0].replaceAll("_", " ") },
-          { label: "Value", num: true, value: (kv) => (typeof kv[1] === "object" ? JSON.stringify(kv[1]) : String(kv[1] ?? "—")) },
-        ], Object.entries(r)),
-      ),
-    );
+    p = await api(API.skuCapacity(sku), { query });
   } catch (err) {
-    failed("capacity-result", "Capacity projection", err);
+    if (err.problem?.reason === "no_throughput") {
+      return replace("capacity-result", h("p", { class: "na" }, `Nothing measured for ${sku} recently: enter a throughput (tok/s) to project one.`));
+    }
+    return failed("capacity-result", "Capacity projection", err);
   }
+  if (!mine()) return;
+  const c = p.currency;
+  const priced = p.revenue_per_million_output !== null;
+  const breakeven = p.breakeven_busy_fraction === null ? null : Number(p.breakeven_busy_fraction);
+  const margin = (v) => h("span", { class: Number(v) < 0 ? "loss" : "gain" }, money(v, c));
+  replace(
+    "capacity-result",
+    h(
+      "section",
+      { class: "panel", "aria-label": `Capacity what-if for ${sku}`, id: "capacity-what-if" },
+      h("h3", {}, `${sku}: ${fmtDecimal(p.output_tokens_per_second)} tok/s on ${p.gpus} × ${p.gpu_type}, ${fmtPercent(Number(p.busy_fraction))} busy, ${p.days} days`),
+      h(
+        "div",
+        { class: "cards" },
+        card(`Output tokens / ${p.days} days`, h("span", { title: `${fmtNumber(p.output_tokens_per_period)} tokens` }, fmtCompact(p.output_tokens_per_period))),
+        card("GPU-hours per 1M tokens", fmtDecimal(p.gpu_hours_per_million_output)),
+        card("Cost per 1M tokens", money(p.cost_per_million_output, c)),
+        card("Revenue per 1M tokens", priced ? money(p.revenue_per_million_output, c) : "no price"),
+        card("Margin per 1M tokens", priced ? margin(p.margin_per_million_output) : "—"),
+        card(`Margin / ${p.days} days`, priced ? margin(p.margin_per_period) : "—"),
+      ),
+      table(`Capacity figures for ${sku}`, [
+        { label: "Figure", value: (r) => r[0] },
+        { label: "Value", num: true, value: (r) => r[1] },
+      ], [
+        ["Output tokens per period", `${fmtNumber(p.output_tokens_per_period)} tokens`],
+        ["GPU cost per period", money(p.cost_per_period, c)],
+        ["Revenue per period", priced ? money(p.revenue_per_period, c) : "no price"],
+        ["Margin, share of revenue", p.margin_fraction === null ? "—" : fmtPercent(Number(p.margin_fraction))],
+        ["Break-even busy fraction", breakeven === null ? "—" : breakeven > 1 ? `${fmtPercent(breakeven)}: the price does not cover the GPU even fully busy` : fmtPercent(breakeven)],
+        ["Throughput from", p.source],
+      ]),
+    ),
+  );
 }
 
 // ---------------------------------------------------------------- wiring
@@ -680,6 +866,12 @@ document.getElementById("usage-form").addEventListener("submit", (e) => {
   loadUsage();
 });
 document.getElementById("usage-csv").addEventListener("click", downloadUsageCsv);
+document.getElementById("showback-form").addEventListener("submit", downloadShowback);
+document.getElementById("invoice-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  openInvoice(document.getElementById("invoice-tenant").value, document.getElementById("invoice-period").value);
+});
+document.getElementById("invoice-tenant").addEventListener("change", () => Promise.all([loadFinalizedInvoices(), showInvoice()]));
 document.getElementById("capacity-form").addEventListener("submit", project);
 document.getElementById("window").addEventListener("change", () => refresh());
 document.getElementById("live").addEventListener("change", () => {
