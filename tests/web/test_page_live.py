@@ -293,6 +293,28 @@ async def operator_journey(
     return {"tenant_name": tenant_name, "period": period, "total": showback_total}
 
 
+async def capacity_from_measured_throughput(
+    page: Any, stack: Stack, sku_name: str, artifacts: Path
+) -> None:
+    """After the capacity job has run, the SKU's projection from the throughput its worker
+    showed in the ledger is listed; a what-if with the throughput left blank uses it too."""
+    from pricing.jobs import refresh_capacity
+
+    await refresh_capacity(stack.services.extra["billing"])
+    await page.get_by_role("link", name="Capacity").click()
+    listed = page.locator("#capacity-table tr").filter(has_text=sku_name)
+    await listed.wait_for()
+    source = (await listed.locator("td").nth(1).inner_text()).strip()
+    assert source.startswith("ledger"), source
+    await page.locator("#cap-sku").select_option(label=sku_name)
+    await page.get_by_label("Throughput (output tok/s; blank = measured)").fill("")
+    await page.get_by_role("button", name="Project").click()
+    measured = page.locator("#capacity-what-if").filter(has_text=source)
+    await measured.wait_for()
+    assert "387.6 tok/s" not in await measured.get_by_role("heading").inner_text()
+    await page.screenshot(path=str(artifacts / "live-capacity-measured.png"), full_page=True)
+
+
 async def finalize_once_the_month_is_over(
     page: Any, stack: Stack, journey: dict[str, Any], artifacts: Path
 ) -> None:
@@ -335,6 +357,7 @@ async def test_operator_signs_in_issues_a_key_sees_latency_downloads_csv_revokes
     journey = await operator_journey(
         page, stack.base_url, ADMIN_TOKEN, str(sku["name"]), "fixed-rate-test", "live", artifacts
     )
+    await capacity_from_measured_throughput(page, stack, str(sku["name"]), artifacts)
     await finalize_once_the_month_is_over(page, stack, journey, artifacts)
 
 
