@@ -597,24 +597,25 @@ function showbackWindow() {
 
 async function downloadShowback(event) {
   event.preventDefault();
-  const query = { ...showbackWindow(), granularity: document.getElementById("showback-granularity").value };
+  const query = { ...showbackWindow(), granularity: document.getElementById("showback-granularity").value, consistent: true };
   if (await downloadFrom(API.showback, query, "showback.csv")) toast("Showback CSV downloaded");
 }
 
 // ---------------------------------------------------------------- invoices
 let tenantNames = new Map(); // tenant id -> name, for the invoice lists
 const skuName = (id) => skuCache.find((s) => (s.sku_id || s.id) === id)?.name || id;
+// A list a view can do without ([] when unavailable), unless the token was refused.
+const orNothing = (err) => (err instanceof Unauthorized ? Promise.reject(err) : []);
+async function refreshSkuNames() {
+  skuCache = await api(API.skus).then((b) => items(b, "skus")).catch(orNothing);
+}
 const money = (amount, currency) => `${fmtDecimal(amount)} ${currency}`;
 
 async function loadInvoices(first) {
   const select = document.getElementById("invoice-tenant");
   const month = document.getElementById("invoice-period");
   if (first) {
-    const [tenants, skus] = await Promise.all([
-      api(API.tenants).then((b) => items(b, "tenants")).catch((err) => (err instanceof Unauthorized ? Promise.reject(err) : [])),
-      skuCache.length ? skuCache : api(API.skus).then((b) => items(b, "skus")).catch(() => []),
-    ]);
-    skuCache = skus;
+    const [tenants] = await Promise.all([api(API.tenants).then((b) => items(b, "tenants")).catch(orNothing), refreshSkuNames()]);
     tenantNames = new Map(tenants.map((t) => [tenantId(t), t.name]));
     const chosen = select.value || selectedTenant?.id || "";
     replace(select, h("option", { value: "" }, "All tenants"), tenants.map((t) => h("option", { value: tenantId(t) }, t.name)));
@@ -769,7 +770,7 @@ const CAPACITY_COLUMNS = [
 async function loadCapacity(first) {
   if (!first) return;
   const select = document.getElementById("cap-sku");
-  if (!skuCache.length) skuCache = await api(API.skus).then((b) => items(b, "skus")).catch(() => []);
+  await refreshSkuNames();
   const chosen = select.value;
   replace(select, skuCache.map((s) => h("option", { value: s.name }, s.name)));
   if (chosen) select.value = chosen;
