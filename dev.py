@@ -32,15 +32,19 @@ def _run(cmd: list[str], **kw: object) -> None:
 
 
 def ensure_env(extras: str) -> None:
-    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + extras.encode()).hexdigest()
-    if STAMP.exists() and STAMP.read_text() == want:
-        return
+    """Install the project with `extras` unless the same pyproject already went in with them
+    (or with more: `test` installs a superset of what `up` needs)."""
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    if STAMP.exists():
+        done_digest, _, done_extras = STAMP.read_text().partition(" ")
+        if done_digest == digest and set(extras.split(",")) <= set(done_extras.split(",")):
+            return
     if not PY.exists():
         _run([sys.executable, "-m", "venv", str(VENV)])
         _run([str(PY), "-m", "pip", "install", "-q", "-U", "pip"])
     _run([str(PY), "-m", "pip", "install", "-q", TORCH_PIN])
     _run([str(PY), "-m", "pip", "install", "-q", "-e", f".[{extras}]"])
-    STAMP.write_text(want)
+    STAMP.write_text(f"{digest} {extras}")
 
 
 def main() -> int:
