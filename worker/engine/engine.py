@@ -55,6 +55,10 @@ class EngineConfig:
     # Decode-only steps through the padded static buffers even without graphs (default: with
     # graphs only); eager padded steps give the same tokens as unpadded ones (tested on CPU).
     pad_decode: bool | None = None
+    # Sibling projections (q|k|v, DeltaNet qkv|z|b|a, gate|up) concatenated into one GEMM each
+    # when the engine takes the model (TOKENMILL_ENGINE_FUSE_PROJECTIONS=0 turns off); the model's
+    # parameter names then no longer match checkpoint names.
+    fuse_projections: bool = True
 
     @classmethod
     def from_env(cls, **overrides: Any) -> EngineConfig:
@@ -66,6 +70,7 @@ class EngineConfig:
             "max_num_batched_tokens": _env_int("TOKENMILL_ENGINE_MAX_NUM_BATCHED_TOKENS", None),
             "max_model_len": _env_int("TOKENMILL_ENGINE_MAX_MODEL_LEN", None),
             "cuda_graphs": _env_bool("TOKENMILL_ENGINE_CUDA_GRAPHS"),
+            "fuse_projections": _env_bool("TOKENMILL_ENGINE_FUSE_PROJECTIONS"),
         }
         return cls(**{k: v for k, v in env.items() if v is not None}, **overrides)
 
@@ -125,6 +130,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
         self.eos_token_ids = frozenset(_eos_token_ids(config, tokenizer, model))
+        if config.fuse_projections and hasattr(model, "fuse_projections"):
+            model.fuse_projections()
         num_blocks = self._num_kv_blocks()
         if num_blocks * config.block_size < config.max_model_len:
             raise ValueError(

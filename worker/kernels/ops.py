@@ -30,7 +30,10 @@ Supported = Callable[[torch.device, torch.dtype, "torch.dtype | None"], tuple[bo
 
 OPS = (
     "rms_norm",
+    "add_rms_norm",
     "gated_rms_norm",
+    "silu_mul",
+    "gdn_gates",
     "apply_rotary",
     "causal_conv1d_prefill",
     "causal_conv1d_update",
@@ -194,10 +197,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     return _pick("rms_norm", x)(x, weight, eps, unit_offset)
 
 
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): a residual add and the following norm."""
+    return _pick("add_rms_norm", x)(x, residual, weight, eps, unit_offset)
+
+
 def gated_rms_norm(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     return _pick("gated_rms_norm", x)(x, gate, weight, eps)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused gate|up projection x[..., 2F] -> [..., F]."""
+    return _pick("silu_mul", x)(x)
+
+
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeltaNet (g, beta) from the a/b projections: fp32 log decay and sigmoid write strength."""
+    return _pick("gdn_gates", a)(a, b, A_log, dt_bias)
 
 
 def apply_rotary(

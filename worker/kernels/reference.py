@@ -32,6 +32,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     return (weight * normed.to(x.dtype)).to(x.dtype)
 
 
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add then the next norm: (rms_norm(x + residual), x + residual), the sum
+    rounded to x's dtype first (as an unfused `hidden = hidden + out` does)."""
+    total = x + residual
+    return rms_norm(total, weight, eps, unit_offset), total
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's activation on a fused gate|up output x[..., 2F]: silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeltaNet gates from the a/b projections [T, Hv]: the log decay
+    g = -exp(A_log) * softplus(a + dt_bias) in fp32 (<= 0) and beta = sigmoid(b) in b's dtype."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, torch.sigmoid(b)
+
+
 def gated_rms_norm(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:

@@ -10,7 +10,7 @@ from worker.engine.batch import BatchMetadata
 from worker.kernels import ops
 from worker.models.cache import AttentionCache
 from worker.models.config import ModelConfig
-from worker.models.layers import RMSNorm, RotaryTables
+from worker.models.layers import RMSNorm, RotaryTables, fuse_linears
 
 
 def num_prefill_tokens(meta: BatchMetadata) -> int:
@@ -28,15 +28,32 @@ class Attention(nn.Module):
         self.output_gate = config.attn_output_gate
         h, bias = config.hidden_size, config.attention_bias
         # Gated attention: per head, q_proj yields [query (d) | gate (d)].
-        self.q_proj = nn.Linear(h, self.num_heads * d * (2 if self.output_gate else 1), bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.q_size = self.num_heads * d * (2 if self.output_gate else 1)
+        self.kv_size = self.num_kv_heads * d
+        self.q_proj: nn.Module | None = nn.Linear(h, self.q_size, bias=bias)
+        self.k_proj: nn.Module | None = nn.Linear(h, self.kv_size, bias=bias)
+        self.v_proj: nn.Module | None = nn.Linear(h, self.kv_size, bias=bias)
+        self.qkv_proj: nn.Module | None = None  # q|k|v as one GEMM (fuse_projections)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, config.norm_unit_offset)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, config.norm_unit_offset)
+
+    def fuse_projections(self) -> None:
+        if self.qkv_proj is None:
+            assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
+            self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+            self.q_proj = self.k_proj = self.v_proj = None
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q, k, v) projections: one GEMM split by views once fused."""
+        if self.qkv_proj is not None:
+            sizes = [self.q_size, self.kv_size, self.kv_size]
+            return tuple(self.qkv_proj(hidden).split(sizes, dim=-1))
+        assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
+        return self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
 
     def forward(
         self,
@@ -46,14 +63,14 @@ class Attention(nn.Module):
         rotary: RotaryTables,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q = self.q_proj(hidden)
+        q, k, v = self.project(hidden)
         gate = None
         if self.output_gate:
             q, gate = q.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(tokens, -1)
         q = q.reshape(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = ops.apply_rotary(q, meta.positions, rotary.cos_sin(), rotary.rotary_dim)

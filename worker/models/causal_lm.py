@@ -32,20 +32,34 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset)
         self.mlp = MLP(config)
 
+    def fuse_projections(self) -> None:
+        if self.is_attention:
+            self.self_attn.fuse_projections()
+        else:
+            self.linear_attn.fuse_projections()
+        self.mlp.fuse_projections()
+
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         meta: BatchMetadata,
         cache: AttentionCache | DeltaNetState,
         rotary: RotaryTables,
-    ) -> torch.Tensor:
-        mixed = self.input_layernorm(hidden)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it). The residual add of each
+        sub-layer happens in the next norm (`add_forward`): the stream is `hidden + residual`,
+        or `hidden` alone for the first layer (residual None)."""
+        if residual is None:
+            residual, mixed = hidden, self.input_layernorm(hidden)
+        else:
+            mixed, residual = self.input_layernorm.add_forward(hidden, residual)
         if isinstance(cache, AttentionCache):
             mixed = self.self_attn(mixed, meta, cache, rotary)
         else:
             mixed = self.linear_attn(mixed, meta, cache)
-        hidden = hidden + mixed
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        mixed, residual = self.post_attention_layernorm.add_forward(mixed, residual)
+        return self.mlp(mixed), residual
 
 
 class TextModel(nn.Module):
@@ -128,10 +142,21 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, meta: BatchMetadata, cache: ModelCache
     ) -> torch.Tensor:
         """Hidden states [T, hidden] (after the final norm) of the fed tokens."""
-        hidden = self.model.embed_tokens(input_ids)
+        hidden, residual = self.model.embed_tokens(input_ids), None
         for layer, layer_cache in zip(self.model.layers, cache.layers, strict=True):
-            hidden = layer(hidden, meta, layer_cache, self.model.rotary)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, meta, layer_cache, self.model.rotary)
+        if residual is None:  # no layers
+            return self.model.norm(hidden)
+        return self.model.norm.add_forward(hidden, residual)[0]
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """Concatenate sibling projections (attention q|k|v, DeltaNet qkv|z|b|a, MLP gate|up) so
+        each runs as one GEMM. Call after loading and after any FP8 swap: checkpoint names stop
+        matching parameter names once fused."""
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.fuse_projections()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in float32."""

@@ -5,7 +5,6 @@ and a gated RMSNorm on the output. Weight names follow Hugging Face's Qwen3_5Gat
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker.engine.batch import BatchMetadata
@@ -13,6 +12,7 @@ from worker.kernels import ops
 from worker.models.attention import num_prefill_tokens
 from worker.models.cache import DeltaNetState
 from worker.models.config import ModelConfig
+from worker.models.layers import fuse_linears
 
 
 class GatedRMSNorm(nn.Module):
@@ -35,10 +35,11 @@ class GatedDeltaNet(nn.Module):
         self.head_v_dim = config.linear_value_head_dim
         self.key_dim, self.value_dim = config.linear_key_dim, config.linear_value_dim
         self.conv_dim = config.conv_dim
-        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)  # output gate
-        self.in_proj_b = nn.Linear(h, nv, bias=False)  # beta (write strength) logits
-        self.in_proj_a = nn.Linear(h, nv, bias=False)  # decay time-step logits
+        self.in_proj_qkv: nn.Module | None = nn.Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z: nn.Module | None = nn.Linear(h, self.value_dim, bias=False)  # output gate
+        self.in_proj_b: nn.Module | None = nn.Linear(h, nv, bias=False)  # beta logits
+        self.in_proj_a: nn.Module | None = nn.Linear(h, nv, bias=False)  # decay time-step logits
+        self.in_proj_qkvzba: nn.Module | None = None  # the four as one GEMM (fuse_projections)
         # Only a weight holder ([C, 1, K] as in HF checkpoints); the conv runs through ops.
         self.conv1d = nn.Conv1d(
             self.conv_dim,
@@ -52,15 +53,34 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
 
+    def _parts(self) -> list[nn.Module]:
+        parts = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+        if any(p is None for p in parts):
+            raise RuntimeError("the input projections were fused")
+        return [p for p in parts if p is not None]
+
+    def fuse_projections(self) -> None:
+        if self.in_proj_qkvzba is None:
+            self.in_proj_qkvzba = fuse_linears(self._parts())
+            self.in_proj_qkv = self.in_proj_z = self.in_proj_b = self.in_proj_a = None
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q|k|v before the conv, z, b, a): one GEMM split by views once fused."""
+        if self.in_proj_qkvzba is not None:
+            nv = self.num_v_heads
+            sizes = [self.conv_dim, self.value_dim, nv, nv]
+            return tuple(self.in_proj_qkvzba(hidden).split(sizes, dim=-1))
+        return tuple(p(hidden) for p in self._parts())
+
     def forward(
         self, hidden: torch.Tensor, meta: BatchMetadata, state: DeltaNetState
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
-        mixed = self.in_proj_qkv(hidden)
-        z = self.in_proj_z(hidden).view(tokens, self.num_v_heads, self.head_v_dim)
-        beta = torch.sigmoid(self.in_proj_b(hidden))
-        # Log decay per value head: -exp(A_log) * softplus(a + dt_bias), in fp32 (<= 0).
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
+        mixed, z, b, a = self.project(hidden)
+        z = z.view(tokens, self.num_v_heads, self.head_v_dim)
+        # beta = sigmoid(b); log decay per value head g = -exp(A_log) * softplus(a + dt_bias),
+        # in fp32 (<= 0)
+        g, beta = ops.gdn_gates(a, b, self.A_log, self.dt_bias)
 
         split, p = num_prefill_tokens(meta), meta.num_prefills
         weight = self.conv1d.weight.squeeze(1)

@@ -1,8 +1,10 @@
-"""Building blocks shared by every family: RMSNorm, rotary tables, the gated MLP."""
+"""Building blocks shared by every family: RMSNorm, rotary tables, the gated MLP, and the fusion of
+sibling projections (one GEMM over concatenated weights, outputs split by views)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,42 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps, self.unit_offset)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): a residual add fused with this norm."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
+
+
+@torch.no_grad()
+def fuse_linears(linears: Sequence[nn.Module]) -> nn.Module:
+    """One projection whose output is the given projections' outputs side by side: weights (and
+    FP8 per-channel scales, and biases) concatenated along the output axis, gpt-fast style. The
+    parts are left for the caller to drop, which frees their memory."""
+    from worker.models.fp8 import Fp8Linear
+
+    def cat(name: str) -> torch.Tensor | None:
+        parts = [getattr(m, name) for m in linears]
+        if all(p is None for p in parts):
+            return None
+        if any(p is None for p in parts):
+            raise ValueError(f"cannot fuse projections where only some have a {name}")
+        return torch.cat([p.detach() for p in parts])
+
+    if all(isinstance(m, Fp8Linear) for m in linears):
+        weight, scale = cat("weight"), cat("weight_scale")
+        assert weight is not None and scale is not None
+        return Fp8Linear(weight, scale, cat("bias"))
+    if all(type(m) is nn.Linear for m in linears):
+        weight, bias = cat("weight"), cat("bias")
+        assert weight is not None
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        fused.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            fused.bias = nn.Parameter(bias, requires_grad=False)
+        return fused
+    raise TypeError(f"cannot fuse {sorted({type(m).__name__ for m in linears})}")
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -74,14 +112,23 @@ class RotaryTables(nn.Module):
 
 
 class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)); after `fuse_projections`, gate|up is one GEMM."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, f, bias=bias)
-        self.up_proj = nn.Linear(h, f, bias=bias)
+        self.gate_proj: nn.Module | None = nn.Linear(h, f, bias=bias)
+        self.up_proj: nn.Module | None = nn.Linear(h, f, bias=bias)
+        self.gate_up_proj: nn.Module | None = None
         self.down_proj = nn.Linear(f, h, bias=bias)
 
+    def fuse_projections(self) -> None:
+        if self.gate_proj is not None and self.up_proj is not None:
+            self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+            self.gate_proj = self.up_proj = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        assert self.gate_proj is not None and self.up_proj is not None
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 
 from worker.kernels import ops
+from worker.kernels.triton.activations import gdn_gates, silu_mul
 from worker.kernels.triton.conv1d import causal_conv1d_prefill, causal_conv1d_update
 from worker.kernels.triton.delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
 from worker.kernels.triton.fp8_gemm import fp8_linear
 from worker.kernels.triton.kv_cache import write_kv_cache
-from worker.kernels.triton.norm import gated_rms_norm, rms_norm
+from worker.kernels.triton.norm import add_rms_norm, gated_rms_norm, rms_norm
 from worker.kernels.triton.paged_attention import paged_attention_decode
 
 _KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
@@ -46,7 +47,10 @@ def cuda_half(
 
 
 ops.register("rms_norm", rms_norm, ops.cuda_only, name="triton.rms_norm")
+ops.register("add_rms_norm", add_rms_norm, ops.cuda_only, name="triton.add_rms_norm")
 ops.register("gated_rms_norm", gated_rms_norm, ops.cuda_only, name="triton.gated_rms_norm")
+ops.register("silu_mul", silu_mul, ops.cuda_only, name="triton.silu_mul")
+ops.register("gdn_gates", gdn_gates, ops.cuda_only, name="triton.gdn_gates")
 ops.register("causal_conv1d_update", causal_conv1d_update, name="triton.causal_conv1d_update")
 ops.register("causal_conv1d_prefill", causal_conv1d_prefill, name="triton.causal_conv1d_prefill")
 ops.register("gated_delta_rule_decode", gated_delta_rule_decode, name="triton.gdn_decode")
@@ -58,6 +62,9 @@ ops.register("write_kv_cache", write_kv_cache, cuda_attention, name="triton.writ
 ops.register("fp8_linear", fp8_linear, cuda_half, name="triton.fp8_linear")
 
 __all__ = [
+    "add_rms_norm",
+    "gdn_gates",
+    "silu_mul",
     "causal_conv1d_prefill",
     "causal_conv1d_update",
     "fp8_linear",

@@ -1,9 +1,14 @@
 """FP8 (e4m3) weight GEMMs with per-output-channel scales: y = x @ (w * scale[:, None]).T + bias.
 
 Two paths, picked by the number of rows (tokens) of x:
-- few rows (decode): `w8a16`, a triton kernel that streams the fp8 weight once, widens it to fp16
-  (one instruction per pair on Hopper; widening to bf16 is not) and dots with x cast to fp16,
-  accumulating in fp32; the channel scale is applied in the epilogue. Memory-bound by design.
+- few rows (decode, M <= 16): `w8_gemv`, one triton launch that streams the fp8 weight once as
+  the dot's left operand (out^T = W x^T: the weight tile fills the tensor-core M side, the few
+  rows of x the N side), widens it to fp16 (one instruction per pair on Hopper; widening to bf16
+  is not) and accumulates in fp32. Small-N shapes split K; the last program to finish a column
+  tile (an arrival counter) sums the fp32 partials, scales and writes the output, so there is no
+  second launch. The tiling per (N, K) comes from `DECODE_TILINGS` (bench/gpu_suite.py sweeps
+  candidates at the real shapes and fills it), else from `default_tiling`.
+- 17..63 rows: `w8a16`, the same weight streaming with x as the left operand.
 - many rows (prefill): `scaled_mm`, dynamic per-token activation quantization (one triton pass:
   row amax, scale, e4m3 cast) and `torch._scaled_mm` with rowwise scales on FP8 tensor cores.
 
@@ -14,6 +19,7 @@ bench/gpu_suite.py measures both paths at decode and prefill sizes and reports t
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -178,6 +184,170 @@ def w8a16(
 
 
 @kernel
+def _gemv_kernel(
+    x,
+    w,
+    scale,
+    bias,
+    out,
+    partial,
+    arrivals,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    SPLITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    """out^T tile [BN, BM] = W[BN, K-range] @ x^T[K-range, BM]. SPLITS > 1: fp32 partials go to
+    partial[split, M, N]; the program that arrives last at its column tile sums them, applies
+    scale and bias, writes out and re-arms the tile's counter (zero) for the next launch."""
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    rk = tl.arange(0, BK)
+    n_ok = (rn < N)[:, None]
+    m_ok = (rm < M)[None, :]
+    w_rows = w + rn[:, None].to(tl.int64) * stride_wn
+    x_rows = x + rm[:, None] * stride_xm
+    k_start = split * k_per_split
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(k_start, k_start + k_per_split, BK):
+        kk = k0 + rk
+        if EVEN_K:  # no K mask: full 16-byte loads along K
+            wb = tl.load(w_rows + kk[None, :], mask=n_ok, other=0.0)
+            xb = tl.load(x_rows + kk[None, :], mask=(rm < M)[:, None], other=0.0)
+        else:
+            wb = tl.load(w_rows + kk[None, :], mask=n_ok & (kk < K)[None, :], other=0.0)
+            xb = tl.load(
+                x_rows + kk[None, :], mask=(rm < M)[:, None] & (kk < K)[None, :], other=0.0
+            )
+        acc += tl.dot(wb.to(DOT), tl.trans(xb.to(DOT)))
+    mask = n_ok & m_ok
+    if SPLITS == 1:
+        _gemv_epilogue(acc, scale, bias, out, rn, rm, N, stride_om, mask, HAS_BIAS)
+    else:
+        slab = (rm[None, :] * N + rn[:, None]).to(tl.int64)
+        tl.store(partial + split * M * N + slab, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+        arrived = tl.atomic_add(arrivals + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            total = tl.zeros((BN, BM), dtype=tl.float32)
+            for s in range(0, SPLITS):  # .cg: the other SMs' partials, from L2
+                total += tl.load(
+                    partial + s * M * N + slab, mask=mask, other=0.0, cache_modifier=".cg"
+                )
+            tl.atomic_xchg(arrivals + pid_n, 0)
+            _gemv_epilogue(total, scale, bias, out, rn, rm, N, stride_om, mask, HAS_BIAS)
+
+
+@triton.jit
+def _gemv_epilogue(acc, scale, bias, out, rn, rm, N, stride_om, mask, HAS_BIAS: tl.constexpr):
+    acc = acc * tl.load(scale + rn, mask=rn < N, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
+    tl.store(out + rm[None, :] * stride_om + rn[:, None], acc.to(out.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class DecodeTiling:
+    """How `w8_gemv` tiles one (N, K) weight: BN output channels x BK of K per step, K split in
+    `splits` ranges; `two_pass` uses the older w8a16 kernel + reduce launch instead."""
+
+    bn: int = 64
+    bk: int = 256
+    splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    two_pass: bool = False
+
+
+# Filled by bench/gpu_suite.py's sweep (fastest measured tiling per weight shape); else default.
+DECODE_TILINGS: dict[tuple[int, int], DecodeTiling] = {}
+
+
+def default_tiling(n: int, k: int) -> DecodeTiling:
+    return DecodeTiling(_DECODE_BN, _DECODE_BK, decode_splits(n, k))
+
+
+_arrivals: dict[torch.device, torch.Tensor] = {}
+_MAX_TILES = 1 << 16
+
+
+def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Per-device int32 counters, zero between launches (each split GEMV re-arms the ones it
+    used); launches on one stream run one after another, so they can share them."""
+    if tiles > _MAX_TILES:
+        raise ValueError(f"{tiles} column tiles: more than the {_MAX_TILES} arrival counters")
+    counters = _arrivals.get(device)
+    if counters is None:
+        counters = _arrivals[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return counters
+
+
+def w8_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiling: DecodeTiling | None = None,
+) -> torch.Tensor:
+    """Decode GEMM (x [M <= 16, K] 16-bit, fp8 weight [N, K], fp32 scale [N]) in one launch."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > 16:
+        raise ValueError(f"w8_gemv takes at most 16 rows, got {m}")
+    tiling = tiling or DECODE_TILINGS.get((n, k)) or default_tiling(n, k)
+    if tiling.two_pass:
+        return w8a16(x, weight, scale, bias, split_k=tiling.splits)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, tiling.splits), tiling.bk) * tiling.bk
+    splits = triton.cdiv(k, k_per_split)
+    tiles = triton.cdiv(n, tiling.bn)
+    partial = (
+        torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+    )
+    arrivals = _arrival_counters(x.device, tiles) if splits > 1 else out
+    on_gpu = x.is_cuda
+    _gemv_kernel[(tiles, splits)](
+        x,
+        weight,
+        scale,
+        bias if bias is not None else scale,
+        out,
+        partial,
+        arrivals,
+        m,
+        n,
+        k,
+        k_per_split,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        BM=16,
+        BN=tiling.bn,
+        BK=tiling.bk,
+        SPLITS=splits,
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % tiling.bk == 0,
+        DOT=tl.float16 if on_gpu else dot_dtype(x.device),
+        num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages if on_gpu else 1,
+    )
+    return out
+
+
+@kernel
 def _quantize_rows_kernel(x, q, scales, K, stride_x, BK: tl.constexpr, FP8_MAX: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BK)
@@ -224,10 +394,13 @@ def scaled_mm(
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [..., K] -> [..., N]: w8a16 below FP8_SCALED_MM_MIN_ROWS rows, scaled_mm from there."""
+    """x [..., K] -> [..., N]: w8_gemv up to 16 rows, w8a16 below FP8_SCALED_MM_MIN_ROWS, scaled_mm
+    from there."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] >= FP8_SCALED_MM_MIN_ROWS:
         out = scaled_mm(rows, weight, scale, bias)
+    elif rows.shape[0] <= 16:
+        out = w8_gemv(rows, weight, scale, bias)
     else:
         out = w8a16(rows, weight, scale, bias)
     return out.view(*x.shape[:-1], weight.shape[0])

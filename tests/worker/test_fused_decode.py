@@ -1,0 +1,187 @@
+"""The decode-step fusions against their unfused forms: the one-launch FP8 GEMV (split-K summed by
+the last arriving program), silu*mul, residual add + RMSNorm and the DeltaNet gates as kernels
+(triton interpreter on CPU; `-m gpu` at the 27B shapes), and models whose sibling projections
+were concatenated (q|k|v, qkv|z|b|a, gate|up) giving the same logits as unfused ones."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from worker.kernels import ops, reference  # noqa: E402
+from worker.kernels.triton.activations import gdn_gates, silu_mul  # noqa: E402
+from worker.kernels.triton.fp8_gemm import DecodeTiling, _arrivals, w8_gemv  # noqa: E402
+from worker.kernels.triton.norm import add_rms_norm  # noqa: E402
+from worker.models import build_random  # noqa: E402
+from worker.models.fp8 import Fp8Linear, quantize_fp8, quantize_weight  # noqa: E402
+from worker.models.presets import PRESETS  # noqa: E402
+
+GPU = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite output"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+# ---------------------------------------------------------------- one-launch FP8 GEMV
+
+
+def check_gemv(m: int, n: int, k: int, tiling: DecodeTiling | None, device: str) -> None:
+    q, scale = quantize_weight(torch.randn(n, k, device=device) * 0.02)
+    x = torch.randn(m, k, device=device).bfloat16()
+    bias = torch.randn(n, device=device).bfloat16()
+    for b in (None, bias):
+        for _ in range(2):  # again: the arrival counters must be re-armed by the first call
+            out = w8_gemv(x, q, scale, b, tiling)
+            assert out.shape == (m, n) and out.dtype == x.dtype
+            assert rel_err(out, reference.fp8_linear(x, q, scale, b)) < 1e-2
+    counters = _arrivals.get(x.device)
+    assert counters is None or counters.count_nonzero() == 0
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "tiling"),
+    [
+        (8, 48, 128, DecodeTiling(16, 32, 1)),  # one K range: scale in the epilogue
+        (5, 40, 600, DecodeTiling(16, 64, 3)),  # K not a multiple of BK, 3 splits
+        (16, 70, 512, DecodeTiling(32, 128, 4)),  # N not a multiple of BN
+        (1, 33, 256, DecodeTiling(16, 64, 2, two_pass=True)),  # the w8a16 + reduce fallback
+        (3, 40, 96, None),  # default tiling
+    ],
+)
+def test_w8_gemv_matches_reference(m, n, k, tiling) -> None:
+    torch.manual_seed(m * n + k)
+    check_gemv(m, n, k, tiling, "cpu")
+
+
+def test_fp8_linear_routes_decode_rows_to_the_gemv(monkeypatch) -> None:
+    from worker.kernels.triton import fp8_gemm
+
+    calls = []
+
+    def gemv(x, weight, scale, bias):
+        calls.append(tuple(x.shape))
+        return torch.zeros(x.shape[0], weight.shape[0])
+
+    monkeypatch.setattr(fp8_gemm, "w8_gemv", gemv)
+    out = fp8_gemm.fp8_linear(torch.randn(2, 4, 8), torch.zeros(3, 8), torch.ones(3))
+    assert calls == [(8, 8)] and out.shape == (2, 4, 3)  # [2, 4] rows flattened: one launch
+
+
+# ---------------------------------------------------------------- elementwise fusions
+
+
+def test_silu_mul_matches_reference() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, 2 * 300).bfloat16() * 3
+    wide = torch.randn(5, 700).bfloat16()  # rows strided: a view of a wider output
+    for inp in (x, wide[:, :600]):
+        out = silu_mul(inp)
+        assert out.shape == (5, 300)
+        assert rel_err(out, reference.silu_mul(inp)) < 1e-2
+
+
+@pytest.mark.parametrize("unit_offset", [True, False])
+def test_add_rms_norm_matches_reference(unit_offset: bool) -> None:
+    torch.manual_seed(1)
+    x, residual = torch.randn(7, 96).bfloat16(), torch.randn(7, 96).bfloat16() * 4
+    weight = torch.randn(96).bfloat16() * 0.2
+    normed, total = add_rms_norm(x, residual, weight, 1e-6, unit_offset)
+    ref_normed, ref_total = reference.add_rms_norm(x, residual, weight, 1e-6, unit_offset)
+    # the stream: the bf16 sum (the interpreter's bf16 cast truncates: within one ulp)
+    assert torch.allclose(total.float(), ref_total.float(), rtol=2**-7, atol=0)
+    assert rel_err(normed, ref_normed) < 1e-2
+
+
+def test_gdn_gates_match_reference() -> None:
+    torch.manual_seed(2)
+    ab = torch.randn(6, 2 * 12 + 4).bfloat16() * 8  # strided rows, wide range (softplus tails)
+    a, b = ab[:, :12], ab[:, 12:24]
+    A_log, dt_bias = torch.rand(12).add(0.1).log(), torch.randn(12)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    ref_g, ref_beta = reference.gdn_gates(a, b, A_log, dt_bias)
+    assert g.dtype == torch.float32 and beta.dtype == torch.bfloat16
+    assert rel_err(g, ref_g) < 1e-5 and rel_err(beta, ref_beta) < 1e-2
+
+
+def test_new_ops_prefer_triton_on_cuda() -> None:
+    for op in ("add_rms_norm", "silu_mul", "gdn_gates"):
+        assert ops.select(op, torch.device("cpu"), torch.bfloat16).name == "reference"
+        assert ops.select(op, torch.device("cuda"), torch.bfloat16).name == f"triton.{op}"
+
+
+# ---------------------------------------------------------------- fused projections
+
+
+def logits_of(model, tokens: int = 6) -> torch.Tensor:
+    from worker.engine.engine import EngineConfig, LLMEngine
+    from worker.engine.sequence import SamplingParams
+
+    engine = LLMEngine(
+        model,
+        None,
+        EngineConfig(
+            block_size=4,
+            max_num_seqs=2,
+            max_num_batched_tokens=64,
+            max_model_len=32,
+            fuse_projections=False,
+        ),
+    )
+    engine.add_request(list(range(3, 3 + tokens)), SamplingParams(temperature=0, max_tokens=1))
+    ids, meta = engine.runner.prepare(engine.scheduler.schedule())
+    with torch.inference_mode():
+        return engine.runner._logits(ids, meta)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-llama"])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_projections_give_the_same_logits(preset: str, fp8: bool) -> None:
+    config = PRESETS[preset]
+    model = build_random(config, "cpu", torch.float32, seed=3)
+    if fp8:
+        quantize_fp8(model)
+    params = sum(p.numel() for p in model.parameters())
+    fused = copy.deepcopy(model)
+    fused.fuse_projections()
+    fused.fuse_projections()  # idempotent
+    assert sum(p.numel() for p in fused.parameters()) == params
+    layer = fused.model.layers[0]
+    linear = Fp8Linear if fp8 else nn.Linear
+    assert isinstance(layer.mlp.gate_up_proj, linear) and layer.mlp.gate_proj is None
+    mixer = layer.self_attn if layer.is_attention else layer.linear_attn
+    assert isinstance(getattr(mixer, "qkv_proj", None) or mixer.in_proj_qkvzba, linear)
+    assert rel_err(logits_of(fused), logits_of(model)) < 1e-5
+
+
+def test_engine_fuses_projections_by_default() -> None:
+    from worker.engine.engine import EngineConfig, LLMEngine
+
+    model = build_random(PRESETS["tiny-qwen3.5"], "cpu", torch.float32, seed=4)
+    LLMEngine(model, None, EngineConfig(block_size=4, max_num_seqs=2, max_model_len=32))
+    assert all(layer.mlp.gate_up_proj is not None for layer in model.model.layers)
+
+
+# ---------------------------------------------------------------- GPU, at the 27B shapes
+
+
+@GPU
+@needs_cuda
+@pytest.mark.parametrize(
+    ("n", "k"), [(34816, 5120), (5120, 17408), (16480, 5120), (5120, 6144), (14336, 5120)]
+)
+def test_gpu_w8_gemv_27b(n: int, k: int) -> None:
+    torch.manual_seed(0)
+    check_gemv(8, n, k, None, "cuda")

@@ -1,0 +1,84 @@
+"""Small elementwise fusions of the decode step, each one launch where torch takes several:
+silu(gate) * up over a fused gate|up projection, and the DeltaNet gates (beta, log decay g) from
+the a/b projections. At batch 8 these are launch-bound; what they save is launches, not bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from worker.kernels.triton._launch import kernel
+
+
+@kernel
+def _silu_mul_kernel(x, out, F, stride_x, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < F
+    gate = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x + row * stride_x + F + cols, mask=mask, other=0.0).to(tl.float32)
+    # round silu to the activation dtype before the product, as F.silu(gate) * up does
+    act = (gate / (1.0 + tl.exp(-gate))).to(out.dtype.element_ty).to(tl.float32)
+    tl.store(out + row * F + cols, (act * up).to(out.dtype.element_ty), mask=mask)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :F]) * x[..., F:] for x[..., 2F] (rows may be strided, the last dim not)."""
+    two_f = x.shape[-1]
+    f = two_f // 2
+    rows = x.reshape(-1, two_f)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty((rows.shape[0], f), dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        block = min(1024, triton.next_power_of_2(f))
+        _silu_mul_kernel[(rows.shape[0], triton.cdiv(f, block))](
+            rows, out, f, rows.stride(0), BLOCK=block, num_warps=4
+        )
+    return out.view(*x.shape[:-1], f)
+
+
+@kernel
+def _gdn_gates_kernel(a, b, A_log, dt_bias, g, beta, H, stride_a, stride_b, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, BLOCK)
+    mask = heads < H
+    x = tl.load(a + row * stride_a + heads, mask=mask, other=0.0).to(tl.float32)
+    x += tl.load(dt_bias + heads, mask=mask, other=0.0).to(tl.float32)
+    # softplus(x) = max(x, 0) + log(1 + exp(-|x|)), with log(1 + y) ~ y - y^2 / 2 for tiny y
+    y = tl.exp(-tl.abs(x))
+    softplus = tl.maximum(x, 0.0) + tl.where(y < 1e-4, y - 0.5 * y * y, tl.log(1.0 + y))
+    decay = tl.exp(tl.load(A_log + heads, mask=mask, other=0.0).to(tl.float32))
+    tl.store(g + row * H + heads, -decay * softplus, mask=mask)
+    logit = tl.load(b + row * stride_b + heads, mask=mask, other=0.0).to(tl.float32)
+    tl.store(
+        beta + row * H + heads, (1.0 / (1.0 + tl.exp(-logit))).to(beta.dtype.element_ty), mask=mask
+    )
+
+
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g fp32 [T, H], beta [T, H] in b's dtype) from a, b [T, H] (rows may be strided)."""
+    tokens, heads = a.shape
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("gdn gates need a contiguous head dim")
+    g = torch.empty((tokens, heads), dtype=torch.float32, device=a.device)
+    beta = torch.empty((tokens, heads), dtype=b.dtype, device=b.device)
+    if tokens:
+        _gdn_gates_kernel[(tokens,)](
+            a,
+            b,
+            A_log,
+            dt_bias,
+            g,
+            beta,
+            heads,
+            a.stride(0),
+            b.stride(0),
+            BLOCK=triton.next_power_of_2(heads),
+            num_warps=1,
+        )
+    return g, beta
