@@ -15,7 +15,6 @@ Everything here is plain Python on the caller's thread, cheap enough for the req
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,25 +24,21 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
 from control_plane.observability.series import SkuSeries
+from control_plane.settings import env_float
 from worker.protocol import Presence, WorkerAnnounce, WorkerGone, WorkerHeartbeat
 
 __all__ = ["PROMETHEUS_TEXT", "ObservabilitySettings", "OpsMetrics", "WorkerView"]
 
 
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    return float(value) if value not in (None, "") else default
-
-
 @dataclass(frozen=True)
 class ObservabilitySettings:
     # TOKENMILL_OPS_WINDOW_S: how much history the page's charts keep in memory (seconds).
-    window_s: float = field(default_factory=lambda: _env_float("TOKENMILL_OPS_WINDOW_S", 900.0))
+    window_s: float = field(default_factory=lambda: env_float("TOKENMILL_OPS_WINDOW_S", 900.0))
     # TOKENMILL_OPS_STEP_S: one chart point per this many seconds.
-    step_s: float = field(default_factory=lambda: _env_float("TOKENMILL_OPS_STEP_S", 5.0))
+    step_s: float = field(default_factory=lambda: env_float("TOKENMILL_OPS_STEP_S", 5.0))
     # TOKENMILL_WORKER_STALE_S: a worker silent this long is reported lost and its load dropped.
     worker_stale_s: float = field(
-        default_factory=lambda: _env_float("TOKENMILL_WORKER_STALE_S", 10.0)
+        default_factory=lambda: env_float("TOKENMILL_WORKER_STALE_S", 10.0)
     )
 
 
