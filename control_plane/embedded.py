@@ -202,26 +202,16 @@ class EmbeddedPostgres:
             **as_user,  # type: ignore[arg-type]
         )
         _wait_port(self.port, self.proc, "postgres")
-        self._ensure_database(bin_dir, as_user)
+        self._ensure_database(bin_dir)
         return self
 
-    def _ensure_database(self, bin_dir: Path, as_user: dict[str, object]) -> None:
+    def _ensure_database(self, bin_dir: Path) -> None:
+        psql = [str(bin_dir / "psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres"]
+        psql += ["-d", "postgres"]
         deadline = time.monotonic() + 30
         while True:
             r = subprocess.run(
-                [
-                    str(bin_dir / "psql"),
-                    "-h",
-                    "127.0.0.1",
-                    "-p",
-                    str(self.port),
-                    "-U",
-                    "postgres",
-                    "-d",
-                    "postgres",
-                    "-tAc",
-                    f"SELECT 1 FROM pg_database WHERE datname='{self.database}'",
-                ],
+                [*psql, "-tAc", f"SELECT 1 FROM pg_database WHERE datname='{self.database}'"],
                 capture_output=True,
                 text=True,
             )
@@ -232,19 +222,7 @@ class EmbeddedPostgres:
             time.sleep(0.1)
         if r.stdout.strip() != "1":
             subprocess.run(
-                [
-                    str(bin_dir / "psql"),
-                    "-h",
-                    "127.0.0.1",
-                    "-p",
-                    str(self.port),
-                    "-U",
-                    "postgres",
-                    "-d",
-                    "postgres",
-                    "-c",
-                    f'CREATE DATABASE "{self.database}"',
-                ],
+                [*psql, "-c", f'CREATE DATABASE "{self.database}"'],
                 check=True,
                 capture_output=True,
             )
