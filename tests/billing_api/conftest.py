@@ -4,21 +4,18 @@ projectors running in the same process."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import httpx
 import pytest
-import uvicorn
 
 from control_plane.app import Extension, create_app, load_extensions
-from control_plane.embedded import free_port
 from control_plane.services import Services
 from events.usage import RequestFinished
 from tests.control_plane.conftest import ADMIN_TOKEN, services  # noqa: F401 (a fixture)
+from tests.control_plane.serving import served
 
 
 @dataclass
@@ -36,24 +33,15 @@ class Billing:
 async def billing(services: Services) -> AsyncIterator[Billing]:  # noqa: F811
     (extension,) = load_extensions(services, ["pricing"])
     app = create_app(services, extensions=[extension], run_projectors=True)
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    )
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]  # leave pytest's signals alone
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.01)
-    async with httpx.AsyncClient(
-        base_url=f"http://127.0.0.1:{port}/admin/v1",
-        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
-        timeout=15,
-    ) as client:
+    async with (
+        served(app) as base_url,
+        httpx.AsyncClient(
+            base_url=f"{base_url}/admin/v1",
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+            timeout=15,
+        ) as client,
+    ):
         yield Billing(client, services, extension)
-    server.should_exit = True
-    await task
 
 
 def at(*args: int) -> datetime:

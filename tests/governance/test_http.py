@@ -3,55 +3,31 @@ the real NATS and Postgres fixtures."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from control_plane.app import create_app
-from control_plane.embedded import EmbeddedNats, free_port
 from control_plane.governance import tokenmill_extension
 from control_plane.services import Services
-from control_plane.settings import Settings
 from events import control
 from events.usage import RequestFinished
+from tests.control_plane.conftest import ADMIN_TOKEN, services  # noqa: F401 (a fixture)
+from tests.control_plane.serving import served
 
-ADMIN = {"Authorization": "Bearer gov-admin"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 @pytest.fixture()
-async def client(
-    nats_server: EmbeddedNats, database_url: str, stream_prefix: str, tmp_path: Path
-) -> AsyncIterator[tuple[httpx.AsyncClient, Services]]:
-    settings = Settings(
-        data_dir=tmp_path,
-        nats_url=nats_server.url,
-        database_url=database_url,
-        admin_token="gov-admin",
-        stream_prefix=stream_prefix,
-    )
-    services = await Services.connect(settings, "gov-admin")
+async def http(services: Services) -> AsyncIterator[httpx.AsyncClient]:  # noqa: F811
+    """The app with the governance extension over real HTTP (no admin token sent)."""
     extension = tokenmill_extension(services)
     services.extra.update(extension.extra)
     app = create_app(services, extensions=[extension])
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.01)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
-        yield c, services
-    server.should_exit = True
-    await task
-    await services.close()
+    async with served(app) as base_url, httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+        yield client
 
 
 async def _tenant_with_key(c: httpx.AsyncClient) -> tuple[str, str, str]:
@@ -62,41 +38,43 @@ async def _tenant_with_key(c: httpx.AsyncClient) -> tuple[str, str, str]:
     return tenant["tenant_id"], key["key_id"], key["key"]
 
 
-async def test_limits_admin_and_own_usage(client: tuple[httpx.AsyncClient, Services]) -> None:
-    c, services = client
-    t1, k1, plain1 = await _tenant_with_key(c)
-    t2, k2, plain2 = await _tenant_with_key(c)
-    r = await c.put(
+async def test_limits_admin_and_own_usage(
+    http: httpx.AsyncClient,
+    services: Services,  # noqa: F811
+) -> None:
+    t1, k1, plain1 = await _tenant_with_key(http)
+    t2, k2, plain2 = await _tenant_with_key(http)
+    r = await http.put(
         f"/admin/v1/tenants/{t1}/limits",
         json={"token_quota": 1000, "requests_per_minute": 60},
         headers=ADMIN,
     )
     assert r.status_code == 200, r.text
     version = r.json()["version"]
-    r = await c.put(
+    r = await http.put(
         f"/admin/v1/tenants/{t1}/keys/{k1}/limits",
         json={"max_concurrent_streams": 2},
         headers={**ADMIN, "If-Match": f'"{version}"'},
     )
     assert r.status_code == 200, r.text
     # a stale version, an unknown field, a bad cap, an unknown tenant: problem details, no 500
-    stale = await c.put(
+    stale = await http.put(
         f"/admin/v1/tenants/{t1}/limits", json={}, headers={**ADMIN, "If-Match": f'"{version}"'}
     )
     assert stale.status_code == 409 and stale.headers["content-type"].startswith(
         "application/problem+json"
     )
     assert (
-        await c.put(f"/admin/v1/tenants/{t1}/limits", json={"rpm": 1}, headers=ADMIN)
+        await http.put(f"/admin/v1/tenants/{t1}/limits", json={"rpm": 1}, headers=ADMIN)
     ).status_code == 400
     assert (
-        await c.put(f"/admin/v1/tenants/{t1}/limits", json={"spend_cap": "x"}, headers=ADMIN)
+        await http.put(f"/admin/v1/tenants/{t1}/limits", json={"spend_cap": "x"}, headers=ADMIN)
     ).status_code == 400
     assert (
-        await c.put("/admin/v1/tenants/ten_nope/limits", json={}, headers=ADMIN)
+        await http.put("/admin/v1/tenants/ten_nope/limits", json={}, headers=ADMIN)
     ).status_code == 404
-    assert (await c.get(f"/admin/v1/tenants/{t1}/limits")).status_code == 401
-    got = (await c.get(f"/admin/v1/tenants/{t1}/limits", headers=ADMIN)).json()
+    assert (await http.get(f"/admin/v1/tenants/{t1}/limits")).status_code == 401
+    got = (await http.get(f"/admin/v1/tenants/{t1}/limits", headers=ADMIN)).json()
     assert {p["key_id"] for p in got["policies"]} == {None, k1}
 
     now = datetime.now(UTC)
@@ -120,11 +98,11 @@ async def test_limits_admin_and_own_usage(client: tuple[httpx.AsyncClient, Servi
     await admission.ledger.position.wait_for(
         await services.store.head(services.layout.usage_stream), 5
     )
-    mine = (await c.get("/v1/usage", headers={"Authorization": f"Bearer {plain1}"})).json()
+    mine = (await http.get("/v1/usage", headers={"Authorization": f"Bearer {plain1}"})).json()
     assert mine["tenant_id"] == t1 and mine["key_id"] == k1
     tenant_policy = next(p for p in mine["policies"] if p["scope"] == "tenant")
     assert tenant_policy["total_tokens"] == 42 and tenant_policy["remaining_tokens"] == 958
-    other = (await c.get("/v1/usage", headers={"Authorization": f"Bearer {plain2}"})).json()
+    other = (await http.get("/v1/usage", headers={"Authorization": f"Bearer {plain2}"})).json()
     assert other["tenant_id"] == t2 and other["policies"] == []  # nothing of t1's
-    bad = await c.get("/v1/usage", headers={"Authorization": "Bearer nope"})
+    bad = await http.get("/v1/usage", headers={"Authorization": "Bearer nope"})
     assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"

@@ -27,13 +27,13 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from control_plane.app import create_app, load_extensions
 from control_plane.embedded import EmbeddedNats, free_port
 from control_plane.services import Services
 from control_plane.settings import Settings
 from pricing.periods import BillingPeriod
+from tests.control_plane.serving import served
 from tests.dataplane.harness import ADMIN_TOKEN, Stack, stop_process
 
 
@@ -49,26 +49,17 @@ async def stack(
         admin_token=ADMIN_TOKEN,
     )
     services = await Services.connect(settings, ADMIN_TOKEN)
-    extensions = load_extensions(services)
-    app = create_app(services, extensions=extensions, run_projectors=True)
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    )
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # leave pytest's signals alone
-    serving = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not serving.done(), "uvicorn did not start"
-        await asyncio.sleep(0.02)
-    plane = services.extra["dataplane"]
-    s = Stack(f"http://127.0.0.1:{port}", nats_server.url, stream_prefix, services, plane)
+    app = create_app(services, extensions=load_extensions(services), run_projectors=True)
     try:
-        yield s
+        async with served(app) as base_url:
+            plane = services.extra["dataplane"]
+            s = Stack(base_url, nats_server.url, stream_prefix, services, plane)
+            try:
+                yield s
+            finally:
+                for proc in s.workers:
+                    stop_process(proc)
     finally:
-        for proc in s.workers:
-            stop_process(proc)
-        server.should_exit = True
-        await serving
         await services.close()
 
 

@@ -1,0 +1,33 @@
+"""An app served over real HTTP inside the test's event loop, as `tokenmill serve` serves it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+
+from control_plane.embedded import free_port
+
+
+@contextlib.asynccontextmanager
+async def served(app: Any) -> AsyncIterator[str]:
+    """Serve the ASGI `app` with uvicorn (lifespan on) on a free port; yields its base URL."""
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # leave pytest's signals alone
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()  # raises why it did not start
+            raise RuntimeError("uvicorn exited before it started")
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
