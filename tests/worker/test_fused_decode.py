@@ -10,7 +10,6 @@ import os
 
 import pytest
 import torch
-from torch import nn
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -23,6 +22,7 @@ from worker.kernels.triton.fp8_gemm import DecodeTiling, _arrivals, w8_gemv  # n
 from worker.kernels.triton.norm import add_rms_norm  # noqa: E402
 from worker.models import build_random  # noqa: E402
 from worker.models.fp8 import Fp8Linear, quantize_fp8, quantize_weight  # noqa: E402
+from worker.models.layers import Linear  # noqa: E402
 from worker.models.presets import PRESETS  # noqa: E402
 
 GPU = pytest.mark.gpu
@@ -64,6 +64,34 @@ def check_gemv(m: int, n: int, k: int, tiling: DecodeTiling | None, device: str)
 def test_w8_gemv_matches_reference(m, n, k, tiling) -> None:
     torch.manual_seed(m * n + k)
     check_gemv(m, n, k, tiling, "cpu")
+
+
+def test_gemv_with_16bit_weights_matches_linear() -> None:
+    torch.manual_seed(7)
+    w, x, bias = torch.randn(70, 512) * 0.02, torch.randn(8, 512), torch.randn(70)
+    for tiling in (DecodeTiling(32, 128, 1), DecodeTiling(32, 128, 3)):
+        out = w8_gemv(x, w, None, bias, tiling)
+        assert rel_err(out, torch.nn.functional.linear(x, w, bias)) < 1e-5
+    with pytest.raises(ValueError):
+        w8_gemv(x, w, torch.ones(70))  # a scale belongs to fp8 weights only
+
+
+def test_linear_takes_the_gemv_only_for_swept_shapes(monkeypatch) -> None:
+    from worker.kernels.triton import fp8_gemm
+
+    torch.manual_seed(8)
+    w, x = torch.randn(40, 256) * 0.02, torch.randn(2, 3, 256)
+    monkeypatch.setitem(fp8_gemm.BF16_DECODE_TILINGS, (40, 256), DecodeTiling(16, 64, 2))
+    calls = []
+    real = fp8_gemm.w8_gemv
+    monkeypatch.setattr(fp8_gemm, "w8_gemv", lambda *a: calls.append(1) or real(*a))
+    out = fp8_gemm.linear(x, w)
+    assert calls and out.shape == (2, 3, 40)
+    assert rel_err(out, torch.nn.functional.linear(x, w)) < 1e-5
+    calls.clear()
+    fp8_gemm.linear(torch.randn(17, 256), w)  # more than 16 rows: F.linear
+    fp8_gemm.linear(x, torch.randn(41, 256))  # a shape the sweep did not choose: F.linear
+    assert not calls
 
 
 def test_fp8_linear_routes_decode_rows_to_the_gemv(monkeypatch) -> None:
@@ -117,7 +145,7 @@ def test_gdn_gates_match_reference() -> None:
 
 
 def test_new_ops_prefer_triton_on_cuda() -> None:
-    for op in ("add_rms_norm", "silu_mul", "gdn_gates"):
+    for op in ("add_rms_norm", "silu_mul", "gdn_gates", "apply_rotary", "linear"):
         assert ops.select(op, torch.device("cpu"), torch.bfloat16).name == "reference"
         assert ops.select(op, torch.device("cuda"), torch.bfloat16).name == f"triton.{op}"
 
@@ -159,7 +187,7 @@ def test_fused_projections_give_the_same_logits(preset: str, fp8: bool) -> None:
     fused.fuse_projections()  # idempotent
     assert sum(p.numel() for p in fused.parameters()) == params
     layer = fused.model.layers[0]
-    linear = Fp8Linear if fp8 else nn.Linear
+    linear = Fp8Linear if fp8 else Linear
     assert isinstance(layer.mlp.gate_up_proj, linear) and layer.mlp.gate_proj is None
     mixer = layer.self_attn if layer.is_attention else layer.linear_attn
     assert isinstance(getattr(mixer, "qkv_proj", None) or mixer.in_proj_qkvzba, linear)
@@ -185,3 +213,20 @@ def test_engine_fuses_projections_by_default() -> None:
 def test_gpu_w8_gemv_27b(n: int, k: int) -> None:
     torch.manual_seed(0)
     check_gemv(8, n, k, None, "cuda")
+
+
+@pytest.mark.parametrize("rotary_dim", [8, 32])
+def test_apply_rotary_matches_reference(rotary_dim: int) -> None:
+    from worker.kernels.triton.rotary import apply_rotary
+
+    torch.manual_seed(5)
+    qg = torch.randn(5, 3, 2 * 32).bfloat16()  # strided heads: a query half of q|gate
+    x = qg[..., :32]
+    positions = torch.tensor([0, 7, 3, 100, 41])
+    angles = torch.outer(torch.arange(128.0), 1.0 / 1e4 ** (torch.arange(0, rotary_dim, 2) / 32))
+    tables = (angles.cos(), angles.sin())
+    out = apply_rotary(x, positions, tables, rotary_dim)
+    ref = reference.apply_rotary(x, positions, tables, rotary_dim)
+    assert out.shape == x.shape and out.is_contiguous()
+    assert rel_err(out, ref) < 1e-2
+    assert torch.equal(out[..., rotary_dim:], x[..., rotary_dim:])  # passed through

@@ -42,6 +42,7 @@ OPS = (
     "write_kv_cache",
     "paged_attention_prefill",
     "paged_attention_decode",
+    "linear",
     "fp8_linear",
 )
 # Ops whose implementation choice also depends on the KV cache dtype (fp8 or not).
@@ -343,6 +344,11 @@ def paged_attention_decode(
 ) -> torch.Tensor:
     fn = _pick("paged_attention_decode", q, k_cache)
     return fn(q, k_cache, v_cache, context_lens, block_tables, scale, k_scale, v_scale)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] times a 16-bit weight [N, K] (the model's nn.Linear layers)."""
+    return _pick("linear", x)(x, weight, bias)
 
 
 def fp8_linear(

@@ -289,6 +289,11 @@ def write_kv_cache(
     v_flat[slots] = _quantize(v[keep], v_cache.dtype, v_scale)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] times a 16-bit (or fp32) weight [N, K]: F.linear."""
+    return F.linear(x, weight, bias)
+
+
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -10,7 +10,7 @@ from worker.engine.batch import BatchMetadata
 from worker.kernels import ops
 from worker.models.cache import AttentionCache
 from worker.models.config import ModelConfig
-from worker.models.layers import RMSNorm, RotaryTables, fuse_linears
+from worker.models.layers import Linear, RMSNorm, RotaryTables, fuse_linears
 
 
 def num_prefill_tokens(meta: BatchMetadata) -> int:
@@ -30,11 +30,11 @@ class Attention(nn.Module):
         # Gated attention: per head, q_proj yields [query (d) | gate (d)].
         self.q_size = self.num_heads * d * (2 if self.output_gate else 1)
         self.kv_size = self.num_kv_heads * d
-        self.q_proj: nn.Module | None = nn.Linear(h, self.q_size, bias=bias)
-        self.k_proj: nn.Module | None = nn.Linear(h, self.kv_size, bias=bias)
-        self.v_proj: nn.Module | None = nn.Linear(h, self.kv_size, bias=bias)
+        self.q_proj: nn.Module | None = Linear(h, self.q_size, bias=bias)
+        self.k_proj: nn.Module | None = Linear(h, self.kv_size, bias=bias)
+        self.v_proj: nn.Module | None = Linear(h, self.kv_size, bias=bias)
         self.qkv_proj: nn.Module | None = None  # q|k|v as one GEMM (fuse_projections)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:

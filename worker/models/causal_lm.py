@@ -16,7 +16,7 @@ from worker.models.attention import Attention
 from worker.models.cache import AttentionCache, DeltaNetState, ModelCache
 from worker.models.config import FULL_ATTENTION, ModelConfig
 from worker.models.deltanet import GatedDeltaNet
-from worker.models.layers import MLP, RMSNorm, RotaryTables
+from worker.models.layers import MLP, Linear, RMSNorm, RotaryTables
 
 
 class DecoderLayer(nn.Module):
@@ -82,7 +82,7 @@ class CausalLM(nn.Module):
         # An untied head may be swapped for an FP8 one (worker.models.fp8).
         self.lm_head: nn.Module | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
     def dtype(self) -> torch.dtype:

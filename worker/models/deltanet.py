@@ -12,7 +12,7 @@ from worker.kernels import ops
 from worker.models.attention import num_prefill_tokens
 from worker.models.cache import DeltaNetState
 from worker.models.config import ModelConfig
-from worker.models.layers import fuse_linears
+from worker.models.layers import Linear, fuse_linears
 
 
 class GatedRMSNorm(nn.Module):
@@ -35,10 +35,10 @@ class GatedDeltaNet(nn.Module):
         self.head_v_dim = config.linear_value_head_dim
         self.key_dim, self.value_dim = config.linear_key_dim, config.linear_value_dim
         self.conv_dim = config.conv_dim
-        self.in_proj_qkv: nn.Module | None = nn.Linear(h, self.conv_dim, bias=False)
-        self.in_proj_z: nn.Module | None = nn.Linear(h, self.value_dim, bias=False)  # output gate
-        self.in_proj_b: nn.Module | None = nn.Linear(h, nv, bias=False)  # beta logits
-        self.in_proj_a: nn.Module | None = nn.Linear(h, nv, bias=False)  # decay time-step logits
+        self.in_proj_qkv: nn.Module | None = Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z: nn.Module | None = Linear(h, self.value_dim, bias=False)  # output gate
+        self.in_proj_b: nn.Module | None = Linear(h, nv, bias=False)  # beta logits
+        self.in_proj_a: nn.Module | None = Linear(h, nv, bias=False)  # decay time-step logits
         self.in_proj_qkvzba: nn.Module | None = None  # the four as one GEMM (fuse_projections)
         # Only a weight holder ([C, 1, K] as in HF checkpoints); the conv runs through ops.
         self.conv1d = nn.Conv1d(
@@ -51,7 +51,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(nv))
         self.A_log = nn.Parameter(torch.empty(nv))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.out_proj = Linear(self.value_dim, h, bias=False)
 
     def _parts(self) -> list[nn.Module]:
         parts = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]

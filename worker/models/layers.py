@@ -33,6 +33,14 @@ class RMSNorm(nn.Module):
         return ops.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose product goes through `ops.linear` (F.linear, or on a GPU the decode GEMV
+    for shapes where it beats cuBLAS). Same parameters and names as nn.Linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
 @torch.no_grad()
 def fuse_linears(linears: Sequence[nn.Module]) -> nn.Module:
     """One projection whose output is the given projections' outputs side by side: weights (and
@@ -52,10 +60,10 @@ def fuse_linears(linears: Sequence[nn.Module]) -> nn.Module:
         weight, scale = cat("weight"), cat("weight_scale")
         assert weight is not None and scale is not None
         return Fp8Linear(weight, scale, cat("bias"))
-    if all(type(m) is nn.Linear for m in linears):
+    if all(isinstance(m, nn.Linear) for m in linears):
         weight, bias = cat("weight"), cat("bias")
         assert weight is not None
-        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        fused = Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
         fused.weight = nn.Parameter(weight, requires_grad=False)
         if bias is not None:
             fused.bias = nn.Parameter(bias, requires_grad=False)
@@ -117,10 +125,10 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj: nn.Module | None = nn.Linear(h, f, bias=bias)
-        self.up_proj: nn.Module | None = nn.Linear(h, f, bias=bias)
+        self.gate_proj: nn.Module | None = Linear(h, f, bias=bias)
+        self.up_proj: nn.Module | None = Linear(h, f, bias=bias)
         self.gate_up_proj: nn.Module | None = None
-        self.down_proj = nn.Linear(f, h, bias=bias)
+        self.down_proj = Linear(f, h, bias=bias)
 
     def fuse_projections(self) -> None:
         if self.gate_proj is not None and self.up_proj is not None:

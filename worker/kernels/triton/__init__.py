@@ -14,10 +14,11 @@ from worker.kernels import ops
 from worker.kernels.triton.activations import gdn_gates, silu_mul
 from worker.kernels.triton.conv1d import causal_conv1d_prefill, causal_conv1d_update
 from worker.kernels.triton.delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
-from worker.kernels.triton.fp8_gemm import fp8_linear
+from worker.kernels.triton.fp8_gemm import fp8_linear, linear
 from worker.kernels.triton.kv_cache import write_kv_cache
 from worker.kernels.triton.norm import add_rms_norm, gated_rms_norm, rms_norm
 from worker.kernels.triton.paged_attention import paged_attention_decode
+from worker.kernels.triton.rotary import apply_rotary
 
 _KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 
@@ -49,6 +50,7 @@ def cuda_half(
 ops.register("rms_norm", rms_norm, ops.cuda_only, name="triton.rms_norm")
 ops.register("add_rms_norm", add_rms_norm, ops.cuda_only, name="triton.add_rms_norm")
 ops.register("gated_rms_norm", gated_rms_norm, ops.cuda_only, name="triton.gated_rms_norm")
+ops.register("apply_rotary", apply_rotary, ops.cuda_only, name="triton.apply_rotary")
 ops.register("silu_mul", silu_mul, ops.cuda_only, name="triton.silu_mul")
 ops.register("gdn_gates", gdn_gates, ops.cuda_only, name="triton.gdn_gates")
 ops.register("causal_conv1d_update", causal_conv1d_update, name="triton.causal_conv1d_update")
@@ -60,9 +62,11 @@ ops.register(
 )
 ops.register("write_kv_cache", write_kv_cache, cuda_attention, name="triton.write_kv_cache")
 ops.register("fp8_linear", fp8_linear, cuda_half, name="triton.fp8_linear")
+ops.register("linear", linear, cuda_half, name="triton.linear")
 
 __all__ = [
     "add_rms_norm",
+    "apply_rotary",
     "gdn_gates",
     "silu_mul",
     "causal_conv1d_prefill",
@@ -71,6 +75,7 @@ __all__ = [
     "gated_delta_rule_decode",
     "gated_delta_rule_prefill",
     "gated_rms_norm",
+    "linear",
     "paged_attention_decode",
     "rms_norm",
     "write_kv_cache",

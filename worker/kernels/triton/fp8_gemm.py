@@ -203,6 +203,7 @@ def _gemv_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     SPLITS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT: tl.constexpr,
@@ -233,7 +234,7 @@ def _gemv_kernel(
         acc += tl.dot(wb.to(DOT), tl.trans(xb.to(DOT)))
     mask = n_ok & m_ok
     if SPLITS == 1:
-        _gemv_epilogue(acc, scale, bias, out, rn, rm, N, stride_om, mask, HAS_BIAS)
+        _gemv_epilogue(acc, scale, bias, out, rn, rm, N, stride_om, mask, HAS_SCALE, HAS_BIAS)
     else:
         slab = (rm[None, :] * N + rn[:, None]).to(tl.int64)
         tl.store(partial + split * M * N + slab, acc, mask=mask)
@@ -246,12 +247,25 @@ def _gemv_kernel(
                     partial + s * M * N + slab, mask=mask, other=0.0, cache_modifier=".cg"
                 )
             tl.atomic_xchg(arrivals + pid_n, 0)
-            _gemv_epilogue(total, scale, bias, out, rn, rm, N, stride_om, mask, HAS_BIAS)
+            _gemv_epilogue(total, scale, bias, out, rn, rm, N, stride_om, mask, HAS_SCALE, HAS_BIAS)
 
 
 @triton.jit
-def _gemv_epilogue(acc, scale, bias, out, rn, rm, N, stride_om, mask, HAS_BIAS: tl.constexpr):
-    acc = acc * tl.load(scale + rn, mask=rn < N, other=0.0)[:, None]
+def _gemv_epilogue(
+    acc,
+    scale,
+    bias,
+    out,
+    rn,
+    rm,
+    N,
+    stride_om,
+    mask,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    if HAS_SCALE:
+        acc = acc * tl.load(scale + rn, mask=rn < N, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
     tl.store(out + rm[None, :] * stride_om + rn[:, None], acc.to(out.dtype.element_ty), mask=mask)
@@ -272,6 +286,8 @@ class DecodeTiling:
 
 # Filled by bench/gpu_suite.py's sweep (fastest measured tiling per weight shape); else default.
 DECODE_TILINGS: dict[tuple[int, int], DecodeTiling] = {}
+# 16-bit weights: the GEMV runs only for shapes the sweep measured faster than cuBLAS.
+BF16_DECODE_TILINGS: dict[tuple[int, int], DecodeTiling] = {}
 
 
 def default_tiling(n: int, k: int) -> DecodeTiling:
@@ -296,17 +312,22 @@ def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
 def w8_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
-    scale: torch.Tensor,
+    scale: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     tiling: DecodeTiling | None = None,
 ) -> torch.Tensor:
-    """Decode GEMM (x [M <= 16, K] 16-bit, fp8 weight [N, K], fp32 scale [N]) in one launch."""
+    """Decode GEMM in one launch: x [M <= 16, K] 16-bit times weight [N, K], either fp8 with an
+    fp32 scale [N] (widened to fp16 for the dot) or 16-bit like x (scale None)."""
     m, k = x.shape
     n = weight.shape[0]
     if m > 16:
         raise ValueError(f"w8_gemv takes at most 16 rows, got {m}")
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if fp8 != (scale is not None):
+        raise ValueError("fp8 weights take a scale, 16-bit weights none")
     tiling = tiling or DECODE_TILINGS.get((n, k)) or default_tiling(n, k)
     if tiling.two_pass:
+        assert scale is not None, "the two-pass kernel is fp8-only"
         return w8a16(x, weight, scale, bias, split_k=tiling.splits)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -319,11 +340,15 @@ def w8_gemv(
     )
     arrivals = _arrival_counters(x.device, tiles) if splits > 1 else out
     on_gpu = x.is_cuda
+    if on_gpu:
+        dot = tl.float16 if fp8 else (tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16)
+    else:
+        dot = dot_dtype(x.device)
     _gemv_kernel[(tiles, splits)](
         x,
         weight,
-        scale,
-        bias if bias is not None else scale,
+        scale if scale is not None else weight,
+        bias if bias is not None else weight,
         out,
         partial,
         arrivals,
@@ -338,13 +363,25 @@ def w8_gemv(
         BN=tiling.bn,
         BK=tiling.bk,
         SPLITS=splits,
+        HAS_SCALE=scale is not None,
         HAS_BIAS=bias is not None,
         EVEN_K=k % tiling.bk == 0,
-        DOT=tl.float16 if on_gpu else dot_dtype(x.device),
+        DOT=dot,
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages if on_gpu else 1,
     )
     return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """16-bit linear: the one-launch GEMV for decode rows where the sweep found it faster than
+    cuBLAS (BF16_DECODE_TILINGS), F.linear everywhere else."""
+    rows = x.reshape(-1, x.shape[-1])
+    n, k = weight.shape
+    tiling = BF16_DECODE_TILINGS.get((n, k)) if rows.shape[0] <= 16 else None
+    if tiling is None or weight.dtype != x.dtype:
+        return torch.nn.functional.linear(x, weight, bias)
+    return w8_gemv(rows, weight, None, bias, tiling).view(*x.shape[:-1], weight.shape[0])
 
 
 @kernel
