@@ -266,43 +266,30 @@ def decode_shapes(config: Any) -> dict[str, tuple[int, int]]:
     }
 
 
-def gemv_candidates(n: int, k: int) -> list[Any]:
-    from worker.kernels.triton.fp8_gemm import DecodeTiling, default_tiling
+def gemv_candidates(n: int, k: int, weight_bytes: int = 1) -> list[Any]:
+    """Tilings to time for one shape: a few tile shapes, each with the split that aims at ~4
+    programs per SM and the one that best fills whole waves (`wave_splits`); for fp8 also the
+    old two-launch kernel. The split count is a runtime argument: no compile per split."""
+    from worker.kernels.triton.fp8_gemm import DecodeTiling, default_tiling, wave_splits
 
-    def splits(bn: int, bk: int, programs: int = 4 * 132) -> int:
-        tiles = -(-n // bn)
-        return max(1, min(-(-programs // tiles), -(-k // bk)))
-
-    base = default_tiling(n, k)
-    cands = [base, DecodeTiling(two_pass=True, splits=base.splits)]
-    if n > 100_000:  # the head: thousands of column tiles whatever the tiling
-        return cands
-    cands += [
-        DecodeTiling(64, 512, splits(64, 512), 4, 3),
-        DecodeTiling(128, 256, splits(128, 256), 8, 3),
-        DecodeTiling(32, 256, splits(32, 256), 4, 4),
-        DecodeTiling(64, 256, splits(64, 256, 8 * 132), 4, 4),
-    ]
-    return list(dict.fromkeys(cands))  # drop repeats, keep order
-
-
-def bf16_gemv_candidates(n: int, k: int) -> list[Any]:
-    """16-bit weights take twice the shared memory per stage: shallower or narrower tiles."""
-    from worker.kernels.triton.fp8_gemm import DecodeTiling
-
-    def splits(bn: int, bk: int) -> int:
+    def per_sm(bn: int, bk: int) -> int:
         return max(1, min(-(-(4 * 132) // -(-n // bn)), -(-k // bk)))
 
-    cands = [
-        DecodeTiling(64, 128, splits(64, 128), 4, 4),
-        DecodeTiling(64, 128, splits(64, 128), 4, 3),
-    ]
-    if n > 100_000:
-        return cands
-    return cands + [
-        DecodeTiling(128, 128, splits(128, 128), 8, 3),
-        DecodeTiling(32, 256, splits(32, 256), 4, 4),
-    ]
+    if weight_bytes == 1:
+        shapes = [(64, 256, 4, 4), (64, 512, 4, 3), (128, 256, 8, 3), (32, 256, 4, 4)]
+    else:  # 16-bit weights: twice the shared memory per stage
+        shapes = [(64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3), (32, 256, 4, 4)]
+    if n > 100_000:  # the head: thousands of column tiles whatever the tiling
+        shapes = shapes[:2]
+    cands = []
+    if weight_bytes == 1:
+        base = default_tiling(n, k)
+        cands += [base, DecodeTiling(two_pass=True, splits=base.splits)]
+    for bn, bk, warps, stages in shapes:
+        tiling = DecodeTiling(bn, bk, 1, warps, stages)
+        for splits in (per_sm(bn, bk), wave_splits(n, k, tiling, weight_bytes)):
+            cands.append(DecodeTiling(bn, bk, splits, warps, stages))
+    return list(dict.fromkeys(cands))  # drop repeats, keep order
 
 
 def graph_time(fn: Callable[[int], Any], copies: int, replays: int = 10) -> float:
@@ -361,7 +348,7 @@ def sweep_shape(args: argparse.Namespace, n: int, k: int, deadline: float) -> di
     outs: list[Any] = [None] * copies
     best16: tuple[float, Any] | None = None
     tried16 = []
-    for tiling in bf16_gemv_candidates(n, k):
+    for tiling in gemv_candidates(n, k, weight_bytes=2):
         if time.perf_counter() > deadline:
             break
         entry16: dict[str, Any] = {"tiling": str(tiling)}

@@ -18,6 +18,7 @@ bench/gpu_suite.py measures both paths at decode and prefill sizes and reports t
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -196,13 +197,14 @@ def _gemv_kernel(
     N,
     K,
     k_per_split,
+    splits,
     stride_xm,
     stride_wn,
     stride_om,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -210,7 +212,8 @@ def _gemv_kernel(
 ):
     """out^T tile [BN, BM] = W[BN, K-range] @ x^T[K-range, BM]. SPLITS > 1: fp32 partials go to
     partial[split, M, N]; the program that arrives last at its column tile sums them, applies
-    scale and bias, writes out and re-arms the tile's counter (zero) for the next launch."""
+    scale and bias, writes out and re-arms the tile's counter (zero) for the next launch. The split
+    count is a runtime argument, so one compiled kernel serves every shape and split."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
     rm = tl.arange(0, BM)
@@ -233,16 +236,16 @@ def _gemv_kernel(
             )
         acc += tl.dot(wb.to(DOT), tl.trans(xb.to(DOT)))
     mask = n_ok & m_ok
-    if SPLITS == 1:
+    if not SPLIT:
         _gemv_epilogue(acc, scale, bias, out, rn, rm, N, stride_om, mask, HAS_SCALE, HAS_BIAS)
     else:
         slab = (rm[None, :] * N + rn[:, None]).to(tl.int64)
         tl.store(partial + split * M * N + slab, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the arrival is counted
         arrived = tl.atomic_add(arrivals + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
+        if arrived == splits - 1:
             total = tl.zeros((BN, BM), dtype=tl.float32)
-            for s in range(0, SPLITS):  # .cg: the other SMs' partials, from L2
+            for s in range(0, splits):  # .cg: the other SMs' partials, from L2
                 total += tl.load(
                     partial + s * M * N + slab, mask=mask, other=0.0, cache_modifier=".cg"
                 )
@@ -292,6 +295,30 @@ BF16_DECODE_TILINGS: dict[tuple[int, int], DecodeTiling] = {}
 
 def default_tiling(n: int, k: int) -> DecodeTiling:
     return DecodeTiling(_DECODE_BN, _DECODE_BK, decode_splits(n, k))
+
+
+def programs_per_sm(tiling: DecodeTiling, weight_bytes: int = 1) -> int:
+    """Resident programs per H100/H200 SM for a tiling: shared memory (228 KB: `stages` buffers
+    of the weight tile and the x tile, as triton 3.9 lays them out for sm_90) or warps (64),
+    whichever binds."""
+    smem = tiling.num_stages * (tiling.bn + 16) * tiling.bk * weight_bytes
+    return max(1, min(228 * 1024 // (smem + 1024), 64 // tiling.num_warps))
+
+
+def wave_splits(n: int, k: int, tiling: DecodeTiling, weight_bytes: int = 1, sms: int = 132) -> int:
+    """The K split that best fills whole waves of resident programs (a last, mostly empty wave
+    runs at a fraction of the bandwidth), keeping at least 4 K steps per program."""
+    slots = sms * programs_per_sm(tiling, weight_bytes)
+    tiles, steps = triton.cdiv(n, tiling.bn), triton.cdiv(k, tiling.bk)
+    best, best_fill = 1, 0.0
+    for splits in range(1, max(1, steps // 4) + 1):
+        k_per_split = triton.cdiv(steps, splits) * tiling.bk
+        real = triton.cdiv(k, k_per_split)
+        waves = tiles * real / slots
+        fill = waves / math.ceil(waves)
+        if fill > best_fill + 0.02:
+            best, best_fill = real, fill
+    return best
 
 
 _arrivals: dict[torch.device, torch.Tensor] = {}
@@ -356,13 +383,14 @@ def w8_gemv(
         n,
         k,
         k_per_split,
+        splits,
         x.stride(0),
         weight.stride(0),
         out.stride(0),
         BM=16,
         BN=tiling.bn,
         BK=tiling.bk,
-        SPLITS=splits,
+        SPLIT=splits > 1,
         HAS_SCALE=scale is not None,
         HAS_BIAS=bias is not None,
         EVEN_K=k % tiling.bk == 0,
