@@ -127,14 +127,13 @@ async def _send_error(send: Send, exc: errors.OpenAIError) -> None:
 
 
 async def _whole(c: Completion, send: Send) -> None:
-    text = []
+    text: list[str] = []
     try:
-        async for chunk in c.relay.chunks():
-            text.append(chunk.text)
+        while c.relay.finished is None:
+            text.extend(chunk.text for chunk in await c.relay.batch())
     except (NoWorker, RequestRejected, WorkerLost, ChunkLost) as exc:
         raise relay_error(exc, c.model) from None  # type: ignore[misc]
     fin = c.relay.finished
-    assert fin is not None
     if fin.finish_reason == "error":
         raise errors.worker_failed(fin.error or "generation failed")
     u = usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens)
@@ -154,25 +153,26 @@ async def _whole(c: Completion, send: Send) -> None:
 
 
 async def _stream(c: Completion, send: Send) -> None:
-    chunks = c.relay.chunks()
+    relay, w = c.relay, c.writer
     try:
         # Nothing is sent before the first chunk: a worker's refusal, or no worker at all,
         # still gets its own status instead of an error inside a 200 stream.
-        first = await anext(chunks, None)
+        chunks = await relay.batch()
     except (NoWorker, RequestRejected, WorkerLost, ChunkLost) as exc:
         raise relay_error(exc, c.model) from None  # type: ignore[misc]
     await send(
         {"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, *c.headers]}
     )
-    w = c.writer
     try:
-        chunk = first
-        while chunk is not None:
-            if chunk.text:
-                await send(
-                    {"type": "http.response.body", "body": w.delta(chunk.text), "more_body": True}
-                )
-            chunk = await anext(chunks, None)
+        while True:
+            # Every chunk that is in goes out in one write (several arrive together when the
+            # event loop was busy).
+            body = b"".join([w.delta(chunk.text) for chunk in chunks if chunk.text])
+            if relay.finished is not None:
+                break
+            if body:
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+            chunks = await relay.batch()
     except (NoWorker, RequestRejected, WorkerLost, ChunkLost) as exc:
         err = relay_error(exc, c.model)
         assert err is not None
@@ -184,13 +184,12 @@ async def _stream(c: Completion, send: Send) -> None:
             }
         )
         return
-    fin = c.relay.finished
-    assert fin is not None
+    fin = relay.finished
     if fin.finish_reason == "error":
-        tail = StreamWriter.error(errors.worker_failed(fin.error or "generation failed").to_json())
+        body += StreamWriter.error(errors.worker_failed(fin.error or "generation failed").to_json())
     else:
-        tail = w.delta("", fin.finish_reason)
+        body += w.delta("", fin.finish_reason)
         if w.include_usage:
-            tail += w.usage(usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens))
-        tail += DONE
-    await send({"type": "http.response.body", "body": tail, "more_body": False})
+            body += w.usage(usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens))
+        body += DONE
+    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -17,6 +19,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from worker import protocol as p
+
+log = logging.getLogger("tokenmill.dispatch")
 
 
 class NoWorker(Exception):
@@ -140,48 +144,78 @@ class Dispatch:
     next_seq: int = 0
     gaps: int = 0  # chunks that never arrived
     finished: p.Finished | None = None
-    _queue: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
+    # Replies not yet taken by `batch()`, and the future it waits on when there are none (a
+    # deque and a bare future: cheaper per token than an asyncio.Queue).
+    _items: deque[_Item] = field(default_factory=deque)
+    _waiter: asyncio.Future[None] | None = None
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
 
-    async def chunks(self) -> AsyncIterator[p.TokenChunk]:
-        """Yields token chunks until the worker's Finished (then in `finished`); counts lost
-        chunks in `gaps`. Raises NoWorker, WorkerLost or RequestRejected. May be called again
-        after the caller stopped early: it goes on where it stopped."""
+    def _put(self, item: _Item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def batch(self) -> list[p.TokenChunk]:
+        """The token chunks that arrived since the last call, waiting for at least one; []
+        once the worker's Finished is in (then in `finished`). Counts lost chunks in `gaps`.
+        Raises NoWorker, WorkerLost, RequestRejected or ClientGone, after handing over the
+        chunks that came before. May be called again after ClientGone: it goes on."""
+        out: list[p.TokenChunk] = []
         while self.finished is None:
-            item = await self._queue.get()
-            if isinstance(item, p.TokenChunk):
-                self.gaps += item.seq - self.next_seq
-                self.next_seq = item.seq + 1
-                self._count(item)
-                yield item
-            elif isinstance(item, p.Accepted):
-                self.worker_id = item.worker_id
-            elif isinstance(item, p.Finished):
-                self.gaps += item.seq - self.next_seq
-                self._count(item)
-                self.finished = item
-                self.client._forget(self)
-            elif isinstance(item, p.Rejected):
-                self.client._forget(self)
-                raise RequestRejected(item)
-            elif isinstance(item, _NoResponders):
-                self.client._forget(self)
-                raise NoWorker(self.request.sku_id)
-            elif isinstance(item, _Interrupted):
-                raise ClientGone()
-            else:
-                raise WorkerLost(self.worker_id or "(no worker accepted it)")
+            while self._items:
+                item = self._items.popleft()
+                if isinstance(item, p.TokenChunk):
+                    self.gaps += item.seq - self.next_seq
+                    self.next_seq = item.seq + 1
+                    self._count(item)
+                    out.append(item)
+                elif isinstance(item, p.Accepted):
+                    self.worker_id = item.worker_id
+                elif isinstance(item, p.Finished):
+                    self.gaps += item.seq - self.next_seq
+                    self._count(item)
+                    self.finished = item
+                    self.client._forget(self)
+                    return out
+                elif out:  # a failure: first hand over what came before it
+                    self._items.appendleft(item)
+                    return out
+                elif isinstance(item, p.Rejected):
+                    self.client._forget(self)
+                    raise RequestRejected(item)
+                elif isinstance(item, _NoResponders):
+                    self.client._forget(self)
+                    raise NoWorker(self.request.sku_id)
+                elif isinstance(item, _Interrupted):
+                    raise ClientGone()
+                else:
+                    raise WorkerLost(self.worker_id or "(no worker accepted it)")
+            if out:
+                return out
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return out
+
+    async def chunks(self) -> AsyncIterator[p.TokenChunk]:
+        """`batch()` one chunk at a time, until the worker's Finished."""
+        while self.finished is None:
+            for chunk in await self.batch():
+                yield chunk
 
     def _count(self, m: p.TokenChunk | p.Finished) -> None:
         self.prompt_tokens, self.cached_tokens = m.prompt_tokens, m.cached_tokens
         self.completion_tokens = m.completion_tokens
 
     def interrupt(self) -> None:
-        """Wakes the consumer of `chunks()` with ClientGone (the client hung up)."""
-        self._queue.put_nowait(_Interrupted())
+        """Wakes the consumer of `batch()` with ClientGone (the client hung up)."""
+        self._put(_Interrupted())
 
     async def cancel(self) -> None:
         """Tells the worker to stop; it still answers with Finished (finish reason cancelled)."""
@@ -190,6 +224,48 @@ class Dispatch:
             await self.client.nc.publish(
                 p.cancel_subject(self.client.prefix, self.request.sku_id), p.encode(cancel)
             )
+
+
+class _Handover:
+    """Stands in for a nats-py subscription's pending queue: each message goes to `handler`
+    right in the client's read loop, instead of through a queue and the subscription's own
+    task (one event-loop hop less per token, and fewer wake-ups under load)."""
+
+    def __init__(self, sub: Subscription, handler: Callable[[Msg], None]) -> None:
+        self.sub, self.handler = sub, handler
+
+    def put_nowait(self, msg: Msg) -> None:
+        self.sub._pending_size = 0  # nothing is ever pending here
+        try:
+            self.handler(msg)
+        except Exception:  # never into nats-py's read loop
+            log.exception("reply handler failed on %s", msg.subject)
+
+    def qsize(self) -> int:
+        return 0
+
+    def empty(self) -> bool:
+        return True
+
+    def task_done(self) -> None:
+        return None
+
+    async def join(self) -> None:
+        return None
+
+
+async def subscribe_inline(nc: NATS, subject: str, handler: Callable[[Msg], None]) -> Subscription:
+    """A subscription whose messages `handler` (synchronous, quick) takes in the read loop."""
+    sub = await nc.subscribe(subject, pending_bytes_limit=0)
+    if not hasattr(sub, "_pending_queue"):  # a nats-py without it: the ordinary way
+        await sub.unsubscribe()
+
+        async def cb(msg: Msg) -> None:
+            handler(msg)
+
+        return await nc.subscribe(subject, cb=cb, pending_msgs_limit=1_000_000)
+    sub._pending_queue = _Handover(sub, handler)  # type: ignore[assignment]
+    return sub
 
 
 class WorkerClient:
@@ -215,9 +291,7 @@ class WorkerClient:
         self._reaper: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._sub = await self.nc.subscribe(
-            f"{self._inbox}.*", cb=self._on_reply, pending_msgs_limit=1_000_000
-        )
+        self._sub = await subscribe_inline(self.nc, f"{self._inbox}.*", self._on_reply)
         self._reaper = asyncio.create_task(self._reap())
 
     async def close(self) -> None:
@@ -244,12 +318,12 @@ class WorkerClient:
         if self._in_flight.get(d.request_id) is d:
             del self._in_flight[d.request_id]
 
-    async def _on_reply(self, msg: Msg) -> None:
+    def _on_reply(self, msg: Msg) -> None:
         d = self._in_flight.get(msg.subject[len(self._inbox) + 1 :])
         if d is None:
             return
         if not msg.data and msg.headers and msg.headers.get("Status") == "503":
-            d._queue.put_nowait(_NoResponders())
+            d._put(_NoResponders())
             return
         try:
             reply = p.decode_reply(msg.data)
@@ -258,7 +332,7 @@ class WorkerClient:
         if isinstance(reply, p.Accepted):  # the reaper watches this worker from now on
             d.worker_id = reply.worker_id
         d.heard_at = time.monotonic()
-        d._queue.put_nowait(reply)
+        d._put(reply)
 
     async def _reap(self) -> None:
         """Fails the requests whose worker died, or that no worker accepted in time."""
@@ -278,4 +352,4 @@ class WorkerClient:
                     )
                 if lost:
                     self._forget(d)
-                    d._queue.put_nowait(_Lost())
+                    d._put(_Lost())

@@ -278,8 +278,11 @@ class Gateway:
 
 
 class Relay:
-    """One dispatched request, for the HTTP layer: iterate `chunks()`, and call `release()` when
-    done with it, however that happened (a client gone mid-stream is noticed there)."""
+    """One dispatched request, for the HTTP layer: take `batch()` until it returns [] (or
+    raises), answer the client, then call `release()` however that went: the bookkeeping
+    (metering, quotas, metrics) happens there, off the token path, and a request that has not
+    ended (the client hung up, a chunk was lost) is cancelled on the worker and metered once
+    the worker confirms."""
 
     def __init__(
         self, gateway: Gateway, dispatch: Dispatch, reservation: Reservation | None = None
@@ -297,24 +300,14 @@ class Relay:
     def finished(self) -> p.Finished | None:
         return self.dispatch.finished
 
-    async def chunks(self) -> AsyncIterator[p.TokenChunk]:
-        """The worker's chunks, in order. Raises NoWorker, RequestRejected (nothing metered),
-        WorkerLost (metered with what was relayed), ChunkLost or ClientGone (metered once
-        `release` has cancelled and drained it)."""
+    async def batch(self) -> list[p.TokenChunk]:
+        """The worker's chunks that arrived since the last call, in order; [] once it finished
+        (see `finished`). Raises NoWorker, RequestRejected (nothing metered), WorkerLost
+        (metered with what was relayed), ChunkLost or ClientGone (metered once `release` has
+        cancelled and drained it)."""
         d = self.dispatch
         try:
-            async for chunk in d.chunks():
-                if d.gaps:
-                    self._chunk_lost = True
-                    raise ChunkLost(f"{d.gaps} chunk(s) of {d.request_id} lost")
-                if chunk.text:
-                    now = time.monotonic()
-                    if self.first_token_at is None:
-                        self.first_token_at = now
-                    else:
-                        self.itl_s.append(now - self._last_token_at)
-                    self._last_token_at = now
-                yield chunk
+            chunks = await d.batch()
         except (NoWorker, RequestRejected):
             self._concluded = True
             if self.reservation is not None:
@@ -324,32 +317,51 @@ class Relay:
             self._concluded = True
             self.gateway._conclude(self, "error", False, worker_lost=True)
             raise
-        assert d.finished is not None
-        self._concluded = True
-        self.gateway._conclude(self, d.finished.finish_reason, False, worker_lost=False)
+        if d.gaps:
+            self._chunk_lost = True
+            raise ChunkLost(f"{d.gaps} chunk(s) of {d.request_id} lost")
+        now = 0.0
+        for chunk in chunks:
+            if chunk.text:
+                now = now or time.monotonic()
+                if self.first_token_at is None:
+                    self.first_token_at = now
+                else:
+                    self.itl_s.append(now - self._last_token_at)
+                self._last_token_at = now
+        return chunks
+
+    async def chunks(self) -> AsyncIterator[p.TokenChunk]:
+        """`batch()` one chunk at a time."""
+        while self.dispatch.finished is None:
+            for chunk in await self.batch():
+                yield chunk
 
     def interrupt(self) -> None:
-        """The client hung up: whoever iterates `chunks()` gets ClientGone."""
+        """The client hung up: whoever waits in `batch()` gets ClientGone."""
         if not self._concluded:
             self.dispatch.interrupt()
 
     def release(self) -> None:
-        """If the request has not ended (the client hung up, a chunk was lost), cancel it on
-        the worker and meter it once the worker confirms — in the background."""
+        """Ends the request's bookkeeping: at once if the worker finished; else cancel it on
+        the worker and meter it once the worker confirms, in the background."""
         if self._concluded:
             return
         self._concluded = True
+        d = self.dispatch
+        if d.finished is not None and not self._chunk_lost:
+            self.gateway._conclude(self, d.finished.finish_reason, False, worker_lost=False)
+            return
         self.gateway._spawn(self._cancel_and_drain(client_disconnected=not self._chunk_lost))
 
     async def _cancel_and_drain(self, client_disconnected: bool) -> None:
         d = self.dispatch
-        await d.cancel()
+        if d.finished is None:
+            await d.cancel()
         try:
-            while True:
+            while d.finished is None:
                 try:
-                    async for _ in d.chunks():
-                        pass
-                    break
+                    await d.batch()
                 except ClientGone:  # a late interrupt: we are already draining
                     continue
         except (NoWorker, RequestRejected):
