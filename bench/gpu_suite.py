@@ -436,9 +436,18 @@ class StepLog:
     def __init__(self, runner: Any) -> None:
         self.runner, self.inner = runner, runner.execute
         self.steps: list[tuple[str, int, float]] = []
+        self.profile_prefill = False  # profile the next prefill step's kernels (once)
+        self.prefill_profile: dict[str, Any] | None = None
         runner.execute = self
 
     def __call__(self, batch: Any) -> Any:
+        if batch.prefills and self.profile_prefill and torch.cuda.is_available():
+            self.profile_prefill = False
+            box: list[Any] = []
+            self.prefill_profile = profile_step(
+                lambda: box.append(self.inner(batch)), steps=1, warm=False
+            )
+            return box[-1]
         t0 = time.perf_counter()
         out = self.inner(batch)
         kind = "prefill" if batch.prefills else "decode"
@@ -481,11 +490,12 @@ def kernel_group(name: str) -> str:
     return "other (elementwise, copies, index)"
 
 
-def profile_step(fn: Callable[[], Any], steps: int) -> dict[str, Any]:
+def profile_step(fn: Callable[[], Any], steps: int, warm: bool = True) -> dict[str, Any]:
     """Per-kernel GPU time of `fn` (eager), per step: the top kernels and the groups."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
+    if warm:
+        fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -606,6 +616,10 @@ def engine_config(
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     run_round(engine, random_prompts(args.concurrency, args.prompt_len, vocab, rng), 8, warm)
     result["phases"] = engine_phases(engine)
+    # a second warm round whose (warm, same-shape) prefill step is profiled kernel by kernel
+    steps.profile_prefill = True
+    run_round(engine, random_prompts(args.concurrency, args.prompt_len, vocab, rng), 8, warm)
+    result["phases"]["prefill_profile"] = steps.prefill_profile
     steps.steps.clear()
 
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
