@@ -2,10 +2,12 @@
 
 Plugs into the app as an Extension. It shares its `DataPlane` as `extra["dataplane"]` (other
 extensions add outcome listeners with `on_outcome`), and uses the governance extension's
-`extra["admission"]` (quotas, rate limits) when there is one."""
+`extra["admission"]` (quotas, rate limits) when there is one, and reports its open
+reservations to the observability extension's `extra["metrics"]`."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -18,6 +20,7 @@ if TYPE_CHECKING:
 def tokenmill_extension(services: Services) -> Extension:
     from control_plane.app import Extension
     from control_plane.dataplane.demo import demo_up_hook
+    from control_plane.dataplane.reservations import ReservationsReporter
     from control_plane.dataplane.routes import DataPlane
 
     assert services.settings.nats_url is not None
@@ -27,10 +30,17 @@ def tokenmill_extension(services: Services) -> Extension:
     async def running(services: Services) -> AsyncIterator[None]:
         # Extensions load in order; by the time the app starts, governance has shared its own.
         plane.admission = services.extra.get("admission")
+        metrics = services.extra.get("metrics")
         await plane.start()
+        reporting = None
+        if plane.admission is not None and metrics is not None:
+            reporter = ReservationsReporter(plane.admission, metrics, services.view)
+            reporting = asyncio.create_task(reporter.run())
         try:
             yield
         finally:
+            if reporting is not None:
+                reporting.cancel()
             await plane.stop()
 
     return Extension(

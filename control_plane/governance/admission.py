@@ -136,6 +136,7 @@ class Ticket:
 class _AwaitingUsage:
     holds: list[Hold]
     expires_at: float
+    sku_id: str = ""
 
 
 class Admission:
@@ -237,9 +238,20 @@ class Admission:
         quota_holds = [h for h in holds if h.kind == "quota"]
         if quota_holds:
             self._awaiting[ticket.request_id] = _AwaitingUsage(
-                quota_holds, self.clock() + self.settings.reservation_ttl_s
+                quota_holds, self.clock() + self.settings.reservation_ttl_s, sku_id
             )
         return ticket
+
+    def open_reservations(self) -> dict[str, tuple[int, int]]:
+        """Per SKU id: quota reservations not yet settled from the usage stream, and the
+        tokens they hold (per request, its largest token hold: several policies reserve the
+        same tokens)."""
+        out: dict[str, tuple[int, int]] = {}
+        for waiting in self._awaiting.values():
+            count, tokens = out.get(waiting.sku_id, (0, 0))
+            held = max((h.units for h in waiting.holds if h.metric != "spend"), default=0)
+            out[waiting.sku_id] = (count + 1, tokens + held)
+        return out
 
     def _holds(self, ticket: Ticket) -> list[Hold]:
         now = self.clock()
