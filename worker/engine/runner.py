@@ -89,26 +89,38 @@ class DecodeInputs:
         h["block_tables"][start:stop] = self.scratch_block
 
     def fill(self, batch: ScheduledBatch, rows: int) -> None:
-        """Stage the decodes of `batch` in rows [0, B) and padding in [B, rows)."""
+        """Stage the decodes of `batch` in rows [0, B) and padding in [B, rows): one host tensor
+        per field group (this runs between graph replays, with the GPU idle)."""
         h = self.host
-        ids, positions, slots, lens, states = [], [], [], [], []
-        for r, e in enumerate(batch.decodes):
+        fields: list[list[int]] = [[], [], [], [], []]  # ids, positions, slots, lens, states
+        tables: list[list[int]] = []
+        for e in batch.decodes:
             seq, pos = e.seq, e.start
             table = seq.block_table
             if len(table) > self.max_blocks:
                 raise RuntimeError(f"sequence {seq.seq_id} outgrew max_model_len")
-            ids.append(seq.token_ids(pos, pos + 1)[0])
-            positions.append(pos)
-            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
-            lens.append(pos + 1)
-            states.append(seq.state_slot)
-            h["block_tables"][r, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        b = len(ids)
-        h["input_ids"][:b] = torch.tensor(ids)
-        h["positions"][:b] = torch.tensor(positions)
-        h["slot_mapping"][:b] = torch.tensor(slots)
-        h["context_lens"][:b] = torch.tensor(lens, dtype=torch.int32)
-        h["state_slots"][:b] = torch.tensor(states)
+            fields[0].append(seq.token_ids(pos, pos + 1)[0])
+            fields[1].append(pos)
+            fields[2].append(
+                table[pos // self.block_size] * self.block_size + pos % self.block_size
+            )
+            fields[3].append(pos + 1)
+            if seq.state_slot is None:
+                raise RuntimeError("a scheduled sequence holds no state slot")
+            fields[4].append(seq.state_slot)
+            tables.append(table)
+        b = len(tables)
+        if b:
+            values = torch.tensor(fields, dtype=torch.int64)
+            for name, row in zip(
+                ("input_ids", "positions", "slot_mapping", "context_lens", "state_slots"),
+                values,
+                strict=True,
+            ):
+                h[name][:b] = row
+            width = max(len(t) for t in tables)
+            padded = [t + [self.scratch_block] * (width - len(t)) for t in tables]
+            h["block_tables"][:b, :width] = torch.tensor(padded, dtype=torch.int32)
         self.fill_padding(b, rows)
         self.upload(rows)
 
