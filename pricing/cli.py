@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -28,6 +27,7 @@ from pathlib import Path
 import asyncpg
 import nats
 
+from control_plane.settings import env
 from events.projections import all_projections, ensure_schema
 from pricing.capacity import CapacityInputs, Throughput, project, throughput_from_bench
 from pricing.invoices import invoice_csv, invoice_json
@@ -45,11 +45,15 @@ from pricing.queries import invoice_for, showback_export
 from pricing.store import BillingStore
 
 
+def _add_connection_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--database-url", default=env("TOKENMILL_DATABASE_URL"))
+    ap.add_argument("--nats-url", default=env("TOKENMILL_NATS_URL"))
+    ap.add_argument("--prefix", default=env("TOKENMILL_STREAM_PREFIX", "TM"))
+
+
 def _invoices_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tokenmill invoices", description="Invoices and showback.")
-    ap.add_argument("--database-url", default=os.environ.get("TOKENMILL_DATABASE_URL"))
-    ap.add_argument("--nats-url", default=os.environ.get("TOKENMILL_NATS_URL"))
-    ap.add_argument("--prefix", default=os.environ.get("TOKENMILL_STREAM_PREFIX") or "TM")
+    _add_connection_args(ap)
     ap.add_argument("--out", type=Path, help="write here instead of stdout")
     sub = ap.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("list", help="finalized invoices")
@@ -155,9 +159,7 @@ async def scheduler_main(argv: list[str] | None = None, stop: asyncio.Event | No
     """`tokenmill scheduler`: run the billing jobs until `stop` is set (or the task is
     cancelled); replicas elect one leader."""
     ap = argparse.ArgumentParser(prog="tokenmill scheduler", description=scheduler_main.__doc__)
-    ap.add_argument("--database-url", default=os.environ.get("TOKENMILL_DATABASE_URL"))
-    ap.add_argument("--nats-url", default=os.environ.get("TOKENMILL_NATS_URL"))
-    ap.add_argument("--prefix", default=os.environ.get("TOKENMILL_STREAM_PREFIX") or "TM")
+    _add_connection_args(ap)
     args = ap.parse_args(argv)
     async with _context(args, need_nats=True) as ctx:
         scheduler = BillingScheduler(ctx)

@@ -3,27 +3,19 @@ admin guard, the page under /ui/ with its security headers."""
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import AsyncIterator
 
 import pytest
 from litestar import Litestar, Response
-from litestar.connection import ASGIConnection
-from litestar.exceptions import NotAuthorizedException
-from litestar.handlers import BaseRouteHandler
 from litestar.testing import AsyncTestClient
 
+from control_plane.auth import admin_guard
 from control_plane.observability.metrics import OpsMetrics
 from control_plane.observability.routes import observability_routes
+from control_plane.problems import PROBLEM_HANDLERS
 from worker.protocol import WorkerHeartbeat
 
 TOKEN = "test-admin-token"
-
-
-def admin_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    scheme, _, value = connection.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(value, TOKEN):
-        raise NotAuthorizedException("admin token required")
 
 
 @pytest.fixture()
@@ -31,10 +23,17 @@ def metrics() -> OpsMetrics:
     return OpsMetrics()
 
 
+def ops_app(metrics: OpsMetrics) -> Litestar:
+    """The observability routes on their own, behind the admin guard with TOKEN."""
+    return Litestar(
+        route_handlers=observability_routes(metrics, [admin_guard(TOKEN)], with_ledger=False),
+        exception_handlers=PROBLEM_HANDLERS,
+    )
+
+
 @pytest.fixture()
 async def client(metrics: OpsMetrics) -> AsyncIterator[AsyncTestClient]:
-    app = Litestar(route_handlers=observability_routes(metrics, [admin_guard], with_ledger=False))
-    async with AsyncTestClient(app) as c:
+    async with AsyncTestClient(ops_app(metrics)) as c:
         yield c
 
 

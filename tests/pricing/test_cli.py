@@ -13,6 +13,14 @@ from tests.pricing.conftest import BillingRig, finished
 from tests.pricing.test_jobs import setup_catalogue
 
 
+def connection_args(rig: BillingRig, nats_server: EmbeddedNats) -> list[str]:
+    return [
+        *("--database-url", rig.database_url),
+        *("--nats-url", nats_server.url),
+        *("--prefix", rig.layout.prefix),
+    ]
+
+
 def test_capacity_cli_reference_and_what_if(capsys: pytest.CaptureFixture[str]) -> None:
     argv = [
         "--sku",
@@ -41,14 +49,7 @@ async def test_invoices_cli(
         [finished("r1", datetime(2026, 3, 3, tzinfo=UTC), completion=1_000_000, prompt=0)]
     )
     await rig.project()
-    base = [
-        "--database-url",
-        rig.database_url,
-        "--nats-url",
-        nats_server.url,
-        "--prefix",
-        rig.layout.prefix,
-    ]
+    base = connection_args(rig, nats_server)
 
     assert await invoices_main([*base, "show", "--tenant", "acme", "--period", "2026-03"]) == 0
     draft = invoice_from_json(capsys.readouterr().out.strip().encode())
@@ -100,14 +101,7 @@ async def test_scheduler_runs_the_jobs(
     await rig.usage([finished("s1", datetime(2026, 3, 3, tzinfo=UTC))])
     await rig.project()
     monkeypatch.setenv("TOKENMILL_BILLING_GRACE_S", "0")
-    argv = [
-        "--database-url",
-        rig.database_url,
-        "--nats-url",
-        nats_server.url,
-        "--prefix",
-        rig.layout.prefix,
-    ]
+    argv = connection_args(rig, nats_server)
     task = asyncio.create_task(scheduler_main(argv))
     for _ in range(100):
         if await rig.pool.fetchval("SELECT count(*) FROM invoices") and await rig.pool.fetchval(

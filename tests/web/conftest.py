@@ -44,22 +44,16 @@ def ensure_chromium() -> Path:
             "browser tests need /usr/bin/chromium: install it with `apt-get install -y chromium` (needs root)"
         )
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    attempt = subprocess.run(
-        [*sudo, "apt-get", "install", "-y", "chromium"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    if attempt.returncode != 0:  # a stale package list is the usual cause
-        subprocess.run([*sudo, "apt-get", "update"], capture_output=True, env=env, timeout=600)
-        attempt = subprocess.run(
-            [*sudo, "apt-get", "install", "-y", "chromium"],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=900,
+
+    def apt_get(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*sudo, "apt-get", *args], capture_output=True, text=True, env=env, timeout=timeout
         )
+
+    attempt = apt_get("install", "-y", "chromium", timeout=900)
+    if attempt.returncode != 0:  # a stale package list is the usual cause
+        apt_get("update", timeout=600)
+        attempt = apt_get("install", "-y", "chromium", timeout=900)
     if attempt.returncode != 0 or not CHROMIUM.exists():
         pytest.skip(f"could not install Debian's chromium: {attempt.stderr.strip()[-300:]}")
     return CHROMIUM

@@ -10,11 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from litestar import Litestar
 
 from control_plane.observability.metrics import ObservabilitySettings, OpsMetrics
-from control_plane.observability.routes import observability_routes
-from tests.observability.test_routes import TOKEN, admin_guard
+from tests.observability.test_routes import TOKEN, ops_app
 from tests.web.conftest import serve_in_thread
 from worker.protocol import WorkerAnnounce, WorkerHeartbeat
 
@@ -26,9 +24,7 @@ def metrics() -> OpsMetrics:
 
 @pytest.fixture()
 def base_url(metrics: OpsMetrics) -> Iterator[str]:
-    with serve_in_thread(
-        Litestar(route_handlers=observability_routes(metrics, [admin_guard], with_ledger=False))
-    ) as url:
+    with serve_in_thread(ops_app(metrics)) as url:
         yield url
 
 
