@@ -228,6 +228,17 @@ def preflight(args: argparse.Namespace, config: Any) -> dict[str, Any]:
             torch.randn(nv, device=dev),
         ),
         "apply_rotary": (qg[..., :d], positions, (angles.cos(), angles.sin()), rot),
+        "sigmoid_mul": (torch.randn(t, qg.shape[1] * d, device=dev, dtype=dt), qg[..., d:]),
+        # strided heads read in place: the q norm on q_proj's query half, DeltaNet's z gate
+        "rms_norm": (qg[..., :d], torch.randn(d, device=dev, dtype=dt) * 0.1, 1e-6, True),
+        "gated_rms_norm": (
+            torch.randn(t, nv, config.linear_value_head_dim, device=dev, dtype=dt),
+            torch.randn(t, nv, 2 * config.linear_value_head_dim, device=dev, dtype=dt)[
+                ..., : config.linear_value_head_dim
+            ],
+            torch.randn(config.linear_value_head_dim, device=dev, dtype=dt),
+            1e-6,
+        ),
     }
     result: dict[str, Any] = {}
     for op, case in cases.items():

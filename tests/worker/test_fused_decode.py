@@ -133,6 +133,33 @@ def test_add_rms_norm_matches_reference(unit_offset: bool) -> None:
     assert rel_err(normed, ref_normed) < 1e-2
 
 
+def test_sigmoid_mul_reads_the_gate_in_place() -> None:
+    from worker.kernels.triton.activations import sigmoid_mul
+
+    torch.manual_seed(9)
+    qg = torch.randn(4, 3, 2 * 16).bfloat16() * 3  # per head [query | gate], as q_proj yields
+    gate = qg[..., 16:]
+    x = torch.randn(4, 3 * 16).bfloat16()
+    out = sigmoid_mul(x, gate)
+    assert rel_err(out, reference.sigmoid_mul(x, gate)) < 1e-2
+    assert rel_err(sigmoid_mul(x, gate.reshape(4, 48)), reference.sigmoid_mul(x, gate)) < 1e-2
+
+
+def test_norms_read_strided_heads_in_place() -> None:
+    from worker.kernels.triton.norm import gated_rms_norm, rms_norm
+
+    torch.manual_seed(10)
+    fused = torch.randn(3, 5 * 32 + 7).bfloat16()  # [T, H*D + more]: heads as a strided view
+    heads = fused[:, : 5 * 32].view(3, 5, 32)
+    weight = torch.randn(32).bfloat16() * 0.2
+    out = rms_norm(heads, weight, 1e-6, True)
+    assert out.shape == (3, 5, 32) and out.is_contiguous()
+    assert rel_err(out, reference.rms_norm(heads, weight, 1e-6, True)) < 1e-2
+    x = torch.randn(3, 5, 32).bfloat16()
+    out = gated_rms_norm(x, heads, weight, 1e-6)
+    assert rel_err(out, reference.gated_rms_norm(x, heads, weight, 1e-6)) < 1e-2
+
+
 def test_gdn_gates_match_reference() -> None:
     torch.manual_seed(2)
     ab = torch.randn(6, 2 * 12 + 4).bfloat16() * 8  # strided rows, wide range (softplus tails)
@@ -145,7 +172,7 @@ def test_gdn_gates_match_reference() -> None:
 
 
 def test_new_ops_prefer_triton_on_cuda() -> None:
-    for op in ("add_rms_norm", "silu_mul", "gdn_gates", "apply_rotary", "linear"):
+    for op in ("add_rms_norm", "silu_mul", "sigmoid_mul", "gdn_gates", "apply_rotary", "linear"):
         assert ops.select(op, torch.device("cpu"), torch.bfloat16).name == "reference"
         assert ops.select(op, torch.device("cuda"), torch.bfloat16).name == f"triton.{op}"
 

@@ -33,6 +33,7 @@ OPS = (
     "add_rms_norm",
     "gated_rms_norm",
     "silu_mul",
+    "sigmoid_mul",
     "gdn_gates",
     "apply_rotary",
     "causal_conv1d_prefill",
@@ -214,6 +215,11 @@ def gated_rms_norm(
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a fused gate|up projection x[..., 2F] -> [..., F]."""
     return _pick("silu_mul", x)(x)
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x[T, N] * sigmoid(gate) for a gate of N elements per token in any (strided) shape."""
+    return _pick("sigmoid_mul", x)(x, gate)
 
 
 def gdn_gates(

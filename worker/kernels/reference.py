@@ -47,6 +47,12 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The gated attention output x[T, N] * sigmoid(gate), gate of x's size in any shape (the
+    per-head gate half of q_proj, [T, H, D])."""
+    return x * torch.sigmoid(gate.reshape(x.shape))
+
+
 def gdn_gates(
     a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

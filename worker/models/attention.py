@@ -67,7 +67,7 @@ class Attention(nn.Module):
         gate = None
         if self.output_gate:
             q, gate = q.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-            gate = gate.reshape(tokens, -1)
+
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
@@ -81,7 +81,7 @@ class Attention(nn.Module):
         )
         out = self._attend(q, meta, cache).reshape(tokens, -1)
         if gate is not None:
-            out = out * torch.sigmoid(gate)
+            out = ops.sigmoid_mul(out, gate)
         return self.o_proj(out)
 
     def _attend(self, q: torch.Tensor, meta: BatchMetadata, cache: AttentionCache) -> torch.Tensor:

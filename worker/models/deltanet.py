@@ -141,5 +141,6 @@ class GatedDeltaNet(nn.Module):
                 )
             )
         out = rule_parts[0] if len(rule_parts) == 1 else torch.cat(rule_parts)
-        out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        # [T, Hv, Dv] both: z stays a strided view of the fused projection (read in place)
+        out = self.norm(out.view(tokens, self.num_v_heads, self.head_v_dim), z)
         return self.out_proj(out.reshape(tokens, self.value_dim))

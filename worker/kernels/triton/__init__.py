@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from worker.kernels import ops
-from worker.kernels.triton.activations import gdn_gates, silu_mul
+from worker.kernels.triton.activations import gdn_gates, sigmoid_mul, silu_mul
 from worker.kernels.triton.conv1d import causal_conv1d_prefill, causal_conv1d_update
 from worker.kernels.triton.delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
 from worker.kernels.triton.fp8_gemm import fp8_linear, linear
@@ -52,6 +52,7 @@ ops.register("add_rms_norm", add_rms_norm, ops.cuda_only, name="triton.add_rms_n
 ops.register("gated_rms_norm", gated_rms_norm, ops.cuda_only, name="triton.gated_rms_norm")
 ops.register("apply_rotary", apply_rotary, ops.cuda_only, name="triton.apply_rotary")
 ops.register("silu_mul", silu_mul, ops.cuda_only, name="triton.silu_mul")
+ops.register("sigmoid_mul", sigmoid_mul, ops.cuda_only, name="triton.sigmoid_mul")
 ops.register("gdn_gates", gdn_gates, ops.cuda_only, name="triton.gdn_gates")
 ops.register("causal_conv1d_update", causal_conv1d_update, name="triton.causal_conv1d_update")
 ops.register("causal_conv1d_prefill", causal_conv1d_prefill, name="triton.causal_conv1d_prefill")
@@ -67,16 +68,17 @@ ops.register("linear", linear, cuda_half, name="triton.linear")
 __all__ = [
     "add_rms_norm",
     "apply_rotary",
-    "gdn_gates",
-    "silu_mul",
     "causal_conv1d_prefill",
     "causal_conv1d_update",
     "fp8_linear",
     "gated_delta_rule_decode",
     "gated_delta_rule_prefill",
     "gated_rms_norm",
+    "gdn_gates",
     "linear",
     "paged_attention_decode",
     "rms_norm",
+    "sigmoid_mul",
+    "silu_mul",
     "write_kv_cache",
 ]

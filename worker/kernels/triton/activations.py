@@ -1,5 +1,6 @@
 """Small elementwise fusions of the decode step, each one launch where torch takes several:
-silu(gate) * up over a fused gate|up projection, and the DeltaNet gates (beta, log decay g) from
+silu(gate) * up over a fused gate|up projection, the attention output gate x * sigmoid(gate)
+reading the gate in place from q_proj's output, and the DeltaNet gates (beta, log decay g) from
 the a/b projections. At batch 8 these are launch-bound; what they save is launches, not bytes.
 """
 
@@ -38,6 +39,44 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
             rows, out, f, rows.stride(0), BLOCK=block, num_warps=4
         )
     return out.view(*x.shape[:-1], f)
+
+
+@kernel
+def _sigmoid_mul_kernel(x, gate, out, N, D, stride_xt, stride_gt, stride_gh, BLOCK: tl.constexpr):
+    """out[t, n] = x[t, n] * sigmoid(gate[t, n // D, n % D]) (gate as [T, N / D, D] strided)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    xv = tl.load(x + t * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate + t * stride_gt + (cols // D) * stride_gh + cols % D, mask=mask, other=0.0)
+    # round the sigmoid to the activation dtype before the product, as torch does
+    sig = (1.0 / (1.0 + tl.exp(-g.to(tl.float32)))).to(out.dtype.element_ty).to(tl.float32)
+    tl.store(out + t * N + cols, (xv * sig).to(out.dtype.element_ty), mask=mask)
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x [T, N] * sigmoid(gate), gate [T, H, D] with H * D = N (a strided view is read in
+    place) or [T, N]."""
+    tokens, n = x.shape
+    gate3 = gate if gate.dim() == 3 else gate.reshape(tokens, 1, n)
+    if x.stride(1) != 1 or gate3.stride(2) != 1 or gate3.shape[1] * gate3.shape[2] != n:
+        raise ValueError("sigmoid_mul needs contiguous last dims and a gate of x's size")
+    out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
+    if tokens:
+        block = min(1024, triton.next_power_of_2(n))
+        _sigmoid_mul_kernel[(tokens, triton.cdiv(n, block))](
+            x,
+            gate3,
+            out,
+            n,
+            gate3.shape[2],
+            x.stride(0),
+            gate3.stride(0),
+            gate3.stride(1),
+            BLOCK=block,
+            num_warps=4,
+        )
+    return out
 
 
 @kernel

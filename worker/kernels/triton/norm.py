@@ -25,8 +25,11 @@ def _rms_norm_kernel(
     out,
     n_rows,
     D,
-    stride_x,
-    stride_gate,
+    H,
+    stride_xt,
+    stride_xh,
+    stride_gt,
+    stride_gh,
     stride_residual,
     eps,
     BR: tl.constexpr,
@@ -39,7 +42,11 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BD)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
     rows64 = rows.to(tl.int64)
-    xr = tl.load(x + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    # row r of [T, H, D] inputs (H = 1 for [N, D]) at (r // H) * stride_t + (r % H) * stride_h:
+    # strided views (heads split off a fused projection) are read in place, no copy
+    token, head = rows64 // H, rows64 % H
+    x_rows = token * stride_xt + head * stride_xh
+    xr = tl.load(x + x_rows[:, None] + cols[None, :], mask=mask, other=0.0)
     if ADD:  # total = x + residual, rounded to the activation dtype, then normalised
         r = tl.load(residual + rows64[:, None] * stride_residual + cols[None, :], mask=mask)
         xr = (xr.to(tl.float32) + r.to(tl.float32)).to(x.dtype.element_ty)
@@ -53,9 +60,8 @@ def _rms_norm_kernel(
     else:
         y = normed.to(x.dtype.element_ty).to(tl.float32) * w[None, :]
     if GATED:
-        z = tl.load(gate + rows64[:, None] * stride_gate + cols[None, :], mask=mask, other=0.0).to(
-            tl.float32
-        )
+        g_rows = token * stride_gt + head * stride_gh
+        z = tl.load(gate + g_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         y = y * z / (1.0 + tl.exp(-z))
     tl.store(out + rows64[:, None] * D + cols[None, :], y.to(out.dtype.element_ty), mask=mask)
 
@@ -73,27 +79,31 @@ def _launch(
     extra = [t for t in (gate, residual) if t is not None]
     if x.stride(-1) != 1 or any(t.stride(-1) != 1 for t in extra):
         raise ValueError("rms norm needs a contiguous last dim")
-    rows = x.reshape(-1, dim)  # a view unless x's leading dims cannot be flattened
-    gate_rows = gate.reshape(-1, dim) if gate is not None else rows
-    residual_rows = residual.reshape(-1, dim) if residual is not None else rows
+    if gate is not None and gate.shape != x.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} does not match x {tuple(x.shape)}")
+    x3, gate3 = _as_rows(x), _as_rows(gate if gate is not None else x)
+    residual_rows = residual.reshape(-1, dim) if residual is not None else x3[0]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
-    n_rows = rows.shape[0]
+    n_rows = x.numel() // dim if dim else 0
     if n_rows == 0:
         return out, total
     block_d = triton.next_power_of_2(dim)
     block_rows = max(1, min(16, 4096 // block_d))  # ~4K elements per program
     _rms_norm_kernel[(triton.cdiv(n_rows, block_rows),)](
-        rows,
-        gate_rows,
+        x3[0],
+        gate3[0],
         residual_rows,
         total,
         weight,
         out,
         n_rows,
         dim,
-        rows.stride(0),
-        gate_rows.stride(0),
+        x3[1],
+        x3[2],
+        x3[3],
+        gate3[2],
+        gate3[3],
         residual_rows.stride(0),
         eps,
         BR=block_rows,
@@ -104,6 +114,15 @@ def _launch(
         num_warps=8 if block_d >= 4096 else 4,
     )
     return out, total
+
+
+def _as_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """(tensor, heads, token stride, head stride): rows of [T, H, D] or [N, D] addressed in
+    place; other ranks are flattened to [N, D] (a copy only if they must be)."""
+    if t.dim() == 3:
+        return t, t.shape[1], t.stride(0), t.stride(1)
+    rows = t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+    return rows, 1, rows.stride(0), 0
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
