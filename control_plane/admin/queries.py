@@ -58,60 +58,24 @@ def plan_out(p: PricePlan) -> s.PricePlanOut:
 # -- from Postgres -------------------------------------------------------------------------------
 
 
+# Rows hold the view's fields (jsonb as text, prices as numeric), so they convert the same way.
+
+
 def _tenant_row(r: asyncpg.Record) -> s.TenantOut:
-    return s.TenantOut(
-        tenant_id=r["tenant_id"],
-        name=r["name"],
-        status=r["status"],
-        labels=json.loads(r["labels"]),
-        suspended_reason=r["suspended_reason"],
-        created_at=r["created_at"],
-        updated_at=r["updated_at"],
-        version=r["version"],
-    )
+    return msgspec.convert({**r, "labels": json.loads(r["labels"])}, s.TenantOut)
 
 
 def _key_row(r: asyncpg.Record) -> s.ApiKeyOut:
-    return s.ApiKeyOut(
-        key_id=r["key_id"],
-        tenant_id=r["tenant_id"],
-        prefix=r["prefix"],
-        name=r["name"],
-        scopes=list(r["scopes"]),
-        status="active" if r["revoked_at"] is None else "revoked",
-        created_at=r["created_at"],
-        revoked_at=r["revoked_at"],
-        version=r["version"],
-    )
+    return key_out(msgspec.convert(dict(r), ApiKey))
 
 
 def _sku_row(r: asyncpg.Record) -> s.SkuOut:
-    return s.SkuOut(
-        sku_id=r["sku_id"],
-        name=r["name"],
-        model=r["model"],
-        runtime=r["runtime"],
-        runtime_config=json.loads(r["runtime_config"]),
-        gpu_type=r["gpu_type"],
-        status=r["status"],
-        published_at=r["published_at"],
-        retired_at=r["retired_at"],
-        version=r["version"],
-    )
+    return msgspec.convert({**r, "runtime_config": json.loads(r["runtime_config"])}, s.SkuOut)
 
 
 def _plan_row(r: asyncpg.Record) -> s.PricePlanOut:
-    return s.PricePlanOut(
-        plan_id=r["plan_id"],
-        sku_id=r["sku_id"],
-        input_per_mtok=str(r["input_per_mtok"]),
-        cached_input_per_mtok=str(r["cached_input_per_mtok"]),
-        output_per_mtok=str(r["output_per_mtok"]),
-        currency=r["currency"],
-        effective_from=r["effective_from"],
-        recorded_at=r["recorded_at"],
-        seq=r["seq"],
-    )
+    prices = ("input_per_mtok", "cached_input_per_mtok", "output_per_mtok")
+    return msgspec.convert({**r, **{k: str(r[k]) for k in prices}}, s.PricePlanOut)
 
 
 class AdminQueries:
