@@ -54,6 +54,8 @@ def fuse_linears(linears: Sequence[nn.Module]) -> nn.Module:
             return None
         if any(p is None for p in parts):
             raise ValueError(f"cannot fuse projections where only some have a {name}")
+        if parts[0].element_size() == 1:  # fp8: concatenate the bytes (cat of any 1-byte type)
+            return torch.cat([p.detach().view(torch.uint8) for p in parts]).view(parts[0].dtype)
         return torch.cat([p.detach() for p in parts])
 
     if all(isinstance(m, Fp8Linear) for m in linears):
