@@ -249,6 +249,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "tokens": tokens,
         "wall_s": wall,
         "tokens_per_s": tokens / wall if wall else float("nan"),
+        "load_generator_cpu_s": sum(run["cpu_s"] for run in runs),
         # The gateway process's CPU while this mode ran (idle for direct calls).
         "gateway_cpu_s": sum(run["gateway_cpu_s"] for run in runs),
         "gateway_cpu_ms_per_1k_tokens": 1e6 * sum(run["gateway_cpu_s"] for run in runs) / tokens
