@@ -57,6 +57,8 @@ def check_gemv(m: int, n: int, k: int, tiling: DecodeTiling | None, device: str)
         (8, 48, 128, DecodeTiling(16, 32, 1)),  # one K range: scale in the epilogue
         (5, 40, 600, DecodeTiling(16, 64, 3)),  # K not a multiple of BK, 3 splits
         (16, 70, 512, DecodeTiling(32, 128, 4)),  # N not a multiple of BN
+        (8, 40, 512, DecodeTiling(16, 64, 3)),  # whole K steps, the last split shorter
+        (8, 36, 1024, DecodeTiling(32, 128, 7)),  # (as 7 splits of 17,408 / 256 steps)
         (1, 33, 256, DecodeTiling(16, 64, 2, two_pass=True)),  # the w8a16 + reduce fallback
         (3, 40, 96, None),  # default tiling
     ],

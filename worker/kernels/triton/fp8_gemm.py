@@ -224,9 +224,10 @@ def _gemv_kernel(
     x_rows = x + rm[:, None] * stride_xm
     k_start = split * k_per_split
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for k0 in range(k_start, k_start + k_per_split, BK):
+    # the last split may be shorter (k_per_split is rounded up to BK): stop at K
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BK):
         kk = k0 + rk
-        if EVEN_K:  # no K mask: full 16-byte loads along K
+        if EVEN_K:  # K % BK == 0, so every step is whole: no K mask, full 16-byte loads
             wb = tl.load(w_rows + kk[None, :], mask=n_ok, other=0.0)
             xb = tl.load(x_rows + kk[None, :], mask=(rm < M)[:, None], other=0.0)
         else:
