@@ -2,12 +2,13 @@
 
 Two paths, picked by the number of rows (tokens) of x:
 - few rows (decode, M <= 16): `w8_gemv`, one triton launch that streams the fp8 weight once as
-  the dot's left operand (out^T = W x^T: the weight tile fills the tensor-core M side, the few
-  rows of x the N side), widens it to fp16 (one instruction per pair on Hopper; widening to bf16
-  is not) and accumulates in fp32. Small-N shapes split K; the last program to finish a column
-  tile (an arrival counter) sums the fp32 partials, scales and writes the output, so there is no
-  second launch. The tiling per (N, K) comes from `DECODE_TILINGS` (bench/gpu_suite.py sweeps
-  candidates at the real shapes and fills it), else from `default_tiling`.
+  the dot's left operand (out^T = W x^T), widens it to fp16 (one instruction per pair on Hopper;
+  widening to bf16 is not) and accumulates in fp32. Small-N shapes split K; the last program to
+  finish a column tile (an arrival counter) sums the fp32 partials, scales and writes the
+  output, so there is no second launch. The tiling per (N, K) comes from `DECODE_TILINGS`
+  (bench/gpu_suite.py sweeps candidates at the real shapes and fills it), else from
+  `default_tiling` (measured: 32-channel mma.sync tiles; the LM head on w8a16 in one launch).
+  The same kernel serves 16-bit weights (`linear`) where it beats cuBLAS.
 - 17..63 rows: `w8a16`, the same weight streaming with x as the left operand.
 - many rows (prefill): `scaled_mm`, dynamic per-token activation quantization (one triton pass:
   row amax, scale, e4m3 cast) and `torch._scaled_mm` with rowwise scales on FP8 tensor cores.
@@ -290,12 +291,27 @@ class DecodeTiling:
 
 # Filled by bench/gpu_suite.py's sweep (fastest measured tiling per weight shape); else default.
 DECODE_TILINGS: dict[tuple[int, int], DecodeTiling] = {}
-# 16-bit weights: the GEMV runs only for shapes the sweep measured faster than cuBLAS.
-BF16_DECODE_TILINGS: dict[tuple[int, int], DecodeTiling] = {}
+# 16-bit weights: the GEMV runs only for shapes measured faster than cuBLAS. Preset with the
+# H200 winners at the Qwen3.6-27B shapes (bench/results/gpu_suite_run3.json: 91-96% of copy
+# bandwidth against cuBLAS's 82-94%); the sweep replaces them when it runs.
+BF16_DECODE_TILINGS: dict[tuple[int, int], DecodeTiling] = {
+    (34816, 5120): DecodeTiling(64, 128, 1, 4, 3),  # MLP gate|up
+    (5120, 17408): DecodeTiling(64, 128, 7, 4, 3),  # MLP down
+    (16480, 5120): DecodeTiling(64, 128, 1, 4, 4),  # DeltaNet qkv|z|b|a
+    (248320, 5120): DecodeTiling(64, 128, 1, 4, 3),  # LM head
+}
 
 
 def default_tiling(n: int, k: int) -> DecodeTiling:
-    return DecodeTiling(_DECODE_BN, _DECODE_BK, decode_splits(n, k))
+    """The fp8 tiling without a sweep, from the H200 sweep (gpu_suite_run3.json): 32-channel
+    tiles (mma.sync; the 64-channel wgmma tilings, which widen fp8 from shared memory two bytes
+    at a time, ran at 40-60% of copy bandwidth) with ~3 programs per SM; a head-sized N (thousands
+    of column tiles) runs best on the w8a16 kernel in one launch (93%)."""
+    if triton.cdiv(n, _DECODE_BN) >= 8 * 132:
+        return DecodeTiling(two_pass=True, splits=1)
+    tiles = triton.cdiv(n, 32)
+    splits = max(1, min(triton.cdiv(3 * 132, tiles), triton.cdiv(k, _DECODE_BK) // 4))
+    return DecodeTiling(32, _DECODE_BK, splits, 4, 4)
 
 
 def programs_per_sm(tiling: DecodeTiling, weight_bytes: int = 1) -> int:
