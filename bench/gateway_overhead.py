@@ -282,6 +282,7 @@ def main() -> int:
     )
     a = ap.parse_args()
 
+    load_before = os.getloadavg()  # others' work on a shared machine shows in the tails
     with ExitStack() as stack:
         b = Bench(a, stack)
         b.start()
@@ -347,6 +348,8 @@ def main() -> int:
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "platform": platform.platform(),
+            "loadavg_1_5_15_before": load_before,
+            "loadavg_1_5_15_after": os.getloadavg(),
         },
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
         "direct": direct,
