@@ -213,7 +213,6 @@ async def operator_journey(
     await page.get_by_label("Tenant", exact=True).select_option(label=tenant_name)
     invoice = page.locator("#invoice-detail section")
     await invoice.get_by_role("heading", name=f"{tenant_name} · {period} draft").wait_for()
-    await page.wait_for_load_state("networkidle")  # settled: no re-render disarms Finalize
     output_line = invoice.get_by_role("row").filter(has_text="output")
     assert f"{completion_tokens}" in await output_line.inner_text()
     assert "5,000.00 USD" in await output_line.inner_text()  # grouped for reading
@@ -267,7 +266,6 @@ async def operator_journey(
     # revoke the key (the button asks once more), then the key stops working
     await page.get_by_role("link", name="Tenants & keys").click()
     await page.get_by_role("button", name=f"Keys of {tenant_name}").click()
-    await page.wait_for_load_state("networkidle")  # the keys list has settled
     key_row = page.locator("tr[data-key-prefix]").filter(has_text="production")
     await key_row.get_by_role("button", name="Revoke").click()
     await key_row.get_by_role("button", name="Confirm revoke").click()
@@ -318,7 +316,6 @@ async def finalize_once_the_month_is_over(
     await page.get_by_label("Tenant", exact=True).select_option(label=tenant_name)
     invoice = page.locator("#invoice-detail section")
     await invoice.get_by_role("heading", name=f"{tenant_name} · {period} draft").wait_for()
-    await page.wait_for_load_state("networkidle")  # settled: no re-render disarms Finalize
     await invoice.get_by_role("button", name="Finalize").click()
     await invoice.get_by_role("button", name=re.compile("^Confirm: finalize")).click()
     await page.locator("#invoice-detail section[data-status='finalized']").wait_for()
@@ -350,6 +347,70 @@ async def test_operator_signs_in_issues_a_key_sees_latency_downloads_csv_revokes
     )
     await capacity_from_measured_throughput(page, stack, str(sku["name"]), artifacts)
     await finalize_once_the_month_is_over(page, stack, journey, artifacts)
+
+
+async def rerendered(page: Any, selector: str, force: str) -> None:
+    """Runs `force` (JavaScript) and waits until the element at `selector` has been replaced
+    by a re-render: the old one is marked first, so the wait cannot pass on it."""
+    await page.eval_on_selector(selector, "el => { el.dataset.stale = 'yes'; }")
+    await page.evaluate(force)
+    await page.locator(f"{selector}:not([data-stale])").wait_for()
+
+
+async def test_an_armed_confirmation_and_the_focus_survive_a_refresh(
+    stack: Stack, page: Any
+) -> None:
+    """A re-render that lands while the operator is confirming (a live update, a load that
+    returns late) keeps the very armed button, still armed, focused and clickable; text typed
+    into a field keeps its place, its value and the focus."""
+    tenant_name = "race-" + uuid.uuid4().hex[:6]
+    period = datetime.now(UTC).strftime("%Y-%m")
+    await page.goto(f"{stack.base_url}/")
+    await page.get_by_label("Admin token").fill(ADMIN_TOKEN)
+    await page.get_by_role("button", name="Sign in").click()
+    await page.get_by_role("link", name="Tenants & keys").click()
+    await page.get_by_label("New tenant").fill(tenant_name)
+    await page.get_by_role("button", name="Create tenant").click()
+    await page.get_by_label("Key name").fill("production")
+    await page.get_by_role("button", name="Issue key").click()
+    await page.locator("#issued-key-value").wait_for()
+    reroute = "window.dispatchEvent(new HashChangeEvent('hashchange'))"  # the view reloads
+
+    # typing a key name when the keys list reloads: the field keeps the text and the focus
+    await page.get_by_label("Key name").fill("stag")
+    await rerendered(page, "#keys-panel section", reroute)
+    assert await page.evaluate("document.activeElement.id") == "key-name"
+    await page.keyboard.type("ing")
+    assert await page.get_by_label("Key name").input_value() == "staging"
+
+    # Revoke armed, then the keys list reloads: the same button, armed and focused
+    key_row = page.locator("tr[data-key-prefix]").filter(has_text="production")
+    await key_row.get_by_role("button", name="Revoke").click()
+    armed = await key_row.get_by_role("button", name="Confirm revoke").element_handle()
+    await rerendered(page, "#keys-panel section", reroute)
+    assert await armed.evaluate(
+        "b => b.isConnected && b.classList.contains('armed') && document.activeElement === b"
+    )
+    assert await armed.evaluate("b => b.closest('section').dataset.stale === undefined")
+    await key_row.get_by_role("button", name="Confirm revoke").click()
+    await key_row.filter(has_text="revoked").wait_for()
+
+    # Finalize armed, then the invoice reloads (the tenant chosen again): it still confirms
+    await page.get_by_role("link", name="Invoices").click()
+    await page.get_by_label("Tenant", exact=True).select_option(label=tenant_name)
+    invoice = page.locator("#invoice-detail section")
+    await invoice.get_by_role("heading", name=f"{tenant_name} · {period} draft").wait_for()
+    await invoice.get_by_role("button", name="Finalize").click()
+    confirm = invoice.get_by_role("button", name=f"Confirm: finalize {period} (cannot be undone)")
+    armed = await confirm.element_handle()
+    choose_again = "document.getElementById('invoice-tenant').dispatchEvent(new Event('change'))"
+    await rerendered(page, "#invoice-detail section", choose_again)
+    assert await armed.evaluate("b => b.isConnected && b.classList.contains('armed')")
+    await confirm.click(timeout=2_000)
+    refusal = page.get_by_role("alert").filter(has_text="Not finalized")
+    await refusal.wait_for()  # the month is open: refused, and ready to ask again
+    assert await invoice.get_by_role("button", name="Finalize").is_enabled()
+    assert page.js_errors == []
 
 
 def start_tokenmill_up(env: dict[str, str], tmp_path: Path, port: int) -> subprocess.Popen[bytes]:

@@ -16,10 +16,63 @@ export function h(tag, attrs = {}, ...children) {
   return el;
 }
 
+// Re-renders (live polling, a load that lands after another) must not take away what the
+// operator is in the middle of. An armed or pending confirmation (a `data-key` button with
+// class "armed" or "pending") is moved, as the very same element, into the place of its
+// counterpart in the new content; the keyboard focus goes back to the focused control or its
+// counterpart, with what was typed in it.
 export function replace(target, ...children) {
   const el = typeof target === "string" ? document.getElementById(target) : target;
-  el.replaceChildren(...children.flat().filter((c) => c !== null && c !== undefined));
+  const fresh = children.flat().filter((c) => c !== null && c !== undefined);
+  const active = document.activeElement;
+  const focused = active && active !== el && el.contains(active) ? active : null;
+  let refocus = null;
+  for (const kept of el.querySelectorAll("[data-key].armed, [data-key].pending")) {
+    const counterpart = findIn(fresh, `[data-key="${CSS.escape(kept.dataset.key)}"]`);
+    if (!counterpart) continue; // gone from the data (revoked, finalized): so is the confirmation
+    counterpart.replaceWith(kept);
+    if (kept === focused) refocus = kept;
+  }
+  if (focused && !refocus) refocus = counterpartOf(focused, fresh);
+  el.replaceChildren(...fresh);
+  if (refocus) {
+    const typed = refocus !== focused && focused.matches("input, textarea") && focused.tagName === refocus.tagName && focused.type === refocus.type;
+    if (typed) {
+      refocus.value = focused.value; // what the operator typed wins over the refreshed value
+      if (focused.selectionStart !== null) refocus.setSelectionRange(focused.selectionStart, focused.selectionEnd);
+    }
+    refocus.focus({ preventScroll: true });
+  }
   return el;
+}
+
+function findIn(nodes, selector) {
+  for (const node of nodes) {
+    if (!(node instanceof Element)) continue;
+    if (node.matches(selector)) return node;
+    const found = node.querySelector(selector);
+    if (found) return found;
+  }
+  return null;
+}
+
+// The same control in new content: by data-key, else id, else tag and accessible name.
+const FOCUSABLE = "button, input, select, textarea, a[href], [tabindex]";
+function identity(el) {
+  if (el.dataset.key) return `key ${el.dataset.key}`;
+  if (el.id) return `id ${el.id}`;
+  return `${el.tagName} ${el.getAttribute("aria-label") || el.getAttribute("name") || el.textContent.trim()}`;
+}
+
+function counterpartOf(focused, nodes) {
+  const wanted = identity(focused);
+  for (const node of nodes) {
+    if (!(node instanceof Element)) continue;
+    for (const candidate of [node, ...node.querySelectorAll(FOCUSABLE)]) {
+      if (candidate.matches(FOCUSABLE) && identity(candidate) === wanted) return candidate;
+    }
+  }
+  return null;
 }
 
 export function notAvailable(what, reason) {

@@ -295,25 +295,33 @@ async function action(fn, success) {
 }
 
 // A destructive button asks once more on its own first press, rather than through a dialog.
-function confirmButton(label, onConfirm, confirmLabel = `Confirm ${label.toLowerCase()}`) {
-  const button = h("button", { type: "button", class: "danger" }, label);
-  let armed = false;
+// `key` names what it acts on (one key, one invoice): while armed, and while the action runs,
+// a re-render keeps this very button in place of the new one (see replace), so a live update
+// or a late load neither disarms it nor lets it be pressed twice.
+function confirmButton(label, key, onConfirm, confirmLabel = `Confirm ${label.toLowerCase()}`) {
+  const button = h("button", { type: "button", class: "danger", "data-key": key }, label);
   let timer;
+  const disarm = () => {
+    clearTimeout(timer);
+    button.classList.remove("armed", "pending");
+    button.disabled = false;
+    button.textContent = label;
+  };
   button.addEventListener("click", async () => {
-    if (!armed) {
-      armed = true;
+    if (!button.classList.contains("armed")) {
       button.classList.add("armed");
       button.textContent = confirmLabel;
-      timer = setTimeout(() => {
-        armed = false;
-        button.classList.remove("armed");
-        button.textContent = label;
-      }, 5000);
+      timer = setTimeout(disarm, 5000);
       return;
     }
     clearTimeout(timer);
+    button.classList.replace("armed", "pending");
     button.disabled = true;
-    await onConfirm();
+    try {
+      await onConfirm();
+    } finally {
+      disarm(); // still shown when the action was refused: ready to ask again
+    }
   });
   return button;
 }
@@ -406,7 +414,7 @@ async function loadKeys(justIssued) {
         { label: "Issued", value: (k) => fmtTime(k.created_at || k.issued_at) },
         {
           label: "Actions",
-          value: (k) => (statusOf(k) === "revoked" ? "—" : confirmButton("Revoke", () => revokeKey(k))),
+          value: (k) => (statusOf(k) === "revoked" ? "—" : confirmButton("Revoke", `revoke ${keyId(k)}`, () => revokeKey(k))),
         },
       ], keys, { rowAttrs: (k) => ({ "data-key-prefix": k.prefix }) }),
     ),
@@ -479,7 +487,7 @@ async function loadSkus() {
             {},
             h("button", { type: "button", class: "secondary", onclick: () => editPrices(s, current(prices[s.i])) }, "Edit prices"),
             " ",
-            statusOf(s) === "retired" ? null : confirmButton("Retire", () => retireSku(s)),
+            statusOf(s) === "retired" ? null : confirmButton("Retire", `retire ${s.sku_id || s.id}`, () => retireSku(s)),
           ),
       },
     ], rows),
@@ -733,7 +741,7 @@ async function showInvoice(problem) {
         "div",
         { class: "row" },
         exportButtons(tenant, period, invoice.invoice_id),
-        draft ? confirmButton("Finalize", () => finalizeInvoice(tenant, period), `Confirm: finalize ${period} (cannot be undone)`) : null,
+        draft ? confirmButton("Finalize", `finalize ${tenant} ${period}`, () => finalizeInvoice(tenant, period), `Confirm: finalize ${period} (cannot be undone)`) : null,
       ),
       problem ? h("p", { class: "error", role: "alert", id: "invoice-problem" }, problem) : null,
     ),
