@@ -442,16 +442,30 @@ def gemv_step_estimate(config: Any, shapes: dict[str, Any], key: str = "chosen")
 
 class StepLog:
     """Wraps runner.execute: wall time of every step, tagged prefill (any prefill chunk) or
-    decode (the number of decodes). The sampler's host copy ends every step, so wall = GPU."""
+    decode (the number of decodes). The sampler's host copy ends every step, so wall = GPU.
+    Also wraps runner.launch_decode (overlapped decode, which does not wait for its step):
+    the time from one launch to the next is that step's wall time."""
 
     def __init__(self, runner: Any) -> None:
         self.runner, self.inner = runner, runner.execute
+        self.inner_launch = runner.launch_decode
         self.steps: list[tuple[str, int, float]] = []
         self.profile_prefill = False  # profile the next prefill step's kernels (once)
         self.prefill_profile: dict[str, Any] | None = None
+        self.last_launch: tuple[int, float] | None = None  # (decodes, start) of the last launch
         runner.execute = self
+        runner.launch_decode = self.launch
+
+    def launch(self, batch: Any) -> Any:
+        t0 = time.perf_counter()
+        if self.last_launch is not None:
+            n, started = self.last_launch
+            self.steps.append(("overlapped", n, t0 - started))
+        self.last_launch = (len(batch.decodes), t0)
+        return self.inner_launch(batch)
 
     def __call__(self, batch: Any) -> Any:
+        self.last_launch = None  # a synchronous step ends the chain of launches
         if batch.prefills and self.profile_prefill and torch.cuda.is_available():
             self.profile_prefill = False
             box: list[Any] = []
@@ -466,11 +480,17 @@ class StepLog:
         return out
 
     def summary(self) -> dict[str, Any]:
-        decode = [s for k, n, s in self.steps if k == "decode" and n == self.runner.sizes[-1]]
+        full = self.runner.sizes[-1]
+        decode = [s for k, n, s in self.steps if k == "decode" and n == full]
+        overlapped = [s for k, n, s in self.steps if k == "overlapped" and n == full]
         prefill = [s for k, _, s in self.steps if k == "prefill"]
         return {
             "decode_steps": len(decode),
             "decode_step_wall_ms_p50": 1e3 * statistics.median(decode) if decode else None,
+            "overlapped_decode_steps": len(overlapped),
+            "overlapped_decode_step_wall_ms_p50": (
+                1e3 * statistics.median(overlapped) if overlapped else None
+            ),
             "prefill_steps": len(prefill),
             "prefill_step_wall_ms_p50": 1e3 * statistics.median(prefill) if prefill else None,
             "prefill_tokens_per_step_max": max(
@@ -609,6 +629,7 @@ def engine_config(
         "cuda_graph_sizes": sorted(engine.runner.graphs),
         "graph_error": engine.runner.graph_error,
         "fused_projections": engine.config.fuse_projections,
+        "overlap_decode": engine.overlap_decode,
     }
     if device == "cuda":
         from worker.kernels.triton import fp8_gemm as fp8k

@@ -14,10 +14,10 @@ import torch
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.runner import ModelRunner, model_dtype
+from worker.engine.runner import ModelRunner, SampledTokens, model_dtype
 from worker.engine.sampler import stop_by_token
 from worker.engine.scheduler import ScheduledBatch, Scheduler
-from worker.engine.sequence import FinishReason, SamplingParams, Sequence
+from worker.engine.sequence import PENDING_TOKEN, FinishReason, SamplingParams, Sequence
 from worker.engine.state_slots import StateSlotPool
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,12 @@ class EngineConfig:
     # when the engine takes the model (TOKENMILL_ENGINE_FUSE_PROJECTIONS=0 turns off); the model's
     # parameter names then no longer match checkpoint names.
     fuse_projections: bool = True
+    # Overlapped decode (TOKENMILL_ENGINE_OVERLAP_DECODE=0 turns off; default: on wherever decode
+    # runs through the padded buffers): while the GPU runs greedy decode step N, the host reads
+    # back, detokenizes and stop-checks step N-1 and schedules and launches step N+1, whose
+    # input ids the GPU takes from step N's tokens. Stop rules apply one step late: a token
+    # computed past a stop is discarded, never emitted nor counted.
+    overlap_decode: bool | None = None
 
     @classmethod
     def from_env(cls, **overrides: Any) -> EngineConfig:
@@ -71,6 +77,7 @@ class EngineConfig:
             "max_model_len": _env_int("TOKENMILL_ENGINE_MAX_MODEL_LEN", None),
             "cuda_graphs": _env_bool("TOKENMILL_ENGINE_CUDA_GRAPHS"),
             "fuse_projections": _env_bool("TOKENMILL_ENGINE_FUSE_PROJECTIONS"),
+            "overlap_decode": _env_bool("TOKENMILL_ENGINE_OVERLAP_DECODE"),
         }
         return cls(**{k: v for k, v in env.items() if v is not None}, **overrides)
 
@@ -117,6 +124,15 @@ class RequestOutput:
 
 
 @dataclass
+class _InFlight:
+    """A launched decode step whose tokens the host has not read yet."""
+
+    batch: ScheduledBatch
+    tokens: SampledTokens
+    token_index: list[int]  # per decode: index of its pending token in the output
+
+
+@dataclass
 class _Request:
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None
@@ -160,6 +176,10 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._finished_outside_step: list[RequestOutput] = []  # aborts, reported by next step()
         self._seq_ids = itertools.count()
+        self.overlap_decode = self.runner.decode_inputs is not None and (
+            config.overlap_decode is None or config.overlap_decode
+        )
+        self._in_flight: _InFlight | None = None
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -226,6 +246,7 @@ class LLMEngine:
         request = self._requests.get(request_id)
         if request is None:
             return False
+        request.seq.drop_pending_tokens()
         self.scheduler.finish(request.seq, FinishReason.CANCELLED)
         if request.detokenizer is not None:
             request.pending_text += request.detokenizer.flush()
@@ -233,7 +254,9 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._finished_outside_step)
+        return (
+            bool(self._requests) or bool(self._finished_outside_step) or self._in_flight is not None
+        )
 
     @property
     def num_requests(self) -> int:
@@ -242,11 +265,20 @@ class LLMEngine:
     # --- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one forward pass; one output per request that got a token."""
+        """Schedule and run one forward pass; one output per request that got a token.
+
+        With overlapped decode the tokens of a decode step come out of the next step() call.
+        """
         outputs, self._finished_outside_step = self._finished_outside_step, []
+        if self._in_flight is not None and not self._can_launch_ahead():
+            outputs += self._settle()
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            return outputs
+            return outputs + self._settle()
+        if self._overlaps(batch):
+            return outputs + self._launch(batch)
+        if self._in_flight is not None:  # _can_launch_ahead promised an overlapping batch
+            raise RuntimeError("a step was scheduled on tokens still in flight")
         try:
             next_tokens = self.runner.execute(batch)
         except Exception as exc:  # a failed step ends its sequences, not the engine
@@ -258,6 +290,75 @@ class LLMEngine:
                 continue
             request = self._requests[entry.seq.request_id]
             delta = self._accept(request, token)
+            outputs.append(self._output(request, delta))
+        return outputs
+
+    # --- overlapped decode ------------------------------------------------------------------
+
+    def _overlaps(self, batch: ScheduledBatch) -> bool:
+        return (
+            self.overlap_decode
+            and not batch.prefills
+            and all(e.seq.params.greedy for e in batch.decodes)
+        )
+
+    def _can_launch_ahead(self) -> bool:
+        """Whether the next schedule() gives a greedy decode-only batch of every running
+        sequence on top of the in-flight tokens: nothing waits, no one can preempt, and no
+        sequence is certain to stop on its in-flight token (its length limit)."""
+        sched = self.scheduler
+        if sched.waiting or not sched.running:
+            return False
+        if len(sched.running) > sched.max_num_batched_tokens:
+            return False
+        new_blocks = 0
+        for seq in sched.running:
+            if not seq.params.greedy or seq.num_uncomputed_tokens != 1:
+                return False
+            if (
+                seq.num_output_tokens >= seq.params.max_tokens
+                or seq.num_tokens >= self.config.max_model_len
+            ):
+                return False
+            new_blocks += self.block_manager.num_new_blocks(seq, seq.num_tokens)
+        return new_blocks <= self.block_manager.num_free_blocks
+
+    def _launch(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Launch `batch` without waiting, then settle the step before it."""
+        try:
+            tokens = self.runner.launch_decode(batch)
+        except Exception as exc:
+            log.exception("engine step %d failed", batch.step)
+            return self._settle() + self._fail(batch, f"{type(exc).__name__}: {exc}")
+        index = [e.seq.num_output_tokens for e in batch.decodes]
+        self.scheduler.complete(batch, [PENDING_TOKEN] * len(batch.decodes))
+        previous, self._in_flight = self._in_flight, _InFlight(batch, tokens, index)
+        return self._settle(previous) if previous is not None else []
+
+    def _settle(self, in_flight: _InFlight | None = None) -> list[RequestOutput]:
+        """Read back an in-flight step's tokens (default: the current one) and apply them:
+        stop rules, text, outputs. Sequences that finished meanwhile drop theirs."""
+        if in_flight is None:
+            in_flight, self._in_flight = self._in_flight, None
+            if in_flight is None:
+                return []
+        outputs = []
+        tokens = in_flight.tokens.tolist()
+        for entry, token, index in zip(
+            in_flight.batch.decodes, tokens, in_flight.token_index, strict=True
+        ):
+            seq = entry.seq
+            if seq.is_finished:  # stopped on an earlier token, or aborted
+                continue
+            seq.output_token_ids[index] = token
+            # The output as it stood when this token was sampled: a later pending token,
+            # already launched, is dropped if this one stops the sequence.
+            later = seq.output_token_ids[index + 1 :]
+            del seq.output_token_ids[index + 1 :]
+            request = self._requests[seq.request_id]
+            delta = self._accept(request, token)
+            if not seq.is_finished:
+                seq.output_token_ids += later
             outputs.append(self._output(request, delta))
         return outputs
 
@@ -281,7 +382,10 @@ class LLMEngine:
     def _fail(self, batch: ScheduledBatch, error: str) -> list[RequestOutput]:
         outputs = []
         for entry in batch.entries:
+            if entry.seq.is_finished:  # stopped by the in-flight step settled just before
+                continue
             request = self._requests[entry.seq.request_id]
+            entry.seq.drop_pending_tokens()
             self.scheduler.finish(entry.seq, FinishReason.ERROR)
             outputs.append(self._output(request, error=error))
         return outputs
@@ -296,7 +400,7 @@ class LLMEngine:
             text=request.pending_text + text,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
-            usage=Usage(seq.num_prompt_tokens, seq.num_output_tokens),
+            usage=Usage(seq.num_prompt_tokens, seq.num_sampled_tokens),
             metrics=RequestMetrics(
                 seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_preemptions
             ),

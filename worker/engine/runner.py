@@ -18,6 +18,7 @@ import torch
 from worker.engine.batch import BatchMetadata
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler import ScheduledBatch
+from worker.engine.sequence import PENDING_TOKEN
 
 log = logging.getLogger(__name__)
 
@@ -63,57 +64,91 @@ class DecodeInputs:
         self.max_rows, self.max_blocks, self.block_size = max_rows, max_blocks, block_size
         self.scratch_block, self.scratch_slot = scratch_block, scratch_slot
         pin = device.type == "cuda"
-        self.host = {
-            "input_ids": torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin),
-            "positions": torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin),
-            "slot_mapping": torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin),
-            "context_lens": torch.zeros(max_rows, dtype=torch.int32, pin_memory=pin),
-            "state_slots": torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin),
-            "block_tables": torch.zeros(max_rows, max_blocks, dtype=torch.int32, pin_memory=pin),
-        }
+        # Two sets of pinned staging buffers, used in turn: with overlapped decode the host
+        # stages step N+1 while step N's upload may still be queued behind step N-1.
+        self.host_sets = [
+            {
+                "input_ids": torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin),
+                # row of the previous decode step whose sampled token this row feeds (-1: none)
+                "source_rows": torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin),
+                "positions": torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin),
+                "slot_mapping": torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin),
+                "context_lens": torch.zeros(max_rows, dtype=torch.int32, pin_memory=pin),
+                "state_slots": torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin),
+                "block_tables": torch.zeros(
+                    max_rows, max_blocks, dtype=torch.int32, pin_memory=pin
+                ),
+            }
+            for _ in range(2)
+        ]
+        self.host = self.host_sets[0]
         self.device_buffers = {k: torch.zeros_like(v, device=device) for k, v in self.host.items()}
+        # The greedy token of every row of the last padded decode step, written on the device
+        # by the step itself; the next step reads its pending input ids from here.
+        self.last_sampled = torch.zeros(max_rows, dtype=torch.int64, device=device)
         rows = torch.arange(max_rows + 1, dtype=torch.int32, device=device)
         self.cu_seqlens = rows  # one token per row
         self.logits_indices = rows[:max_rows].long()
         self.has_initial_state = torch.ones(max_rows, dtype=torch.bool, device=device)
-        self.fill_padding(0, max_rows)
+        for host in self.host_sets:
+            self.host = host
+            self.fill_padding(0, max_rows)
         self.upload()
 
     def fill_padding(self, start: int, stop: int) -> None:
         h = self.host
         h["input_ids"][start:stop] = 0
+        h["source_rows"][start:stop] = -1
         h["positions"][start:stop] = 0
         h["slot_mapping"][start:stop] = self.scratch_block * self.block_size
         h["context_lens"][start:stop] = 1
         h["state_slots"][start:stop] = self.scratch_slot
         h["block_tables"][start:stop] = self.scratch_block
 
-    def fill(self, batch: ScheduledBatch, rows: int) -> None:
+    def fill(
+        self, batch: ScheduledBatch, rows: int, sampled_rows: dict[int, int] | None = None
+    ) -> None:
         """Stage the decodes of `batch` in rows [0, B) and padding in [B, rows): one host tensor
-        per field group (this runs between graph replays, with the GPU idle)."""
-        h = self.host
-        fields: list[list[int]] = [[], [], [], [], []]  # ids, positions, slots, lens, states
-        tables: list[list[int]] = []
+        per field group, in the staging set not used by the previous step. A pending token
+        (sampled by the previous decode step, not yet read back) is fed from that step's row
+        `sampled_rows[seq_id]` of `last_sampled`, on the device."""
+        self.host = h = self.host_sets[1] if self.host is self.host_sets[0] else self.host_sets[0]
+        fields: list[list[int]] = [[], [], [], [], [], []]  # ids, sources, positions, slots,
+        tables: list[list[int]] = []  # lens, states
         for e in batch.decodes:
             seq, pos = e.seq, e.start
             table = seq.block_table
             if len(table) > self.max_blocks:
                 raise RuntimeError(f"sequence {seq.seq_id} outgrew max_model_len")
-            fields[0].append(seq.token_ids(pos, pos + 1)[0])
-            fields[1].append(pos)
-            fields[2].append(
+            token = seq.token_ids(pos, pos + 1)[0]
+            source = -1
+            if token == PENDING_TOKEN:
+                if sampled_rows is None or seq.seq_id not in sampled_rows:
+                    raise RuntimeError(f"sequence {seq.seq_id} feeds a token no step sampled")
+                token, source = 0, sampled_rows[seq.seq_id]
+            fields[0].append(token)
+            fields[1].append(source)
+            fields[2].append(pos)
+            fields[3].append(
                 table[pos // self.block_size] * self.block_size + pos % self.block_size
             )
-            fields[3].append(pos + 1)
+            fields[4].append(pos + 1)
             if seq.state_slot is None:
                 raise RuntimeError("a scheduled sequence holds no state slot")
-            fields[4].append(seq.state_slot)
+            fields[5].append(seq.state_slot)
             tables.append(table)
         b = len(tables)
         if b:
             values = torch.tensor(fields, dtype=torch.int64)
             for name, row in zip(
-                ("input_ids", "positions", "slot_mapping", "context_lens", "state_slots"),
+                (
+                    "input_ids",
+                    "source_rows",
+                    "positions",
+                    "slot_mapping",
+                    "context_lens",
+                    "state_slots",
+                ),
                 values,
                 strict=True,
             ):
@@ -130,7 +165,11 @@ class DecodeInputs:
             self.device_buffers[name][:rows].copy_(host[:rows], non_blocking=True)
 
     def input_ids(self, rows: int) -> torch.Tensor:
-        return self.device_buffers["input_ids"][:rows]
+        """The step's input ids: staged ids, or the previous step's sampled token (on device)."""
+        staged = self.device_buffers["input_ids"][:rows]
+        sources = self.device_buffers["source_rows"][:rows]
+        fed = self.last_sampled.index_select(0, sources.clamp(min=0))
+        return torch.where(sources >= 0, fed, staged)
 
     def meta(self, rows: int) -> BatchMetadata:
         d = self.device_buffers
@@ -147,6 +186,18 @@ class DecodeInputs:
             has_initial_state=self.has_initial_state[:rows],
             logits_indices=self.logits_indices[:rows],
         )
+
+
+class SampledTokens:
+    """The greedy tokens of a launched decode step, on their way to pinned host memory."""
+
+    def __init__(self, host: torch.Tensor, count: int, event: torch.cuda.Event | None) -> None:
+        self.host, self.count, self.event = host, count, event
+
+    def tolist(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host[: self.count].tolist()
 
 
 class ModelRunner:
@@ -193,6 +244,13 @@ class ModelRunner:
             )
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_error: str | None = None  # why capture failed (decode then runs eagerly)
+        # seq_id -> row of the last padded decode step (where its token is in `last_sampled`)
+        self.sampled_rows: dict[int, int] = {}
+        pin = self.device.type == "cuda"
+        self._token_buffers = [
+            torch.zeros(self.sizes[-1], dtype=torch.int64, pin_memory=pin) for _ in range(2)
+        ]
+        self._last_buffer = 1
 
     # --- eager steps ----------------------------------------------------------------------
 
@@ -255,17 +313,47 @@ class ModelRunner:
     def padded_size(self, num_decodes: int) -> int:
         return next(s for s in self.sizes if s >= num_decodes)
 
-    def decode_logits(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [B, vocab] of a decode-only batch through the padded buffers (graph or eager)."""
+    def _decode_step(self, rows: int) -> torch.Tensor:
+        """Forward + logits of the staged padded step, and its greedy tokens into
+        `last_sampled` (what CUDA graphs capture)."""
+        inputs = self.decode_inputs
+        assert inputs is not None
+        logits = self._logits(inputs.input_ids(rows), inputs.meta(rows))
+        inputs.last_sampled[:rows].copy_(torch.argmax(logits, dim=-1))
+        return logits
+
+    def _run_decode(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Stage and run a decode-only batch through the padded buffers (graph or eager)."""
         assert self.decode_inputs is not None
         rows = self.padded_size(len(batch.decodes))
-        self.decode_inputs.fill(batch, rows)
+        self.decode_inputs.fill(batch, rows, self.sampled_rows)
+        self.sampled_rows = {e.seq.seq_id: row for row, e in enumerate(batch.decodes)}
         graph = self.graphs.get(rows)
         if graph is not None:
             graph[0].replay()
             return graph[1][: len(batch.decodes)]
-        inputs = self.decode_inputs
-        return self._logits(inputs.input_ids(rows), inputs.meta(rows))[: len(batch.decodes)]
+        return self._decode_step(rows)[: len(batch.decodes)]
+
+    def decode_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits [B, vocab] of a decode-only batch through the padded buffers (graph or eager)."""
+        return self._run_decode(batch)
+
+    @torch.inference_mode()
+    def launch_decode(self, batch: ScheduledBatch) -> SampledTokens:
+        """Start a greedy decode-only step without waiting for it: its tokens stay on the device
+        (the next step feeds them itself) and come back to the host through a non-blocking copy,
+        read by `SampledTokens.tolist()` once the host needs them."""
+        assert self.decode_inputs is not None
+        self._run_decode(batch)
+        n = len(batch.decodes)
+        host = self._token_buffers[0] if self._last_buffer == 1 else self._token_buffers[1]
+        self._last_buffer = 0 if self._last_buffer == 1 else 1
+        host[:n].copy_(self.decode_inputs.last_sampled[:n], non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return SampledTokens(host, n, event)
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
@@ -283,12 +371,11 @@ class ModelRunner:
         pool = torch.cuda.graph_pool_handle()
         try:
             for rows in reversed(self.sizes):
-                ids, meta = inputs.input_ids(rows), inputs.meta(rows)
-                self._logits(ids, meta)  # warm: compile kernels, allocate lazily held buffers
+                self._decode_step(rows)  # warm: compile kernels, allocate lazily held buffers
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = self._logits(ids, meta)
+                    logits = self._decode_step(rows)
                 self.graphs[rows] = (graph, logits)
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # eager decode still works; say why graphs are off
@@ -306,6 +393,7 @@ class ModelRunner:
             logits = self.decode_logits(batch)
             sampled = self.sampler(logits, [e.seq for e in batch.decodes])
             return list(sampled)
+        self.sampled_rows = {}  # an eager step writes no `last_sampled`
         input_ids, meta = self.prepare(batch)
         rows = [i for i, e in enumerate(entries) if e.samples]
         next_tokens: list[int | None] = [None] * len(entries)

@@ -11,6 +11,11 @@ if TYPE_CHECKING:
     import torch
 
 
+# Stands in for a token sampled by a decode step the host has launched but not yet read back
+# (overlapped decode, see LLMEngine): the GPU feeds the real id to the next step itself.
+PENDING_TOKEN = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no KV blocks and no state slot
     RUNNING = "running"  # holds KV blocks and a state slot, scheduled every step
@@ -121,6 +126,19 @@ class Sequence:
         if not self.output_token_ids:
             self.first_token_time = time.perf_counter() if now is None else now
         self.output_token_ids.append(token_id)
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        """Output tokens the host has seen (not counting those still in flight)."""
+        n = len(self.output_token_ids)
+        while n and self.output_token_ids[n - 1] == PENDING_TOKEN:
+            n -= 1
+        return n
+
+    def drop_pending_tokens(self) -> None:
+        """Forget tokens still in flight (they are never emitted nor counted)."""
+        while self.output_token_ids and self.output_token_ids[-1] == PENDING_TOKEN:
+            self.output_token_ids.pop()
 
     def finish(self, reason: FinishReason, now: float | None = None) -> None:
         self.status = SequenceStatus.FINISHED
