@@ -46,6 +46,34 @@ export function replace(target, ...children) {
   return el;
 }
 
+// For live views whose content has no controls (charts, the workers table): the new content
+// is patched into the old, node by node, so what did not change stays the same element (a
+// chart's <svg> keeps its identity and only its label and lines change) and nothing flickers.
+// Not for content with listeners: a patched element keeps its old ones.
+export function patch(target, ...children) {
+  const el = typeof target === "string" ? document.getElementById(target) : target;
+  patchChildren(el, children.flat().filter((c) => c !== null && c !== undefined));
+  return el;
+}
+
+function patchChildren(el, fresh) {
+  const old = [...el.childNodes];
+  fresh.forEach((node, i) => {
+    const before = old[i];
+    if (!before) el.append(node);
+    else if (before.nodeType !== node.nodeType || before.nodeName !== node.nodeName) before.replaceWith(node);
+    else if (node.nodeType === Node.ELEMENT_NODE) patchElement(before, node);
+    else if (before.nodeValue !== node.nodeValue) before.nodeValue = node.nodeValue;
+  });
+  for (const extra of old.slice(fresh.length)) extra.remove();
+}
+
+function patchElement(el, fresh) {
+  for (const { name } of [...el.attributes]) if (!fresh.hasAttribute(name)) el.removeAttribute(name);
+  for (const { name, value } of fresh.attributes) if (el.getAttribute(name) !== value) el.setAttribute(name, value);
+  patchChildren(el, [...fresh.childNodes]);
+}
+
 function findIn(nodes, selector) {
   for (const node of nodes) {
     if (!(node instanceof Element)) continue;

@@ -2,7 +2,7 @@
 
 import { api, ApiError, items, NotAvailable, token, Unauthorized } from "./api.js";
 import { lineChart } from "./charts.js";
-import { download, fmtCompact, fmtDecimal, fmtNumber, fmtPercent, fmtSeconds, fmtSecondsShort, fmtTime, h, notAvailable, replace, table, toast } from "./dom.js";
+import { download, fmtCompact, fmtDecimal, fmtNumber, fmtPercent, fmtSeconds, fmtSecondsShort, fmtTime, h, notAvailable, patch, replace, table, toast } from "./dom.js";
 
 // Every path the page calls, in one place.
 const API = {
@@ -183,7 +183,7 @@ async function loadOverview() {
   const requests5m = sum((s) => s.requests.slice(-recent).reduce((a, b) => a + (b || 0), 0));
   const tps = sum((s) => last(s.generation_tps.slice(0, -1)) || 0); // last closed step
   const liveWorkers = workers.filter((w) => w.state === "live").length;
-  replace(
+  patch(
     "summary",
     card("Live workers", `${liveWorkers} / ${workers.length}`),
     card("SKUs with traffic", String(skus.length)),
@@ -191,10 +191,10 @@ async function loadOverview() {
     card("Output tokens/s", fmtNumber(tps, 1)),
   );
   if (!skus.length) {
-    replace("sku-charts", h("p", { class: "na" }, "No requests or workers seen yet: charts appear with the first request."));
+    patch("sku-charts", h("p", { class: "na" }, "No requests or workers seen yet: charts appear with the first request."));
     return;
   }
-  replace(
+  patch(
     "sku-charts",
     skus.map(([sku, s]) =>
       h(
@@ -259,7 +259,7 @@ async function loadWorkers() {
   } catch (err) {
     return failed("workers-table", "Workers", err);
   }
-  replace(
+  patch(
     "workers-table",
     table("Workers", [
       { label: "Worker", value: (w) => h("span", { class: "mono" }, w.worker_id) },
