@@ -14,7 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import cast
 
-from litestar.types import Receive, Scope, Send
+from litestar.types import Message, Receive, Scope, Send
 
 from control_plane.dataplane import errors
 from control_plane.dataplane.gateway import (
@@ -26,6 +26,8 @@ from control_plane.dataplane.gateway import (
     WorkerLost,
 )
 from control_plane.dataplane.responses import DONE, StreamWriter, full_response, usage
+from control_plane.dataplane.transport import ResponseOut
+from worker.protocol import TokenChunk
 
 log = logging.getLogger("tokenmill.dataplane")
 
@@ -78,9 +80,9 @@ async def serve_completion(prepare: Prepare, scope: Scope, receive: Receive, sen
         completion = await prepare(authorization, body)
         watcher = asyncio.create_task(_interrupt_on_disconnect(receive, completion.relay))
         if completion.stream:
-            await _stream(completion, send)
+            await _stream(completion, send, receive)
         else:
-            await _whole(completion, send)
+            await _whole(completion, send, receive)
     except errors.OpenAIError as exc:
         await _send_error(send, exc)
     except ClientGone:
@@ -126,7 +128,7 @@ async def _send_error(send: Send, exc: errors.OpenAIError) -> None:
         log.debug("could not send %s", exc.status)
 
 
-async def _whole(c: Completion, send: Send) -> None:
+async def _whole(c: Completion, send: Send, receive: Receive) -> None:
     text: list[str] = []
     try:
         while c.relay.finished is None:
@@ -146,43 +148,57 @@ async def _whole(c: Completion, send: Send) -> None:
         fin.finish_reason,
         u,
     )
-    await send(
-        {"type": "http.response.start", "status": 200, "headers": [*JSON_HEADERS, *c.headers]}
-    )
-    await send({"type": "http.response.body", "body": content, "more_body": False})
+    start: Message = {
+        "type": "http.response.start",
+        "status": 200,
+        "headers": [*JSON_HEADERS, *c.headers],
+    }
+    await ResponseOut(send, receive, start).write(content, more_body=False)
 
 
-async def _stream(c: Completion, send: Send) -> None:
+async def _stream(c: Completion, send: Send, receive: Receive) -> None:
     relay, w = c.relay, c.writer
+    start: Message = {
+        "type": "http.response.start",
+        "status": 200,
+        "headers": [*SSE_HEADERS, *c.headers],
+    }
+    out = ResponseOut(send, receive, start)
+    # Nothing is sent before the first chunk: a worker's refusal, or no worker at all, still
+    # gets its own status instead of an error inside a 200 stream. The first chunk goes out
+    # with the response head, from the NATS read loop when the connection allows.
+    first_written = False
+
+    def write_first(chunk: TokenChunk) -> None:
+        nonlocal first_written
+        if out.can_write_now():
+            out.write_now(w.delta(chunk.text))
+            first_written = True
+
+    relay.dispatch.write_first_chunk_with(write_first)
+    body = b""
     try:
-        # Nothing is sent before the first chunk: a worker's refusal, or no worker at all,
-        # still gets its own status instead of an error inside a 200 stream.
-        chunks = await relay.batch()
-    except (NoWorker, RequestRejected, WorkerLost, ChunkLost) as exc:
-        raise relay_error(exc, c.model) from None  # type: ignore[misc]
-    await send(
-        {"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, *c.headers]}
-    )
-    try:
+        try:
+            chunks = await relay.batch()
+        finally:
+            relay.dispatch.write_first_chunk_with(None)
+        if first_written:  # its bytes are out: the first chunk that batch() handed over
+            chunks = chunks[1:]
         while True:
             # Every chunk that is in goes out in one write (several arrive together when the
             # event loop was busy).
             body = b"".join([w.delta(chunk.text) for chunk in chunks if chunk.text])
             if relay.finished is not None:
                 break
-            if body:
-                await send({"type": "http.response.body", "body": body, "more_body": True})
+            if body or not out.started:
+                await out.write(body)
             chunks = await relay.batch()
     except (NoWorker, RequestRejected, WorkerLost, ChunkLost) as exc:
         err = relay_error(exc, c.model)
         assert err is not None
-        await send(
-            {
-                "type": "http.response.body",
-                "body": StreamWriter.error(err.to_json()),
-                "more_body": False,
-            }
-        )
+        if not out.started:
+            raise err from None
+        await out.write(StreamWriter.error(err.to_json()), more_body=False)
         return
     fin = relay.finished
     if fin.finish_reason == "error":
@@ -192,4 +208,4 @@ async def _stream(c: Completion, send: Send) -> None:
         if w.include_usage:
             body += w.usage(usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens))
         body += DONE
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    await out.write(body, more_body=False)

@@ -42,6 +42,7 @@ class Stack:
     services: Services
     plane: DataPlane
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    server: uvicorn.Server | None = None  # for tests that look at the connections
 
     @property
     def v1(self) -> str:
@@ -168,7 +169,7 @@ async def running_stack(
         await asyncio.sleep(0.02)
     plane = services.extra["dataplane"]
     assert isinstance(plane, DataPlane)
-    stack = Stack(f"http://127.0.0.1:{port}", nats_url, prefix, services, plane)
+    stack = Stack(f"http://127.0.0.1:{port}", nats_url, prefix, services, plane, server=server)
     try:
         yield stack
     finally:

@@ -12,7 +12,13 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from control_plane.dataplane.dispatch import NoWorker, WorkerClient, WorkerLost, WorkerRegistry
+from control_plane.dataplane.dispatch import (
+    ClientGone,
+    NoWorker,
+    WorkerClient,
+    WorkerLost,
+    WorkerRegistry,
+)
 from control_plane.embedded import EmbeddedNats
 from worker import protocol as p
 
@@ -117,4 +123,86 @@ async def test_a_live_worker_gone_silent_on_a_request_fails_it(
             got.append(chunk.text)
     assert got == ["a"] and d.completion_tokens == 1 and d.worker_id == "w1"
     beating.cancel()
+    await client.close()
+
+
+def scripted_worker(nc: NATS, texts: list[str], go: asyncio.Event) -> object:
+    """A worker that, once `go` is set, accepts and sends `texts` as chunks, then Finished."""
+
+    async def answer(msg: Msg) -> None:
+        req = p.decode_request(msg.data)
+        await go.wait()
+        rid = req.request_id
+        await nc.publish(req.reply_to, p.encode(p.Accepted(request_id=rid, worker_id="w1")))
+        for i, text in enumerate(texts):
+            chunk = p.TokenChunk(
+                request_id=rid, seq=i, text=text, completion_tokens=i + 1, prompt_tokens=2
+            )
+            await nc.publish(req.reply_to, p.encode(chunk))
+        fin = p.Finished(
+            request_id=rid,
+            seq=len(texts),
+            prompt_tokens=2,
+            cached_tokens=0,
+            completion_tokens=len(texts),
+            finish_reason="stop",
+        )
+        await nc.publish(req.reply_to, p.encode(fin))
+
+    return answer
+
+
+async def test_the_first_chunk_is_offered_in_the_read_loop_and_still_relayed(
+    nc: NATS, stream_prefix: str
+) -> None:
+    go = asyncio.Event()
+    go.set()
+    await nc.subscribe(
+        p.work_subject(stream_prefix, "sku_first"),
+        queue="q",
+        cb=scripted_worker(nc, ["a", "b", "c"], go),  # type: ignore[arg-type]
+    )
+    client = await started(nc, stream_prefix)
+    d = await client.dispatch(request("sku_first"))
+    offered: list[tuple[int, str, int]] = []
+    # Called in the read loop: before the consumer below has taken anything.
+    d.write_first_chunk_with(lambda c: offered.append((c.seq, c.text, d.completion_tokens)))
+    got = [chunk.text async for chunk in d.chunks()]
+    assert offered == [(0, "a", 0)]  # once, the first chunk only
+    # ...and it is relayed and counted like the others.
+    assert got == ["a", "b", "c"] and d.completion_tokens == 3 and d.gaps == 0
+    await client.close()
+
+
+async def test_the_first_chunk_is_not_offered_behind_an_interrupt_or_an_empty_chunk(
+    nc: NATS, stream_prefix: str
+) -> None:
+    go = asyncio.Event()
+    await nc.subscribe(
+        p.work_subject(stream_prefix, "sku_late"),
+        queue="q",
+        cb=scripted_worker(nc, ["", "b"], go),  # type: ignore[arg-type]
+    )
+    client = await started(nc, stream_prefix)
+    offered: list[p.TokenChunk] = []
+
+    # A chunk without text (a multibyte character pending) is not offered, nor any after it.
+    d = await client.dispatch(request("sku_late"))
+    d.write_first_chunk_with(offered.append)
+    go.set()
+    while d.finished is None:
+        await d.batch()
+    assert offered == [] and d.completion_tokens == 2
+
+    # The client hung up before the first chunk came: the writer must not start a response.
+    go.clear()
+    d = await client.dispatch(request("sku_late"))
+    d.write_first_chunk_with(offered.append)
+    d.interrupt()
+    go.set()
+    with pytest.raises(ClientGone):
+        await d.batch()
+    while d.finished is None:
+        await d.batch()
+    assert offered == [] and d.completion_tokens == 2
     await client.close()
