@@ -306,12 +306,14 @@ def default_tiling(n: int, k: int) -> DecodeTiling:
     """The fp8 tiling without a sweep, from the H200 sweep (gpu_suite_run3.json): 32-channel
     tiles (mma.sync; the 64-channel wgmma tilings, which widen fp8 from shared memory two bytes
     at a time, ran at 40-60% of copy bandwidth) with ~3 programs per SM; a head-sized N (thousands
-    of column tiles) runs best on the w8a16 kernel in one launch (93%)."""
+    of column tiles) runs best on the w8a16 kernel in one launch (93%). Shapes of <= 20k rows
+    run with 2 warps per program (gpu_suite_run4.json: 4-10% faster than 4 warps on all four,
+    e.g. out/o 13.7 vs 14.3 us, attention q|k|v 22.9 vs 25.2 us)."""
     if triton.cdiv(n, _DECODE_BN) >= 8 * 132:
         return DecodeTiling(two_pass=True, splits=1)
     tiles = triton.cdiv(n, 32)
     splits = max(1, min(triton.cdiv(3 * 132, tiles), triton.cdiv(k, _DECODE_BK) // 4))
-    return DecodeTiling(32, _DECODE_BK, splits, 4, 4)
+    return DecodeTiling(32, _DECODE_BK, splits, 2 if n <= 20_000 else 4, 4)
 
 
 def programs_per_sm(tiling: DecodeTiling, weight_bytes: int = 1) -> int:
