@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from control_plane.embedded import EmbeddedNats, EmbeddedPostgres
+from tests.databases import fresh_database
 
 
 @pytest.fixture(scope="session")
@@ -45,24 +46,5 @@ def stream_prefix() -> str:
 @pytest.fixture()
 def database_url(postgres_server: EmbeddedPostgres) -> Iterator[str]:
     """A fresh database per test on the shared server."""
-    import subprocess
-
-    from control_plane.embedded import _pg_bin
-
-    name = "t_" + uuid.uuid4().hex[:12]
-    psql = [
-        str(_pg_bin() / "psql"),
-        "-h",
-        "127.0.0.1",
-        "-p",
-        str(postgres_server.port),
-        "-U",
-        "postgres",
-        "-d",
-        "postgres",
-    ]
-    subprocess.run([*psql, "-c", f'CREATE DATABASE "{name}"'], check=True, capture_output=True)
-    yield f"postgresql://postgres@127.0.0.1:{postgres_server.port}/{name}"
-    subprocess.run(
-        [*psql, "-c", f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'], capture_output=True
-    )
+    with fresh_database(postgres_server, "t_") as url:
+        yield url

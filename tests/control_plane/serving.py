@@ -13,8 +13,9 @@ from control_plane.embedded import free_port
 
 
 @contextlib.asynccontextmanager
-async def served(app: Any) -> AsyncIterator[str]:
-    """Serve the ASGI `app` with uvicorn (lifespan on) on a free port; yields its base URL."""
+async def serving(app: Any) -> AsyncIterator[tuple[str, uvicorn.Server]]:
+    """Serve the ASGI `app` with uvicorn (lifespan on) on a free port; yields its base URL and
+    the server (for tests that look at its connections)."""
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
@@ -27,7 +28,14 @@ async def served(app: Any) -> AsyncIterator[str]:
             raise RuntimeError("uvicorn exited before it started")
         await asyncio.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", server
     finally:
         server.should_exit = True
         await task
+
+
+@contextlib.asynccontextmanager
+async def served(app: Any) -> AsyncIterator[str]:
+    """Serve the ASGI `app` as `serving` does; yields only its base URL."""
+    async with serving(app) as (base_url, _server):
+        yield base_url

@@ -3,14 +3,14 @@ seconds, and each test makes its own tenant and key, so tests do not see each ot
 
 from __future__ import annotations
 
-import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
-from control_plane.embedded import EmbeddedNats, EmbeddedPostgres, _pg_bin
+from control_plane.embedded import EmbeddedNats, EmbeddedPostgres
+from tests.databases import fresh_database
 from tests.dataplane.harness import Stack, running_stack
 
 # Tokens per second of the fixed-rate worker in these tests, per request.
@@ -19,23 +19,8 @@ RATE = 200.0
 
 @pytest.fixture(scope="module")
 def module_database_url(postgres_server: EmbeddedPostgres) -> Iterator[str]:
-    name = "dp_" + uuid.uuid4().hex[:12]
-    psql = [
-        str(_pg_bin() / "psql"),
-        "-h",
-        "127.0.0.1",
-        "-p",
-        str(postgres_server.port),
-        "-U",
-        "postgres",
-        "-d",
-        "postgres",
-    ]
-    subprocess.run([*psql, "-c", f'CREATE DATABASE "{name}"'], check=True, capture_output=True)
-    yield f"postgresql://postgres@127.0.0.1:{postgres_server.port}/{name}"
-    subprocess.run(
-        [*psql, "-c", f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'], capture_output=True
-    )
+    with fresh_database(postgres_server, "dp_") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -23,9 +23,9 @@ import uvicorn
 
 from control_plane.app import create_app, load_extensions
 from control_plane.dataplane.routes import DataPlane
-from control_plane.embedded import free_port
 from control_plane.services import Services
 from control_plane.settings import Settings
+from tests.control_plane.serving import serving
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN_TOKEN = "tmadm_test"
@@ -159,22 +159,15 @@ async def running_stack(
         else:
             os.environ["TOKENMILL_GATEWAY_WORKER_DEAD_S"] = saved
     app = create_app(services, extensions=extensions, run_projectors=True)
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    )
-    serving = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not serving.done(), "uvicorn did not start"
-        await asyncio.sleep(0.02)
     plane = services.extra["dataplane"]
     assert isinstance(plane, DataPlane)
-    stack = Stack(f"http://127.0.0.1:{port}", nats_url, prefix, services, plane, server=server)
     try:
-        yield stack
+        async with serving(app) as (base_url, server):
+            stack = Stack(base_url, nats_url, prefix, services, plane, server=server)
+            try:
+                yield stack
+            finally:
+                for proc in stack.workers:
+                    stop_process(proc)
     finally:
-        for proc in stack.workers:
-            stop_process(proc)
-        server.should_exit = True
-        await serving
         await services.close()
