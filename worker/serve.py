@@ -29,6 +29,7 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from control_plane.settings import env, env_float
 from events.usage import RequestFinished, dedupe_id, encode_usage, usage_subject
 from worker import protocol as p
 from worker.backends import Backend, InvalidRequest, make_backend
@@ -36,40 +37,36 @@ from worker.backends import Backend, InvalidRequest, make_backend
 log = logging.getLogger("tokenmill.worker")
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(name) or default
-
-
 @dataclass(frozen=True)
 class WorkerSettings:
     # TOKENMILL_NATS_URL: the NATS server (JetStream enabled) shared with the control plane.
     nats_url: str = field(
-        default_factory=lambda: _env("TOKENMILL_NATS_URL", "nats://127.0.0.1:4222")
+        default_factory=lambda: env("TOKENMILL_NATS_URL", "nats://127.0.0.1:4222")
     )
     # TOKENMILL_STREAM_PREFIX: the install's subject and stream prefix.
-    stream_prefix: str = field(default_factory=lambda: _env("TOKENMILL_STREAM_PREFIX", "TM"))
+    stream_prefix: str = field(default_factory=lambda: env("TOKENMILL_STREAM_PREFIX", "TM"))
     # TOKENMILL_WORKER_SKU: the SKU id this worker serves.
-    sku_id: str = field(default_factory=lambda: _env("TOKENMILL_WORKER_SKU", ""))
+    sku_id: str = field(default_factory=lambda: env("TOKENMILL_WORKER_SKU", ""))
     # TOKENMILL_WORKER_MODEL: the model name written into usage events.
-    model: str = field(default_factory=lambda: _env("TOKENMILL_WORKER_MODEL", ""))
+    model: str = field(default_factory=lambda: env("TOKENMILL_WORKER_MODEL", ""))
     # TOKENMILL_WORKER_BACKEND: torch_runtime | openai_proxy | fixed_rate.
-    backend: str = field(default_factory=lambda: _env("TOKENMILL_WORKER_BACKEND", "torch_runtime"))
+    backend: str = field(default_factory=lambda: env("TOKENMILL_WORKER_BACKEND", "torch_runtime"))
     # TOKENMILL_WORKER_CONFIG: the backend's keyword config as JSON.
     backend_config: dict[str, Any] = field(
-        default_factory=lambda: json.loads(_env("TOKENMILL_WORKER_CONFIG", "{}"))
+        default_factory=lambda: json.loads(env("TOKENMILL_WORKER_CONFIG", "{}"))
     )
     # TOKENMILL_WORKER_ID: stable id in usage events and presence; default host-pid-random.
     worker_id: str = field(
-        default_factory=lambda: _env(
+        default_factory=lambda: env(
             "TOKENMILL_WORKER_ID", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         )
     )
     # TOKENMILL_WORKER_HEARTBEAT_S: heartbeat period; gateways call a worker dead after a few missed.
     heartbeat_s: float = field(
-        default_factory=lambda: float(_env("TOKENMILL_WORKER_HEARTBEAT_S", "0.5"))
+        default_factory=lambda: env_float("TOKENMILL_WORKER_HEARTBEAT_S", 0.5)
     )
     # TOKENMILL_WORKER_DRAIN_S: on SIGTERM, how long in-flight requests may run before cancel.
-    drain_s: float = field(default_factory=lambda: float(_env("TOKENMILL_WORKER_DRAIN_S", "10")))
+    drain_s: float = field(default_factory=lambda: env_float("TOKENMILL_WORKER_DRAIN_S", 10.0))
 
 
 class Worker:

@@ -52,6 +52,7 @@ from control_plane.dataplane.dispatch import (
     WorkerLost,
     WorkerRegistry,
 )
+from control_plane.settings import env_float
 from events.usage import (
     FinishReason,
     GatewayDelivered,
@@ -66,26 +67,21 @@ from worker import protocol as p
 log = logging.getLogger("tokenmill.gateway")
 
 
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    return float(value) if value not in (None, "") else default
-
-
 @dataclass(frozen=True)
 class GatewaySettings:
     # TOKENMILL_GATEWAY_WORKER_DEAD_S: a worker silent this long (no heartbeat) is dead, and
     # its in-flight requests end with an error (metered with what was relayed).
     worker_dead_after_s: float = field(
-        default_factory=lambda: _env_float("TOKENMILL_GATEWAY_WORKER_DEAD_S", 3.0)
+        default_factory=lambda: env_float("TOKENMILL_GATEWAY_WORKER_DEAD_S", 3.0)
     )
     # TOKENMILL_GATEWAY_ACCEPT_TIMEOUT_S: a request no worker accepted by then is failed.
     accept_timeout_s: float = field(
-        default_factory=lambda: _env_float("TOKENMILL_GATEWAY_ACCEPT_TIMEOUT_S", 5.0)
+        default_factory=lambda: env_float("TOKENMILL_GATEWAY_ACCEPT_TIMEOUT_S", 5.0)
     )
     # TOKENMILL_GATEWAY_SILENCE_TIMEOUT_S: a request whose live worker sent nothing for this
     # long is failed (its replies were lost); longer than any prefill.
     silence_timeout_s: float = field(
-        default_factory=lambda: _env_float("TOKENMILL_GATEWAY_SILENCE_TIMEOUT_S", 300.0)
+        default_factory=lambda: env_float("TOKENMILL_GATEWAY_SILENCE_TIMEOUT_S", 300.0)
     )
     # TOKENMILL_GATEWAY_ID: this replica's id in GatewayDelivered; default host-pid-random.
     gateway_id: str = field(
