@@ -273,7 +273,7 @@ def conv_cases() -> list[Case]:
         return {
             "x": bf16(BATCH * PROMPT, CONV_DIM),
             "w": bf16(CONV_DIM, CONV_K),
-            "cu": torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda").int(),
+            "cu": reference.cu_seqlens_of(lens, "cuda"),
             "state": bf16(slots, CONV_DIM, CONV_K - 1),
             "slots": torch.randperm(slots, device="cuda")[:BATCH],
             "init": torch.zeros(BATCH, dtype=torch.bool, device="cuda"),
@@ -366,8 +366,7 @@ def delta_cases() -> list[Case]:
     def make_prefill() -> Inputs:
         inputs = delta_inputs(BATCH * PROMPT, BATCH)
         lens = [PROMPT] * BATCH
-        inputs["cu"] = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
-        inputs["cu"] = inputs["cu"].int()
+        inputs["cu"] = reference.cu_seqlens_of(lens, "cuda")
         inputs["init"] = torch.zeros(BATCH, dtype=torch.bool, device="cuda")
         return inputs
 

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from tests.worker.numerics import rel_err  # noqa: E402
 from worker.kernels import ops, reference  # noqa: E402
 from worker.kernels.triton.activations import gdn_gates, silu_mul  # noqa: E402
 from worker.kernels.triton.fp8_gemm import DecodeTiling, _arrivals, w8_gemv  # noqa: E402
@@ -27,12 +28,6 @@ from worker.models.presets import PRESETS  # noqa: E402
 
 GPU = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "non-finite output"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 # ---------------------------------------------------------------- one-launch FP8 GEMV

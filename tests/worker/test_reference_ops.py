@@ -53,7 +53,7 @@ def test_apply_rotary_matches_complex_rotation(rotary_dim: int) -> None:
 
 def _split(total: int, pieces: list[int]) -> torch.Tensor:
     assert sum(pieces) == total
-    return torch.tensor([0, *torch.tensor(pieces).cumsum(0).tolist()], dtype=torch.int32)
+    return reference.cu_seqlens_of(pieces)
 
 
 @pytest.mark.parametrize("lengths", [[1], [5, 2, 9], [3, 1]])

@@ -21,7 +21,9 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from tests.worker.numerics import rel_err  # noqa: E402
 from worker.kernels import ops, reference  # noqa: E402
+from worker.kernels.reference import cu_seqlens_of  # noqa: E402
 from worker.kernels.triton import (  # noqa: E402
     causal_conv1d_prefill,
     causal_conv1d_update,
@@ -34,18 +36,6 @@ from worker.kernels.triton import (  # noqa: E402
 
 GPU = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "non-finite output"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def cu_seqlens_of(lengths: list[int], device: str) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32).to(
-        device
-    )
 
 
 # ---------------------------------------------------------------- norms

@@ -16,6 +16,13 @@ import torch.nn.functional as F
 _ACTIVATIONS = {"silu": F.silu, None: lambda t: t}
 
 
+def cu_seqlens_of(lengths: list[int], device: str | torch.device = "cpu") -> torch.Tensor:
+    """The int32 `cu_seqlens` [B + 1] of sequences of these lengths laid end to end."""
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32).to(
+        device
+    )
+
+
 def _lens(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     bounds = cu_seqlens.tolist()
     return list(zip(bounds[:-1], bounds[1:], strict=True))
