@@ -3,6 +3,8 @@ configs of each family for CPU tests and benchmarks that must finish in seconds.
 
 from __future__ import annotations
 
+from typing import Any
+
 from worker.models.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 
 
@@ -38,8 +40,8 @@ QWEN3_6_27B = ModelConfig(
     linear_conv_kernel_dim=4,
 )
 
-TINY_QWEN3_5 = QWEN3_6_27B.replace(
-    name="tiny-qwen3.5",
+# The shape the tiny configs share: small enough for CPU tests, every op still exercised.
+_TINY_SHAPE: dict[str, Any] = dict(
     vocab_size=512,
     hidden_size=128,
     intermediate_size=256,
@@ -48,6 +50,11 @@ TINY_QWEN3_5 = QWEN3_6_27B.replace(
     num_key_value_heads=2,
     head_dim=32,
     max_position_embeddings=4096,
+)
+
+TINY_QWEN3_5 = QWEN3_6_27B.replace(
+    name="tiny-qwen3.5",
+    **_TINY_SHAPE,
     layer_types=_every_fourth_full(4),
     linear_num_key_heads=2,
     linear_num_value_heads=4,
@@ -58,16 +65,9 @@ TINY_QWEN3_5 = QWEN3_6_27B.replace(
 TINY_LLAMA = ModelConfig(
     family="llama",
     name="tiny-llama",
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
     rope_theta=10_000.0,
-    max_position_embeddings=4096,
     tie_word_embeddings=True,
+    **_TINY_SHAPE,
 )
 
 PRESETS = {c.name: c for c in (QWEN3_6_27B, TINY_QWEN3_5, TINY_LLAMA)}
