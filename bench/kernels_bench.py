@@ -334,6 +334,15 @@ def delta_cases() -> list[Case]:
     scale = DK**-0.5
     state_bytes = BATCH * HV * DK * DV * 4
     decode_bytes = 2 * state_bytes + BATCH * (2 * HK * DK + 2 * HV * DV) * 2 + BATCH * HV * 6
+
+    # the positional arguments the kernels and their references share
+    def decode_args(i: Inputs) -> tuple[Any, ...]:
+        return i["q"], i["k"], i["v"], i["g"], i["beta"], i["state"], i["slots"], scale, True
+
+    def prefill_args(i: Inputs) -> tuple[Any, ...]:
+        qkv_gates = i["q"], i["k"], i["v"], i["g"], i["beta"]
+        return *qkv_gates, i["cu"], i["state"], i["slots"], i["init"], scale, True
+
     cases = []
     for block_v, warps in ((32, 4), (64, 4), (64, 8), (32, 2)):
         cases.append(
@@ -342,21 +351,9 @@ def delta_cases() -> list[Case]:
                 f"B={BATCH} Hv={HV} {DK}x{DV}",
                 lambda: delta_inputs(BATCH, BATCH),
                 lambda i, bv=block_v, w=warps: gated_delta_rule_decode(
-                    i["q"],
-                    i["k"],
-                    i["v"],
-                    i["g"],
-                    i["beta"],
-                    i["state"],
-                    i["slots"],
-                    scale,
-                    True,
-                    block_v=bv,
-                    num_warps=w,
-                ),  # fmt: skip
-                lambda i: reference.gated_delta_rule_decode(
-                    i["q"], i["k"], i["v"], i["g"], i["beta"], i["state"], i["slots"], scale, True
+                    *decode_args(i), block_v=bv, num_warps=w
                 ),
+                lambda i: reference.gated_delta_rule_decode(*decode_args(i)),
                 bytes_moved=decode_bytes,
                 flops=BATCH * HV * DK * DV * 8,
                 mutated=("state",),
@@ -392,36 +389,14 @@ def delta_cases() -> list[Case]:
                 f"{BATCH}x{PROMPT} tok, Hv={HV}",
                 make_prefill,
                 lambda i, c=chunk, bv=block_v, d=dot16, pw=pw, sw=sw: gated_delta_rule_prefill(
-                    i["q"],
-                    i["k"],
-                    i["v"],
-                    i["g"],
-                    i["beta"],
-                    i["cu"],
-                    i["state"],
-                    i["slots"],
-                    i["init"],
-                    scale,
-                    True,
+                    *prefill_args(i),
                     chunk_size=c,
                     block_v=bv,
                     dot16=d,
                     prepare_warps=pw,
                     scan_warps=sw,
-                ),  # fmt: skip
-                lambda i: reference.gated_delta_rule_prefill_chunked(
-                    i["q"],
-                    i["k"],
-                    i["v"],
-                    i["g"],
-                    i["beta"],
-                    i["cu"],
-                    i["state"],
-                    i["slots"],
-                    i["init"],
-                    scale,
-                    True,
-                ),  # fmt: skip
+                ),
+                lambda i: reference.gated_delta_rule_prefill_chunked(*prefill_args(i)),
                 bytes_moved=io_bytes,
                 flops=flops,
                 mutated=("state",),
