@@ -68,6 +68,20 @@ async def read_head(sock: socket.socket) -> tuple[dict[str, str], bytes]:
     return {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}, rest
 
 
+async def backed_up_stream(
+    stack: Stack, sku: dict[str, Any]
+) -> tuple[socket.socket, Any, str, bytes]:
+    """A streamed chat request over a connection whose both socket buffers are 4 KiB, so a
+    client that stops reading backs the answer up quickly: (client socket, server transport,
+    request id, the bytes read past the response head)."""
+    _, key = await stack.tenant_with_key()
+    sock, transport = await connect(stack, rcvbuf=4096)
+    transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    await asyncio.get_running_loop().sock_sendall(sock, chat_request(key["key"], sku["name"]))
+    headers, rest = await read_head(sock)
+    return sock, transport, headers["x-request-id"], rest
+
+
 def sse_text(body: bytes) -> str:
     """The content of a chunked SSE chat stream, checking it ends with [DONE]."""
     raw, payload = body, b""
@@ -121,13 +135,8 @@ async def test_the_head_and_the_first_token_go_out_in_one_write(
 async def test_a_client_that_stops_reading_is_backed_up_not_buffered_and_metered_exactly(
     stack: Stack, fast_sku: dict[str, Any]
 ) -> None:
-    _, key = await stack.tenant_with_key()
     loop = asyncio.get_running_loop()
-    sock, transport = await connect(stack, rcvbuf=4096)
-    transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    await loop.sock_sendall(sock, chat_request(key["key"], fast_sku["name"]))
-    headers, rest = await read_head(sock)
-    request_id = headers["x-request-id"]
+    sock, transport, request_id, rest = await backed_up_stream(stack, fast_sku)
 
     # The client reads nothing more while the worker produces the whole answer.
     buffered = [0]
@@ -158,13 +167,7 @@ async def test_a_client_that_stops_reading_is_backed_up_not_buffered_and_metered
 async def test_a_client_that_stops_reading_then_hangs_up_is_metered_exactly(
     stack: Stack, fast_sku: dict[str, Any]
 ) -> None:
-    _, key = await stack.tenant_with_key()
-    loop = asyncio.get_running_loop()
-    sock, transport = await connect(stack, rcvbuf=4096)
-    transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    await loop.sock_sendall(sock, chat_request(key["key"], fast_sku["name"]))
-    headers, _ = await read_head(sock)
-    request_id = headers["x-request-id"]
+    sock, _, request_id, _ = await backed_up_stream(stack, fast_sku)
     await asyncio.sleep(0.1)  # mid-answer, backed up
     sock.close()
     row = await stack.ledger_row(request_id)
