@@ -28,39 +28,17 @@ from typing import Any
 import httpx
 import pytest
 
-from control_plane.app import create_app, load_extensions
 from control_plane.embedded import EmbeddedNats, free_port
-from control_plane.services import Services
-from control_plane.settings import Settings
 from pricing.periods import BillingPeriod
-from tests.control_plane.serving import served
-from tests.dataplane.harness import ADMIN_TOKEN, Stack, stop_process
+from tests.dataplane.harness import ADMIN_TOKEN, Stack, running_stack, stop_process
 
 
 @pytest.fixture()
 async def stack(
     nats_server: EmbeddedNats, database_url: str, stream_prefix: str, tmp_path: Path
 ) -> AsyncIterator[Stack]:
-    settings = Settings(
-        data_dir=tmp_path,
-        nats_url=nats_server.url,
-        database_url=database_url,
-        stream_prefix=stream_prefix,
-        admin_token=ADMIN_TOKEN,
-    )
-    services = await Services.connect(settings, ADMIN_TOKEN)
-    app = create_app(services, extensions=load_extensions(services), run_projectors=True)
-    try:
-        async with served(app) as base_url:
-            plane = services.extra["dataplane"]
-            s = Stack(base_url, nats_server.url, stream_prefix, services, plane)
-            try:
-                yield s
-            finally:
-                for proc in s.workers:
-                    stop_process(proc)
-    finally:
-        await services.close()
+    async with running_stack(nats_server.url, database_url, stream_prefix, tmp_path) as s:
+        yield s
 
 
 async def chat(base_url: str, key: str, model: str) -> httpx.Response:
