@@ -17,13 +17,7 @@ presets = pytest.importorskip("worker.models.presets")
 from worker.models import build_random  # noqa: E402
 from worker.models.cache import AttentionCache  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_padded_sizes():

@@ -17,13 +17,7 @@ from worker.models import build_random  # noqa: E402
 MAX_TOKENS = 10
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny matmuls: a second intra-op thread only adds contention on a busy 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def prompts(vocab: int) -> list[list[int]]:
