@@ -104,30 +104,30 @@ class Stack:
         self, request_ids: list[str], within: float = 15.0
     ) -> dict[str, dict[str, Any]]:
         """The usage_ledger rows of these requests, once the projection has written them all."""
-        deadline = time.monotonic() + within
-        while True:
-            rows = await self.services.pool.fetch(
-                "SELECT * FROM usage_ledger WHERE request_id = ANY($1)", request_ids
-            )
-            if len(rows) == len(set(request_ids)) or time.monotonic() > deadline:
-                found = {r["request_id"]: dict(r) for r in rows}
-                missing = set(request_ids) - set(found)
-                assert not missing, f"not in the ledger after {within}s: {sorted(missing)[:5]}"
-                return found
-            await asyncio.sleep(0.05)
+        found = await self._rows_of("usage_ledger", request_ids, within)
+        missing = set(request_ids) - set(found)
+        assert not missing, f"not in the ledger after {within}s: {sorted(missing)[:5]}"
+        return found
 
     async def delivery_rows(
         self, request_ids: list[str], within: float = 15.0
     ) -> dict[str, dict[str, Any]]:
+        found = await self._rows_of("gateway_deliveries", request_ids, within)
+        assert len(found) == len(set(request_ids)), "gateway deliveries missing"
+        return found
+
+    async def _rows_of(
+        self, table: str, request_ids: list[str], within: float
+    ) -> dict[str, dict[str, Any]]:
+        """The table's rows of these requests by request id: all of them, or those there are
+        after `within` seconds."""
         deadline = time.monotonic() + within
         while True:
             rows = await self.services.pool.fetch(
-                "SELECT * FROM gateway_deliveries WHERE request_id = ANY($1)", request_ids
+                f"SELECT * FROM {table} WHERE request_id = ANY($1)", request_ids
             )
             if len(rows) == len(set(request_ids)) or time.monotonic() > deadline:
-                found = {r["request_id"]: dict(r) for r in rows}
-                assert len(found) == len(set(request_ids)), "gateway deliveries missing"
-                return found
+                return {r["request_id"]: dict(r) for r in rows}
             await asyncio.sleep(0.05)
 
 
