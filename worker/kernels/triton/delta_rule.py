@@ -132,19 +132,6 @@ def gated_delta_rule_decode(
     return o
 
 
-@triton.jit
-def _load_rows(ptr, rows, valid, stride_t, head_offset, offs):
-    """The tile [rows, offs] of one head of a [T, H, D] tensor in fp32; invalid rows read 0."""
-    p = ptr + rows[:, None] * stride_t + head_offset + offs[None, :]
-    return tl.load(p, mask=valid[:, None], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _l2norm_rows(x):
-    """Each row of a [N, D] tile over its L2 norm (the reference's eps)."""
-    return x / tl.sqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
-
-
 @kernel
 def _wy_prepare_kernel(
     k,
@@ -192,10 +179,18 @@ def _wy_prepare_kernel(
     b_g = tl.load(g + rows * HV + hv, mask=valid, other=0.0).to(tl.float32)
     b_gc = tl.cumsum(b_g, 0)
     b_beta = tl.load(beta + rows * HV + hv, mask=valid, other=0.0).to(tl.float32)
-    b_k = _load_rows(k, rows, valid, stride_kt, hk * stride_kh, offs_k)
+    b_k = tl.load(
+        k + rows[:, None] * stride_kt + hk * stride_kh + offs_k[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    ).to(tl.float32)
     if USE_L2NORM:
-        b_k = _l2norm_rows(b_k)
-    b_v = _load_rows(v, rows, valid, stride_vt, hv * stride_vh, offs_v)
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
+    b_v = tl.load(
+        v + rows[:, None] * stride_vt + hv * stride_vh + offs_v[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    ).to(tl.float32)
 
     # A: strictly lower triangle of beta_i k_i.k_j exp(gc_i - gc_j)
     i_idx = tl.arange(0, BT)[:, None]
@@ -276,11 +271,19 @@ def _chunk_scan_kernel(
     for chunk in range(0, tl.cdiv(eos - bos, BT)):
         rows = bos + chunk * BT + tl.arange(0, BT)
         valid = rows < eos
-        b_q = _load_rows(q, rows, valid, stride_qt, hk * stride_qh, offs_k)
-        b_k = _load_rows(k, rows, valid, stride_kt, hk * stride_kh, offs_k)
+        b_q = tl.load(
+            q + rows[:, None] * stride_qt + hk * stride_qh + offs_k[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        b_k = tl.load(
+            k + rows[:, None] * stride_kt + hk * stride_kh + offs_k[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        ).to(tl.float32)
         if USE_L2NORM:
-            b_q = _l2norm_rows(b_q)
-            b_k = _l2norm_rows(b_k)
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None]
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
         b_q = b_q * scale
         b_gc = tl.load(gc + rows * HV + hv, mask=valid, other=0.0)
         b_w = tl.load(
