@@ -63,6 +63,37 @@ def test_w8_gemv_matches_reference(m, n, k, tiling) -> None:
     check_gemv(m, n, k, tiling, "cpu")
 
 
+def block_quantized_x(x: torch.Tensor, bk: int) -> torch.Tensor:
+    """x rounded as the W8A8 GEMV rounds it: e4m3 per row over each BK-column block."""
+    m, k = x.shape
+    pad = -k % bk
+    blocks = torch.nn.functional.pad(x.float(), (0, pad)).view(m, -1, bk)
+    scale = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 448.0
+    rounded = (blocks / scale).to(torch.float8_e4m3fn).float() * scale
+    return rounded.view(m, -1)[:, :k]
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "tiling"),
+    [
+        (8, 64, 512, DecodeTiling(64, 128, 1, 4, 2, act_fp8=True)),  # wgmma-sized tile
+        (5, 40, 600, DecodeTiling(16, 64, 3, act_fp8=True)),  # ragged K, 3 splits, N < BN
+        (8, 70, 512, DecodeTiling(32, 128, 4, act_fp8=True, prefetch_k=1024)),  # no PDL on CPU
+    ],
+)
+def test_w8a8_gemv_rounds_x_per_block_and_matches_the_emulation(m, n, k, tiling) -> None:
+    torch.manual_seed(m + n + k)
+    q, scale = quantize_weight(torch.randn(n, k) * 0.02)
+    x = torch.randn(m, k).bfloat16()
+    x[0, : k // 2] *= 50  # an outlier block: its own scale, the row's other blocks keep theirs
+    out = w8_gemv(x, q, scale, None, tiling)
+    emulated = reference.fp8_linear(block_quantized_x(x, tiling.bk), q, scale, None)
+    # the kernel rounds ties away from zero (the emulation's cast to even) and outputs bf16
+    assert rel_err(out, emulated) < 1.5e-2
+    exact = reference.fp8_linear(x, q, scale, None)
+    assert 5e-3 < rel_err(out, exact) < 4e-2  # x really went through e4m3, and only that
+
+
 def test_gemv_with_16bit_weights_matches_linear() -> None:
     torch.manual_seed(7)
     w, x, bias = torch.randn(70, 512) * 0.02, torch.randn(8, 512), torch.randn(70)

@@ -19,6 +19,7 @@ from worker.engine.batch import BatchMetadata
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine.sequence import PENDING_TOKEN
+from worker.kernels.pdl import pdl_enabled, set_pdl
 
 log = logging.getLogger(__name__)
 
@@ -381,6 +382,14 @@ class ModelRunner:
         except Exception as exc:  # eager decode still works; say why graphs are off
             self.graphs.clear()
             self.graph_error = f"{type(exc).__name__}: {exc}"
+            if pdl_enabled(self.device):  # a driver that cannot capture PDL edges: without
+                log.warning("CUDA graph capture failed with PDL launches; retrying without")
+                set_pdl(False)
+                self.graph_error = None
+                self.capture_graphs()
+                if self.graph_error is None:
+                    self.graph_error = f"captured without PDL ({type(exc).__name__}: {exc})"
+                return
             log.exception("CUDA graph capture failed; decode runs eagerly")
 
     # --- one step -------------------------------------------------------------------------

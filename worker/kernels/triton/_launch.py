@@ -11,14 +11,19 @@ interpreter for the duration of a CPU launch.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
+
+from worker.kernels.pdl import pdl_enabled
 
 
 @contextmanager
@@ -37,10 +42,23 @@ def _library_interpreted() -> Iterator[None]:
         JITFunction.__call__ = original  # type: ignore[method-assign]
 
 
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """First statement of a kernel that takes `PDL` (worker/kernels/pdl.py says why): wait until
+    the previous grid on the stream completed (its writes visible), then let the next grid
+    launch; its programs park at their own wait. Loads of constants (weights) may come before
+    this call, never anything a previous kernel writes."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
 class Kernel:
-    """`kernel[grid](*args, **constexprs)` like a `triton.jit` function."""
+    """`kernel[grid](*args, **constexprs)` like a `triton.jit` function. A kernel that declares
+    `PDL: tl.constexpr` gets it from the launcher (True on Hopper+ GPUs while PDL is on)."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
+        self.takes_pdl = "PDL" in inspect.signature(fn).parameters
         self.compiled = triton.jit(fn)
         self.interpreted = (
             self.compiled
@@ -51,7 +69,13 @@ class Kernel:
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
         def launch(*args: Any, **kwargs: Any) -> None:
-            on_cpu = any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args)
+            tensor = next(a for a in args if isinstance(a, torch.Tensor))
+            on_cpu = tensor.device.type == "cpu"
+            if self.takes_pdl and "PDL" not in kwargs:
+                pdl = not on_cpu and pdl_enabled(tensor.device)
+                kwargs["PDL"] = pdl
+                if pdl:
+                    kwargs["launch_pdl"] = True
             if not on_cpu:
                 self.compiled[grid](*args, **kwargs)
                 return

@@ -10,11 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels.triton._launch import kernel
+from worker.kernels.triton._launch import kernel, pdl_wait
 
 
 @kernel
-def _silu_mul_kernel(x, out, F, stride_x, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x, out, F, stride_x, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < F
@@ -42,8 +43,11 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @kernel
-def _sigmoid_mul_kernel(x, gate, out, N, D, stride_xt, stride_gt, stride_gh, BLOCK: tl.constexpr):
+def _sigmoid_mul_kernel(
+    x, gate, out, N, D, stride_xt, stride_gt, stride_gh, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     """out[t, n] = x[t, n] * sigmoid(gate[t, n // D, n % D]) (gate as [T, N / D, D] strided)."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -80,7 +84,10 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 @kernel
-def _gdn_gates_kernel(a, b, A_log, dt_bias, g, beta, H, stride_a, stride_b, BLOCK: tl.constexpr):
+def _gdn_gates_kernel(
+    a, b, A_log, dt_bias, g, beta, H, stride_a, stride_b, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK)
     mask = heads < H

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels.triton._launch import kernel
+from worker.kernels.triton._launch import kernel, pdl_wait
 
 
 @kernel
@@ -29,7 +29,9 @@ def _conv_update_kernel(
     BC: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     taps = tl.arange(0, KP)
@@ -112,8 +114,10 @@ def _conv_prefill_kernel(
     B_PAD: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Outputs for BT tokens of the flat token axis (which may span sequences) x BC channels."""
+    pdl_wait(PDL)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     in_c = offs_c < C
@@ -169,9 +173,11 @@ def _conv_prefill_state_kernel(
     K: tl.constexpr,
     KP: tl.constexpr,
     BC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Each sequence's new state: its last K-1 inputs, reaching back into the old state when it is
     shorter than K-1 (run after the outputs, which read the old state)."""
+    pdl_wait(PDL)
     seq = tl.program_id(0)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     in_c = offs_c < C

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels.triton._launch import kernel
+from worker.kernels.triton._launch import kernel, pdl_wait
 
 L2NORM_EPS = 1e-6
 
@@ -54,7 +54,9 @@ def _decode_kernel(
     DV: tl.constexpr,
     BV: tl.constexpr,
     USE_L2NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     i_bh = tl.program_id(0)
     i_v = tl.program_id(1)
     b = i_bh // HV
@@ -155,7 +157,9 @@ def _wy_prepare_kernel(
     SUB: tl.constexpr,
     B_PAD: tl.constexpr,
     USE_L2NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     i_c = tl.program_id(0)
     hv = tl.program_id(1)
     hk = hv // (HV // HK)
@@ -251,7 +255,9 @@ def _chunk_scan_kernel(
     BV: tl.constexpr,
     USE_L2NORM: tl.constexpr,
     DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     seq = tl.program_id(0)
     hv = tl.program_id(1)
     i_v = tl.program_id(2)

@@ -27,9 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels.triton._launch import dot_dtype, kernel
+from worker.kernels.triton._launch import dot_dtype, kernel, pdl_wait
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_MAX_VALUE: tl.constexpr = tl.constexpr(FP8_MAX)  # the same, inside kernels
 FP8_SCALED_MM_MIN_ROWS = int(os.environ.get("TOKENMILL_FP8_SCALED_MM_MIN_ROWS", "64"))
 
 
@@ -54,9 +55,11 @@ def _w8a16_kernel(
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One [BM, BN] tile over one K range. SPLIT: the K range is split `k_per_split` at a time
     and fp32 partials go to partial[split, M, N] (summed and scaled by `_reduce_kernel`)."""
+    pdl_wait(PDL)
     pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -94,8 +97,19 @@ def _w8a16_kernel(
 
 @kernel
 def _reduce_kernel(
-    partial, scale, bias, out, M, N, stride_om, SPLITS, BR: tl.constexpr, HAS_BIAS: tl.constexpr
+    partial,
+    scale,
+    bias,
+    out,
+    M,
+    N,
+    stride_om,
+    SPLITS,
+    BR: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BR + tl.arange(0, BR)
     mask = cols < N
@@ -210,11 +224,23 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT: tl.constexpr,
+    ACT_FP8: tl.constexpr,
+    FP8_DOT: tl.constexpr,
+    PREFETCH_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out^T tile [BN, BM] = W[BN, K-range] @ x^T[K-range, BM]. SPLITS > 1: fp32 partials go to
     partial[split, M, N]; the program that arrives last at its column tile sums them, applies
     scale and bias, writes out and re-arms the tile's counter (zero) for the next launch. The split
-    count is a runtime argument, so one compiled kernel serves every shape and split."""
+    count is a runtime argument, so one compiled kernel serves every shape and split.
+
+    ACT_FP8 (fp8 weights): each K step's x block is quantized to e4m3 per row (scale = row amax /
+    448 over the block's BK columns, finer than the per-token scales of prefill's scaled_mm) so
+    the dot takes both operands in fp8 (FP8_DOT: straight from shared memory on the tensor
+    cores, no widening of the weight; under the interpreter the fp8 values are dotted in DOT).
+    PREFETCH_K > 0 (with PDL): before waiting for the previous kernel, ask L2 for the first
+    PREFETCH_K bytes of each of the program's weight rows; weights are constants, so this is the
+    one load allowed ahead of the wait and the weight stream starts during the previous tail."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
     rm = tl.arange(0, BM)
@@ -224,6 +250,17 @@ def _gemv_kernel(
     w_rows = w + rn[:, None].to(tl.int64) * stride_wn
     x_rows = x + rm[:, None] * stride_xm
     k_start = split * k_per_split
+    if PDL and PREFETCH_K > 0:
+        lines = k_start + tl.arange(0, PREFETCH_K // 128) * 128
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
+            "=r,l",
+            [w_rows + lines[None, :]],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+    pdl_wait(PDL)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     # the last split may be shorter (k_per_split is rounded up to BK): stop at K
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BK):
@@ -236,7 +273,18 @@ def _gemv_kernel(
             xb = tl.load(
                 x_rows + kk[None, :], mask=(rm < M)[:, None] & (kk < K)[None, :], other=0.0
             )
-        acc += tl.dot(wb.to(DOT), tl.trans(xb.to(DOT)))
+        if ACT_FP8:
+            xf = xb.to(tl.float32)
+            x_scale = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30) / FP8_MAX_VALUE
+            if FP8_DOT:
+                xq = (xf / x_scale[:, None]).to(tl.float8e4nv)
+                part = tl.dot(wb, tl.trans(xq))
+            else:
+                xq = _round_to_e4m3(xf / x_scale[:, None])
+                part = tl.dot(wb.to(DOT), tl.trans(xq.to(DOT)))
+            acc += part * x_scale[None, :]
+        else:
+            acc += tl.dot(wb.to(DOT), tl.trans(xb.to(DOT)))
     mask = n_ok & m_ok
     if not SPLIT:
         _gemv_epilogue(acc, scale, bias, out, rn, rm, N, stride_om, mask, HAS_SCALE, HAS_BIAS)
@@ -253,6 +301,17 @@ def _gemv_kernel(
                 )
             tl.atomic_xchg(arrivals + pid_n, 0)
             _gemv_epilogue(total, scale, bias, out, rn, rm, N, stride_om, mask, HAS_SCALE, HAS_BIAS)
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """v (|v| <= 448) rounded to the nearest e4m3 value, in fp32 arithmetic: the interpreter's
+    fp8 cast loses the carry when rounding up into the next binade (127.6 -> 64), so CPU runs
+    round by hand (3 mantissa bits; subnormal spacing 2^-9 below 2^-6)."""
+    a = tl.abs(v)
+    step = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), -6.0) - 3.0)
+    r = tl.minimum(tl.floor(a / step + 0.5) * step, 448.0)
+    return tl.where(v < 0, -r, r)
 
 
 @triton.jit
@@ -287,6 +346,10 @@ class DecodeTiling:
     num_warps: int = 4
     num_stages: int = 4
     two_pass: bool = False
+    # fp8 weights only: quantize x per K step to e4m3 and dot fp8 x fp8 (W8A8, as prefill's
+    # scaled_mm); and the L2 prefetch of each weight row's first bytes ahead of the PDL wait
+    act_fp8: bool = False
+    prefetch_k: int = 0
 
 
 # Filled by bench/gpu_suite.py's sweep (fastest measured tiling per weight shape); else default.
@@ -319,8 +382,10 @@ def default_tiling(n: int, k: int) -> DecodeTiling:
 def programs_per_sm(tiling: DecodeTiling, weight_bytes: int = 1) -> int:
     """Resident programs per H100/H200 SM for a tiling: shared memory (228 KB: `stages` buffers
     of the weight tile and the x tile, as triton 3.9 lays them out for sm_90) or warps (64),
-    whichever binds."""
-    smem = tiling.num_stages * (tiling.bn + 16) * tiling.bk * weight_bytes
+    whichever binds. W8A8 stages hold the bf16 x tile beside the fp8 weight tile (compiled for
+    sm_90 with triton 3.6: 64 x 256, 4 stages = 94 KB)."""
+    x_rows = 32 if tiling.act_fp8 else 16
+    smem = tiling.num_stages * (tiling.bn + x_rows) * tiling.bk * weight_bytes
     return max(1, min(228 * 1024 // (smem + 1024), 64 // tiling.num_warps))
 
 
@@ -353,6 +418,12 @@ def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
     if counters is None:
         counters = _arrivals[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
     return counters
+
+
+def _prefetch_bytes(wanted: int, k_per_split: int) -> int:
+    """Bytes per weight row to prefetch: a power of two of whole 128-byte lines, within the split."""
+    limit = min(wanted, k_per_split)
+    return 0 if limit < 128 else 1 << (limit.bit_length() - 1)
 
 
 def w8_gemv(
@@ -414,6 +485,9 @@ def w8_gemv(
         HAS_BIAS=bias is not None,
         EVEN_K=k % tiling.bk == 0,
         DOT=dot,
+        ACT_FP8=fp8 and tiling.act_fp8,
+        FP8_DOT=on_gpu,
+        PREFETCH_K=_prefetch_bytes(tiling.prefetch_k, k_per_split),
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages if on_gpu else 1,
     )
@@ -432,7 +506,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @kernel
-def _quantize_rows_kernel(x, q, scales, K, stride_x, BK: tl.constexpr, FP8_MAX: tl.constexpr):
+def _quantize_rows_kernel(
+    x, q, scales, K, stride_x, BK: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr
+):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BK)
     amax = tl.zeros((BK,), dtype=tl.float32)

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels.triton._launch import kernel
+from worker.kernels.triton._launch import kernel, pdl_wait
 
 
 @kernel
@@ -24,7 +24,9 @@ def _write_kv_kernel(
     inv_v_scale,
     ROW: tl.constexpr,
     BR: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping + token)
     if slot >= 0:

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels.triton._launch import kernel
+from worker.kernels.triton._launch import kernel, pdl_wait
 
 
 @kernel
@@ -37,7 +37,9 @@ def _rms_norm_kernel(
     UNIT_OFFSET: tl.constexpr,
     GATED: tl.constexpr,
     ADD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]

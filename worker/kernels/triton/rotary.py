@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels.triton._launch import kernel
+from worker.kernels.triton._launch import kernel, pdl_wait
 
 
 @kernel
@@ -26,7 +26,9 @@ def _rotary_kernel(
     HALF: tl.constexpr,
     BH: tl.constexpr,
     BD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BH)[:, None]
     cols = tl.arange(0, BD)[None, :]
