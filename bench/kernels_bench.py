@@ -6,7 +6,8 @@ each output written once) and so the achieved bandwidth against the copy rooflin
 
 Decode kernels are timed as CUDA-graph replays of many back-to-back calls (which is how the
 engine runs them, and which removes the CPU launch cost); prefill kernels, which read sequence
-lengths on the host, are timed eagerly with `triton.testing.do_bench` (median). Calls rotate over
+lengths on the host, are timed eagerly with `triton.testing.do_bench` (median); paged prefill
+attention reads nothing on the host, so its default tiles are timed both ways. Calls rotate over
 several input sets whose total size is several times the L2 cache, so no timing measures L2.
 
     python -m bench.kernels_bench            # on a CUDA machine; JSON to $OUT or bench/results/
@@ -38,6 +39,7 @@ from worker.kernels.triton import (
     gated_delta_rule_prefill,
     gated_rms_norm,
     paged_attention_decode,
+    paged_attention_prefill,
     rms_norm,
 )
 
@@ -454,6 +456,73 @@ def attention_case(context: int, fp8: bool, partition: int | None) -> Case:
     )
 
 
+def prefill_attention_cases() -> list[Case]:
+    """Prefill attention at the load point: BATCH fresh prompts of PROMPT tokens. The default
+    tiles also run as a CUDA graph (the op makes no host sync); the tile variants eagerly."""
+    cases = []
+    variants = (
+        # block_m, block_n, warps, stages; None: the op's defaults
+        (None, None, None, 2),  # 128 x 32, 8 warps at D = 256
+        (128, 32, 8, 3),
+        (128, 64, 8, 2),
+        (64, 32, 8, 2),
+        (64, 64, 8, 2),
+        (64, 32, 4, 2),
+        (32, 64, 4, 2),
+    )
+    for fp8 in (False, True):
+        for bm, bn, warps, stages in variants:
+            cases.append(prefill_attention_case(fp8, bm, bn, warps, stages))
+    return cases
+
+
+def prefill_attention_case(
+    fp8: bool, block_m: int | None, block_n: int | None, warps: int | None, stages: int
+) -> Case:
+    tokens = BATCH * PROMPT
+    blocks_per_seq = -(-PROMPT // BLOCK_SIZE)
+    k_scale, v_scale = (0.02, 0.02) if fp8 else (1.0, 1.0)
+    elt = 1 if fp8 else 2
+
+    def make() -> Inputs:
+        num_blocks = BATCH * blocks_per_seq + 8
+        tables = torch.randperm(num_blocks, device="cuda")[: BATCH * blocks_per_seq].int()
+        k_cache = bf16(num_blocks, BLOCK_SIZE, HKV, HEAD_DIM)
+        v_cache = bf16(num_blocks, BLOCK_SIZE, HKV, HEAD_DIM)
+        if fp8:
+            k_cache = (k_cache.float() / k_scale).to(torch.float8_e4m3fn)
+            v_cache = (v_cache.float() / v_scale).to(torch.float8_e4m3fn)
+        return {
+            "q": bf16(tokens, HQ, HEAD_DIM),
+            "k": k_cache,
+            "v": v_cache,
+            "cu": reference.cu_seqlens_of([PROMPT] * BATCH, "cuda"),
+            "lens": torch.full((BATCH,), PROMPT, device="cuda", dtype=torch.int32),
+            "tables": tables.view(BATCH, blocks_per_seq),
+            "positions": torch.arange(PROMPT, device="cuda").repeat(BATCH),
+        }
+
+    def args(i: Inputs) -> tuple[Any, ...]:
+        return (i["q"], i["k"], i["v"], i["cu"], i["lens"], i["tables"], i["positions"],
+                HEAD_DIM**-0.5, k_scale, v_scale)  # fmt: skip
+
+    default = block_m is None
+    tiles = "auto" if default else f"{block_m}x{block_n} w={warps} s={stages}"
+    return Case(
+        f"paged_prefill {'fp8' if fp8 else 'bf16'} {tiles}",
+        f"{BATCH}x{PROMPT} tok {HQ}/{HKV}x{HEAD_DIM}",
+        make,
+        lambda i: paged_attention_prefill(
+            *args(i), block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages
+        ),
+        lambda i: reference.paged_attention_prefill(*args(i)),
+        bytes_moved=2 * tokens * HQ * HEAD_DIM * 2 + 2 * tokens * HKV * HEAD_DIM * elt,
+        flops=4 * BATCH * (PROMPT * (PROMPT + 1) // 2) * HQ * HEAD_DIM,
+        graph=default,
+        time_ref=default,
+    )
+
+
 def copy_bandwidth() -> float:
     """GB/s of a large device-to-device copy, bytes read + written (the roofline check)."""
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
@@ -504,7 +573,9 @@ def main() -> None:
     torch.manual_seed(0)
     started = time.time()
     bandwidth = copy_bandwidth()
-    cases = norm_cases() + conv_cases() + delta_cases() + attention_cases()
+    cases = (
+        norm_cases() + conv_cases() + delta_cases() + attention_cases() + prefill_attention_cases()
+    )
     results = []
     for case in cases:
         if args.only and not any(part in case.name for part in args.only.split(",")):

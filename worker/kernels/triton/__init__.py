@@ -17,7 +17,7 @@ from worker.kernels.triton.delta_rule import gated_delta_rule_decode, gated_delt
 from worker.kernels.triton.fp8_gemm import fp8_linear, linear
 from worker.kernels.triton.kv_cache import write_kv_cache
 from worker.kernels.triton.norm import add_rms_norm, gated_rms_norm, rms_norm
-from worker.kernels.triton.paged_attention import paged_attention_decode
+from worker.kernels.triton.paged_attention import paged_attention_decode, paged_attention_prefill
 from worker.kernels.triton.rotary import apply_rotary
 
 _KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
@@ -61,6 +61,9 @@ ops.register("gated_delta_rule_prefill", gated_delta_rule_prefill, name="triton.
 ops.register(
     "paged_attention_decode", paged_attention_decode, cuda_attention, name="triton.paged_decode"
 )
+ops.register(
+    "paged_attention_prefill", paged_attention_prefill, cuda_attention, name="triton.paged_prefill"
+)
 ops.register("write_kv_cache", write_kv_cache, cuda_attention, name="triton.write_kv_cache")
 ops.register("fp8_linear", fp8_linear, cuda_half, name="triton.fp8_linear")
 ops.register("linear", linear, cuda_half, name="triton.linear")
@@ -77,6 +80,7 @@ __all__ = [
     "gdn_gates",
     "linear",
     "paged_attention_decode",
+    "paged_attention_prefill",
     "rms_norm",
     "sigmoid_mul",
     "silu_mul",

@@ -11,6 +11,9 @@ captured in a CUDA graph; trimming block_tables to the batch's longest context k
 of empty partitions small. FP8 caches (e4m3, value / scale stored) are widened to fp16 for the
 dot (q too; post-norm queries are far inside fp16's range); k_scale folds into the softmax scale and v_scale into the output. Under the CPU interpreter
 the dots run in fp32 (its bf16 dot multiplies raw bits).
+
+Prefill (a chunk of query tokens per sequence) is `paged_attention_prefill`, further down:
+flash attention over the same caches, grid (query head, query tile), same fp8 handling.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels.triton._launch import dot_dtype, kernel
+from worker.kernels.triton._launch import dot_dtype, kernel, pdl_wait
 
 _TARGET_PROGRAMS = 2 * 132  # two programs per SM of an H100/H200
 _TOKENS_PER_STEP = 64
 _MIN_PARTITION = 128  # shorter partitions measured no faster and cost more merging (run 2)
+_LOG2E = 1.4426950408889634  # the prefill softmax runs in exp2
 
 
 @kernel
@@ -205,4 +209,198 @@ def paged_attention_decode(
             SP=triton.next_power_of_2(num_splits),
             num_warps=4,
         )
+    return out
+
+
+# ---------------------------------------------------------------- prefill
+#
+# Flash attention over the paged cache: grid (query head, query tile). One program takes BM
+# tokens of one sequence's chunk for one query head and walks that sequence's keys 0..p (p the
+# tile's last absolute position) BN at a time through the block table, with an online softmax in
+# fp32. Keys the whole tile sees run unmasked; only the few steps on the diagonal are masked.
+#
+# One query head per program, not the Hq // Hkv heads of a kv head packed into the rows: at
+# D = 256 the fp32 accumulator [rows, D] caps a program at ~128 rows, so packing 6 heads would
+# give tiles of ~21 tokens; the total K/V read (tiles x keys per tile) is the same either way and
+# a prefill batch's K/V (8 x 512 tokens: 16 MiB bf16) sits in L2. Instead the query head is the
+# fastest grid axis, so the 6 heads of one kv head run side by side on the same tile and share
+# its K/V blocks in L2. Packing would only trim masked diagonal work, at the cost of gathered
+# query rows.
+#
+# No host syncs (so the op can be captured): the tile -> sequence map is computed by each
+# program from cu_seqlens (tiles per sequence, their running sum), and the grid is an upper
+# bound from shapes: sum_b ceil(len_b / BM) <= ceil(T / BM) + B. Surplus programs return at once.
+# Within a sequence tiles run last-first, so the longest (latest) tiles start first.
+
+
+@kernel
+def _prefill_kernel(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens,
+    context_lens,
+    block_tables,
+    positions,
+    out,
+    qk_scale,
+    v_scale,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_bt,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    SEQS: tl.constexpr,
+    DOT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_wait(PDL)
+    h = tl.program_id(0)
+    tile = tl.program_id(1)
+    hkv = h // (HQ // HKV)
+
+    # which sequence this tile belongs to: the number of sequences whose tiles all come before
+    seqs = tl.arange(0, SEQS)
+    listed = seqs < num_seqs
+    starts = tl.load(cu_seqlens + seqs, mask=listed, other=0)
+    lens = tl.load(cu_seqlens + seqs + 1, mask=listed, other=0) - starts
+    tiles = (lens + BM - 1) // BM
+    tiles_through = tl.cumsum(tiles, 0)
+    b = tl.sum((tiles_through <= tile).to(tl.int32), 0)
+    if b >= num_seqs:
+        return
+    mine = seqs == b
+    start = tl.sum(tl.where(mine, starts, 0), 0)
+    length = tl.sum(tl.where(mine, lens, 0), 0)
+    last_tile = tl.sum(tl.where(mine, tiles_through, 0), 0) - 1
+    rows = (last_tile - tile) * BM + tl.arange(0, BM)  # last-first within the sequence
+    in_chunk = rows < length
+
+    offs_d = tl.arange(0, D)
+    ctx = tl.load(context_lens + b)
+    # padding rows take position 0: they see key 0, so their softmax stays finite (not stored)
+    pos = tl.load(positions + start + rows, mask=in_chunk, other=0).to(tl.int32)
+    q_ptrs = q + (start + rows)[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
+    b_q = tl.load(q_ptrs, mask=in_chunk[:, None], other=0.0).to(DOT)
+    # keys every row sees (below the tile's first position) run unmasked; the rest, up to its
+    # last position, are masked per row. Both loops stop at the context length.
+    kv_end = tl.minimum(tl.max(pos, 0) + 1, ctx)
+    unmasked_end = (tl.minimum(tl.min(tl.where(in_chunk, pos, ctx), 0) + 1, kv_end) // BN) * BN
+
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, D], dtype=tl.float32)
+    table = block_tables + b * stride_bt
+    for n0 in range(0, unmasked_end, BN):
+        keys = n0 + tl.arange(0, BN)
+        page = tl.load(table + keys // BLOCK_SIZE)
+        slot = (page.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE) * HKV + hkv
+        b_k = tl.load(k_cache + slot[:, None] * D + offs_d[None, :])
+        scores = tl.dot(b_q, tl.trans(b_k.to(DOT))) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        b_v = tl.load(v_cache + slot[:, None] * D + offs_d[None, :])
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), b_v.to(DOT))
+        m_i = m_new
+    for n0 in range(unmasked_end, kv_end, BN):
+        keys = n0 + tl.arange(0, BN)
+        present = keys < kv_end
+        page = tl.load(table + keys // BLOCK_SIZE, mask=present, other=0)
+        slot = (page.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE) * HKV + hkv
+        b_k = tl.load(
+            k_cache + slot[:, None] * D + offs_d[None, :], mask=present[:, None], other=0.0
+        )
+        scores = tl.dot(b_q, tl.trans(b_k.to(DOT))) * qk_scale
+        visible = present[None, :] & (keys[None, :] <= pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        b_v = tl.load(
+            v_cache + slot[:, None] * D + offs_d[None, :], mask=present[:, None], other=0.0
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), b_v.to(DOT))
+        m_i = m_new
+
+    result = acc * (v_scale / l_i)[:, None]
+    o_ptrs = out + ((start + rows)[:, None] * HQ + h) * D + offs_d[None, :]
+    tl.store(o_ptrs, result.to(out.dtype.element_ty), mask=in_chunk[:, None])
+
+
+def prefill_tiles(dim: int) -> tuple[int, int, int]:
+    """(query rows BM, keys per step BN, warps) per head dim. At D = 256 two warpgroups take 64
+    rows each (a full m64 wgmma apiece, fp32 accumulator [64, 256] = 128 registers a thread).
+    Compiled for sm_90 (triton 3.9): 227 registers a thread with a bf16 cache, 253 with fp8, no
+    spills; 128 / 96 KiB of shared memory at 2 stages. Not yet timed against the alternatives
+    that bench/kernels_bench.py sweeps."""
+    if dim >= 256:
+        return 128, 32, 8
+    return 64, 64, 4
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Causal attention of each sequence's chunk q [T, Hq, D] over its context in the caches
+    [num_blocks, block_size, Hkv, D] (bf16/fp16 or fp8 e4m3): cached prefix + this chunk."""
+    tokens, hq, dim = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    num_seqs = cu_seqlens.shape[0] - 1
+    if q.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("q needs a contiguous last dim and the caches must be contiguous")
+    if hq % hkv or triton.next_power_of_2(dim) != dim or block_tables.stride(1) != 1:
+        raise ValueError(f"unsupported shape q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
+    out = torch.empty((tokens, hq, dim), dtype=q.dtype, device=q.device)
+    if tokens == 0 or num_seqs == 0:
+        return out
+    bm, bn, warps = prefill_tiles(dim)
+    bm, bn, warps = block_m or bm, block_n or bn, num_warps or warps
+    _prefill_kernel[(hq, triton.cdiv(tokens, bm) + num_seqs)](
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens,
+        context_lens,
+        block_tables,
+        positions,
+        out,
+        scale * k_scale * _LOG2E,
+        v_scale,
+        num_seqs,
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        HQ=hq,
+        HKV=hkv,
+        D=dim,
+        BLOCK_SIZE=block_size,
+        BM=bm,
+        BN=bn,
+        SEQS=triton.next_power_of_2(num_seqs),
+        # fp8 widens to fp16 in one instruction (to bf16 it takes a detour through fp32)
+        DOT=tl.float16 if k_cache.dtype.itemsize == 1 and q.is_cuda else dot_dtype(q.device),
+        num_warps=warps,
+        num_stages=num_stages,
+    )
     return out
