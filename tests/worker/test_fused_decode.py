@@ -19,7 +19,12 @@ pytest.importorskip("triton")
 from tests.worker.numerics import rel_err  # noqa: E402
 from worker.kernels import ops, reference  # noqa: E402
 from worker.kernels.triton.activations import gdn_gates, silu_mul  # noqa: E402
-from worker.kernels.triton.fp8_gemm import DecodeTiling, _arrivals, w8_gemv  # noqa: E402
+from worker.kernels.triton.fp8_gemm import (  # noqa: E402
+    DecodeTiling,
+    _arrivals,
+    _workspaces,
+    w8_gemv,
+)
 from worker.kernels.triton.norm import add_rms_norm  # noqa: E402
 from worker.models import build_random  # noqa: E402
 from worker.models.fp8 import Fp8Linear, quantize_fp8, quantize_weight  # noqa: E402
@@ -44,6 +49,8 @@ def check_gemv(m: int, n: int, k: int, tiling: DecodeTiling | None, device: str)
             assert rel_err(out, reference.fp8_linear(x, q, scale, b)) < 1e-2
     counters = _arrivals.get(x.device)
     assert counters is None or counters.count_nonzero() == 0
+    workspace = _workspaces.get(x.device)  # stream-K accumulators: zeroed by each finisher
+    assert workspace is None or workspace.count_nonzero() == 0
 
 
 @pytest.mark.parametrize(
@@ -56,6 +63,11 @@ def check_gemv(m: int, n: int, k: int, tiling: DecodeTiling | None, device: str)
         (8, 36, 1024, DecodeTiling(32, 128, 7)),  # (as 7 splits of 17,408 / 256 steps)
         (1, 33, 256, DecodeTiling(16, 64, 2, two_pass=True)),  # the w8a16 + reduce fallback
         (3, 40, 96, None),  # default tiling
+        # stream-K (4 "SMs" under the interpreter): ranges that start and end mid-tile
+        (8, 96, 512, DecodeTiling(32, 128, 1, stream_k=1)),  # 12 steps over 4 programs
+        (5, 70, 384, DecodeTiling(16, 128, 1, stream_k=3)),  # 15 steps over 12 programs
+        (8, 200, 256, DecodeTiling(16, 64, 1, stream_k=5)),  # more programs than some tiles
+        (16, 33, 1024, DecodeTiling(32, 128, 1, stream_k=2)),  # N < 2 tiles, long ranges
     ],
 )
 def test_w8_gemv_matches_reference(m, n, k, tiling) -> None:
@@ -97,7 +109,11 @@ def test_w8a8_gemv_rounds_x_per_block_and_matches_the_emulation(m, n, k, tiling)
 def test_gemv_with_16bit_weights_matches_linear() -> None:
     torch.manual_seed(7)
     w, x, bias = torch.randn(70, 512) * 0.02, torch.randn(8, 512), torch.randn(70)
-    for tiling in (DecodeTiling(32, 128, 1), DecodeTiling(32, 128, 3)):
+    for tiling in (
+        DecodeTiling(32, 128, 1),
+        DecodeTiling(32, 128, 3),
+        DecodeTiling(32, 128, 1, stream_k=2),
+    ):
         out = w8_gemv(x, w, None, bias, tiling)
         assert rel_err(out, torch.nn.functional.linear(x, w, bias)) < 1e-5
     with pytest.raises(ValueError):

@@ -303,6 +303,79 @@ def _gemv_kernel(
             _gemv_epilogue(total, scale, bias, out, rn, rm, N, stride_om, mask, HAS_SCALE, HAS_BIAS)
 
 
+@kernel
+def _gemv_stream_k_kernel(
+    x,
+    w,
+    scale,
+    bias,
+    out,
+    workspace,
+    arrivals,
+    M,
+    N,
+    ksteps,
+    total_steps,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Stream-K decode GEMV: the (column tile, K step) work is cut into one equal contiguous
+    range per program, and the grid is one wave of resident programs, so every program streams
+    the same number of weight bytes and they all finish together (with one tile per program, a
+    2.06-wave grid spends its last third on a few SMs). A range covers whole tiles (written
+    directly) and at most two partial ones at its ends: those add fp32 into workspace[tile]
+    with atomics and count their K steps at the tile's arrival counter; the program that
+    completes the count applies scale and bias, writes out, and re-zeroes the workspace and the
+    counter for the next launch. K % BK == 0 (the wrapper checks)."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    start = (pid * total_steps) // programs
+    stop = ((pid + 1) * total_steps) // programs
+    rm = tl.arange(0, BM)
+    rk = tl.arange(0, BK)
+    rb = tl.arange(0, BN)
+    m_ok = (rm < M)[None, :]
+    x_rows = x + rm[:, None] * stride_xm
+    pdl_wait(PDL)
+    step = start
+    while step < stop:
+        tile = step // ksteps
+        k_lo = step - tile * ksteps
+        k_hi = tl.minimum(stop - tile * ksteps, ksteps)
+        rn = tile * BN + rb
+        n_ok = (rn < N)[:, None]
+        w_rows = w + rn[:, None].to(tl.int64) * stride_wn
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for ks in range(k_lo, k_hi):
+            kk = ks * BK + rk
+            wb = tl.load(w_rows + kk[None, :], mask=n_ok, other=0.0)
+            xb = tl.load(x_rows + kk[None, :], mask=(rm < M)[:, None], other=0.0)
+            acc += tl.dot(wb.to(DOT), tl.trans(xb.to(DOT)))
+        mask = n_ok & m_ok
+        if (k_lo == 0) & (k_hi == ksteps):
+            _gemv_epilogue(acc, scale, bias, out, rn, rm, N, stride_om, mask, HAS_SCALE, HAS_BIAS)
+        else:
+            slab = workspace + tile.to(tl.int64) * BN * BM + rb[:, None] * BM + rm[None, :]
+            tl.atomic_add(slab, acc, mask=mask, sem="relaxed")
+            tl.debug_barrier()  # every thread's share is added before the steps are counted
+            done = tl.atomic_add(arrivals + tile, k_hi - k_lo, sem="acq_rel", scope="gpu")
+            if done + (k_hi - k_lo) == ksteps:
+                total = tl.load(slab, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(slab, tl.zeros((BN, BM), dtype=tl.float32), mask=mask)
+                tl.atomic_xchg(arrivals + tile, 0)
+                _gemv_epilogue(
+                    total, scale, bias, out, rn, rm, N, stride_om, mask, HAS_SCALE, HAS_BIAS
+                )
+        step = tile * ksteps + k_hi
+
+
 @triton.jit
 def _round_to_e4m3(v):
     """v (|v| <= 448) rounded to the nearest e4m3 value, in fp32 arithmetic: the interpreter's
@@ -350,6 +423,8 @@ class DecodeTiling:
     # scaled_mm); and the L2 prefetch of each weight row's first bytes ahead of the PDL wait
     act_fp8: bool = False
     prefetch_k: int = 0
+    # > 0: the stream-K kernel with this many programs per SM (one wave, equal ranges)
+    stream_k: int = 0
 
 
 # Filled by bench/gpu_suite.py's sweep (fastest measured tiling per weight shape); else default.
@@ -446,6 +521,8 @@ def w8_gemv(
     if tiling.two_pass:
         assert scale is not None, "the two-pass kernel is fp8-only"
         return w8a16(x, weight, scale, bias, split_k=tiling.splits)
+    if tiling.stream_k and k % tiling.bk == 0:
+        return _stream_k_gemv(x, weight, scale, bias, tiling)
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -488,6 +565,68 @@ def w8_gemv(
         ACT_FP8=fp8 and tiling.act_fp8,
         FP8_DOT=on_gpu,
         PREFETCH_K=_prefetch_bytes(tiling.prefetch_k, k_per_split),
+        num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages if on_gpu else 1,
+    )
+    return out
+
+
+_workspaces: dict[torch.device, torch.Tensor] = {}
+
+
+def _stream_k_workspace(device: torch.device, floats: int) -> torch.Tensor:
+    """Per-device fp32 accumulators, zero between launches (the finishing program of each tile
+    zeroes what it used), grown on demand; launches on one stream share it."""
+    buf = _workspaces.get(device)
+    if buf is None or buf.numel() < floats:
+        buf = _workspaces[device] = torch.zeros(floats, dtype=torch.float32, device=device)
+    return buf
+
+
+def _stream_k_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    tiling: DecodeTiling,
+) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    tiles, ksteps = triton.cdiv(n, tiling.bn), k // tiling.bk
+    on_gpu = x.is_cuda
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if on_gpu else 4
+    programs = min(tiles * ksteps, sms * tiling.stream_k)
+    workspace = _stream_k_workspace(x.device, tiles * tiling.bn * 16)
+    arrivals = _arrival_counters(x.device, tiles)
+    fp8 = scale is not None
+    if on_gpu:
+        dot = tl.float16 if fp8 else (tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16)
+    else:
+        dot = dot_dtype(x.device)
+    _gemv_stream_k_kernel[(programs,)](
+        x,
+        weight,
+        scale if scale is not None else weight,
+        bias if bias is not None else weight,
+        out,
+        workspace,
+        arrivals,
+        m,
+        n,
+        ksteps,
+        tiles * ksteps,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        BM=16,
+        BN=tiling.bn,
+        BK=tiling.bk,
+        HAS_SCALE=fp8,
+        HAS_BIAS=bias is not None,
+        DOT=dot,
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages if on_gpu else 1,
     )

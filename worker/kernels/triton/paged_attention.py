@@ -55,7 +55,9 @@ def _decode_partition_kernel(
     PARTITION: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
@@ -121,7 +123,9 @@ def _combine_kernel(
     num_splits,
     D: tl.constexpr,
     SP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     bh = tl.program_id(0)  # b * HQ + h
     splits = tl.arange(0, SP)
     present = splits < num_splits
