@@ -338,42 +338,78 @@ def _gemv_stream_k_kernel(
     pid, programs = tl.program_id(0), tl.num_programs(0)
     start = (pid * total_steps) // programs
     stop = ((pid + 1) * total_steps) // programs
+    first_tile = start // ksteps
+    first_ks = start - first_tile * ksteps
     rm = tl.arange(0, BM)
     rk = tl.arange(0, BK)
     rb = tl.arange(0, BN)
     m_ok = (rm < M)[None, :]
     x_rows = x + rm[:, None] * stride_xm
     pdl_wait(PDL)
-    step = start
-    while step < stop:
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    # One flat loop over the range (as triton's persistent matmul), so the weight pipeline runs
+    # on across tile boundaries; nothing in it may synchronise threads (a barrier or an
+    # acquire/release atomic there stops triton 3.6 from pipelining the loads), so partial tiles
+    # only add into the workspace here and are counted after the loop.
+    for step in range(start, stop):
         tile = step // ksteps
-        k_lo = step - tile * ksteps
-        k_hi = tl.minimum(stop - tile * ksteps, ksteps)
+        ks = step - tile * ksteps
         rn = tile * BN + rb
         n_ok = (rn < N)[:, None]
-        w_rows = w + rn[:, None].to(tl.int64) * stride_wn
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for ks in range(k_lo, k_hi):
-            kk = ks * BK + rk
-            wb = tl.load(w_rows + kk[None, :], mask=n_ok, other=0.0)
-            xb = tl.load(x_rows + kk[None, :], mask=(rm < M)[:, None], other=0.0)
-            acc += tl.dot(wb.to(DOT), tl.trans(xb.to(DOT)))
-        mask = n_ok & m_ok
-        if (k_lo == 0) & (k_hi == ksteps):
-            _gemv_epilogue(acc, scale, bias, out, rn, rm, N, stride_om, mask, HAS_SCALE, HAS_BIAS)
-        else:
-            slab = workspace + tile.to(tl.int64) * BN * BM + rb[:, None] * BM + rm[None, :]
-            tl.atomic_add(slab, acc, mask=mask, sem="relaxed")
-            tl.debug_barrier()  # every thread's share is added before the steps are counted
-            done = tl.atomic_add(arrivals + tile, k_hi - k_lo, sem="acq_rel", scope="gpu")
-            if done + (k_hi - k_lo) == ksteps:
-                total = tl.load(slab, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(slab, tl.zeros((BN, BM), dtype=tl.float32), mask=mask)
-                tl.atomic_xchg(arrivals + tile, 0)
+        kk = ks * BK + rk
+        wb = tl.load(w + rn[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=n_ok, other=0.0)
+        xb = tl.load(x_rows + kk[None, :], mask=(rm < M)[:, None], other=0.0)
+        acc += tl.dot(wb.to(DOT), tl.trans(xb.to(DOT)))
+        if (ks == ksteps - 1) | (step == stop - 1):  # this tile's part of the range is done
+            mask = n_ok & m_ok
+            if (tl.where(tile == first_tile, first_ks, 0) == 0) & (ks == ksteps - 1):
                 _gemv_epilogue(
-                    total, scale, bias, out, rn, rm, N, stride_om, mask, HAS_SCALE, HAS_BIAS
+                    acc, scale, bias, out, rn, rm, N, stride_om, mask, HAS_SCALE, HAS_BIAS
                 )
-        step = tile * ksteps + k_hi
+            else:
+                slab = workspace + tile.to(tl.int64) * BN * BM + rb[:, None] * BM + rm[None, :]
+                tl.atomic_add(slab, acc, mask=mask, sem="relaxed")
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+    tl.debug_barrier()  # every thread's workspace adds are done before the steps are counted
+    last_tile = (stop - 1) // ksteps
+    last_end = stop - last_tile * ksteps  # exclusive K step where the range leaves its last tile
+    if first_tile == last_tile:
+        if (first_ks > 0) | (last_end < ksteps):
+            _stream_k_count(
+                first_tile, last_end - first_ks, ksteps, workspace, arrivals, scale, bias, out,
+                M, N, stride_om, BM, BN, HAS_SCALE, HAS_BIAS,
+            )  # fmt: skip
+    else:
+        if first_ks > 0:
+            _stream_k_count(
+                first_tile, ksteps - first_ks, ksteps, workspace, arrivals, scale, bias, out,
+                M, N, stride_om, BM, BN, HAS_SCALE, HAS_BIAS,
+            )  # fmt: skip
+        if last_end < ksteps:
+            _stream_k_count(
+                last_tile, last_end, ksteps, workspace, arrivals, scale, bias, out,
+                M, N, stride_om, BM, BN, HAS_SCALE, HAS_BIAS,
+            )  # fmt: skip
+
+
+@triton.jit
+def _stream_k_count(
+    tile, counted, ksteps, workspace, arrivals, scale, bias, out, M, N, stride_om,
+    BM: tl.constexpr, BN: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """Count `counted` K steps of a partial tile; the program completing the tile's K writes it
+    from the workspace (L2, .cg) and re-zeroes the workspace slab and the counter."""
+    done = tl.atomic_add(arrivals + tile, counted, sem="acq_rel", scope="gpu")
+    if done + counted == ksteps:
+        rm = tl.arange(0, BM)
+        rb = tl.arange(0, BN)
+        rn = tile * BN + rb
+        mask = (rn < N)[:, None] & (rm < M)[None, :]
+        slab = workspace + tile.to(tl.int64) * BN * BM + rb[:, None] * BM + rm[None, :]
+        total = tl.load(slab, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(slab, tl.zeros((BN, BM), dtype=tl.float32), mask=mask)
+        tl.atomic_xchg(arrivals + tile, 0)
+        _gemv_epilogue(total, scale, bias, out, rn, rm, N, stride_om, mask, HAS_SCALE, HAS_BIAS)
 
 
 @triton.jit
