@@ -33,6 +33,9 @@ class Result:
     cancelled: bool = False
     request_id: str = ""
     error: str = ""
+    # When the request was sent (time.perf_counter(), CLOCK_MONOTONIC on Linux: comparable
+    # with the other processes' clocks when tracing where the time goes).
+    sent_at: float = 0.0
 
 
 class SSEConnection:
@@ -55,17 +58,22 @@ class SSEConnection:
         if self.writer is None:
             await self._connect()
         assert self.reader is not None and self.writer is not None
-        t0 = time.perf_counter()
-        self.writer.write(
+        # The request's bytes are ready before the clock starts, as the direct mode's
+        # GenerateRequest is: TTFT counts the call, not the client building it.
+        request = (
             f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\nauthorization: Bearer {self.key}\r\n"
             f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
             + body
         )
         reader = self.reader
-        status = int((await reader.readline()).split()[1])
+        t0 = time.perf_counter()
+        self.writer.write(request)
+        # The response head in one read (one await, not one per header line).
+        head = (await reader.readuntil(b"\r\n\r\n")).decode().split("\r\n")
+        status = int(head[0].split()[1])
         headers = {}
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            name, _, value = line.decode().partition(":")
+        for line in head[1:-2]:
+            name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
         if status != 200 or headers.get("transfer-encoding") != "chunked":
             data = await reader.readexactly(int(headers.get("content-length", "0")))
@@ -85,7 +93,7 @@ class SSEConnection:
                 if data == b"[DONE]":
                     await reader.readline()  # the last chunk (size 0) and its CRLF
                     await reader.readline()
-                    return Result(True, ttft, tokens, request_id=request_id)
+                    return Result(True, ttft, tokens, request_id=request_id, sent_at=t0)
                 chunk = msgspec.json.decode(data)
                 if "error" in chunk:
                     self.close()
@@ -179,7 +187,9 @@ async def run_direct(a: argparse.Namespace) -> list[Result]:
                         tokens += 1
                         if ttft is None:
                             ttft = time.perf_counter() - t0
-                results.append(Result(True, ttft, tokens, request_id=request.request_id))
+                results.append(
+                    Result(True, ttft, tokens, request_id=request.request_id, sent_at=t0)
+                )
             except Exception as exc:
                 results.append(Result(False, ttft, tokens, error=repr(exc)))
 

@@ -17,9 +17,16 @@ class Caller:
     key: ApiKey
 
 
+# Bearer keys whose hash is remembered (`Authorizer._hashes`); past it the memo starts over.
+KEY_HASH_MEMO = 4096
+
+
 class Authorizer:
     def __init__(self, view: GovernanceView) -> None:
         self.view = view
+        # bearer key -> sha256: a caller's key is hashed once, not on every request (only the
+        # hash; whether the key and its tenant are active is read from the view every time).
+        self._hashes: dict[str, str] = {}
 
     def caller(self, authorization: str | None) -> Caller:
         """401 for a missing, unknown or revoked key; 403 for a suspended tenant."""
@@ -28,7 +35,12 @@ class Authorizer:
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise errors.invalid_api_key()
-        key = self.view.key_by_hash(hash_key(token.strip()))
+        key_hash = self._hashes.get(token)
+        if key_hash is None:
+            if len(self._hashes) >= KEY_HASH_MEMO:
+                self._hashes.clear()
+            key_hash = self._hashes[token] = hash_key(token.strip())
+        key = self.view.key_by_hash(key_hash)
         if key is None or not key.active:
             raise errors.invalid_api_key()
         tenant = self.view.tenant(key.tenant_id)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -276,6 +277,32 @@ class _Handover:
         return None
 
 
+# What nats-py refuses in a subject (a space or CRLF would break the protocol line).
+_UNSAFE_SUBJECT = re.compile(r"\s")
+
+
+def publish_now(nc: NATS, subject: str, payload: bytes, reply: str = "") -> bool:
+    """Writes a publication straight to the socket, in one write, when nothing waits in
+    nats-py's buffer (so order holds) and the connection is up; False: nothing was sent, use
+    `nc.publish`. nats-py's own publish also hands a future to its flusher task, which then
+    wakes for nothing: on the first-token path, work between the request and the worker."""
+    transport = getattr(nc, "_transport", None)
+    if (
+        transport is None
+        or getattr(nc, "_pending", True)
+        or not nc.is_connected
+        or nc.is_draining_pubs
+        or len(payload) > nc.max_payload
+        or _UNSAFE_SUBJECT.search(subject)
+        or _UNSAFE_SUBJECT.search(reply)
+    ):
+        return False
+    transport.write(f"PUB {subject} {reply} {len(payload)}\r\n".encode() + payload + b"\r\n")
+    nc.stats["out_msgs"] += 1
+    nc.stats["out_bytes"] += len(payload)
+    return True
+
+
 def write_pending_now(nc: NATS) -> None:
     """Writes what nats-py has pending to the socket now, rather than on its flusher task's
     next turn behind everything else the event loop has ready: the request leaves one hop
@@ -342,10 +369,10 @@ class WorkerClient:
         request = msgspec.structs.replace(request, reply_to=f"{self._inbox}.{request.request_id}")
         d = Dispatch(request, self)
         self._in_flight[request.request_id] = d
-        await self.nc.publish(
-            p.work_subject(self.prefix, request.sku_id), p.encode(request), reply=request.reply_to
-        )
-        write_pending_now(self.nc)
+        subject, data = p.work_subject(self.prefix, request.sku_id), p.encode(request)
+        if not publish_now(self.nc, subject, data, request.reply_to):
+            await self.nc.publish(subject, data, reply=request.reply_to)
+            write_pending_now(self.nc)
         return d
 
     def _forget(self, d: Dispatch) -> None:

@@ -83,6 +83,11 @@ class GatewaySettings:
     silence_timeout_s: float = field(
         default_factory=lambda: env_float("TOKENMILL_GATEWAY_SILENCE_TIMEOUT_S", 300.0)
     )
+    # TOKENMILL_GATEWAY_REPORT_EVERY_S: ended requests are reported (GatewayDelivered,
+    # outcome listeners) together this often (see `Gateway._report_ended`); 0: each at once.
+    report_every_s: float = field(
+        default_factory=lambda: env_float("TOKENMILL_GATEWAY_REPORT_EVERY_S", 0.05)
+    )
     # TOKENMILL_GATEWAY_ID: this replica's id in GatewayDelivered; default host-pid-random.
     gateway_id: str = field(
         default_factory=lambda: (
@@ -142,6 +147,9 @@ class Gateway:
         )
         self._listeners: list[OutcomeListener] = []
         self._background: set[asyncio.Task[None]] = set()
+        # Ended requests not yet reported (see `_report_ended`).
+        self._ended: list[tuple[Outcome, GatewayDelivered]] = []
+        self._reporting: asyncio.Task[None] | None = None
 
     @property
     def gateway_id(self) -> str:
@@ -150,9 +158,15 @@ class Gateway:
     async def start(self) -> None:
         await self.registry.start()
         await self.client.start()
+        if self.settings.report_every_s > 0:
+            self._reporting = asyncio.create_task(self._report_ended())
 
     async def close(self, within: float = 10.0) -> None:
-        """Lets in-flight usage publications finish (they retry until acked)."""
+        """Reports the ended requests still waiting and lets in-flight usage publications
+        finish (they retry until acked)."""
+        if self._reporting is not None:
+            self._reporting.cancel()
+        self._report_now()
         if self._background:
             await asyncio.wait(set(self._background), timeout=within)
         await self.client.close()
@@ -205,7 +219,8 @@ class Gateway:
                 relay.reservation.finish(d.prompt_tokens, d.cached_tokens, d.completion_tokens)
         if worker_lost:
             self._publish(self._on_behalf_of_worker(outcome, relay.started_at, finished_at))
-        self._publish(
+        self._after(
+            outcome,
             GatewayDelivered(
                 request_id=d.request_id,
                 tenant_id=d.request.tenant_id,
@@ -217,13 +232,39 @@ class Gateway:
                 finish_reason=finish_reason,
                 client_disconnected=client_disconnected,
                 finished_at=finished_at,
-            )
+            ),
         )
-        for listener in self._listeners:
-            try:
-                listener(outcome)
-            except Exception:
-                log.exception("outcome listener failed")
+
+    def _after(self, outcome: Outcome, delivered: GatewayDelivered) -> None:
+        if self._reporting is None or self._reporting.done():
+            self._report([(outcome, delivered)])
+        else:
+            self._ended.append((outcome, delivered))
+
+    async def _report_ended(self) -> None:
+        """Ended requests are reported (GatewayDelivered published, outcome listeners called)
+        together every `report_every_s`, not each as it ends. A streamed request ends when its
+        client is about to send the next one: work done then (the listeners' metrics, the
+        event's JetStream write and ack, the projector's read and Postgres insert, all on the
+        same few cores) runs exactly while that next request waits for its first token.
+        Nothing is billed from these (RequestFinished is the bill, and an on-behalf one is
+        published at once); reconciliation reads them seconds later."""
+        while True:
+            await asyncio.sleep(self.settings.report_every_s)
+            self._report_now()
+
+    def _report_now(self) -> None:
+        ended, self._ended = self._ended, []
+        self._report(ended)
+
+    def _report(self, ended: list[tuple[Outcome, GatewayDelivered]]) -> None:
+        for outcome, delivered in ended:
+            self._publish(delivered)
+            for listener in self._listeners:
+                try:
+                    listener(outcome)
+                except Exception:
+                    log.exception("outcome listener failed")
 
     @staticmethod
     def _on_behalf_of_worker(

@@ -85,10 +85,21 @@ UNSUPPORTED = {
     "web_search_options",
 }
 
+_DECODERS: dict[type[msgspec.Struct], msgspec.json.Decoder[Any]] = {
+    ChatCompletionBody: msgspec.json.Decoder(ChatCompletionBody),
+    CompletionBody: msgspec.json.Decoder(CompletionBody),
+}
+
 _PATH = re.compile(r" - at `\$\.?([^`]*)`")
 
 
 def _decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    # A body with only known fields, all valid, decodes in one pass; anything else takes the
+    # slow path below, which names what is wrong.
+    try:
+        return _DECODERS[kind].decode(body)
+    except msgspec.DecodeError:  # ValidationError included
+        pass
     try:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:

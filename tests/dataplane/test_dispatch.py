@@ -18,6 +18,7 @@ from control_plane.dataplane.dispatch import (
     WorkerClient,
     WorkerLost,
     WorkerRegistry,
+    publish_now,
 )
 from control_plane.embedded import EmbeddedNats
 from worker import protocol as p
@@ -206,3 +207,19 @@ async def test_the_first_chunk_is_not_offered_behind_an_interrupt_or_an_empty_ch
         await d.batch()
     assert offered == [] and d.completion_tokens == 2
     await client.close()
+
+
+async def test_publish_now_writes_at_once_but_never_ahead_of_a_pending_publication(
+    nc: NATS, nats_server: EmbeddedNats
+) -> None:
+    other = await nats.connect(nats_server.url)
+    sub = await other.subscribe("pn.order")
+    await other.flush()
+    await nc.publish("pn.order", b"queued")  # waits in nats-py's buffer for its flusher
+    assert not publish_now(nc, "pn.order", b"late")  # it would overtake that one
+    await nc.flush()
+    assert publish_now(nc, "pn.order", b"now", reply="pn.reply")
+    first, second = await sub.next_msg(timeout=2), await sub.next_msg(timeout=2)
+    assert (first.data, second.data, second.reply) == (b"queued", b"now", "pn.reply")
+    assert not publish_now(nc, "pn.bad subject", b"x")  # nats-py's own path refuses it
+    await other.close()
