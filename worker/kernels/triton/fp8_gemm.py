@@ -479,12 +479,13 @@ BF16_DECODE_TILINGS: dict[tuple[int, int], DecodeTiling] = {
 def default_tiling(n: int, k: int) -> DecodeTiling:
     """The fp8 tiling without a sweep, from the H200 sweep (gpu_suite_run3.json): 32-channel
     tiles (mma.sync; the 64-channel wgmma tilings, which widen fp8 from shared memory two bytes
-    at a time, ran at 40-60% of copy bandwidth) with ~3 programs per SM; a head-sized N (thousands
-    of column tiles) runs best on the w8a16 kernel in one launch (93%). Shapes of <= 20k rows
-    run with 2 warps per program (gpu_suite_run4.json: 4-10% faster than 4 warps on all four,
-    e.g. out/o 13.7 vs 14.3 us, attention q|k|v 22.9 vs 25.2 us)."""
+    at a time, ran at 40-60% of copy bandwidth) with ~3 programs per SM. A head-sized N
+    (thousands of column tiles) runs best as W8A8 on 64-channel wgmma tiles, both fp8 operands
+    from shared memory (gpu_suite_run5-7.json: 95.5-95.9% of copy bandwidth, against 90% for
+    the w8a16 kernel). Shapes of <= 20k rows run with 2 warps per program (gpu_suite_run4.json:
+    4-10% faster than 4 warps on all four, e.g. out/o 13.7 vs 14.3 us, q|k|v 22.9 vs 25.2 us)."""
     if triton.cdiv(n, _DECODE_BN) >= 8 * 132:
-        return DecodeTiling(two_pass=True, splits=1)
+        return DecodeTiling(64, 128, 1, 4, 6, act_fp8=True)
     tiles = triton.cdiv(n, 32)
     splits = max(1, min(triton.cdiv(3 * 132, tiles), triton.cdiv(k, _DECODE_BK) // 4))
     return DecodeTiling(32, _DECODE_BK, splits, 2 if n <= 20_000 else 4, 4)
