@@ -459,6 +459,53 @@ def sweep_shape(args: argparse.Namespace, n: int, k: int, deadline: float) -> di
     return row
 
 
+def l2_probe(args: argparse.Namespace, config: Any) -> dict[str, Any]:
+    """How much faster a decode GEMV runs when its weights are already in L2: each shape timed
+    cold (a different weight copy per call, the set larger than L2) and as the second of two
+    back-to-back calls on the same copy (hot = pair - cold). Tells whether streaming the next
+    projection's weights into L2 during the latency-bound kernels could pay."""
+    if args.device != "cuda":
+        return {"skipped": "needs CUDA"}
+
+    shapes = decode_shapes(config)
+    out: dict[str, Any] = {}
+    for name in ("deltanet out / attention o", "attention q|k|v", "down", "gate|up"):
+        out[name] = l2_probe_shape(args, *shapes[name])
+        free_gpu()
+    return out
+
+
+def l2_probe_shape(args: argparse.Namespace, n: int, k: int) -> dict[str, Any]:
+    from worker.kernels.triton import fp8_gemm as fp8k
+    from worker.models.fp8 import quantize_weight
+
+    copies = max(2, -(-(192 << 20) // (n * k)))
+    x = torch.randn(args.concurrency, k, device=args.device, dtype=torch.bfloat16)
+    qs = [
+        quantize_weight(torch.randn(n, k, device=args.device, dtype=torch.bfloat16) * 0.02)
+        for _ in range(copies)
+    ]
+    tiling = fp8k.DECODE_TILINGS.get((n, k)) or fp8k.default_tiling(n, k)
+
+    def once(i: int) -> None:
+        fp8k.w8_gemv(x, qs[i][0], qs[i][1], None, tiling)
+
+    def twice(i: int) -> None:
+        once(i)
+        once(i)
+
+    cold = graph_time(once, copies)
+    pair = graph_time(twice, copies)
+    floor = n * k / (args.copy_bandwidth or 4.27e12)
+    return {
+        "mb": n * k / 1e6,
+        "tiling": str(tiling),
+        "cold_us": cold * 1e6,
+        "hot_us": (pair - cold) * 1e6,
+        "cold_of_roofline": floor / cold,
+    }
+
+
 def gemv_step_estimate(config: Any, shapes: dict[str, Any], key: str = "chosen") -> float | None:
     """Sum of the chosen GEMV times over one decode step's GEMMs."""
     c = config
@@ -947,6 +994,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ("roofline", lambda b: roofline(args, config), 0.1),
         ("preflight", lambda b: preflight(args, config), 0.1),
         ("gemv", lambda b: gemv_sweep(args, config, b), 0.2),
+        ("l2_probe", lambda b: l2_probe(args, config), 0.1),
         ("fp8_gemm", lambda b: fp8_gemm(args, config), 0.1),
         ("fp8", lambda b: engine_config(args, config, True, b), 0.45),
         ("bf16", lambda b: engine_config(args, config, False, b), 0.9),
