@@ -296,6 +296,12 @@ def gemv_candidates(n: int, k: int, weight_bytes: int = 1) -> list[Any]:
         shapes = [(32, 256, 4, 4), (32, 512, 4, 3)]
         if narrow:
             shapes += [(32, 128, 4, 6), (32, 256, 2, 4), (16, 256, 2, 4)]
+        # Nsight Compute on gate|up (run 7): 4 blocks of 49 KB per SM (25% occupancy, shared
+        # memory bound), the shared-memory pipe 73% busy: fewer stages and 64-channel tiles on
+        # mma.sync (2 warps: no wgmma) for more resident blocks and half the x traffic per byte
+        shapes += [(32, 256, 2, 2), (32, 128, 2, 3), (32, 128, 4, 3), (64, 128, 2, 3)]
+        shapes += [(64, 256, 2, 2), (64, 128, 2, 4), (64, 256, 2, 3), (64, 512, 2, 2)]
+        shapes += [(128, 128, 2, 2), (128, 256, 2, 2), (128, 128, 4, 2)]
     else:  # 16-bit weights: twice the shared memory per stage
         shapes = [(64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3), (32, 256, 4, 4)]
     if n > 100_000:  # the head: thousands of column tiles whatever the tiling

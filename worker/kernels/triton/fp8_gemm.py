@@ -486,6 +486,10 @@ def default_tiling(n: int, k: int) -> DecodeTiling:
     4-10% faster than 4 warps on all four, e.g. out/o 13.7 vs 14.3 us, q|k|v 22.9 vs 25.2 us)."""
     if triton.cdiv(n, _DECODE_BN) >= 8 * 132:
         return DecodeTiling(64, 128, 1, 4, 6, act_fp8=True)
+    if n > 20_000:  # the MLP's gate|up: 64-channel tiles on mma.sync (2 warps), 3 stages:
+        # 86% of copy bandwidth against 75-79% for 32-channel tiles (gpu_suite_run8/9.json;
+        # Nsight Compute: 4 blocks of 49 KB per SM left the shared-memory pipe 73% busy)
+        return DecodeTiling(64, 128, 1, 2, 3)
     tiles = triton.cdiv(n, 32)
     splits = max(1, min(triton.cdiv(3 * 132, tiles), triton.cdiv(k, _DECODE_BK) // 4))
     return DecodeTiling(32, _DECODE_BK, splits, 2 if n <= 20_000 else 4, 4)
