@@ -240,6 +240,20 @@ def preflight(args: argparse.Namespace, config: Any) -> dict[str, Any]:
             1e-6,
         ),
     }
+    from worker.models.fp8 import quantize_weight
+
+    down_w, down_s = quantize_weight(torch.randn(h, f, device=dev, dtype=dt) * 0.02)
+    cases["silu_mul_fp8_linear"] = (
+        torch.randn(t, 2 * f, device=dev, dtype=dt) * 3, down_w, down_s, None
+    )  # fmt: skip
+    conv_state = torch.randn(t + 1, config.conv_dim, 3, device=dev, dtype=dt)
+    conv_case = (
+        torch.randn(t, config.conv_dim, device=dev, dtype=dt),
+        torch.randn(config.conv_dim, 4, device=dev, dtype=dt),
+        conv_state,
+        torch.arange(t, device=dev),
+        *cases["gdn_gates"],
+    )
     result: dict[str, Any] = {}
     for op, case in cases.items():
         impl = ops.select(op, torch.device(dev), dt)
@@ -259,6 +273,22 @@ def preflight(args: argparse.Namespace, config: Any) -> dict[str, Any]:
         if not ok and impl.name != "reference":
             ops.unregister(op, impl.name)
             result[op]["unregistered"] = True
+    # the conv update shifts its state in place: each side gets its own copy
+    op = "conv_update_with_gates"
+    impl = ops.select(op, torch.device(dev), dt)
+    try:
+        mine = impl.fn(*conv_case[:2], conv_state.clone(), *conv_case[3:])
+        theirs = getattr(reference, op)(*conv_case[:2], conv_state.clone(), *conv_case[3:])
+        errs = [
+            ((o.double() - r.double()).norm() / r.double().norm()).item()
+            for o, r in zip(mine, theirs, strict=True)
+        ]
+        result[op] = {"impl": impl.name, "rel_err": errs, "ok": all(e < 2e-2 for e in errs)}
+    except Exception as exc:
+        result[op] = {"impl": impl.name, "error": f"{type(exc).__name__}: {exc}", "ok": False}
+    if not result[op]["ok"] and impl.name != "reference":
+        ops.unregister(op, impl.name)
+        result[op]["unregistered"] = True
     return result
 
 

@@ -27,6 +27,7 @@ from worker.kernels.reference import cu_seqlens_of  # noqa: E402
 from worker.kernels.triton import (  # noqa: E402
     causal_conv1d_prefill,
     causal_conv1d_update,
+    conv_update_with_gates,
     gated_delta_rule_decode,
     gated_delta_rule_prefill,
     gated_rms_norm,
@@ -117,6 +118,28 @@ def check_conv1d_prefill(lengths: list[int], channels: int, device: str, bias: b
 @pytest.mark.parametrize("bias", [True, False])
 def test_causal_conv1d_update(bias: bool) -> None:
     check_conv1d_update(5, 300, "cpu", bias)
+
+
+def check_conv_update_with_gates(batch: int, channels: int, heads: int, device: str) -> None:
+    weight, _, conv_state = conv_inputs(channels, 4, batch + 3, device, False)
+    x = torch.randn(batch, channels, device=device).bfloat16()
+    slots = torch.randperm(batch + 3, device=device)[:batch]
+    # a and b as strided views of one projection output, as the model passes them
+    ab = torch.randn(batch, 2 * heads + 3, device=device).bfloat16()
+    a, b = ab[:, :heads], ab[:, heads + 3 :]
+    A_log = torch.randn(heads, device=device)
+    dt_bias = torch.randn(heads, device=device)
+    expected_state = conv_state.clone()
+    want = reference.conv_update_with_gates(x, weight, expected_state, slots, a, b, A_log, dt_bias)
+    got = conv_update_with_gates(x, weight, conv_state, slots, a, b, A_log, dt_bias)
+    assert rel_err(got[0], want[0]) < 1e-2  # the silu conv output
+    assert torch.equal(conv_state, expected_state)
+    assert got[1].dtype == torch.float32 and rel_err(got[1], want[1]) < 1e-5  # g
+    assert got[2].dtype == b.dtype and rel_err(got[2], want[2]) < 1e-2  # beta
+
+
+def test_conv_update_computes_the_gates_in_the_same_launch() -> None:
+    check_conv_update_with_gates(5, 600, 6, "cpu")  # 3 channel blocks: gates once per row
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -343,6 +366,7 @@ def test_gpu_norms_27b() -> None:
 def test_gpu_conv1d_27b() -> None:
     check_conv1d_update(8, 10240, "cuda", bias=False)
     check_conv1d_prefill([512] * 7 + [3, 1], 10240, "cuda", bias=False)
+    check_conv_update_with_gates(8, 10240, 48, "cuda")
 
 
 @GPU

@@ -38,6 +38,7 @@ OPS = (
     "apply_rotary",
     "causal_conv1d_prefill",
     "causal_conv1d_update",
+    "conv_update_with_gates",
     "gated_delta_rule_prefill",
     "gated_delta_rule_decode",
     "write_kv_cache",
@@ -45,6 +46,7 @@ OPS = (
     "paged_attention_decode",
     "linear",
     "fp8_linear",
+    "silu_mul_fp8_linear",
 )
 # Ops whose implementation choice also depends on the KV cache dtype (fp8 or not).
 _KV_OPS = {"write_kv_cache", "paged_attention_prefill", "paged_attention_decode"}
@@ -264,6 +266,22 @@ def causal_conv1d_update(
     return fn(x, weight, bias, conv_state, state_slots, activation)
 
 
+def conv_update_with_gates(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(silu conv update of x[B, C], g, beta): a DeltaNet decode step's inputs in one call (one
+    launch on a GPU instead of two)."""
+    fn = _pick("conv_update_with_gates", x)
+    return fn(x, weight, conv_state, state_slots, a, b, A_log, dt_bias)
+
+
 def gated_delta_rule_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -362,3 +380,14 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x [..., K] times an e4m3 weight [N, K] with per-output-channel scales [N] (fp32)."""
     return _pick("fp8_linear", x)(x, weight, scale, bias)
+
+
+def silu_mul_fp8_linear(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A gated MLP's down projection on its fused gate|up output [..., 2F]: fp8_linear of
+    silu(gate) * up (decode kernels form the activation inside the GEMV)."""
+    return _pick("silu_mul_fp8_linear", gate_up)(gate_up, weight, scale, bias)

@@ -145,6 +145,22 @@ def causal_conv1d_update(
     return _ACTIVATIONS[activation](y).to(x.dtype)
 
 
+def conv_update_with_gates(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A DeltaNet decode step's inputs: the silu conv update of x[B, C] (state shifted in place)
+    and the gates (g, beta) from a, b [B, H], as causal_conv1d_update and gdn_gates."""
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    return causal_conv1d_update(x, weight, None, conv_state, state_slots), g, beta
+
+
 def _l2norm(t: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return t * torch.rsqrt((t * t).sum(dim=-1, keepdim=True) + eps)
 
@@ -313,6 +329,16 @@ def fp8_linear(
     """x [..., K] times an fp8 weight [N, K] with per-output-channel fp32 scales [N]: the weight
     is dequantized (w * scale) to x's dtype and used as a plain linear layer."""
     return F.linear(x, (weight.float() * scale[:, None]).to(x.dtype), bias)
+
+
+def silu_mul_fp8_linear(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gated MLP's down projection on its gate|up output: fp8_linear(silu_mul(gate_up))."""
+    return fp8_linear(silu_mul(gate_up), weight, scale, bias)
 
 
 def _quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:

@@ -78,13 +78,18 @@ class GatedDeltaNet(nn.Module):
         tokens = hidden.shape[0]
         mixed, z, b, a = self.project(hidden)
         z = z.view(tokens, self.num_v_heads, self.head_v_dim)
-        # beta = sigmoid(b); log decay per value head g = -exp(A_log) * softplus(a + dt_bias),
-        # in fp32 (<= 0)
-        g, beta = ops.gdn_gates(a, b, self.A_log, self.dt_bias)
-
         split, p = num_prefill_tokens(meta), meta.num_prefills
         weight = self.conv1d.weight.squeeze(1)
         conv_parts, rule_parts = [], []
+        # beta = sigmoid(b); log decay per value head g = -exp(A_log) * softplus(a + dt_bias),
+        # in fp32 (<= 0); a decode-only step gets them from the conv update's launch
+        if p == 0:
+            mixed, g, beta = ops.conv_update_with_gates(
+                mixed, weight, state.conv_state, meta.state_slots, a, b, self.A_log, self.dt_bias
+            )
+            conv_parts.append(mixed)
+        else:
+            g, beta = ops.gdn_gates(a, b, self.A_log, self.dt_bias)
         if p:
             conv_parts.append(
                 ops.causal_conv1d_prefill(
@@ -97,7 +102,7 @@ class GatedDeltaNet(nn.Module):
                     meta.has_initial_state[:p],
                 )
             )
-        if meta.num_seqs > p:
+        if p and meta.num_seqs > p:
             conv_parts.append(
                 ops.causal_conv1d_update(
                     mixed[split:], weight, None, state.conv_state, meta.state_slots[p:]

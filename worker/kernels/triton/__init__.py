@@ -12,9 +12,13 @@ import torch
 
 from worker.kernels import ops
 from worker.kernels.triton.activations import gdn_gates, sigmoid_mul, silu_mul
-from worker.kernels.triton.conv1d import causal_conv1d_prefill, causal_conv1d_update
+from worker.kernels.triton.conv1d import (
+    causal_conv1d_prefill,
+    causal_conv1d_update,
+    conv_update_with_gates,
+)
 from worker.kernels.triton.delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
-from worker.kernels.triton.fp8_gemm import fp8_linear, linear
+from worker.kernels.triton.fp8_gemm import fp8_linear, linear, silu_mul_fp8_linear
 from worker.kernels.triton.kv_cache import write_kv_cache
 from worker.kernels.triton.norm import add_rms_norm, gated_rms_norm, rms_norm
 from worker.kernels.triton.paged_attention import paged_attention_decode, paged_attention_prefill
@@ -55,6 +59,7 @@ ops.register("silu_mul", silu_mul, ops.cuda_only, name="triton.silu_mul")
 ops.register("sigmoid_mul", sigmoid_mul, ops.cuda_only, name="triton.sigmoid_mul")
 ops.register("gdn_gates", gdn_gates, ops.cuda_only, name="triton.gdn_gates")
 ops.register("causal_conv1d_update", causal_conv1d_update, name="triton.causal_conv1d_update")
+ops.register("conv_update_with_gates", conv_update_with_gates, name="triton.conv_update_with_gates")
 ops.register("causal_conv1d_prefill", causal_conv1d_prefill, name="triton.causal_conv1d_prefill")
 ops.register("gated_delta_rule_decode", gated_delta_rule_decode, name="triton.gdn_decode")
 ops.register("gated_delta_rule_prefill", gated_delta_rule_prefill, name="triton.gdn_chunked")
@@ -67,12 +72,14 @@ ops.register(
 ops.register("write_kv_cache", write_kv_cache, cuda_attention, name="triton.write_kv_cache")
 ops.register("fp8_linear", fp8_linear, cuda_half, name="triton.fp8_linear")
 ops.register("linear", linear, cuda_half, name="triton.linear")
+ops.register("silu_mul_fp8_linear", silu_mul_fp8_linear, cuda_half, name="triton.silu_mul_fp8_gemv")
 
 __all__ = [
     "add_rms_norm",
     "apply_rotary",
     "causal_conv1d_prefill",
     "causal_conv1d_update",
+    "conv_update_with_gates",
     "fp8_linear",
     "gated_delta_rule_decode",
     "gated_delta_rule_prefill",
@@ -84,5 +91,6 @@ __all__ = [
     "rms_norm",
     "sigmoid_mul",
     "silu_mul",
+    "silu_mul_fp8_linear",
     "write_kv_cache",
 ]

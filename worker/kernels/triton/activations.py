@@ -83,12 +83,12 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@kernel
-def _gdn_gates_kernel(
-    a, b, A_log, dt_bias, g, beta, H, stride_a, stride_b, BLOCK: tl.constexpr, PDL: tl.constexpr
-):
-    pdl_wait(PDL)
-    row = tl.program_id(0).to(tl.int64)
+@triton.jit
+def gdn_gates_row(
+    a, b, A_log, dt_bias, g, beta, row, H, stride_a, stride_b, BLOCK: tl.constexpr
+):  # fmt: skip
+    """One token's DeltaNet gates: g = -exp(A_log) * softplus(a + dt_bias) (fp32), beta =
+    sigmoid(b). Shared by the gates kernel and the conv update that computes them on the way."""
     heads = tl.arange(0, BLOCK)
     mask = heads < H
     x = tl.load(a + row * stride_a + heads, mask=mask, other=0.0).to(tl.float32)
@@ -102,6 +102,15 @@ def _gdn_gates_kernel(
     tl.store(
         beta + row * H + heads, (1.0 / (1.0 + tl.exp(-logit))).to(beta.dtype.element_ty), mask=mask
     )
+
+
+@kernel
+def _gdn_gates_kernel(
+    a, b, A_log, dt_bias, g, beta, H, stride_a, stride_b, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    gdn_gates_row(a, b, A_log, dt_bias, g, beta, row, H, stride_a, stride_b, BLOCK)
 
 
 def gdn_gates(

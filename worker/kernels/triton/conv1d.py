@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from worker.kernels.triton._launch import kernel, pdl_wait
+from worker.kernels.triton.activations import gdn_gates_row
 
 
 @kernel
@@ -29,10 +30,28 @@ def _conv_update_kernel(
     BC: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
+    GATES: tl.constexpr,
+    gate_a,
+    gate_b,
+    A_log,
+    dt_bias,
+    g,
+    beta,
+    H,
+    stride_a,
+    stride_b,
+    BH: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """GATES: the first channel block of each row also computes that row's DeltaNet gates
+    (`gdn_gates`), saving the decode step a launch per DeltaNet layer."""
     pdl_wait(PDL)
     b = tl.program_id(0)
+    if GATES:
+        if tl.program_id(1) == 0:
+            gdn_gates_row(
+                gate_a, gate_b, A_log, dt_bias, g, beta, b.to(tl.int64), H, stride_a, stride_b, BH
+            )
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     taps = tl.arange(0, KP)
     in_c = offs_c < C
@@ -71,10 +90,51 @@ def causal_conv1d_update(
 ) -> torch.Tensor:
     """One decode step for x[B, C]; shifts conv_state[state_slots] [.., C, K-1] in place."""
     batch, channels = x.shape
-    taps = weight.shape[1]
     _check(x, weight, conv_state, activation)
     out = torch.empty((batch, channels), dtype=x.dtype, device=x.device)
+    _launch_conv_update(x, weight, bias, conv_state, state_slots, out, activation, None)
+    return out
+
+
+def conv_update_with_gates(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The silu conv update of x[B, C] and the DeltaNet gates of a, b [B, H] in one launch."""
+    batch, channels = x.shape
+    _check(x, weight, conv_state, "silu")
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("gdn gates need a contiguous head dim")
+    out = torch.empty((batch, channels), dtype=x.dtype, device=x.device)
+    heads = a.shape[1]
+    g = torch.empty((batch, heads), dtype=torch.float32, device=x.device)
+    beta = torch.empty((batch, heads), dtype=b.dtype, device=x.device)
+    gates = (a, b, A_log, dt_bias, g, beta)
+    _launch_conv_update(x, weight, None, conv_state, state_slots, out, "silu", gates)
+    return out, g, beta
+
+
+def _launch_conv_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    out: torch.Tensor,
+    activation: str | None,
+    gates: tuple[torch.Tensor, ...] | None,
+) -> None:
+    batch, channels = x.shape
+    taps = weight.shape[1]
     block_c = 256
+    a, b, A_log, dt_bias, g, beta = gates if gates is not None else (x,) * 6
+    heads = a.shape[1] if gates is not None else 1
     _conv_update_kernel[(batch, triton.cdiv(channels, block_c))](
         x,
         weight,
@@ -89,9 +149,19 @@ def causal_conv1d_update(
         BC=block_c,
         HAS_BIAS=bias is not None,
         SILU=activation == "silu",
+        GATES=gates is not None,
+        gate_a=a,
+        gate_b=b,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        g=g,
+        beta=beta,
+        H=heads,
+        stride_a=a.stride(0),
+        stride_b=b.stride(0),
+        BH=triton.next_power_of_2(heads),
         num_warps=4,
     )
-    return out
 
 
 @kernel

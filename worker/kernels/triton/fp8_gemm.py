@@ -227,6 +227,7 @@ def _gemv_kernel(
     ACT_FP8: tl.constexpr,
     FP8_DOT: tl.constexpr,
     PREFETCH_K: tl.constexpr,
+    SILU_X: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out^T tile [BN, BM] = W[BN, K-range] @ x^T[K-range, BM]. SPLITS > 1: fp32 partials go to
@@ -240,7 +241,10 @@ def _gemv_kernel(
     cores, no widening of the weight; under the interpreter the fp8 values are dotted in DOT).
     PREFETCH_K > 0 (with PDL): before waiting for the previous kernel, ask L2 for the first
     PREFETCH_K bytes of each of the program's weight rows; weights are constants, so this is the
-    one load allowed ahead of the wait and the weight stream starts during the previous tail."""
+    one load allowed ahead of the wait and the weight stream starts during the previous tail.
+    SILU_X: x is a gated MLP's gate|up output [M, 2K] and the GEMV's input is silu(gate) * up,
+    computed as it is loaded (rounded as the silu_mul kernel rounds), so the MLP's down
+    projection needs no separate activation launch."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
     rm = tl.arange(0, BM)
@@ -267,12 +271,16 @@ def _gemv_kernel(
         kk = k0 + rk
         if EVEN_K:  # K % BK == 0, so every step is whole: no K mask, full 16-byte loads
             wb = tl.load(w_rows + kk[None, :], mask=n_ok, other=0.0)
-            xb = tl.load(x_rows + kk[None, :], mask=(rm < M)[:, None], other=0.0)
+            x_mask = (rm < M)[:, None]
         else:
             wb = tl.load(w_rows + kk[None, :], mask=n_ok & (kk < K)[None, :], other=0.0)
-            xb = tl.load(
-                x_rows + kk[None, :], mask=(rm < M)[:, None] & (kk < K)[None, :], other=0.0
-            )
+            x_mask = (rm < M)[:, None] & (kk < K)[None, :]
+        xb = tl.load(x_rows + kk[None, :], mask=x_mask, other=0.0)
+        if SILU_X:  # xb is the gate; the up half sits K columns further on
+            up = tl.load(x_rows + K + kk[None, :], mask=x_mask, other=0.0).to(tl.float32)
+            gate = xb.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(xb.dtype).to(tl.float32)
+            xb = (act * up).to(xb.dtype)
         if ACT_FP8:
             xf = xb.to(tl.float32)
             x_scale = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30) / FP8_MAX_VALUE
@@ -548,11 +556,15 @@ def w8_gemv(
     scale: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     tiling: DecodeTiling | None = None,
+    silu_x: bool = False,
 ) -> torch.Tensor:
     """Decode GEMM in one launch: x [M <= 16, K] 16-bit times weight [N, K], either fp8 with an
     fp32 scale [N] (widened to fp16 for the dot) or 16-bit like x (scale None)."""
     m, k = x.shape
     n = weight.shape[0]
+    if silu_x:  # x is gate|up [M, 2K]: the one-launch kernel computes silu(gate) * up itself
+        k //= 2
+        tiling = one_launch(tiling or DECODE_TILINGS.get((n, k)) or default_tiling(n, k), n, k)
     if m > 16:
         raise ValueError(f"w8_gemv takes at most 16 rows, got {m}")
     fp8 = weight.dtype == torch.float8_e4m3fn
@@ -606,6 +618,7 @@ def w8_gemv(
         ACT_FP8=fp8 and tiling.act_fp8,
         FP8_DOT=on_gpu,
         PREFETCH_K=_prefetch_bytes(tiling.prefetch_k, k_per_split),
+        SILU_X=silu_x,
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages if on_gpu else 1,
     )
@@ -672,6 +685,35 @@ def _stream_k_gemv(
         num_stages=tiling.num_stages if on_gpu else 1,
     )
     return out
+
+
+def one_launch(tiling: DecodeTiling, n: int, k: int) -> DecodeTiling:
+    """`tiling` if `_gemv_kernel` runs it as is, else that kernel's default for the shape (the
+    two-pass, stream-K and W8A8 paths have no fused activation prologue)."""
+    if tiling.two_pass or tiling.stream_k or tiling.act_fp8:
+        tiles = triton.cdiv(n, 32)
+        splits = max(1, min(triton.cdiv(3 * 132, tiles), triton.cdiv(k, _DECODE_BK) // 4))
+        return DecodeTiling(32, _DECODE_BK, splits, 2, 4)
+    return tiling
+
+
+def silu_mul_fp8_linear(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp8_linear(silu(gate) * up) of a gate|up output [..., 2F]: decode rows in one GEMV launch
+    that forms the activation as it loads x; more rows as silu_mul then fp8_linear."""
+    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    if rows.shape[0] > 16:
+        from worker.kernels.triton.activations import silu_mul
+
+        return fp8_linear(silu_mul(gate_up), weight, scale, bias)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = w8_gemv(rows, weight, scale, bias, silu_x=True)
+    return out.view(*gate_up.shape[:-1], weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
