@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
 import subprocess
@@ -126,6 +127,15 @@ class Bench:
                     proc.kill()
 
         self.stack.callback(stop)
+        return proc
+
+    def profile_gateway(self, out: Path) -> subprocess.Popen[bytes]:
+        """py-spy recording the gateway process (native frames too) until sent SIGINT."""
+        py_spy = Path(sys.executable).with_name("py-spy")
+        cmd = [str(py_spy) if py_spy.exists() else "py-spy", "record", "--native", "--rate", "250"]
+        cmd += ["--format", "speedscope", "-o", str(out), "--pid", str(self.serve.pid)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        time.sleep(1.0)  # attached before the load starts
         return proc
 
     def admin(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -278,6 +288,13 @@ def main() -> int:
     ap.add_argument("--cancel-frac", type=float, default=0.06)
     ap.add_argument("--uvloop", action="store_true", help="run the gateway on uvloop's event loop")
     ap.add_argument(
+        "--profile-gateway",
+        type=Path,
+        metavar="FILE",
+        help="record the gateway process with py-spy (speedscope JSON) during the overhead "
+        "rounds; the profiler's own cost shows in that run's numbers",
+    )
+    ap.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "gateway_overhead.json"
     )
     a = ap.parse_args()
@@ -292,10 +309,15 @@ def main() -> int:
         b.load("gateway", sku, a.concurrency, a.tokens)  # warm-up: connections, caches
         b.load("direct", sku, a.concurrency, a.tokens)
         runs: dict[str, list[dict[str, Any]]] = {"direct": [], "gateway": []}
+        profiler = b.profile_gateway(a.profile_gateway) if a.profile_gateway else None
         for _ in range(a.rounds):
             for mode in ("direct", "gateway"):
                 runs[mode].append(b.load(mode, sku, a.requests, a.tokens, stagger_s=stagger))
                 print(f"  {mode}: round done", flush=True)
+        if profiler is not None:
+            profiler.send_signal(signal.SIGINT)  # py-spy writes its file and exits
+            profiler.wait(timeout=60)
+            print(f"  gateway profile: {a.profile_gateway}", flush=True)
         direct, gateway = summarize(runs["direct"]), summarize(runs["gateway"])
         # The same, one stream at a time: what the gateway adds by itself, without queueing.
         idle = {
