@@ -140,7 +140,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             # (Fp8Linear.forward_silu_mul fuses the activation into the GEMV, but at the 27B
-            # shape it ran 10x slower than the two launches on the H200, run 10: not routed)
+            # shape it ran ~9x slower than the two launches on the H200, docs/perf-notes.md
+            # run 10: not routed until that is understood)
             return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
         assert self.gate_proj is not None and self.up_proj is not None
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
