@@ -176,16 +176,6 @@ async def _stream(c: Completion, send: Send, receive: Receive) -> None:
             first_written = True
 
     relay.dispatch.write_first_chunk_with(write_first)
-
-    # After it, a chunk that arrives while the client keeps up is written from the read loop
-    # too (and never handed to this task); one that would have to wait is left to this task.
-    def write_more(chunk: TokenChunk) -> bool:
-        if not out.can_write_more_now():
-            return False
-        if chunk.text:
-            out.write_more_now(w.delta(chunk.text))
-        return True
-
     body = b""
     try:
         try:
@@ -194,19 +184,15 @@ async def _stream(c: Completion, send: Send, receive: Receive) -> None:
             relay.dispatch.write_first_chunk_with(None)
         if first_written:  # its bytes are out: the first chunk that batch() handed over
             chunks = chunks[1:]
-        try:
-            while True:
-                # Every chunk that is in goes out in one write (several arrive together when
-                # the event loop was busy).
-                body = b"".join([w.delta(chunk.text) for chunk in chunks if chunk.text])
-                if relay.finished is not None:
-                    break
-                if body or not out.started:
-                    await out.write(body)
-                relay.relay_chunks_with(write_more)
-                chunks = await relay.batch()
-        finally:
-            relay.relay_chunks_with(None)
+        while True:
+            # Every chunk that is in goes out in one write (several arrive together when the
+            # event loop was busy).
+            body = b"".join([w.delta(chunk.text) for chunk in chunks if chunk.text])
+            if relay.finished is not None:
+                break
+            if body or not out.started:
+                await out.write(body)
+            chunks = await relay.batch()
     except (NoWorker, RequestRejected, WorkerLost, ChunkLost) as exc:
         err = relay_error(exc, c.model)
         assert err is not None

@@ -152,9 +152,6 @@ class Dispatch:
     # Offered the first token chunk in the read loop, before it is queued (see
     # `write_first_chunk_with`).
     _first_chunk_writer: Callable[[p.TokenChunk], None] | None = None
-    # Takes (returns True) or declines each next token chunk in the read loop (see
-    # `relay_chunks_with`).
-    _chunk_relay: Callable[[p.TokenChunk], bool] | None = None
 
     @property
     def request_id(self) -> str:
@@ -167,31 +164,7 @@ class Dispatch:
         (counting and metering do not change). Offered at most once; None withdraws it."""
         self._first_chunk_writer = writer
 
-    def relay_chunks_with(self, relay: Callable[[p.TokenChunk], bool] | None) -> None:
-        """`relay` is offered, right in the NATS read loop, every token chunk that is next in
-        sequence with nothing queued before it. If it takes the chunk (returns True: it wrote
-        it to the client), the chunk is counted here and never queued, and whoever waits in
-        `batch()` is not woken for it: one task hop and one pass through the HTTP task less
-        per token. A declined chunk is queued as ever. None withdraws it."""
-        self._chunk_relay = relay
-
     def _put(self, item: _Item) -> None:
-        relay = self._chunk_relay
-        if (
-            relay is not None
-            and isinstance(item, p.TokenChunk)
-            and item.seq == self.next_seq
-            and not self._items
-        ):
-            try:
-                taken = relay(item)
-            except Exception:  # then it is queued and relayed the ordinary way
-                log.exception("chunk relay failed on %s", self.request_id)
-                taken = False
-            if taken:
-                self.next_seq = item.seq + 1
-                self._count(item)
-                return
         writer = self._first_chunk_writer
         if writer is not None and isinstance(item, p.TokenChunk):
             self._first_chunk_writer = None

@@ -34,7 +34,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol
@@ -357,26 +357,6 @@ class Relay:
         if d.gaps:
             self._chunk_lost = True
             raise ChunkLost(f"{d.gaps} chunk(s) of {d.request_id} lost")
-        self._timed(chunks)
-        return chunks
-
-    def relay_chunks_with(self, write: Callable[[p.TokenChunk], bool] | None) -> None:
-        """`write` gets each next token chunk in the NATS read loop and returns whether it
-        wrote it to the client; the chunks it writes are counted and timed as if `batch()`
-        had handed them over, and never are (see `Dispatch.relay_chunks_with`)."""
-        if write is None:
-            self.dispatch.relay_chunks_with(None)
-            return
-
-        def relay(chunk: p.TokenChunk) -> bool:
-            if not write(chunk):
-                return False
-            self._timed((chunk,))
-            return True
-
-        self.dispatch.relay_chunks_with(relay)
-
-    def _timed(self, chunks: Sequence[p.TokenChunk]) -> None:
         now = 0.0
         for chunk in chunks:
             if chunk.text:
@@ -386,6 +366,7 @@ class Relay:
                 else:
                     self.itl_s.append(now - self._last_token_at)
                 self._last_token_at = now
+        return chunks
 
     async def chunks(self) -> AsyncIterator[p.TokenChunk]:
         """`batch()` one chunk at a time."""

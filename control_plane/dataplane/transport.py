@@ -18,7 +18,6 @@ Under any other server (or a `receive` that is not uvicorn's) it falls back to p
 
 from __future__ import annotations
 
-import inspect
 import logging
 import types
 from collections.abc import Awaitable, Coroutine, Generator
@@ -113,23 +112,16 @@ class ResponseOut:
         # task before its next write.
         self._unfinished: Awaitable[None] | None = None
         self._failed: BaseException | None = None
-        self._writing = False
 
     async def write(self, body: bytes, more_body: bool = True) -> None:
         """From the handler's task."""
         await self._settle()
         message: Message = {"type": "http.response.body", "body": body, "more_body": more_body}
-        # While this task's send may wait (for the client to drain), nothing is written from
-        # the read loop: it would overtake this body once the transport resumes.
-        self._writing = True
-        try:
-            if self.started:
-                await self._send(message)
-            else:
-                self.started = True
-                await self._start_with(message)
-        finally:
-            self._writing = False
+        if self.started:
+            await self._send(message)
+        else:
+            self.started = True
+            await self._start_with(message)
 
     def can_write_now(self) -> bool:
         """Whether `write_now` may start the response: it has not started, the server is
@@ -147,37 +139,7 @@ class ResponseOut:
         """From the NATS read loop (synchronous), when `can_write_now()`: starts the response
         with `body`. A failure, or a send that had to wait, surfaces at the next `write`."""
         self.started = True
-        self._step(
-            self._start_with({"type": "http.response.body", "body": body, "more_body": True})
-        )
-
-    def can_write_more_now(self) -> bool:
-        """Whether `write_more_now` may go: the response has started, no write of the
-        handler's task is under way or left unfinished, and the connection (uvicorn's) is
-        neither gone nor backed up."""
-        c = self._cycle
-        return not (
-            not self.started
-            or self._writing
-            or self._unfinished is not None
-            or self._failed is not None
-            or c is None
-            or c.disconnected
-            or c.flow.write_paused
-            or c.transport.get_write_buffer_size() > READ_LOOP_WRITE_LIMIT
-        )
-
-    def write_more_now(self, body: bytes) -> None:
-        """From the NATS read loop, when `can_write_more_now()`: one more body message through
-        the ASGI `send` chain (it completes at once: uvicorn waits only on a paused writer).
-        A failure, or a send that had to wait after all, surfaces at the next `write`."""
-        sending = self._send({"type": "http.response.body", "body": body, "more_body": True})
-        if inspect.iscoroutine(sending):
-            self._step(sending)
-        else:  # not a coroutine to step: the handler's task awaits it before its next write
-            self._unfinished = sending
-
-    def _step(self, coro: Coroutine[Any, Any, None]) -> None:
+        coro = self._start_with({"type": "http.response.body", "body": body, "more_body": True})
         try:
             waiting_on = coro.send(None)
         except StopIteration:

@@ -132,40 +132,6 @@ async def test_the_head_and_the_first_token_go_out_in_one_write(
     assert sse_text(data.partition(b"\r\n\r\n")[2]) == expected_text(4)
 
 
-async def test_later_tokens_are_written_from_the_read_loop_too_and_metered_exactly(
-    stack: Stack, sku: dict[str, Any]
-) -> None:
-    _, key = await stack.tenant_with_key()
-    sock, transport = await connect(stack)
-    writers: list[asyncio.Task[Any] | None] = []
-    write = transport.write
-
-    def counting(data: bytes) -> None:
-        writers.append(asyncio.current_task())
-        write(data)
-
-    transport.write = counting
-    try:
-        loop = asyncio.get_running_loop()
-        await loop.sock_sendall(sock, chat_request(key["key"], sku["name"], max_tokens=8))
-        data = b""
-        while not data.endswith(b"0\r\n\r\n"):
-            data += await loop.sock_recv(sock, 65536)
-    finally:
-        transport.write = write
-        sock.close()
-    head, _, body = data.partition(b"\r\n\r\n")
-    assert sse_text(body) == expected_text(8)
-    reading = stack.plane.nc._reading_task  # type: ignore[union-attr]
-    # Each token went out from the NATS read loop as it came in (the worker spaces them 5 ms
-    # apart); only the end (finish reason, [DONE]) waits for the HTTP task.
-    assert writers[:8] == [reading] * 8 and reading not in writers[8:]
-    rid = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:])["x-request-id"]
-    delivered = (await stack.delivery_rows([rid]))[rid]
-    billed = await stack.ledger_row(rid)
-    assert delivered["completion_tokens"] == billed["completion_tokens"] == 8
-
-
 async def test_a_client_that_stops_reading_is_backed_up_not_buffered_and_metered_exactly(
     stack: Stack, fast_sku: dict[str, Any]
 ) -> None:
