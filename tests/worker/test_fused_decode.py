@@ -90,7 +90,7 @@ def block_quantized_x(x: torch.Tensor, bk: int) -> torch.Tensor:
     [
         (8, 64, 512, DecodeTiling(64, 128, 1, 4, 2, act_fp8=True)),  # wgmma-sized tile
         (5, 40, 600, DecodeTiling(16, 64, 3, act_fp8=True)),  # ragged K, 3 splits, N < BN
-        (8, 70, 512, DecodeTiling(32, 128, 4, act_fp8=True, prefetch_k=1024)),  # no PDL on CPU
+        (8, 70, 512, DecodeTiling(32, 128, 4, act_fp8=True)),  # 4 splits
     ],
 )
 def test_w8a8_gemv_rounds_x_per_block_and_matches_the_emulation(m, n, k, tiling) -> None:

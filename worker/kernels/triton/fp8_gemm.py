@@ -226,7 +226,6 @@ def _gemv_kernel(
     DOT: tl.constexpr,
     ACT_FP8: tl.constexpr,
     FP8_DOT: tl.constexpr,
-    PREFETCH_K: tl.constexpr,
     SILU_X: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -239,9 +238,6 @@ def _gemv_kernel(
     448 over the block's BK columns, finer than the per-token scales of prefill's scaled_mm) so
     the dot takes both operands in fp8 (FP8_DOT: straight from shared memory on the tensor
     cores, no widening of the weight; under the interpreter the fp8 values are dotted in DOT).
-    PREFETCH_K > 0 (with PDL): before waiting for the previous kernel, ask L2 for the first
-    PREFETCH_K bytes of each of the program's weight rows; weights are constants, so this is the
-    one load allowed ahead of the wait and the weight stream starts during the previous tail.
     SILU_X: x is a gated MLP's gate|up output [M, 2K] and the GEMV's input is silu(gate) * up,
     computed as it is loaded (rounded as the silu_mul kernel rounds), so the MLP's down
     projection needs no separate activation launch."""
@@ -254,16 +250,6 @@ def _gemv_kernel(
     w_rows = w + rn[:, None].to(tl.int64) * stride_wn
     x_rows = x + rm[:, None] * stride_xm
     k_start = split * k_per_split
-    if PDL and PREFETCH_K > 0:
-        lines = k_start + tl.arange(0, PREFETCH_K // 128) * 128
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
-            "=r,l",
-            [w_rows + lines[None, :]],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
     pdl_wait(PDL)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     # the last split may be shorter (k_per_split is rounded up to BK): stop at K
@@ -464,9 +450,9 @@ class DecodeTiling:
     num_stages: int = 4
     two_pass: bool = False
     # fp8 weights only: quantize x per K step to e4m3 and dot fp8 x fp8 (W8A8, as prefill's
-    # scaled_mm); and the L2 prefetch of each weight row's first bytes ahead of the PDL wait
+    # scaled_mm). (An L2 prefetch of each row's first bytes ahead of the PDL wait was measured
+    # in run 5 and gained nothing: removed.)
     act_fp8: bool = False
-    prefetch_k: int = 0
     # > 0: the stream-K kernel with this many programs per SM (one wave, equal ranges)
     stream_k: int = 0
 
@@ -544,12 +530,6 @@ def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return counters
 
 
-def _prefetch_bytes(wanted: int, k_per_split: int) -> int:
-    """Bytes per weight row to prefetch: a power of two of whole 128-byte lines, within the split."""
-    limit = min(wanted, k_per_split)
-    return 0 if limit < 128 else 1 << (limit.bit_length() - 1)
-
-
 def w8_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -617,7 +597,6 @@ def w8_gemv(
         DOT=dot,
         ACT_FP8=fp8 and tiling.act_fp8,
         FP8_DOT=on_gpu,
-        PREFETCH_K=_prefetch_bytes(tiling.prefetch_k, k_per_split),
         SILU_X=silu_x,
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages if on_gpu else 1,
