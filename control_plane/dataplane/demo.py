@@ -72,10 +72,28 @@ async def ensure_demo_governance(services: Services) -> tuple[str, str]:
     return sku_id, plaintext
 
 
+WORKER_LOG = "demo-worker.log"
+READY_MARK = b" serving SKU "  # the line worker.serve logs once its model is loaded
+
+
+async def say_when_ready(log_path: Path, offset: int, timeout_s: float = 600.0) -> None:
+    """Print one line when the demo worker (whose log starts at `offset`) serves its model, so
+    a user who copied the export lines knows when the first answer comes (before: 503)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        with contextlib.suppress(OSError):
+            with log_path.open("rb") as f:
+                f.seek(offset)
+                if READY_MARK in f.read():
+                    print(f"Demo worker ready: {DEMO_SKU} answers now.", flush=True)
+                    return
+        await asyncio.sleep(0.25)
+
+
 def start_demo_worker(services: Services, sku_id: str, gguf_path: Path) -> subprocess.Popen[bytes]:
     s = services.settings
     assert s.nats_url is not None
-    log_file = open(Path(s.data_dir) / "demo-worker.log", "ab")  # noqa: SIM115 (the child owns it)
+    log_file = open(Path(s.data_dir) / WORKER_LOG, "ab")  # noqa: SIM115 (the child owns it)
     return subprocess.Popen(
         [
             sys.executable, "-m", "worker.serve", "--nats-url", s.nats_url, "--prefix", s.stream_prefix,
@@ -93,6 +111,8 @@ def start_demo_worker(services: Services, sku_id: str, gguf_path: Path) -> subpr
 async def demo_up_hook(services: Services) -> AsyncIterator[None]:
     sku_id, key = await ensure_demo_governance(services)
     worker: subprocess.Popen[bytes] | None = None
+    log_path = Path(services.settings.data_dir) / WORKER_LOG
+    offset = log_path.stat().st_size if log_path.exists() else 0  # this run's lines only
     try:
         from worker.loading.demo_model import ensure_smollm2
 
@@ -102,15 +122,18 @@ async def demo_up_hook(services: Services) -> AsyncIterator[None]:
         log.error("demo worker not started: %s", exc)
     s = services.settings
     print(
-        f"\nDemo model {DEMO_SKU} on a CPU worker (first answer after it loads; log in "
-        f"{Path(s.data_dir) / 'demo-worker.log'}):\n"
+        f"\nDemo model {DEMO_SKU} on a CPU worker (a line says when it is loaded; log in "
+        f"{log_path}):\n"
         f"  export OPENAI_BASE_URL=http://{s.host}:{s.port}/v1\n"
         f"  export OPENAI_API_KEY={key}\n",
         flush=True,
     )
+    ready = asyncio.create_task(say_when_ready(log_path, offset)) if worker else None
     try:
         yield
     finally:
+        if ready is not None:
+            ready.cancel()
         if worker is not None and worker.poll() is None:
             worker.terminate()
             try:

@@ -3,6 +3,7 @@ and (slow) the real SmolLM2 on a CPU worker answering the official openai client
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 from pathlib import Path
@@ -10,7 +11,13 @@ from pathlib import Path
 import openai
 import pytest
 
-from control_plane.dataplane.demo import DEMO_SKU, KEY_FILE, demo_up_hook, ensure_demo_governance
+from control_plane.dataplane.demo import (
+    DEMO_SKU,
+    KEY_FILE,
+    demo_up_hook,
+    ensure_demo_governance,
+    say_when_ready,
+)
 from tests.dataplane.harness import Stack
 
 pytestmark = pytest.mark.timeout(300)
@@ -25,6 +32,22 @@ async def test_the_demo_key_and_sku_survive_restarts(stack: Stack) -> None:
     assert len(keys) == 1
     client = openai.AsyncOpenAI(base_url=stack.v1, api_key=key, max_retries=0)
     assert DEMO_SKU in [m.id async for m in client.models.list()]
+
+
+async def test_the_ready_line_waits_for_this_runs_worker(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "demo-worker.log"
+    log.write_bytes(b"INFO worker demo-cpu-worker serving SKU sku_old with torch_runtime\n")
+    offset = log.stat().st_size  # a previous run's line: not this worker
+    waiting = asyncio.create_task(say_when_ready(log, offset, timeout_s=10))
+    await asyncio.sleep(0.6)
+    assert not waiting.done() and "ready" not in capsys.readouterr().out
+    with log.open("ab") as f:
+        f.write(b"INFO tokenmill.worker.torch loaded model.gguf on cpu\n")
+        f.write(b"INFO worker demo-cpu-worker serving SKU sku_new with torch_runtime\n")
+    await asyncio.wait_for(waiting, 5)
+    assert f"Demo worker ready: {DEMO_SKU}" in capsys.readouterr().out
 
 
 def share_model_cache(data_dir: Path) -> None:
@@ -54,6 +77,12 @@ async def test_the_demo_model_answers_paris(
         await stack.wait_served(
             next(s.sku_id for s in stack.services.view.skus() if s.name == DEMO_SKU), within=240
         )
+        for _ in range(40):  # the log line lands as the worker announces itself
+            printed += capsys.readouterr().out
+            if "Demo worker ready" in printed:
+                break
+            await asyncio.sleep(0.25)
+        assert f"Demo worker ready: {DEMO_SKU}" in printed
         client = openai.AsyncOpenAI(base_url=stack.v1, api_key=key, max_retries=0, timeout=120)
         r = await client.completions.create(
             model=DEMO_SKU, prompt="The capital of France is", max_tokens=8, temperature=0
