@@ -9,6 +9,7 @@ imports no triton, so the engine can consult it on machines without one.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -23,4 +24,11 @@ def set_pdl(on: bool) -> None:
 def pdl_enabled(device: torch.device) -> bool:
     if not _state["on"] or device.type != "cuda":
         return False
+    return _hopper_or_newer(device.index if device.index is not None else -1)
+
+
+@functools.cache
+def _hopper_or_newer(index: int) -> bool:
+    """Asked on every kernel launch, so the device query runs once per GPU."""
+    device = torch.cuda.current_device() if index < 0 else index
     return torch.cuda.get_device_capability(device)[0] >= 9
