@@ -484,9 +484,14 @@ def default_tiling(n: int, k: int) -> DecodeTiling:
         # 86% of copy bandwidth against 75-79% for 32-channel tiles (gpu_suite_run8/9.json;
         # Nsight Compute: 4 blocks of 49 KB per SM left the shared-memory pipe 73% busy)
         return DecodeTiling(64, 128, 1, 2, 3)
+    return channel32_tiling(n, k, 2 if n <= 20_000 else 4)
+
+
+def channel32_tiling(n: int, k: int, num_warps: int) -> DecodeTiling:
+    """32-channel mma.sync tiles, 256 of K per step, K split for ~3 programs per SM."""
     tiles = triton.cdiv(n, 32)
     splits = max(1, min(triton.cdiv(3 * 132, tiles), triton.cdiv(k, _DECODE_BK) // 4))
-    return DecodeTiling(32, _DECODE_BK, splits, 2 if n <= 20_000 else 4, 4)
+    return DecodeTiling(32, _DECODE_BK, splits, num_warps, 4)
 
 
 def programs_per_sm(tiling: DecodeTiling, weight_bytes: int = 1) -> int:
@@ -670,9 +675,7 @@ def one_launch(tiling: DecodeTiling, n: int, k: int) -> DecodeTiling:
     """`tiling` if `_gemv_kernel` runs it as is, else that kernel's default for the shape (the
     two-pass, stream-K and W8A8 paths have no fused activation prologue)."""
     if tiling.two_pass or tiling.stream_k or tiling.act_fp8:
-        tiles = triton.cdiv(n, 32)
-        splits = max(1, min(triton.cdiv(3 * 132, tiles), triton.cdiv(k, _DECODE_BK) // 4))
-        return DecodeTiling(32, _DECODE_BK, splits, 2, 4)
+        return channel32_tiling(n, k, 2)
     return tiling
 
 
