@@ -137,10 +137,13 @@ def roofline(args: argparse.Namespace, config: Any) -> dict[str, Any]:
     return {"copy_bandwidth_gb_s": bandwidth / 1e9, "batch": batch, "configs": rows}
 
 
-def state_bytes_per_seq(config: Any) -> int:
+def state_bytes_per_seq(config: Any, value_bytes: int = 2) -> int:
+    """Recurrent state bytes per sequence; the engine's default pool holds bf16 (run 11 on; fp32
+    before: twice this)."""
     c = config
     layers = len(c.linear_attention_layers)
-    recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+    recurrent *= value_bytes
     return layers * recurrent
 
 
@@ -242,10 +245,8 @@ def preflight(args: argparse.Namespace, config: Any) -> dict[str, Any]:
     }
     from worker.models.fp8 import quantize_weight
 
-    down_w, down_s = quantize_weight(torch.randn(h, f, device=dev, dtype=dt) * 0.02)
-    cases["silu_mul_fp8_linear"] = (
-        torch.randn(t, 2 * f, device=dev, dtype=dt) * 3, down_w, down_s, None
-    )  # fmt: skip
+    gate_up_w, gate_up_s = quantize_weight(torch.randn(2 * f, h, device=dev, dtype=dt) * 0.02)
+    cases["linear_silu_mul"] = (x, gate_up_w, gate_up_s, None)
     conv_state = torch.randn(t + 1, config.conv_dim, 3, device=dev, dtype=dt)
     conv_case = (
         torch.randn(t, config.conv_dim, device=dev, dtype=dt),
@@ -270,7 +271,12 @@ def preflight(args: argparse.Namespace, config: Any) -> dict[str, Any]:
         except Exception as exc:
             ok = False
             result[op] = {"impl": impl.name, "error": f"{type(exc).__name__}: {exc}"}
-        if not ok and impl.name != "reference":
+        if not ok and op == "linear_silu_mul":  # the two launches, not the slow reference
+            from worker.kernels.triton import fp8_gemm
+
+            fp8_gemm.SILU_MUL_TILINGS[(2 * f, h, True)] = None
+            result[op]["unfused"] = True
+        elif not ok and impl.name != "reference":
             ops.unregister(op, impl.name)
             result[op]["unregistered"] = True
     # the conv update shifts its state in place: each side gets its own copy
@@ -394,6 +400,7 @@ def gemv_sweep(args: argparse.Namespace, config: Any, budget: float) -> dict[str
         name: sweep_shape(args, n, k, deadline) for name, (n, k) in decode_shapes(config).items()
     }
     return {
+        "gate_up_silu_mul": silu_mul_sweep(args, *decode_shapes(config)["gate|up"]),
         "shapes": results,
         "fp8_gemv_ms_per_step_estimate": gemv_step_estimate(config, results),
         "bf16_gemm_ms_per_step_estimate": gemv_step_estimate(config, results, "bf16_chosen"),
@@ -492,6 +499,69 @@ def sweep_shape(args: argparse.Namespace, n: int, k: int, deadline: float) -> di
     else:
         fp8k.DECODE_TILINGS[(n, k)] = best[1]
         row["chosen"] = {"tiling": str(best[1]), "us": best[0] * 1e6}
+    return row
+
+
+def silu_mul_sweep(args: argparse.Namespace, n: int, k: int) -> dict[str, Any]:
+    """The MLP's activation: the gate|up GEMV with silu * mul in its epilogue (one launch, a few
+    tilings) against the swept gate|up GEMV then the silu_mul kernel (two launches), fp8 and bf16
+    weights; the faster goes into SILU_MUL_TILINGS (None: the two launches)."""
+    from worker.kernels.triton import fp8_gemm as fp8k
+
+    report: dict[str, Any] = {}
+    for fp8 in (True, False):
+        try:
+            report["fp8" if fp8 else "bf16"] = silu_mul_choice(args, n, k, fp8)
+        except Exception as exc:
+            fp8k.SILU_MUL_TILINGS[(n, k, fp8)] = None
+            report["fp8" if fp8 else "bf16"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        free_gpu()
+    return report
+
+
+def silu_mul_choice(args: argparse.Namespace, n: int, k: int, fp8: bool) -> dict[str, Any]:
+    from worker.kernels.triton import fp8_gemm as fp8k
+    from worker.kernels.triton.activations import silu_mul
+    from worker.models.fp8 import quantize_weight
+
+    m, dev = args.concurrency, args.device
+    copies = max(2, -(-(192 << 20) // (n * k)))
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    sets: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    for _ in range(copies):
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        q, s = quantize_weight(w) if fp8 else (w, None)
+        sets.append((q, s))
+        del w
+    outs: list[Any] = [None] * copies
+    fp8k.SILU_MUL_TILINGS.pop((n, k, fp8), None)
+    tilings = [fp8k.silu_mul_tiling(n // 2, k, fp8), fp8k.DecodeTiling(32, 128, 1, 2, 3)]
+    tilings += [fp8k.DecodeTiling(32, 256, 1, 2, 2), fp8k.DecodeTiling(16, 256, 1, 2, 3)]
+    tilings += [fp8k.DecodeTiling(32, 128, 1, 4, 4)]
+
+    def two(i: int) -> None:
+        w, s = sets[i]
+        outs[i] = silu_mul(fp8k.fp8_linear(x, w, s) if s is not None else fp8k.linear(x, w))
+
+    unfused = graph_time(two, copies)
+    want = outs[-1].float()
+    row: dict[str, Any] = {"two_launches_us": unfused * 1e6}
+    best: tuple[float, Any] = (unfused, None)
+    for tiling in dict.fromkeys(tilings):
+
+        def one(i: int, tiling: Any = tiling) -> None:
+            outs[i] = fp8k.linear_silu_mul(x, *sets[i], None, tiling)
+
+        try:
+            t = graph_time(one, copies)
+            err = ((outs[-1].float() - want).norm() / want.norm()).item()
+            row[str(tiling)] = {"us": t * 1e6, "rel_err": err}
+            if err < 1e-2 and t < best[0]:
+                best = (t, tiling)
+        except Exception as exc:
+            row[str(tiling)] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    fp8k.SILU_MUL_TILINGS[(n, k, fp8)] = best[1]
+    row["chosen"] = {"tiling": str(best[1] or "two launches"), "us": best[0] * 1e6}
     return row
 
 
@@ -788,6 +858,7 @@ def engine_config(
     result: dict[str, Any] = {
         "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / GIB,
         "kv_dtype": str(engine.runner.kv_dtype),
+        "state_dtype": str(engine.runner.state_dtype),
         "kv_bytes_per_token": engine.kv_bytes_per_token(),
         "attention_kv_gib_at_1m_tokens": engine.kv_bytes_per_token() * 1e6 / GIB,
         "deltanet_state_bytes_per_sequence": engine.state_bytes_per_sequence(),

@@ -72,7 +72,9 @@ class FakeCausalLM(torch.nn.Module):
         self.fail_on_step: int | None = None
         self.batches: list[BatchMetadata] = []
 
-    def allocate_cache(self, num_blocks, block_size, num_state_slots, kv_dtype, device):
+    def allocate_cache(
+        self, num_blocks, block_size, num_state_slots, kv_dtype, device, state_dtype=None
+    ):
         return FakeCache(num_blocks, block_size, num_state_slots, device)
 
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, cache: FakeCache):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from tests.worker.engine_fakes import (
     VOCAB,
@@ -238,3 +239,9 @@ def test_config_from_env(monkeypatch):
     config = EngineConfig.from_env(max_model_len=256)
     assert (config.max_num_seqs, config.kv_cache_bytes, config.max_model_len) == (3, 1048576, 256)
     assert config.block_size == 16
+    assert config.state_dtype is None  # the model's dtype
+    monkeypatch.setenv("TOKENMILL_ENGINE_STATE_DTYPE", "bfloat16")
+    assert EngineConfig.from_env().state_dtype == torch.bfloat16
+    monkeypatch.setenv("TOKENMILL_ENGINE_STATE_DTYPE", "fp64")
+    with pytest.raises(ValueError, match="TOKENMILL_ENGINE_STATE_DTYPE"):
+        EngineConfig.from_env()

@@ -23,6 +23,7 @@ from worker.kernels.triton.fp8_gemm import (  # noqa: E402
     DecodeTiling,
     _arrivals,
     _workspaces,
+    linear_silu_mul,
     w8_gemv,
 )
 from worker.kernels.triton.norm import add_rms_norm  # noqa: E402
@@ -106,36 +107,71 @@ def test_w8a8_gemv_rounds_x_per_block_and_matches_the_emulation(m, n, k, tiling)
     assert 5e-3 < rel_err(out, exact) < 4e-2  # x really went through e4m3, and only that
 
 
-def check_silu_mul_gemv(m: int, f: int, n: int, tiling: DecodeTiling | None, device: str) -> None:
-    q, scale = quantize_weight(torch.randn(n, f, device=device) * 0.02)
-    gate_up = torch.randn(m, 2 * f, device=device).bfloat16()
-    bias = torch.randn(n, device=device).bfloat16()
-    for b in (None, bias):
-        out = w8_gemv(gate_up, q, scale, b, tiling, silu_x=True)
-        assert out.shape == (m, n)
-        # the same arithmetic in two launches (the silu_mul kernel, then the plain GEMV)
-        two_launches = w8_gemv(silu_mul(gate_up), q, scale, b, tiling)
-        assert rel_err(out, two_launches) < 2e-3
-        # against torch: the interpreter's fp32 -> bf16 cast rounds differently from torch's
-        # in ~half the cases (seen on CPU: 0.8% here against 0.3% on the GPU kernels)
-        bound = 1e-2 if device == "cuda" else 2e-2
-        assert rel_err(out, reference.silu_mul_fp8_linear(gate_up, q, scale, b)) < bound
+def check_gate_up_silu_mul(
+    m: int, f: int, k: int, tiling: DecodeTiling | None, fp8: bool, device: str
+) -> None:
+    """The fused gate|up GEMV against the projection then silu_mul (the two launches it
+    replaces) and against the plain-PyTorch reference."""
+    w = torch.randn(2 * f, k, device=device) * 0.02
+    x = torch.randn(m, k, device=device).bfloat16()
+    if fp8:
+        weight, scale = quantize_weight(w)
+        gate_up = w8_gemv(x, weight, scale, None, DecodeTiling(32, 64, 1))
+    else:
+        weight, scale = w.bfloat16(), None
+        gate_up = torch.nn.functional.linear(x, weight)
+    out = linear_silu_mul(x, weight, scale, None, tiling)
+    assert out.shape == (m, f) and out.dtype == x.dtype
+    assert rel_err(out, silu_mul(gate_up)) < 1e-2
+    # the interpreter's fp32 -> bf16 cast rounds differently from torch's in ~half the cases
+    bound = 1e-2 if device == "cuda" else 2e-2
+    assert rel_err(out, reference.linear_silu_mul(x, weight, scale)) < bound
 
 
 @pytest.mark.parametrize(
-    ("m", "f", "n", "tiling"),
+    ("m", "f", "k", "tiling", "fp8"),
     [
-        (8, 128, 48, DecodeTiling(16, 32, 1)),  # one K range
-        (5, 300, 40, DecodeTiling(16, 64, 3)),  # K not a multiple of BK, 3 splits
-        (8, 256, 70, DecodeTiling(32, 64, 2)),  # N not a multiple of BN
-        (3, 128, 33, DecodeTiling(16, 64, 2, two_pass=True)),  # has no prologue: one-launch
-        (8, 512, 40, DecodeTiling(32, 128, 1, stream_k=2)),  # likewise
-        (2, 96, 20, None),  # default tiling
+        (8, 48, 128, DecodeTiling(16, 32, 1), True),  # whole tiles
+        (5, 40, 300, DecodeTiling(16, 64, 1), True),  # K not a multiple of BK
+        (8, 70, 256, DecodeTiling(32, 64, 1), True),  # F not a multiple of BN
+        (2, 20, 96, None, True),  # default tiling
+        (8, 48, 128, DecodeTiling(16, 32, 1), False),  # 16-bit weights, no scales
     ],
 )
-def test_gemv_forms_silu_mul_of_gate_up_as_it_loads(m, f, n, tiling) -> None:
-    torch.manual_seed(m + f + n)
-    check_silu_mul_gemv(m, f, n, tiling, "cpu")
+def test_gate_up_gemv_forms_silu_mul_in_its_epilogue(m, f, k, tiling, fp8) -> None:
+    torch.manual_seed(m + f + k)
+    check_gate_up_silu_mul(m, f, k, tiling, fp8, "cpu")
+
+
+def test_gate_up_silu_mul_takes_two_launches_where_measured_faster(monkeypatch) -> None:
+    """Prefill rows, a bias, or a shape the sweep found faster unfused: projection + silu_mul."""
+    from worker.kernels.triton import fp8_gemm
+
+    torch.manual_seed(9)
+    weight, scale = quantize_weight(torch.randn(64, 128) * 0.02)
+    x = torch.randn(4, 128).bfloat16()
+    launches: list = []
+    monkeypatch.setattr(
+        fp8_gemm, "_gemv_silu_mul_kernel", _Recorder(fp8_gemm._gemv_silu_mul_kernel, launches)
+    )
+    fused = fp8_gemm.linear_silu_mul(x, weight, scale)
+    assert len(launches) == 1
+    monkeypatch.setitem(fp8_gemm.SILU_MUL_TILINGS, (64, 128, True), None)
+    unfused = fp8_gemm.linear_silu_mul(x, weight, scale)
+    fp8_gemm.linear_silu_mul(torch.randn(17, 128).bfloat16(), weight, scale)  # > 16 rows
+    assert len(launches) == 1  # neither launched the fused kernel
+    assert rel_err(unfused, fused) < 2e-2
+
+
+class _Recorder:
+    """Stands in for a kernel: records each launch's grid, then launches the real kernel."""
+
+    def __init__(self, kernel, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
 
 
 def test_gemv_with_16bit_weights_matches_linear() -> None:
@@ -320,9 +356,10 @@ def test_gpu_w8_gemv_27b(n: int, k: int) -> None:
 
 @GPU
 @needs_cuda
-def test_gpu_silu_mul_gemv_27b() -> None:
+def test_gpu_gate_up_silu_mul_27b() -> None:
     torch.manual_seed(0)
-    check_silu_mul_gemv(8, 17408, 5120, None, "cuda")  # the MLP's down projection
+    check_gate_up_silu_mul(8, 17408, 5120, None, True, "cuda")  # the MLP's gate|up, fp8
+    check_gate_up_silu_mul(8, 17408, 5120, None, False, "cuda")  # and bf16
 
 
 @pytest.mark.parametrize("rotary_dim", [8, 32])

@@ -33,6 +33,18 @@ def _env_bool(name: str) -> bool | None:
     return None if not value else value not in ("0", "false", "no", "off")
 
 
+_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _env_dtype(name: str) -> torch.dtype | None:
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return None
+    if value not in _STATE_DTYPES:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(_STATE_DTYPES)}")
+    return _STATE_DTYPES[value]
+
+
 @dataclass
 class EngineConfig:
     """Engine sizing. Every field can be set from the environment (see `from_env`)."""
@@ -48,6 +60,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens per step (TOKENMILL_ENGINE_MAX_NUM_BATCHED_TOKENS)
     max_model_len: int = 4096  # prompt + output tokens (TOKENMILL_ENGINE_MAX_MODEL_LEN)
     kv_dtype: torch.dtype | None = None  # default: the model's dtype
+    # DeltaNet recurrent state in the slot pool (TOKENMILL_ENGINE_STATE_DTYPE=float32|bfloat16|
+    # float16; default: the model's dtype, as vLLM's mamba_ssm_cache_dtype=auto). Kernels compute
+    # in fp32 either way; a 16-bit pool halves the 2 x 3 MiB per layer and sequence a 27B decode
+    # step moves (docs/perf-notes.md run 11). fp32 keeps every step's state exact.
+    state_dtype: torch.dtype | None = None
     device: str | None = None  # default: where the model's parameters are
     eos_token_ids: list[int] | None = None  # default: from the tokenizer, else the model config
     # Decode-only steps as CUDA-graph replays on a GPU (TOKENMILL_ENGINE_CUDA_GRAPHS=0 turns off).
@@ -78,6 +95,7 @@ class EngineConfig:
             "cuda_graphs": _env_bool("TOKENMILL_ENGINE_CUDA_GRAPHS"),
             "fuse_projections": _env_bool("TOKENMILL_ENGINE_FUSE_PROJECTIONS"),
             "overlap_decode": _env_bool("TOKENMILL_ENGINE_OVERLAP_DECODE"),
+            "state_dtype": _env_dtype("TOKENMILL_ENGINE_STATE_DTYPE"),
         }
         return cls(**{k: v for k, v in env.items() if v is not None}, **overrides)
 
@@ -160,6 +178,7 @@ class LLMEngine:
             block_size=config.block_size,
             num_state_slots=config.max_num_seqs,
             kv_dtype=config.kv_dtype,
+            state_dtype=config.state_dtype,
             device=config.device,
             max_model_len=config.max_model_len,
             cuda_graphs=config.cuda_graphs,

@@ -219,6 +219,7 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         max_model_len: int | None = None,
+        state_dtype: torch.dtype | None = None,
         cuda_graphs: bool = False,
         pad_decode: bool | None = None,
     ) -> None:
@@ -226,8 +227,14 @@ class ModelRunner:
         self.device = torch.device(device) if device is not None else model_device(model)
         self.block_size = block_size
         self.kv_dtype = kv_dtype or model_dtype(model)
+        self.state_dtype = state_dtype or model_dtype(model)
         self.cache = model.allocate_cache(
-            num_blocks + 1, block_size, num_state_slots + 1, self.kv_dtype, self.device
+            num_blocks + 1,
+            block_size,
+            num_state_slots + 1,
+            self.kv_dtype,
+            self.device,
+            state_dtype=self.state_dtype,
         )
         self.sampler = Sampler()
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"

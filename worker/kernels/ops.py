@@ -46,7 +46,7 @@ OPS = (
     "paged_attention_decode",
     "linear",
     "fp8_linear",
-    "silu_mul_fp8_linear",
+    "linear_silu_mul",
 )
 # Ops whose implementation choice also depends on the KV cache dtype (fp8 or not).
 _KV_OPS = {"write_kv_cache", "paged_attention_prefill", "paged_attention_decode"}
@@ -382,12 +382,13 @@ def fp8_linear(
     return _pick("fp8_linear", x)(x, weight, scale, bias)
 
 
-def silu_mul_fp8_linear(
-    gate_up: torch.Tensor,
+def linear_silu_mul(
+    x: torch.Tensor,
     weight: torch.Tensor,
-    scale: torch.Tensor,
+    scale: torch.Tensor | None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A gated MLP's down projection on its fused gate|up output [..., 2F]: fp8_linear of
-    silu(gate) * up (decode kernels form the activation inside the GEMV)."""
-    return _pick("silu_mul_fp8_linear", gate_up)(gate_up, weight, scale, bias)
+    """A gated MLP's activation silu(gate) * up [..., F] from x [..., K] and its fused gate|up
+    weight [2F, K]: e4m3 with per-channel scales [2F], or 16-bit with scale None (decode kernels
+    form the activation in the projection's epilogue: one launch, no [.., 2F] intermediate)."""
+    return _pick("linear_silu_mul", x)(x, weight, scale, bias)

@@ -2,7 +2,8 @@
 
 They are the definition of each op: readable, run anywhere (CPU included), and the yardstick the
 GPU kernels in `worker/kernels/triton/` are tested against. Semantics follow Hugging Face
-transformers (Llama, Qwen3, Qwen3.5): norms in fp32, softmax in fp32, DeltaNet states in fp32.
+transformers (Llama, Qwen3, Qwen3.5): norms in fp32, softmax in fp32, DeltaNet states computed in fp32
+(stored in the slot pool's dtype).
 Tokens are flat (varlen) with `cu_seqlens`; per-sequence states live in slot pools.
 
 FP8 KV caches store `value / scale` in `float8_e4m3fn`; reads multiply by the per-layer scale.
@@ -180,6 +181,13 @@ def _delta_rule_inputs(
     return q * scale, k
 
 
+def _initial_state(state: torch.Tensor, slot: int, has_initial_state: bool) -> torch.Tensor:
+    """Sequence's state in fp32 (the pool may store it in 16 bits): its slot, or zeros."""
+    if has_initial_state:
+        return state[slot].float()
+    return torch.zeros(state.shape[1:], dtype=torch.float32, device=state.device)
+
+
 def _delta_rule_step(
     state: torch.Tensor,
     q: torch.Tensor,
@@ -211,7 +219,7 @@ def gated_delta_rule_prefill(
     use_qk_l2norm: bool,
 ) -> torch.Tensor:
     """The gated delta rule, token by token, over each sequence of the flat batch. q, k [T, Hk, dk],
-    v [T, Hv, dv], g (log decay, <= 0) and beta [T, Hv]; state [S, Hv, dk, dv] fp32 is read from and
+    v [T, Hv, dv], g (log decay, <= 0) and beta [T, Hv]; state [S, Hv, dk, dv] is read from and
     written back to state[slot] (zeros where not has_initial_state). Returns o [T, Hv, dv]."""
     num_v_heads = v.shape[-2]
     qs, ks = _delta_rule_inputs(q, k, num_v_heads, scale, use_qk_l2norm)
@@ -219,7 +227,7 @@ def gated_delta_rule_prefill(
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     for b, (start, end) in enumerate(_lens(cu_seqlens)):
         slot = int(state_slots[b])
-        s = state[slot].float() if bool(has_initial_state[b]) else torch.zeros_like(state[slot])
+        s = _initial_state(state, slot, bool(has_initial_state[b]))
         for t in range(start, end):
             s, out[t] = _delta_rule_step(s, qs[t], ks[t], vs[t], gs[t], betas[t])
         state[slot] = s
@@ -239,8 +247,10 @@ def gated_delta_rule_decode(
 ) -> torch.Tensor:
     """One gated-delta-rule step for each of B sequences (q, k [B, Hk, dk], v [B, Hv, dv])."""
     qs, ks = _delta_rule_inputs(q, k, v.shape[-2], scale, use_qk_l2norm)
-    s, out = _delta_rule_step(state[state_slots], qs, ks, v.float(), g.float(), beta.float())
-    state[state_slots] = s
+    s, out = _delta_rule_step(
+        state[state_slots].float(), qs, ks, v.float(), g.float(), beta.float()
+    )
+    state[state_slots] = s.to(state.dtype)
     return out.to(v.dtype)
 
 
@@ -266,7 +276,7 @@ def gated_delta_rule_prefill_chunked(
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     for b, (start, end) in enumerate(_lens(cu_seqlens)):
         slot = int(state_slots[b])
-        s = state[slot].float() if bool(has_initial_state[b]) else torch.zeros_like(state[slot])
+        s = _initial_state(state, slot, bool(has_initial_state[b]))
         for c in range(start, end, chunk_size):
             stop = min(c + chunk_size, end)
             # Heads first: [Hv, L, d]
@@ -331,14 +341,16 @@ def fp8_linear(
     return F.linear(x, (weight.float() * scale[:, None]).to(x.dtype), bias)
 
 
-def silu_mul_fp8_linear(
-    gate_up: torch.Tensor,
+def linear_silu_mul(
+    x: torch.Tensor,
     weight: torch.Tensor,
-    scale: torch.Tensor,
+    scale: torch.Tensor | None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The gated MLP's down projection on its gate|up output: fp8_linear(silu_mul(gate_up))."""
-    return fp8_linear(silu_mul(gate_up), weight, scale, bias)
+    """The gated MLP's activation from x and its fused gate|up weight [2F, K] (fp8 with scales,
+    or 16-bit with scale None): silu_mul of the projection."""
+    gate_up = linear(x, weight, bias) if scale is None else fp8_linear(x, weight, scale, bias)
+    return silu_mul(gate_up)
 
 
 def _quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:

@@ -18,7 +18,9 @@ class AttentionCache:
 
 @dataclass
 class DeltaNetState:
-    recurrent_state: torch.Tensor  # [num_state_slots, Hv, dk, dv] fp32
+    # [num_state_slots, Hv, dk, dv]: fp32, or 16-bit (half the bytes a decode step reads and
+    # writes; kernels still compute in fp32)
+    recurrent_state: torch.Tensor
     conv_state: torch.Tensor  # [num_state_slots, conv_dim, conv_kernel - 1]
 
 

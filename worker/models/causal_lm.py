@@ -110,6 +110,7 @@ class CausalLM(nn.Module):
         num_state_slots: int,
         kv_dtype: torch.dtype,
         device: torch.device | str,
+        state_dtype: torch.dtype = torch.float32,
     ) -> ModelCache:
         c = self.config
         layers: list[AttentionCache | DeltaNetState] = []
@@ -132,7 +133,7 @@ class CausalLM(nn.Module):
                 conv = (num_state_slots, c.conv_dim, c.linear_conv_kernel_dim - 1)
                 layers.append(
                     DeltaNetState(
-                        torch.zeros(recurrent, dtype=torch.float32, device=device),
+                        torch.zeros(recurrent, dtype=state_dtype, device=device),
                         torch.zeros(conv, dtype=self.dtype, device=device),
                     )
                 )

@@ -50,10 +50,6 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.fp8_linear(x, self.weight, self.weight_scale, self.bias)
 
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """This layer on silu(gate) * up of a gate|up output [..., 2 * in_features]."""
-        return ops.silu_mul_fp8_linear(gate_up, self.weight, self.weight_scale, self.bias)
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -139,9 +140,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            # (Fp8Linear.forward_silu_mul fuses the activation into the GEMV, but at the 27B
-            # shape it ran ~9x slower than the two launches on the H200, docs/perf-notes.md
-            # run 10: not routed until that is understood)
-            return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+            proj = self.gate_up_proj
+            weight, bias = cast(torch.Tensor, proj.weight), cast("torch.Tensor | None", proj.bias)
+            scale = getattr(proj, "weight_scale", None)  # Fp8Linear's; 16-bit Linear has none
+            return self.down_proj(ops.linear_silu_mul(x, weight, scale, bias))
         assert self.gate_proj is not None and self.up_proj is not None
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -18,7 +18,7 @@ from worker.kernels.triton.conv1d import (
     conv_update_with_gates,
 )
 from worker.kernels.triton.delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
-from worker.kernels.triton.fp8_gemm import fp8_linear, linear, silu_mul_fp8_linear
+from worker.kernels.triton.fp8_gemm import fp8_linear, linear, linear_silu_mul
 from worker.kernels.triton.kv_cache import write_kv_cache
 from worker.kernels.triton.norm import add_rms_norm, gated_rms_norm, rms_norm
 from worker.kernels.triton.paged_attention import paged_attention_decode, paged_attention_prefill
@@ -72,7 +72,7 @@ ops.register(
 ops.register("write_kv_cache", write_kv_cache, cuda_attention, name="triton.write_kv_cache")
 ops.register("fp8_linear", fp8_linear, cuda_half, name="triton.fp8_linear")
 ops.register("linear", linear, cuda_half, name="triton.linear")
-ops.register("silu_mul_fp8_linear", silu_mul_fp8_linear, cuda_half, name="triton.silu_mul_fp8_gemv")
+ops.register("linear_silu_mul", linear_silu_mul, cuda_half, name="triton.gate_up_silu_mul_gemv")
 
 __all__ = [
     "add_rms_norm",
@@ -86,11 +86,11 @@ __all__ = [
     "gated_rms_norm",
     "gdn_gates",
     "linear",
+    "linear_silu_mul",
     "paged_attention_decode",
     "paged_attention_prefill",
     "rms_norm",
     "sigmoid_mul",
     "silu_mul",
-    "silu_mul_fp8_linear",
     "write_kv_cache",
 ]

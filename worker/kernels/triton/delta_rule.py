@@ -1,6 +1,7 @@
 """Gated DeltaNet in triton: the one-token recurrent decode and the chunked (WY) prefill.
 
-The recurrence, per value head with state S [dk, dv] (fp32), for each token t:
+The recurrence, per value head with state S [dk, dv], for each token t (computed in fp32; the
+slot pool stores S in fp32, or in bf16/fp16 to halve the bytes a decode step moves):
     q, k <- l2norm(q), l2norm(k)                 (when use_qk_l2norm)
     S    <- exp(g_t) * S
     S    <- S + k_t (beta_t * (v_t - S^T k_t))^T  (the delta rule)
@@ -29,6 +30,7 @@ import triton.language as tl
 from worker.kernels.triton._launch import kernel, pdl_wait
 
 L2NORM_EPS = 1e-6
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @kernel
@@ -76,11 +78,11 @@ def _decode_kernel(
 
     slot = tl.load(state_slots + b).to(tl.int64)
     p_s = state + ((slot * HV + hv) * DK + offs_k[:, None]) * DV + offs_v[None, :]
-    b_s = tl.load(p_s) * tl.exp(b_g)
+    b_s = tl.load(p_s).to(tl.float32) * tl.exp(b_g)
     delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
     b_s += b_k[:, None] * delta[None, :]
     b_o = tl.sum(b_s * b_q[:, None], 0) * scale
-    tl.store(p_s, b_s)
+    tl.store(p_s, b_s.to(state.dtype.element_ty))
     tl.store(o + (b * HV + hv) * DV + offs_v, b_o.to(o.dtype.element_ty))
 
 
@@ -100,7 +102,7 @@ def gated_delta_rule_decode(
     """One token per sequence: q, k [B, Hk, dk], v [B, Hv, dv], g, beta [B, Hv] -> o [B, Hv, dv].
 
     One program per (sequence, value head, block_v columns of the state): it reads its [dk,
-    block_v] fp32 slice once and writes it once, the bytes that bound this op."""
+    block_v] slice once and writes it once, the bytes that bound this op."""
     batch, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     _check_heads(q, k, v, state)
@@ -270,7 +272,7 @@ def _chunk_scan_kernel(
 
     slot = tl.load(state_slots + seq).to(tl.int64)
     p_s = state + ((slot * HV + hv) * DK + offs_k[:, None]) * DV + offs_v[None, :]
-    b_s = tl.load(p_s)
+    b_s = tl.load(p_s).to(tl.float32)
     if tl.load(has_initial_state + seq) == 0:
         b_s = tl.zeros([DK, BV], dtype=tl.float32)
 
@@ -316,7 +318,7 @@ def _chunk_scan_kernel(
         b_kd = b_k * tl.exp(tl.where(valid, g_last - b_gc, float("-inf")))[:, None]
         b_s = b_s * tl.exp(g_last) + tl.dot(tl.trans(b_kd.to(DOT)), b_vn_op)
 
-    tl.store(p_s, b_s)
+    tl.store(p_s, b_s.to(state.dtype.element_ty))
 
 
 def gated_delta_rule_prefill(
@@ -415,8 +417,10 @@ def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch
     hk, dk, hv, dv = q.shape[1], q.shape[2], v.shape[1], v.shape[2]
     if k.shape[1:] != q.shape[1:] or hv % hk or q.stride(2) != 1 or k.stride(2) != 1:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: bad heads")
-    if v.stride(2) != 1 or state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError("v needs a contiguous last dim and the state must be contiguous fp32")
+    if v.stride(2) != 1 or state.dtype not in STATE_DTYPES or not state.is_contiguous():
+        raise ValueError(
+            "v needs a contiguous last dim and the state must be contiguous fp32/bf16/fp16"
+        )
     if tuple(state.shape[1:]) != (hv, dk, dv):
         raise ValueError(f"state {tuple(state.shape)} does not match [S, {hv}, {dk}, {dv}]")
     if triton.next_power_of_2(dk) != dk or triton.next_power_of_2(dv) != dv:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -226,7 +227,6 @@ def _gemv_kernel(
     DOT: tl.constexpr,
     ACT_FP8: tl.constexpr,
     FP8_DOT: tl.constexpr,
-    SILU_X: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out^T tile [BN, BM] = W[BN, K-range] @ x^T[K-range, BM]. SPLITS > 1: fp32 partials go to
@@ -237,10 +237,7 @@ def _gemv_kernel(
     ACT_FP8 (fp8 weights): each K step's x block is quantized to e4m3 per row (scale = row amax /
     448 over the block's BK columns, finer than the per-token scales of prefill's scaled_mm) so
     the dot takes both operands in fp8 (FP8_DOT: straight from shared memory on the tensor
-    cores, no widening of the weight; under the interpreter the fp8 values are dotted in DOT).
-    SILU_X: x is a gated MLP's gate|up output [M, 2K] and the GEMV's input is silu(gate) * up,
-    computed as it is loaded (rounded as the silu_mul kernel rounds), so the MLP's down
-    projection needs no separate activation launch."""
+    cores, no widening of the weight; under the interpreter the fp8 values are dotted in DOT)."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
     rm = tl.arange(0, BM)
@@ -262,11 +259,6 @@ def _gemv_kernel(
             wb = tl.load(w_rows + kk[None, :], mask=n_ok & (kk < K)[None, :], other=0.0)
             x_mask = (rm < M)[:, None] & (kk < K)[None, :]
         xb = tl.load(x_rows + kk[None, :], mask=x_mask, other=0.0)
-        if SILU_X:  # xb is the gate; the up half sits K columns further on
-            up = tl.load(x_rows + K + kk[None, :], mask=x_mask, other=0.0).to(tl.float32)
-            gate = xb.to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(xb.dtype).to(tl.float32)
-            xb = (act * up).to(xb.dtype)
         if ACT_FP8:
             xf = xb.to(tl.float32)
             x_scale = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30) / FP8_MAX_VALUE
@@ -541,15 +533,11 @@ def w8_gemv(
     scale: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     tiling: DecodeTiling | None = None,
-    silu_x: bool = False,
 ) -> torch.Tensor:
     """Decode GEMM in one launch: x [M <= 16, K] 16-bit times weight [N, K], either fp8 with an
     fp32 scale [N] (widened to fp16 for the dot) or 16-bit like x (scale None)."""
     m, k = x.shape
     n = weight.shape[0]
-    if silu_x:  # x is gate|up [M, 2K]: the one-launch kernel computes silu(gate) * up itself
-        k //= 2
-        tiling = one_launch(tiling or DECODE_TILINGS.get((n, k)) or default_tiling(n, k), n, k)
     if m > 16:
         raise ValueError(f"w8_gemv takes at most 16 rows, got {m}")
     fp8 = weight.dtype == torch.float8_e4m3fn
@@ -572,10 +560,7 @@ def w8_gemv(
     )
     arrivals = _arrival_counters(x.device, tiles) if splits > 1 else out
     on_gpu = x.is_cuda
-    if on_gpu:
-        dot = tl.float16 if fp8 else (tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16)
-    else:
-        dot = dot_dtype(x.device)
+    dot = _gemv_dot(x, fp8)
     _gemv_kernel[(tiles, splits)](
         x,
         weight,
@@ -602,7 +587,6 @@ def w8_gemv(
         DOT=dot,
         ACT_FP8=fp8 and tiling.act_fp8,
         FP8_DOT=on_gpu,
-        SILU_X=silu_x,
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages if on_gpu else 1,
     )
@@ -671,31 +655,142 @@ def _stream_k_gemv(
     return out
 
 
-def one_launch(tiling: DecodeTiling, n: int, k: int) -> DecodeTiling:
-    """`tiling` if `_gemv_kernel` runs it as is, else that kernel's default for the shape (the
-    two-pass, stream-K and W8A8 paths have no fused activation prologue)."""
-    if tiling.two_pass or tiling.stream_k or tiling.act_fp8:
-        return channel32_tiling(n, k, 2)
-    return tiling
+def _gemv_dot(x: torch.Tensor, fp8: bool) -> Any:
+    """The dtype a decode GEMV's dot runs in: fp8 weights widen to fp16 on a GPU."""
+    if not x.is_cuda:
+        return dot_dtype(x.device)
+    return tl.float16 if fp8 else (tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16)
 
 
-def silu_mul_fp8_linear(
-    gate_up: torch.Tensor,
+@kernel
+def _gemv_silu_mul_kernel(
+    x,
+    w,
+    scale,
+    out,
+    M,
+    F,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """out [M, F] = silu(x W_gate^T) * (x W_up^T) for a gate|up weight [2F, K] (gate rows first):
+    each program takes BN gate channels and the same BN up channels, two weight tiles per K step
+    beside one x tile, and forms the activation in its epilogue, rounded as the unfused path
+    rounds (gate|up output, then silu, then the product, each in out's dtype). The MLP's
+    activation then costs no launch and its [M, 2F] intermediate is never written."""
+    pid_n = tl.program_id(0)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    rk = tl.arange(0, BK)
+    n_ok = (rn < F)[:, None]
+    gate_rows = w + rn[:, None].to(tl.int64) * stride_wn
+    up_rows = gate_rows + F.to(tl.int64) * stride_wn
+    x_rows = x + rm[:, None] * stride_xm
+    pdl_wait(PDL)
+    acc_gate = tl.zeros((BN, BM), dtype=tl.float32)
+    acc_up = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        if EVEN_K:
+            w_mask = n_ok
+            x_mask = (rm < M)[:, None]
+        else:
+            w_mask = n_ok & (kk < K)[None, :]
+            x_mask = (rm < M)[:, None] & (kk < K)[None, :]
+        wg = tl.load(gate_rows + kk[None, :], mask=w_mask, other=0.0)
+        wu = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0)
+        xt = tl.trans(tl.load(x_rows + kk[None, :], mask=x_mask, other=0.0).to(DOT))
+        acc_gate += tl.dot(wg.to(DOT), xt)
+        acc_up += tl.dot(wu.to(DOT), xt)
+    if HAS_SCALE:
+        acc_gate = acc_gate * tl.load(scale + rn, mask=rn < F, other=0.0)[:, None]
+        acc_up = acc_up * tl.load(scale + F + rn, mask=rn < F, other=0.0)[:, None]
+    gate = acc_gate.to(out.dtype.element_ty).to(tl.float32)
+    up = acc_up.to(out.dtype.element_ty).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out.dtype.element_ty).to(tl.float32)
+    tl.store(
+        out + rm[None, :] * stride_om + rn[:, None],
+        (act * up).to(out.dtype.element_ty),
+        mask=n_ok & (rm < M)[None, :],
+    )
+
+
+# The fused gate|up GEMV per (2F, K, fp8 weights): bench/gpu_suite.py's sweep stores the fastest
+# measured tiling, or None where the projection then silu_mul (two launches) measured faster.
+SILU_MUL_TILINGS: dict[tuple[int, int, bool], DecodeTiling | None] = {}
+
+
+def silu_mul_tiling(f: int, k: int, fp8: bool) -> DecodeTiling:
+    """Tiles of the fused gate|up GEMV (`bn` channels of each half per program): the gate|up
+    GEMV's own tiling halved where that runs in one K range as plain tiles (the same weight
+    bytes and x tile per program, H200 gate|up winner: 64 x 128, 2 warps, 3 stages), else
+    32 + 32 channels, 128 of K, 2 warps, 3 stages."""
+    table = DECODE_TILINGS if fp8 else BF16_DECODE_TILINGS
+    whole = table.get((2 * f, k)) or (default_tiling(2 * f, k) if fp8 else None)
+    if whole and whole.splits == 1 and not (whole.two_pass or whole.stream_k or whole.act_fp8):
+        return DecodeTiling(max(16, whole.bn // 2), whole.bk, 1, whole.num_warps, whole.num_stages)
+    return DecodeTiling(32, 128, 1, 2, 3)
+
+
+def linear_silu_mul(
+    x: torch.Tensor,
     weight: torch.Tensor,
-    scale: torch.Tensor,
+    scale: torch.Tensor | None,
     bias: torch.Tensor | None = None,
+    tiling: DecodeTiling | None = None,
 ) -> torch.Tensor:
-    """fp8_linear(silu(gate) * up) of a gate|up output [..., 2F]: decode rows in one GEMV launch
-    that forms the activation as it loads x; more rows as silu_mul then fp8_linear."""
-    rows = gate_up.reshape(-1, gate_up.shape[-1])
-    if rows.shape[0] > 16:
-        from worker.kernels.triton.activations import silu_mul
+    """silu(gate) * up of x [..., K] times a fused gate|up weight [2F, K] (fp8 with scales [2F],
+    or 16-bit with scale None) -> [..., F]: decode rows (<= 16, no bias) in one GEMV launch
+    whose epilogue forms the activation; other calls as the projection, then silu_mul."""
+    from worker.kernels.triton.activations import silu_mul
 
-        return fp8_linear(silu_mul(gate_up), weight, scale, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    two_f, k = weight.shape
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    unfused = False
+    if tiling is None and (two_f, k, fp8) in SILU_MUL_TILINGS:
+        tiling = SILU_MUL_TILINGS[(two_f, k, fp8)]
+        unfused = tiling is None
+    if rows.shape[0] > 16 or bias is not None or two_f % 2 or unfused:
+        gate_up = linear(x, weight, bias) if scale is None else fp8_linear(x, weight, scale, bias)
+        return silu_mul(gate_up)
+    if fp8 != (scale is not None):
+        raise ValueError("fp8 weights take a scale, 16-bit weights none")
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = w8_gemv(rows, weight, scale, bias, silu_x=True)
-    return out.view(*gate_up.shape[:-1], weight.shape[0])
+    m, f = rows.shape[0], two_f // 2
+    tiling = tiling or silu_mul_tiling(f, k, fp8)
+    out = torch.empty((m, f), dtype=x.dtype, device=x.device)
+    _gemv_silu_mul_kernel[(triton.cdiv(f, tiling.bn),)](
+        rows,
+        weight,
+        scale if scale is not None else weight,
+        out,
+        m,
+        f,
+        k,
+        rows.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        BM=16,
+        BN=tiling.bn,
+        BK=tiling.bk,
+        HAS_SCALE=scale is not None,
+        EVEN_K=k % tiling.bk == 0,
+        DOT=_gemv_dot(x, fp8),
+        num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages if x.is_cuda else 1,
+    )
+    return out.view(*x.shape[:-1], f)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
