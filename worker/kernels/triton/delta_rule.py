@@ -32,6 +32,17 @@ from worker.kernels.triton._launch import kernel, pdl_wait
 L2NORM_EPS = 1e-6
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+# Launch settings used when a call names none. Defaults measured on an H200 (docs/perf-notes.md
+# runs 2-6); bench/gpu_suite.py's `gdn` section times alternatives at the model's shape and
+# stores the fastest correct ones here before the engine runs.
+DECODE_LAUNCH: dict[str, int] = {"block_v": 32, "num_warps": 2}
+PREFILL_LAUNCH: dict[str, int] = {
+    "chunk_size": 32,
+    "block_v": 64,
+    "prepare_warps": 4,
+    "scan_warps": 4,
+}
+
 
 @kernel
 def _decode_kernel(
@@ -96,8 +107,8 @@ def gated_delta_rule_decode(
     state_slots: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool,
-    block_v: int = 32,
-    num_warps: int = 2,
+    block_v: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """One token per sequence: q, k [B, Hk, dk], v [B, Hv, dv], g, beta [B, Hv] -> o [B, Hv, dv].
 
@@ -108,7 +119,8 @@ def gated_delta_rule_decode(
     _check_heads(q, k, v, state)
     g, beta = g.contiguous(), beta.contiguous()
     o = torch.empty((batch, hv, dv), dtype=v.dtype, device=v.device)
-    block_v = min(dv, block_v)
+    block_v = min(dv, block_v or DECODE_LAUNCH["block_v"])
+    num_warps = num_warps or DECODE_LAUNCH["num_warps"]
     _decode_kernel[(batch * hv, dv // block_v)](
         q,
         k,
@@ -333,11 +345,11 @@ def gated_delta_rule_prefill(
     has_initial_state: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool,
-    chunk_size: int = 32,
-    block_v: int = 64,
+    chunk_size: int | None = None,
+    block_v: int | None = None,
     dot16: bool = True,
-    prepare_warps: int = 4,
-    scan_warps: int = 4,
+    prepare_warps: int | None = None,
+    scan_warps: int | None = None,
 ) -> torch.Tensor:
     """Varlen chunked prefill: q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv] -> o [T, Hv, dv].
 
@@ -349,6 +361,10 @@ def gated_delta_rule_prefill(
     hv, dv = v.shape[1], v.shape[2]
     _check_heads(q, k, v, state)
     batch = cu_seqlens.numel() - 1
+    chunk_size = chunk_size or PREFILL_LAUNCH["chunk_size"]
+    block_v = block_v or PREFILL_LAUNCH["block_v"]
+    prepare_warps = prepare_warps or PREFILL_LAUNCH["prepare_warps"]
+    scan_warps = scan_warps or PREFILL_LAUNCH["scan_warps"]
     g, beta = g.contiguous(), beta.contiguous()
     inner = torch.bfloat16 if dot16 else torch.float32
     gc = torch.empty((tokens, hv), dtype=torch.float32, device=v.device)
