@@ -32,14 +32,15 @@ from worker.kernels.triton._launch import kernel, pdl_wait
 L2NORM_EPS = 1e-6
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# Launch settings used when a call names none. Defaults measured on an H200 (docs/perf-notes.md
-# runs 2-6); bench/gpu_suite.py's `gdn` section times alternatives at the model's shape and
-# stores the fastest correct ones here before the engine runs.
-DECODE_LAUNCH: dict[str, int] = {"block_v": 32, "num_warps": 2}
+# Launch settings used when a call names none: the H200 winners at the 27B shape on a bf16 pool
+# (bench/results/gpu_suite_run12.json: decode 11.7 us per layer against 14.9 for run 2's
+# 32 x 2 warps; prefill 8 x 512 tokens 488 us per layer against 671 for chunk 32).
+# bench/gpu_suite.py's `gdn` section re-times the alternatives and stores its winners here.
+DECODE_LAUNCH: dict[str, int] = {"block_v": 64, "num_warps": 4}
 PREFILL_LAUNCH: dict[str, int] = {
-    "chunk_size": 32,
+    "chunk_size": 16,
     "block_v": 64,
-    "prepare_warps": 4,
+    "prepare_warps": 2,
     "scan_warps": 4,
 }
 
@@ -354,9 +355,9 @@ def gated_delta_rule_prefill(
     """Varlen chunked prefill: q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv] -> o [T, Hv, dv].
 
     No host reads: the grid depends on shapes only. `dot16` runs the chunk walk's dots on bf16
-    operands (fp32 accumulate; w and u stored in bf16), else tf32 on fp32 operands. The defaults
-    were the fastest measured on an H200 (docs/perf-notes.md, run 2): chunk 32 with bf16 dots;
-    chunk 64 is much slower there and in fp32 exceeds shared memory."""
+    operands (fp32 accumulate; w and u stored in bf16), else tf32 on fp32 operands. Unnamed
+    launch settings come from PREFILL_LAUNCH (chunk 64 is much slower on an H200 and in fp32
+    exceeds shared memory)."""
     tokens, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     _check_heads(q, k, v, state)
