@@ -726,7 +726,12 @@ def _gemv_silu_mul_kernel(
 
 # The fused gate|up GEMV per (2F, K, fp8 weights): bench/gpu_suite.py's sweep stores the fastest
 # measured tiling, or None where the projection then silu_mul (two launches) measured faster.
-SILU_MUL_TILINGS: dict[tuple[int, int, bool], DecodeTiling | None] = {}
+# Preset with the H200 results at the Qwen3.6-27B MLP (bench/results/gpu_suite_run11-15.json):
+# fp8 49.0 us fused against 54.4 for two launches; bf16 88.9 against 88.0, so two launches.
+SILU_MUL_TILINGS: dict[tuple[int, int, bool], DecodeTiling | None] = {
+    (34816, 5120, True): DecodeTiling(32, 256, 1, 2, 2),
+    (34816, 5120, False): None,
+}
 
 
 def silu_mul_tiling(f: int, k: int, fp8: bool) -> DecodeTiling:
