@@ -34,6 +34,7 @@ import uvicorn
 
 from control_plane.app import create_app, load_extensions
 from control_plane.auth import resolve_admin_token
+from control_plane.dataplane.server import direct_routes, gateway_protocol
 from control_plane.embedded import EmbeddedNats, EmbeddedPostgres
 from control_plane.services import Services
 from control_plane.settings import Settings
@@ -119,8 +120,17 @@ async def _serve(settings: Settings, admin_token: str, *, projectors: bool, up: 
     try:
         extensions = load_extensions(services)
         app = create_app(services, extensions=extensions, run_projectors=projectors)
+        plane = services.extra.get("dataplane")
         config = uvicorn.Config(
-            app, host=settings.host, port=settings.port, log_level="warning", lifespan="on"
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level="warning",
+            lifespan="on",
+            # The /v1 completion routes skip Litestar's routing (the token hot path).
+            http=gateway_protocol(direct_routes(app, plane.completion_handlers()))
+            if plane is not None
+            else "auto",
         )
         server = stop.server = uvicorn.Server(config)
         serving = asyncio.create_task(server.serve())

@@ -14,7 +14,7 @@ import msgspec
 import nats
 from litestar import Request, Response, Router, asgi, get
 from litestar.exceptions import HTTPException
-from litestar.types import Receive, Scope, Send
+from litestar.types import ASGIApp, Receive, Scope, Send
 from nats.aio.client import Client as NATS
 
 from control_plane.dataplane import errors
@@ -133,11 +133,11 @@ class DataPlane:
 
         @asgi("/chat/completions", copy_scope=False)
         async def chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
-            await serve_completion(plane._prepare_chat, scope, receive, send)
+            await plane.serve_chat(scope, receive, send)
 
         @asgi("/completions", copy_scope=False)
         async def completions(scope: Scope, receive: Receive, send: Send) -> None:
-            await serve_completion(plane._prepare_text, scope, receive, send)
+            await plane.serve_text(scope, receive, send)
 
         return Router(
             path="/v1",
@@ -148,6 +148,17 @@ class DataPlane:
             },
             include_in_schema=True,
         )
+
+    async def serve_chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await serve_completion(self._prepare_chat, scope, receive, send)
+
+    async def serve_text(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await serve_completion(self._prepare_text, scope, receive, send)
+
+    def completion_handlers(self) -> dict[str, ASGIApp]:
+        """The completion routes' ASGI functions by full path, for an HTTP server that hands
+        these paths to them directly (`server.direct_routes`)."""
+        return {"/v1/chat/completions": self.serve_chat, "/v1/completions": self.serve_text}
 
     async def _prepare_chat(self, authorization: str | None, raw: bytes) -> Completion:
         caller = self.authorizer.caller(authorization)

@@ -1,0 +1,80 @@
+"""The HTTP protocol `tokenmill serve` runs: the /v1 completion routes go straight to their
+handler under the route's middleware (the refusal counter), every other path through the app."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import httpx
+from litestar import Litestar, get
+from litestar.config.cors import CORSConfig
+from litestar.types import ASGIApp, Receive, Scope, Send
+
+from control_plane.dataplane.routes import DataPlane
+from control_plane.dataplane.server import direct_routes, gateway_protocol
+from control_plane.observability.feed import RefusalCounter
+from control_plane.observability.metrics import OpsMetrics
+from events.governance import GovernanceView
+from events.store import StreamLayout
+from tests.dataplane.harness import serving
+from tests.observability.test_metrics import value
+
+
+def unstarted_plane() -> DataPlane:
+    # Nobody is authorized, so nothing reaches the gateway or NATS.
+    return DataPlane("nats://unused", "T", GovernanceView(cast(Any, None), StreamLayout("T")))
+
+
+async def test_completion_routes_skip_the_router_and_keep_the_route_middleware() -> None:
+    plane, metrics = unstarted_plane(), OpsMetrics()
+
+    @get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    app = Litestar(route_handlers=[plane.router(), healthz], plugins=[RefusalCounter(metrics)])
+    seen: list[str] = []
+
+    def recording(path: str, handler: ASGIApp) -> ASGIApp:
+        async def run(scope: Scope, receive: Receive, send: Send) -> None:
+            assert scope["litestar_app"] is app and scope["route_handler"].fn is not None
+            seen.append(path)
+            await handler(scope, receive, send)
+
+        return run
+
+    handlers = {p: recording(p, h) for p, h in plane.completion_handlers().items()}
+    routes = direct_routes(app, handlers)
+    assert set(routes) == {"/v1/chat/completions", "/v1/completions"}
+
+    async with (
+        serving(app, gateway_protocol(routes)) as (base_url, _),
+        httpx.AsyncClient(base_url=base_url) as http,
+    ):
+        bad_key = {"authorization": "Bearer sk-nope"}
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        for _ in range(2):  # one keep-alive connection, request after request
+            r = await http.post("/v1/chat/completions", json=body, headers=bad_key)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = await http.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
+        r = await http.get("/v1/chat/completions")
+        assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+        # Through the app: the models route, a trailing slash, paths outside /v1.
+        assert (await http.get("/v1/models", headers=bad_key)).status_code == 401
+        assert (await http.post("/v1/completions/", json={})).status_code == 401
+        assert (await http.get("/healthz")).json() == {"status": "ok"}
+
+    assert seen == ["/v1/chat/completions"] * 2 + ["/v1/completions", "/v1/chat/completions"]
+    refused = value(metrics, "tokenmill_admissions_refused_total", reason="invalid_api_key", sku="")
+    assert refused == 5  # the route middleware saw every refusal, direct or not
+    assert (
+        value(metrics, "tokenmill_admissions_refused_total", reason="method_not_allowed", sku="")
+        == 1
+    )
+
+
+def test_apps_with_app_level_behaviour_are_served_through_the_app() -> None:
+    plane = unstarted_plane()
+    app = Litestar(route_handlers=[plane.router()], cors_config=CORSConfig())
+    assert direct_routes(app, plane.completion_handlers()) == {}
