@@ -29,9 +29,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     direct_routes: Mapping[str, ASGIApp] = {}
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        # Called for each request once its head is parsed, with the app to run it with.
+        # Called for each request once its head is parsed, with the app to run it with: the
+        # server's, or uvicorn's 503 when `limit_concurrency` is exceeded (kept).
         route: Any = self.direct_routes.get(cycle.scope["path"])
-        super()._start_asgi_task(cycle, app if route is None else route)
+        super()._start_asgi_task(cycle, route if route is not None and app is self.app else app)
 
 
 def gateway_protocol(direct_routes: Mapping[str, ASGIApp]) -> type[GatewayHttpProtocol]:

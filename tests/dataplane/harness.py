@@ -144,13 +144,20 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> No
 
 
 @asynccontextmanager
-async def serving(app: Any, http: Any) -> AsyncIterator[tuple[str, uvicorn.Server]]:
-    """`app` served by uvicorn with the `http` protocol, in the test's event loop (as
-    tests.control_plane.serving does with the default one); yields its base URL and server."""
+async def serving(app: Any, http: Any, **config: Any) -> AsyncIterator[tuple[str, uvicorn.Server]]:
+    """`app` served by uvicorn with the `http` protocol (and more `config`), in the test's
+    event loop (as tests.control_plane.serving does with the default protocol); yields its
+    base URL and the server."""
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(
-            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", http=http
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="on",
+            http=http,
+            **config,
         )
     )
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # leave pytest's signals alone

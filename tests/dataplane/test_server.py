@@ -78,3 +78,16 @@ def test_apps_with_app_level_behaviour_are_served_through_the_app() -> None:
     plane = unstarted_plane()
     app = Litestar(route_handlers=[plane.router()], cors_config=CORSConfig())
     assert direct_routes(app, plane.completion_handlers()) == {}
+
+
+async def test_a_request_over_the_concurrency_limit_still_gets_uvicorns_503() -> None:
+    plane = unstarted_plane()
+    app = Litestar(route_handlers=[plane.router()])
+    http = gateway_protocol(direct_routes(app, plane.completion_handlers()))
+    # One connection is the limit: the client's own already reaches it.
+    async with (
+        serving(app, http, limit_concurrency=1) as (base_url, _),
+        httpx.AsyncClient(base_url=base_url) as client,
+    ):
+        r = await client.post("/v1/chat/completions", json={"model": "m", "messages": []})
+    assert r.status_code == 503 and r.text == "Service Unavailable"
