@@ -13,12 +13,15 @@ from control_plane.embedded import free_port
 
 
 @contextlib.asynccontextmanager
-async def serving(app: Any) -> AsyncIterator[tuple[str, uvicorn.Server]]:
-    """Serve the ASGI `app` with uvicorn (lifespan on) on a free port; yields its base URL and
-    the server (for tests that look at its connections)."""
+async def serving(app: Any, **config: Any) -> AsyncIterator[tuple[str, uvicorn.Server]]:
+    """Serve the ASGI `app` with uvicorn (lifespan on, more uvicorn `config` such as the `http`
+    protocol) on a free port; yields its base URL and the server (for tests that look at its
+    connections)."""
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **config
+        )
     )
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # leave pytest's signals alone
     task = asyncio.create_task(server.serve())

@@ -5,7 +5,6 @@ processes (`python -m worker.serve`)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -25,9 +24,9 @@ import uvicorn
 from control_plane.app import create_app, load_extensions
 from control_plane.dataplane.routes import DataPlane
 from control_plane.dataplane.server import direct_routes, gateway_protocol
-from control_plane.embedded import free_port
 from control_plane.services import Services
 from control_plane.settings import Settings
+from tests.control_plane.serving import serving
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN_TOKEN = "tmadm_test"
@@ -144,37 +143,6 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> No
 
 
 @asynccontextmanager
-async def serving(app: Any, http: Any, **config: Any) -> AsyncIterator[tuple[str, uvicorn.Server]]:
-    """`app` served by uvicorn with the `http` protocol (and more `config`), in the test's
-    event loop (as tests.control_plane.serving does with the default protocol); yields its
-    base URL and the server."""
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=port,
-            log_level="warning",
-            lifespan="on",
-            http=http,
-            **config,
-        )
-    )
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # leave pytest's signals alone
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()  # raises why it did not start
-            raise RuntimeError("uvicorn exited before it started")
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}", server
-    finally:
-        server.should_exit = True
-        await task
-
-
-@asynccontextmanager
 async def running_stack(
     nats_url: str, database_url: str, prefix: str, data_dir: Path
 ) -> AsyncIterator[Stack]:
@@ -197,7 +165,7 @@ async def running_stack(
     try:
         # Served as `tokenmill serve` serves it: the completion routes straight to the handler.
         http = gateway_protocol(direct_routes(app, plane.completion_handlers()))
-        async with serving(app, http) as (base_url, server):
+        async with serving(app, http=http) as (base_url, server):
             stack = Stack(base_url, nats_url, prefix, services, plane, server=server)
             try:
                 yield stack

@@ -48,7 +48,7 @@ async def test_completion_routes_skip_the_router_and_keep_the_route_middleware()
     assert set(routes) == {"/v1/chat/completions", "/v1/completions"}
 
     async with (
-        serving(app, gateway_protocol(routes)) as (base_url, _),
+        serving(app, http=gateway_protocol(routes)) as (base_url, _),
         httpx.AsyncClient(base_url=base_url) as http,
     ):
         bad_key = {"authorization": "Bearer sk-nope"}
@@ -86,7 +86,7 @@ async def test_a_request_over_the_concurrency_limit_still_gets_uvicorns_503() ->
     http = gateway_protocol(direct_routes(app, plane.completion_handlers()))
     # One connection is the limit: the client's own already reaches it.
     async with (
-        serving(app, http, limit_concurrency=1) as (base_url, _),
+        serving(app, http=http, limit_concurrency=1) as (base_url, _),
         httpx.AsyncClient(base_url=base_url) as client,
     ):
         r = await client.post("/v1/chat/completions", json={"model": "m", "messages": []})
