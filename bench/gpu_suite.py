@@ -10,9 +10,13 @@ rewritten after every section, so a killed run still leaves what it measured):
    (weights + DeltaNet state read and written) / bandwidth.
 2. fp8_gemm: w8a16 (triton) vs torch._scaled_mm (rowwise) vs bf16 F.linear at M=8 and M=4096 for
    the big projection shapes; sets the w8a16 -> scaled_mm switch for the FP8 engine.
+   gemv: every decode GEMV shape's tilings timed alone (and the MLP's fused gate|up activation
+   against two launches); gdn: the DeltaNet recurrence's decode and chunked-prefill launch
+   settings at the model's shape; each stores its winners where the kernels read them.
 3. bf16, fp8: the engine at the load point (32 requests, 8 in flight, 512 prompt + 256 output
    tokens; one warm-up round, then up to 5 repeats while the section's time budget lasts), with
-   CUDA-graph decode; plus phases: decode step as a graph replay, the same step eager, a
+   CUDA-graph decode whose setup (GEMV tilings, PDL on/off) is chosen by timing the captured
+   step itself (`decode_setup`); plus phases: decode step as a graph replay, the same step eager, a
    per-kernel profile of the eager step (kernels grouped), and the 8 x 512 prefill step.
 4. hf: transformers Qwen3_5ForCausalLM bf16 (sdpa; fla kernels when importable), static batch 8,
    512 prompt: generate 1 token and 1 + D tokens; decode step = difference / D; the 256-token
