@@ -31,6 +31,10 @@ from worker.protocol import TokenChunk
 
 log = logging.getLogger("tokenmill.dataplane")
 
+# Scope key: True when every middleware on the route passes a 2xx response through unchanged
+# (set by `server.direct_routes`), so a streamed answer may be written past the send chain.
+DIRECT_WRITES = "tokenmill.direct_writes"
+
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
@@ -80,7 +84,7 @@ async def serve_completion(prepare: Prepare, scope: Scope, receive: Receive, sen
         completion = await prepare(authorization, body)
         watcher = asyncio.create_task(_interrupt_on_disconnect(receive, completion.relay))
         if completion.stream:
-            await _stream(completion, send, receive)
+            await _stream(completion, scope, send, receive)
         else:
             await _whole(completion, send, receive)
     except errors.OpenAIError as exc:
@@ -156,14 +160,14 @@ async def _whole(c: Completion, send: Send, receive: Receive) -> None:
     await ResponseOut(send, receive, start).write(content, more_body=False)
 
 
-async def _stream(c: Completion, send: Send, receive: Receive) -> None:
+async def _stream(c: Completion, scope: Scope, send: Send, receive: Receive) -> None:
     relay, w = c.relay, c.writer
     start: Message = {
         "type": "http.response.start",
         "status": 200,
         "headers": [*SSE_HEADERS, *c.headers],
     }
-    out = ResponseOut(send, receive, start)
+    out = ResponseOut(send, receive, start, direct=bool(scope.get(DIRECT_WRITES)))
     # Nothing is sent before the first chunk: a worker's refusal, or no worker at all, still
     # gets its own status instead of an error inside a 200 stream. The first chunk goes out
     # with the response head, from the NATS read loop when the connection allows.

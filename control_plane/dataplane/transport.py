@@ -21,9 +21,10 @@ from __future__ import annotations
 import logging
 import types
 from collections.abc import Awaitable, Coroutine, Generator
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from litestar.types import Message, Receive, Send
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 log = logging.getLogger("tokenmill.dataplane")
 
@@ -48,6 +49,7 @@ class _Cycle(Protocol):
     transport: Any
     flow: _Flow
     disconnected: bool
+    response_complete: bool
 
 
 def uvicorn_cycle(receive: Receive) -> _Cycle | None:
@@ -84,7 +86,7 @@ class _HeldWrites:
 
 
 @types.coroutine
-def _resume(coro: Coroutine[Any, Any, None], waiting_on: Any) -> Generator[Any, Any, None]:
+def resume_stepped(coro: Coroutine[Any, Any, None], waiting_on: Any) -> Generator[Any, Any, None]:
     """Finishes, as a task would, a coroutine stepped by hand that yielded `waiting_on`."""
     while True:
         try:
@@ -102,11 +104,18 @@ def _resume(coro: Coroutine[Any, Any, None], waiting_on: Any) -> Generator[Any, 
 
 
 class ResponseOut:
-    """One response's writes: the head (`start`) goes out with the first body bytes."""
+    """One response's writes: the head (`start`) goes out with the first body bytes.
 
-    def __init__(self, send: Send, receive: Receive, start: Message) -> None:
+    `direct`: the send chain passes a 2xx response through unchanged (every middleware on the
+    route says so), so under uvicorn's httptools protocol a streamed response's head and its
+    chunks may be written to the transport here, as uvicorn would frame them, without the
+    chain's per-message calls; its last message still goes through `send`, which completes
+    the response in uvicorn (keep-alive, pipelining)."""
+
+    def __init__(self, send: Send, receive: Receive, start: Message, direct: bool = False) -> None:
         self._send, self._start = send, start
         self._cycle = uvicorn_cycle(receive)
+        self._direct = self._cycle if direct and _frames_like_uvicorn(self._cycle, start) else None
         self.started = False
         # A write begun in the read loop that had to wait, or its failure: settled by the HTTP
         # task before its next write.
@@ -116,6 +125,8 @@ class ResponseOut:
     async def write(self, body: bytes, more_body: bool = True) -> None:
         """From the handler's task."""
         await self._settle()
+        if more_body and self._write_direct(body):
+            return
         message: Message = {"type": "http.response.body", "body": body, "more_body": more_body}
         if self.started:
             await self._send(message)
@@ -138,6 +149,8 @@ class ResponseOut:
     def write_now(self, body: bytes) -> None:
         """From the NATS read loop (synchronous), when `can_write_now()`: starts the response
         with `body`. A failure, or a send that had to wait, surfaces at the next `write`."""
+        if self._write_direct(body):
+            return
         self.started = True
         coro = self._start_with({"type": "http.response.body", "body": body, "more_body": True})
         try:
@@ -147,7 +160,23 @@ class ResponseOut:
         except BaseException as exc:
             self._failed = exc
             return
-        self._unfinished = _resume(coro, waiting_on)
+        self._unfinished = resume_stepped(coro, waiting_on)
+
+    def _write_direct(self, body: bytes) -> bool:
+        """Writes `body` (not the last) to the transport, with the head if the response has
+        not started; False: use the send chain (not direct, or the connection is gone or
+        backed up: `send` waits for it to drain)."""
+        c = self._direct
+        if c is None or c.disconnected or c.flow.write_paused or c.response_complete:
+            return False
+        parts = []
+        if not self.started:
+            self.started = True
+            parts.append(_uvicorn_head(c, self._start))
+        if body:
+            parts += (b"%x\r\n" % len(body), body, b"\r\n")
+        c.transport.write(b"".join(parts))
+        return True
 
     async def _settle(self) -> None:
         if self._unfinished is not None:
@@ -172,3 +201,50 @@ class ResponseOut:
             if c.transport is held:
                 c.transport = transport
             held.flush()
+
+
+# Headers that change how uvicorn frames a response: a response that sets one is left to it.
+_FRAMING_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}
+
+
+def _frames_like_uvicorn(cycle: _Cycle | None, message: Message) -> bool:
+    """Whether `_uvicorn_head` writes what uvicorn's httptools cycle would for `start`: a
+    chunked response to a non-HEAD request, no access log to write."""
+    start = cast("dict[str, Any]", message)
+    return (
+        cycle is not None
+        and type(cycle).__module__ == "uvicorn.protocols.http.httptools_impl"
+        and all(
+            hasattr(cycle, a)
+            for a in ("default_headers", "keep_alive", "response_started", "chunked_encoding")
+        )
+        and not _access_logged(cycle)
+        and getattr(cycle, "scope", {}).get("method") != "HEAD"
+        and start.get("status") in STATUS_LINE
+        and not any(name.lower() in _FRAMING_HEADERS for name, _ in start.get("headers", []))
+    )
+
+
+def _access_logged(cycle: Any) -> bool:
+    # uvicorn's `send` logs each response start at INFO on its access logger.
+    logger = getattr(cycle, "access_logger", None)
+    return bool(getattr(cycle, "access_log", True)) and (
+        logger is None or logger.isEnabledFor(logging.INFO)
+    )
+
+
+def _uvicorn_head(cycle: Any, message: Message) -> bytes:
+    """The response head uvicorn's `send` would write for `start` (headers our own, so not
+    re-validated), with the cycle marked started and chunked as uvicorn's `send` leaves it."""
+    start = cast("dict[str, Any]", message)
+    content = [STATUS_LINE[start["status"]]]
+    for name, value in (*cycle.default_headers, *start.get("headers", [])):
+        content += (name.lower(), b": ", value, b"\r\n")
+    if not cycle.keep_alive:
+        content.append(b"connection: close\r\n")
+    content.append(b"transfer-encoding: chunked\r\n\r\n")
+    cycle.response_started = True
+    cycle.waiting_for_100_continue = False
+    cycle.chunked_encoding = True
+    cycle.expected_content_length = 0
+    return b"".join(content)

@@ -205,3 +205,6 @@ class RefusalCounter(InitPluginProtocol):
             await app(scope, receive, watching)
 
         return count_refusals
+
+    # What `server.direct_routes` looks for: a 2xx response passes through unchanged.
+    middleware.passes_success_through = True  # type: ignore[attr-defined]

@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import Any, cast
 
 import httpx
+import pytest
 from litestar import Litestar, get
 from litestar.config.cors import CORSConfig
 from litestar.types import ASGIApp, Receive, Scope, Send
 
 from control_plane.dataplane.routes import DataPlane
-from control_plane.dataplane.server import direct_routes, gateway_protocol
+from control_plane.dataplane.server import GatewayHttpProtocol, direct_routes, gateway_protocol
 from control_plane.observability.feed import RefusalCounter
 from control_plane.observability.metrics import OpsMetrics
 from events.governance import GovernanceView
@@ -25,8 +26,23 @@ def unstarted_plane() -> DataPlane:
     return DataPlane("nats://unused", "T", GovernanceView(cast(Any, None), StreamLayout("T")))
 
 
-async def test_completion_routes_skip_the_router_and_keep_the_route_middleware() -> None:
+async def test_completion_routes_skip_the_router_and_keep_the_route_middleware(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     plane, metrics = unstarted_plane(), OpsMetrics()
+    # Whether a handler starts inside the callback that read its request (not in a task).
+    reading = [False]
+    data_received = GatewayHttpProtocol.data_received
+
+    def marking(self: GatewayHttpProtocol, data: bytes) -> None:
+        reading[0] = True
+        try:
+            data_received(self, data)
+        finally:
+            reading[0] = False
+
+    monkeypatch.setattr(GatewayHttpProtocol, "data_received", marking)
+    started_while_reading: list[bool] = []
 
     @get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -39,6 +55,10 @@ async def test_completion_routes_skip_the_router_and_keep_the_route_middleware()
         async def run(scope: Scope, receive: Receive, send: Send) -> None:
             assert scope["litestar_app"] is app and scope["route_handler"].fn is not None
             seen.append(path)
+            started_while_reading.append(reading[0])
+            assert (
+                cast(Any, scope)["tokenmill.direct_writes"] is True
+            )  # the refusal counter passes 2xx
             await handler(scope, receive, send)
 
         return run
@@ -66,6 +86,7 @@ async def test_completion_routes_skip_the_router_and_keep_the_route_middleware()
         assert (await http.get("/healthz")).json() == {"status": "ok"}
 
     assert seen == ["/v1/chat/completions"] * 2 + ["/v1/completions", "/v1/chat/completions"]
+    assert all(started_while_reading)
     refused = value(metrics, "tokenmill_admissions_refused_total", reason="invalid_api_key", sku="")
     assert refused == 5  # the route middleware saw every refusal, direct or not
     assert (

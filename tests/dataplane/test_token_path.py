@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from control_plane.dataplane import transport as transport_module
 from tests.dataplane.harness import Stack
 from tests.dataplane.test_openai_api import MESSAGES, expected_text
 
@@ -130,6 +131,41 @@ async def test_the_head_and_the_first_token_go_out_in_one_write(
     # ...written by the gateway's NATS read loop as the token came in, not by the HTTP task.
     assert writers[0] is not None and writers[0] is stack.plane.nc._reading_task  # type: ignore[union-attr]
     assert sse_text(data.partition(b"\r\n\r\n")[2]) == expected_text(4)
+
+
+async def test_a_streamed_answer_skips_the_send_chain_and_keeps_uvicorns_framing(
+    stack: Stack, sku: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The route's only middleware (the refusal counter) passes a 200 through, so its head and
+    chunks are written past the ASGI send chain: with uvicorn's own head (its default
+    headers, chunked), and the connection stays usable for the next request."""
+    direct: list[bytes] = []
+    write_direct = transport_module.ResponseOut._write_direct
+
+    def recording(self: Any, body: bytes) -> bool:
+        done = write_direct(self, body)
+        if done:
+            direct.append(body)
+        return done
+
+    monkeypatch.setattr(transport_module.ResponseOut, "_write_direct", recording)
+    _, key = await stack.tenant_with_key()
+    sock, _ = await connect(stack)
+    loop = asyncio.get_running_loop()
+    try:
+        for n in (4, 6):  # two answers on one keep-alive connection
+            await loop.sock_sendall(sock, chat_request(key["key"], sku["name"], max_tokens=n))
+            headers, data = await read_head(sock)
+            while not data.endswith(b"0\r\n\r\n"):
+                data += await loop.sock_recv(sock, 65536)
+            assert headers["transfer-encoding"] == "chunked"
+            assert headers["content-type"] == "text/event-stream"
+            assert "date" in headers and "server" in headers and "x-request-id" in headers
+            assert sse_text(data) == expected_text(n)
+    finally:
+        sock.close()
+    # Every chunk but each answer's last went out directly (the first one with the head).
+    assert len(direct) >= 2 and all(b'"content":" t' in body for body in direct)
 
 
 async def test_a_client_that_stops_reading_is_backed_up_not_buffered_and_metered_exactly(
