@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import nats
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from control_plane.dataplane import dispatch
 from control_plane.dataplane.dispatch import (
     ClientGone,
     NoWorker,
@@ -19,6 +21,7 @@ from control_plane.dataplane.dispatch import (
     WorkerLost,
     WorkerRegistry,
     publish_now,
+    subscribe_inline,
 )
 from control_plane.embedded import EmbeddedNats
 from worker import protocol as p
@@ -223,3 +226,53 @@ async def test_publish_now_writes_at_once_but_never_ahead_of_a_pending_publicati
     assert (first.data, second.data, second.reply) == (b"queued", b"now", "pn.reply")
     assert not publish_now(nc, "pn.bad subject", b"x")  # nats-py's own path refuses it
     await other.close()
+
+
+async def test_inline_replies_arrive_whole_and_in_order_past_other_traffic(
+    nc: NATS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The inline subscription's plain messages are read straight from the protocol bytes;
+    messages with headers, other subscriptions' messages and frames cut across reads still
+    arrive, each once and in order."""
+    taken_inline = [0]
+    take = dispatch._InlineParser._take_inline
+
+    def counting(self: Any, buf: bytearray, pos: int) -> tuple[int, int | None]:
+        stopped, frame_end = take(self, buf, pos)
+        taken_inline[0] += stopped - pos
+        return stopped, frame_end
+
+    monkeypatch.setattr(dispatch._InlineParser, "_take_inline", counting)
+    got: list[tuple[str, bytes, dict[str, str] | None]] = []
+    others: list[bytes] = []
+    await subscribe_inline(nc, "inl.*", lambda s, d, h: got.append((s, d, h)))
+
+    async def other(msg: Msg) -> None:
+        others.append(msg.data)
+
+    await nc.subscribe("oth", cb=other)
+    assert type(nc._ps).__name__ == "_InlineParser"
+    sender = await nats.connect(nc.connected_url.geturl())  # type: ignore[union-attr]
+    expected: list[tuple[str, bytes, dict[str, str] | None]] = []
+    for i in range(300):
+        payload = (b"%d-" % i) * (1 + i % 7) + (b"x" * 200_000 if i % 97 == 5 else b"")
+        headers = {"K": str(i)} if i % 50 == 3 else None
+        await sender.publish(f"inl.{i}", payload, headers=headers)
+        expected.append((f"inl.{i}", payload, headers))
+        if i % 10 == 0:
+            await sender.publish("oth", b"o%d" % i)
+    await sender.publish("inl.empty", b"")
+    expected.append(("inl.empty", b"", None))
+    await sender.flush()
+    for _ in range(200):
+        if len(got) == len(expected) and len(others) == 30:
+            break
+        await asyncio.sleep(0.02)
+    await sender.close()
+    assert [(s, d) for s, d, _ in got] == [(s, d) for s, d, _ in expected]
+    assert [h is not None and h.get("K") for _, _, h in got] == [
+        h is not None and h["K"] for _, _, h in expected
+    ]
+    assert others == [b"o%d" % i for i in range(0, 300, 10)]
+    assert nc.stats["in_msgs"] >= len(expected) + len(others)
+    assert taken_inline[0] > 100_000  # most bytes came the inline way
