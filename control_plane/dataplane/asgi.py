@@ -160,6 +160,10 @@ async def _whole(c: Completion, send: Send, receive: Receive) -> None:
     await ResponseOut(send, receive, start).write(content, more_body=False)
 
 
+def _never() -> bool:
+    return False
+
+
 async def _stream(c: Completion, scope: Scope, send: Send, receive: Receive) -> None:
     relay, w = c.relay, c.writer
     start: Message = {
@@ -188,6 +192,13 @@ async def _stream(c: Completion, scope: Scope, send: Send, receive: Receive) -> 
             relay.dispatch.write_first_chunk_with(None)
         if first_written:  # its bytes are out: the first chunk that batch() handed over
             chunks = chunks[1:]
+        if out.direct:
+            # Later tokens go out from the NATS read loop, without waking this task for each.
+            def write_soon(chunk: TokenChunk) -> None:
+                if chunk.text:
+                    out.write_soon(w.delta(chunk.text))
+
+            relay.relay_chunks_with(write_soon, out.can_write_soon)
         while True:
             # Every chunk that is in goes out in one write (several arrive together when the
             # event loop was busy).
@@ -198,12 +209,15 @@ async def _stream(c: Completion, scope: Scope, send: Send, receive: Receive) -> 
                 await out.write(body)
             chunks = await relay.batch()
     except (NoWorker, RequestRejected, WorkerLost, ChunkLost) as exc:
+        relay.relay_chunks_with(None, _never)
         err = relay_error(exc, c.model)
         assert err is not None
         if not out.started:
             raise err from None
         await out.write(StreamWriter.error(err.to_json()), more_body=False)
         return
+    finally:
+        relay.relay_chunks_with(None, _never)
     fin = relay.finished
     if fin.finish_reason == "error":
         body += StreamWriter.error(errors.worker_failed(fin.error or "generation failed").to_json())

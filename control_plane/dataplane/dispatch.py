@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Protocol, cast
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -134,6 +134,13 @@ class _Interrupted:
 _Item = p.Reply | _NoResponders | _Lost | _Interrupted
 
 
+class ChunkSink(Protocol):
+    def ready(self) -> bool:
+        """Whether a chunk can be taken now (else it is queued for `batch()`)."""
+
+    def take(self, chunk: p.TokenChunk) -> None: ...
+
+
 @dataclass(eq=False)
 class Dispatch:
     """One request in flight on a worker: what it has relayed so far, in order."""
@@ -156,6 +163,8 @@ class Dispatch:
     # Offered the first token chunk in the read loop, before it is queued (see
     # `write_first_chunk_with`).
     _first_chunk_writer: Callable[[p.TokenChunk], None] | None = None
+    # Takes in-order token chunks in the read loop instead of the queue (see `relay_chunks_to`).
+    _chunk_sink: ChunkSink | None = None
 
     @property
     def request_id(self) -> str:
@@ -168,7 +177,30 @@ class Dispatch:
         (counting and metering do not change). Offered at most once; None withdraws it."""
         self._first_chunk_writer = writer
 
+    def relay_chunks_to(self, sink: ChunkSink | None) -> None:
+        """From now on, a token chunk that arrives in order, with nothing queued before it,
+        is counted and handed to `sink` right in the NATS read loop while `sink.ready()`,
+        instead of being queued for `batch()`: no wake-up of the consumer per token. Anything
+        else (Finished, failures, a chunk out of order or while the sink is not ready) is
+        queued as before, so `batch()` still sees every failure and every gap. None: stop."""
+        self._chunk_sink = sink
+
     def _put(self, item: _Item) -> None:
+        sink = self._chunk_sink
+        if (
+            sink is not None
+            and type(item) is p.TokenChunk
+            and item.seq == self.next_seq
+            and not self._items
+            and sink.ready()
+        ):
+            self.next_seq = item.seq + 1
+            self._count(item)
+            try:
+                sink.take(item)
+            except Exception:  # counted all the same: metering follows what the worker sent
+                log.exception("chunk sink failed on %s", self.request_id)
+            return
         writer = self._first_chunk_writer
         if writer is not None and isinstance(item, p.TokenChunk):
             self._first_chunk_writer = None
@@ -474,9 +506,12 @@ class WorkerClient:
             reply = p.decode_reply(data)
         except msgspec.DecodeError:
             return
-        if isinstance(reply, p.Accepted):  # the reaper watches this worker from now on
-            d.worker_id = reply.worker_id
         d.heard_at = time.monotonic()
+        if isinstance(reply, p.Accepted):
+            # The reaper watches this worker from now on; nothing for the consumer to do, so
+            # it is not woken (the first token follows at once on a quick worker).
+            d.worker_id = reply.worker_id
+            return
         d._put(reply)
 
     async def _reap(self) -> None:

@@ -360,13 +360,24 @@ class Relay:
         now = 0.0
         for chunk in chunks:
             if chunk.text:
-                now = now or time.monotonic()
-                if self.first_token_at is None:
-                    self.first_token_at = now
-                else:
-                    self.itl_s.append(now - self._last_token_at)
-                self._last_token_at = now
+                self._timed(now := now or time.monotonic())
         return chunks
+
+    def _timed(self, now: float) -> None:
+        # A token with text reached the client's side of the gateway at `now`.
+        if self.first_token_at is None:
+            self.first_token_at = now
+        else:
+            self.itl_s.append(now - self._last_token_at)
+        self._last_token_at = now
+
+    def relay_chunks_with(
+        self, write: Callable[[p.TokenChunk], None] | None, ready: Callable[[], bool]
+    ) -> None:
+        """From now on, chunks that arrive in order go to `write` right in the NATS read loop
+        (timed and counted as `batch()` would) while `ready()`; the rest, and how the request
+        ends, still come from `batch()`. None: stop."""
+        self.dispatch.relay_chunks_to(None if write is None else _ChunkSink(self, write, ready))
 
     async def chunks(self) -> AsyncIterator[p.TokenChunk]:
         """`batch()` one chunk at a time."""
@@ -412,6 +423,18 @@ class Relay:
         self.gateway._conclude(
             self, d.finished.finish_reason, client_disconnected, worker_lost=False
         )
+
+
+class _ChunkSink:
+    def __init__(
+        self, relay: Relay, write: Callable[[p.TokenChunk], None], ready: Callable[[], bool]
+    ) -> None:
+        self.relay, self.write, self.ready = relay, write, ready
+
+    def take(self, chunk: p.TokenChunk) -> None:
+        if chunk.text:
+            self.relay._timed(time.monotonic())
+        self.write(chunk)
 
 
 __all__ = [

@@ -18,6 +18,7 @@ Under any other server (or a `receive` that is not uvicorn's) it falls back to p
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import types
 from collections.abc import Awaitable, Coroutine, Generator
@@ -121,18 +122,68 @@ class ResponseOut:
         # task before its next write.
         self._unfinished: Awaitable[None] | None = None
         self._failed: BaseException | None = None
+        # Chunks taken in the read loop (`write_soon`), not yet written.
+        self._soon: list[bytes] = []
+        self._writing = False  # the HTTP task is inside a write that may wait
+
+    @property
+    def direct(self) -> bool:
+        return self._direct is not None
 
     async def write(self, body: bytes, more_body: bool = True) -> None:
         """From the handler's task."""
         await self._settle()
+        if self._soon:
+            body = self._take_soon() + body
         if more_body and self._write_direct(body):
             return
         message: Message = {"type": "http.response.body", "body": body, "more_body": more_body}
-        if self.started:
-            await self._send(message)
-        else:
-            self.started = True
-            await self._start_with(message)
+        self._writing = True
+        try:
+            if self.started:
+                await self._send(message)
+            else:
+                self.started = True
+                await self._start_with(message)
+        finally:
+            self._writing = False
+
+    def can_write_soon(self) -> bool:
+        """Whether `write_soon` may take a body now: the response is written directly, has
+        started, and neither the connection nor the HTTP task's own writing waits."""
+        c = self._direct
+        return not (
+            c is None
+            or not self.started
+            or self._writing
+            or self._unfinished is not None
+            or c.disconnected
+            or c.flow.write_paused
+            or c.response_complete
+        )
+
+    def write_soon(self, body: bytes) -> None:
+        """From the NATS read loop, when `can_write_soon()`: `body` is written once the loop
+        has handled everything it read (every response's writes of one read go out then,
+        after the first tokens of new responses, which are written at once), or before the
+        HTTP task's next write, whichever comes first."""
+        if not self._soon:
+            _soon_writes.append(self)
+            if len(_soon_writes) == 1:
+                asyncio.get_running_loop().call_soon(_write_all_soon)
+        self._soon.append(body)
+
+    def _take_soon(self) -> bytes:
+        body = b"".join(self._soon)
+        self._soon.clear()
+        return body
+
+    def _write_soon_now(self) -> None:
+        c = self._direct
+        if self._soon and c is not None and not c.disconnected and not c.response_complete:
+            body = self._take_soon()
+            c.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        self._soon.clear()
 
     def can_write_now(self) -> bool:
         """Whether `write_now` may start the response: it has not started, the server is
@@ -201,6 +252,20 @@ class ResponseOut:
             if c.transport is held:
                 c.transport = transport
             held.flush()
+
+
+# Responses with bodies from `write_soon` waiting for `_write_all_soon`.
+_soon_writes: list[ResponseOut] = []
+
+
+def _write_all_soon() -> None:
+    outs = _soon_writes[:]
+    _soon_writes.clear()
+    for out in outs:
+        try:
+            out._write_soon_now()
+        except Exception:  # one connection's failure is not the others'
+            log.exception("a response's write failed")
 
 
 # Headers that change how uvicorn frames a response: a response that sets one is left to it.

@@ -138,7 +138,8 @@ async def test_a_streamed_answer_skips_the_send_chain_and_keeps_uvicorns_framing
 ) -> None:
     """The route's only middleware (the refusal counter) passes a 200 through, so its head and
     chunks are written past the ASGI send chain: with uvicorn's own head (its default
-    headers, chunked), and the connection stays usable for the next request."""
+    headers, chunked), tokens after the first straight from the NATS read loop, and the
+    connection stays usable for the next request."""
     direct: list[bytes] = []
     write_direct = transport_module.ResponseOut._write_direct
 
@@ -149,11 +150,19 @@ async def test_a_streamed_answer_skips_the_send_chain_and_keeps_uvicorns_framing
         return done
 
     monkeypatch.setattr(transport_module.ResponseOut, "_write_direct", recording)
+    from_read_loop: list[bytes] = []
+    write_soon = transport_module.ResponseOut.write_soon
+
+    def recording_soon(self: Any, body: bytes) -> None:
+        from_read_loop.append(body)
+        write_soon(self, body)
+
+    monkeypatch.setattr(transport_module.ResponseOut, "write_soon", recording_soon)
     _, key = await stack.tenant_with_key()
     sock, _ = await connect(stack)
     loop = asyncio.get_running_loop()
     try:
-        for n in (4, 6):  # two answers on one keep-alive connection
+        for n in (4, 20):  # two answers on one keep-alive connection
             await loop.sock_sendall(sock, chat_request(key["key"], sku["name"], max_tokens=n))
             headers, data = await read_head(sock)
             while not data.endswith(b"0\r\n\r\n"):
@@ -164,8 +173,10 @@ async def test_a_streamed_answer_skips_the_send_chain_and_keeps_uvicorns_framing
             assert sse_text(data) == expected_text(n)
     finally:
         sock.close()
-    # Every chunk but each answer's last went out directly (the first one with the head).
+    # Every chunk but each answer's last went out directly (the first one with the head), and
+    # once streaming, tokens were written from the NATS read loop, not by waking the handler.
     assert len(direct) >= 2 and all(b'"content":" t' in body for body in direct)
+    assert len(from_read_loop) >= 10
 
 
 async def test_a_client_that_stops_reading_is_backed_up_not_buffered_and_metered_exactly(
