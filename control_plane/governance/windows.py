@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -31,7 +32,14 @@ def rate_window(now: float) -> Window:
 
 
 def quota_window(period: QuotaPeriod, now: float) -> Window:
-    at = datetime.fromtimestamp(now, UTC)
+    # Every instant of a UTC day is in the same day and month windows (POSIX days are exactly
+    # 86,400 s), so each day's are built once: the usage ledger asks for both per request.
+    return _quota_window_of_day(period, int(now // 86_400))
+
+
+@functools.lru_cache(maxsize=64)
+def _quota_window_of_day(period: QuotaPeriod, day: int) -> Window:
+    at = datetime.fromtimestamp(day * 86_400, UTC)
     if period == "day":
         start = datetime(at.year, at.month, at.day, tzinfo=UTC)
         end_ts = start.timestamp() + 86_400
