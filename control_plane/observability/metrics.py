@@ -15,6 +15,7 @@ Everything here is plain Python on the caller's thread, cheap enough for the req
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -166,6 +167,29 @@ class WorkerView:
             "seconds_since_seen": max(0.0, now - self.last_seen),
             "state": self.state,
         }
+
+
+def observe_all(histogram: Histogram, values: Sequence[float]) -> None:
+    """`histogram.observe(v)` for each of `values` (a labelled child), with one increment per
+    bucket touched: prometheus_client locks once per observation and per bucket, and an
+    answer's inter-token gaps are one observation per token, almost all in one or two
+    buckets. The plain loop where the client's internals differ."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for value in values:
+            histogram.observe(value)
+        return
+    histogram._raise_if_not_observable()  # type: ignore[attr-defined]
+    per_bucket: dict[int, int] = {}
+    for value in values:
+        if value == value:  # NaN lands in no bucket (as in observe)
+            i = bisect.bisect_left(bounds, value)
+            per_bucket[i] = per_bucket.get(i, 0) + 1
+    for i, n in per_bucket.items():
+        buckets[i].inc(n)
+    total.inc(sum(values))
 
 
 class OpsMetrics:
@@ -322,9 +346,7 @@ class OpsMetrics:
         if ttft_s is not None:
             self.ttft.labels(*labels).observe(ttft_s)
         if itl_s:
-            itl = self.itl.labels(*labels)
-            for gap in itl_s:
-                itl.observe(gap)
+            observe_all(self.itl.labels(*labels), itl_s)
         if e2e_s is not None:
             self.e2e.labels(*labels).observe(e2e_s)
         self.prompt_tokens.labels(*labels).inc(prompt_tokens)

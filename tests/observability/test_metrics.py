@@ -269,3 +269,25 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile([1.0], 0.99) == 1.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 0.75) == 3.0
+
+
+def test_observing_many_values_at_once_counts_as_observing_each() -> None:
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from control_plane.observability.metrics import observe_all
+
+    buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+    values = [0.0, 0.005, 0.0051, 0.01, 0.049, 0.05, 0.3, 7.5, 1.0, 0.02] * 3
+    expositions = []
+    for many in (False, True):
+        registry = CollectorRegistry()
+        h = Histogram("gap_seconds", "gaps", ["sku"], buckets=buckets, registry=registry)
+        if many:
+            observe_all(h.labels("a"), values)
+        else:
+            for v in values:
+                h.labels("a").observe(v)
+        lines = generate_latest(registry).splitlines()
+        expositions.append(b"\n".join(line for line in lines if b"_created" not in line))
+    assert expositions[0] == expositions[1]
+    assert b'gap_seconds_bucket{le="0.005",sku="a"} 6.0' in expositions[1]
