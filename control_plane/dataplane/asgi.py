@@ -160,10 +160,6 @@ async def _whole(c: Completion, send: Send, receive: Receive) -> None:
     await ResponseOut(send, receive, start).write(content, more_body=False)
 
 
-def _never() -> bool:
-    return False
-
-
 async def _stream(c: Completion, scope: Scope, send: Send, receive: Receive) -> None:
     relay, w = c.relay, c.writer
     start: Message = {
@@ -209,7 +205,7 @@ async def _stream(c: Completion, scope: Scope, send: Send, receive: Receive) -> 
                 await out.write(body)
             chunks = await relay.batch()
     except (NoWorker, RequestRejected, WorkerLost, ChunkLost) as exc:
-        relay.relay_chunks_with(None, _never)
+        relay.relay_chunks_with(None)  # nothing more from the read loop before the error
         err = relay_error(exc, c.model)
         assert err is not None
         if not out.started:
@@ -217,7 +213,7 @@ async def _stream(c: Completion, scope: Scope, send: Send, receive: Receive) -> 
         await out.write(StreamWriter.error(err.to_json()), more_body=False)
         return
     finally:
-        relay.relay_chunks_with(None, _never)
+        relay.relay_chunks_with(None)
     fin = relay.finished
     if fin.finish_reason == "error":
         body += StreamWriter.error(errors.worker_failed(fin.error or "generation failed").to_json())

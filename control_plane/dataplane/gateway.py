@@ -372,7 +372,9 @@ class Relay:
         self._last_token_at = now
 
     def relay_chunks_with(
-        self, write: Callable[[p.TokenChunk], None] | None, ready: Callable[[], bool]
+        self,
+        write: Callable[[p.TokenChunk], None] | None,
+        ready: Callable[[], bool] = lambda: True,
     ) -> None:
         """From now on, chunks that arrive in order go to `write` right in the NATS read loop
         (timed and counted as `batch()` would) while `ready()`; the rest, and how the request
