@@ -163,14 +163,12 @@ class ResponseOut:
         )
 
     def write_soon(self, body: bytes) -> None:
-        """From the NATS read loop, when `can_write_soon()`: `body` is written once the loop
-        has handled everything it read (every response's writes of one read go out then,
-        after the first tokens of new responses, which are written at once), or before the
+        """From the NATS read loop, when `can_write_soon()`: `body` is written on the event
+        loop's next turn, with every other response's (so the bodies of one read go out after
+        that read's first tokens of new responses, which are written at once), or before the
         HTTP task's next write, whichever comes first."""
         if not self._soon:
-            _soon_writes.append(self)
-            if len(_soon_writes) == 1:
-                asyncio.get_running_loop().call_soon(_write_all_soon)
+            _SOON.add(self)
         self._soon.append(body)
 
     def _take_soon(self) -> bytes:
@@ -180,9 +178,12 @@ class ResponseOut:
 
     def _write_soon_now(self) -> None:
         c = self._direct
-        if self._soon and c is not None and not c.disconnected and not c.response_complete:
-            body = self._take_soon()
-            c.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        try:
+            if self._soon and c is not None and not c.disconnected and not c.response_complete:
+                body = self._take_soon()
+                c.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        except Exception:  # a connection's failure surfaces at its HTTP task's next write
+            log.exception("a response's write failed")
         self._soon.clear()
 
     def can_write_now(self) -> bool:
@@ -254,18 +255,31 @@ class ResponseOut:
             held.flush()
 
 
-# Responses with bodies from `write_soon` waiting for `_write_all_soon`.
-_soon_writes: list[ResponseOut] = []
+class _SoonWrites:
+    """The responses with bodies from `write_soon`, written together by one callback on the
+    loop's next turn (one callback per read, not one per response: measured cheaper)."""
 
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.waiting: list[ResponseOut] = []
+        self.scheduled = False
 
-def _write_all_soon() -> None:
-    outs = _soon_writes[:]
-    _soon_writes.clear()
-    for out in outs:
-        try:
+    def add(self, out: ResponseOut) -> None:
+        loop = asyncio.get_running_loop()
+        if loop is not self.loop:  # first use, or another loop: what a closed one left is moot
+            self.loop, self.waiting, self.scheduled = loop, [], False
+        self.waiting.append(out)
+        if not self.scheduled:
+            self.scheduled = True
+            loop.call_soon(self.write_all)
+
+    def write_all(self) -> None:
+        waiting, self.waiting, self.scheduled = self.waiting, [], False
+        for out in waiting:
             out._write_soon_now()
-        except Exception:  # one connection's failure is not the others'
-            log.exception("a response's write failed")
+
+
+_SOON = _SoonWrites()
 
 
 # Headers that change how uvicorn frames a response: a response that sets one is left to it.

@@ -222,3 +222,26 @@ async def test_a_client_that_stops_reading_then_hangs_up_is_metered_exactly(
     # What the worker billed is what the gateway received from it, whether or not it was cut.
     assert delivered["completion_tokens"] == row["completion_tokens"] > 0
     assert delivered["finish_reason"] == row["finish_reason"]
+
+
+async def test_read_loop_writes_go_out_on_the_next_turn_even_after_another_loop() -> None:
+    """Bodies taken in the read loop are written by one callback on the loop's next turn; what
+    a loop that closed left waiting does not stop a new loop's writes."""
+    written: list[str] = []
+
+    class Out:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def _write_soon_now(self) -> None:
+            written.append(self.name)
+
+    soon = transport_module._SoonWrites()
+    closed = asyncio.new_event_loop()
+    closed.close()
+    soon.loop, soon.waiting, soon.scheduled = closed, [Out("stale")], True  # type: ignore[list-item]
+    soon.add(Out("a"))  # type: ignore[arg-type]
+    soon.add(Out("b"))  # type: ignore[arg-type]
+    assert written == []
+    await asyncio.sleep(0)
+    assert written == ["a", "b"] and not soon.scheduled and soon.waiting == []
