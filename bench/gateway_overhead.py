@@ -353,7 +353,7 @@ def main() -> int:
     recon = {
         "requests": a.recon_requests,
         "client_cancelled": cancelled,
-        "cancelled_pct": 100 * cancelled / a.recon_requests,
+        "cancelled_pct": 100 * cancelled / max(1, a.recon_requests),  # 0: a profiling run
         "errors": recon_errors,
         "wall_s": recon_wall,
         "requests_per_s": a.recon_requests / recon_wall,

@@ -168,42 +168,33 @@ async def _stream(c: Completion, scope: Scope, send: Send, receive: Receive) -> 
         "headers": [*SSE_HEADERS, *c.headers],
     }
     out = ResponseOut(send, receive, start, direct=bool(scope.get(DIRECT_WRITES)))
+
     # Nothing is sent before the first chunk: a worker's refusal, or no worker at all, still
-    # gets its own status instead of an error inside a 200 stream. The first chunk goes out
-    # with the response head, from the NATS read loop when the connection allows.
-    first_written = False
+    # gets its own status instead of an error inside a 200 stream. Chunks are written from the
+    # NATS read loop while the connection allows: the first with the response head at once,
+    # later ones (direct responses only) on the loop's next turn, without waking this task
+    # for each. This task writes the rest: what was queued meanwhile, and the end.
+    def ready() -> bool:
+        return out.can_write_soon() if out.started else out.can_write_now()
 
-    def write_first(chunk: TokenChunk) -> None:
-        nonlocal first_written
-        if out.can_write_now():
-            out.write_now(w.delta(chunk.text))
-            first_written = True
+    def write(chunk: TokenChunk) -> None:
+        if not out.started:
+            out.write_now(w.delta(chunk.text) if chunk.text else b"")
+        elif chunk.text:
+            out.write_soon(w.delta(chunk.text))
 
-    relay.dispatch.write_first_chunk_with(write_first)
+    relay.relay_chunks_with(write, ready)
     body = b""
     try:
-        try:
-            chunks = await relay.batch()
-        finally:
-            relay.dispatch.write_first_chunk_with(None)
-        if first_written:  # its bytes are out: the first chunk that batch() handed over
-            chunks = chunks[1:]
-        if out.direct:
-            # Later tokens go out from the NATS read loop, without waking this task for each.
-            def write_soon(chunk: TokenChunk) -> None:
-                if chunk.text:
-                    out.write_soon(w.delta(chunk.text))
-
-            relay.relay_chunks_with(write_soon, out.can_write_soon)
         while True:
+            chunks = await relay.batch()
             # Every chunk that is in goes out in one write (several arrive together when the
-            # event loop was busy).
+            # event loop was busy or the connection was backed up).
             body = b"".join([w.delta(chunk.text) for chunk in chunks if chunk.text])
             if relay.finished is not None:
                 break
             if body or not out.started:
                 await out.write(body)
-            chunks = await relay.batch()
     except (NoWorker, RequestRejected, WorkerLost, ChunkLost) as exc:
         relay.relay_chunks_with(None)  # nothing more from the read loop before the error
         err = relay_error(exc, c.model)

@@ -160,22 +160,12 @@ class Dispatch:
     # deque and a bare future: cheaper per token than an asyncio.Queue).
     _items: deque[_Item] = field(default_factory=deque)
     _waiter: asyncio.Future[None] | None = None
-    # Offered the first token chunk in the read loop, before it is queued (see
-    # `write_first_chunk_with`).
-    _first_chunk_writer: Callable[[p.TokenChunk], None] | None = None
     # Takes in-order token chunks in the read loop instead of the queue (see `relay_chunks_to`).
     _chunk_sink: ChunkSink | None = None
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
-
-    def write_first_chunk_with(self, writer: Callable[[p.TokenChunk], None] | None) -> None:
-        """`writer` gets the first token chunk (seq 0, with text) right in the NATS read loop,
-        when nothing but Accepted waits before it, so it can go to the client without waiting
-        for the consumer's task to wake up. The chunk is queued for `batch()` all the same
-        (counting and metering do not change). Offered at most once; None withdraws it."""
-        self._first_chunk_writer = writer
 
     def relay_chunks_to(self, sink: ChunkSink | None) -> None:
         """From now on, a token chunk that arrives in order, with nothing queued before it,
@@ -201,18 +191,6 @@ class Dispatch:
             except Exception:  # counted all the same: metering follows what the worker sent
                 log.exception("chunk sink failed on %s", self.request_id)
             return
-        writer = self._first_chunk_writer
-        if writer is not None and isinstance(item, p.TokenChunk):
-            self._first_chunk_writer = None
-            if (
-                item.seq == 0
-                and item.text
-                and all(isinstance(queued, p.Accepted) for queued in self._items)
-            ):
-                try:
-                    writer(item)
-                except Exception:  # the chunk must be queued whatever happened
-                    log.exception("first-chunk writer failed on %s", self.request_id)
         self._items.append(item)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -232,7 +210,7 @@ class Dispatch:
                     self.next_seq = item.seq + 1
                     self._count(item)
                     out.append(item)
-                elif isinstance(item, p.Accepted):
+                elif isinstance(item, p.Accepted):  # `_on_reply` takes these itself
                     self.worker_id = item.worker_id
                 elif isinstance(item, p.Finished):
                     self.gaps += item.seq - self.next_seq

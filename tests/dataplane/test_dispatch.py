@@ -156,59 +156,80 @@ def scripted_worker(nc: NATS, texts: list[str], go: asyncio.Event) -> object:
     return answer
 
 
-async def test_the_first_chunk_is_offered_in_the_read_loop_and_still_relayed(
+class RecordingSink:
+    """Takes chunks while `open`; records each with the count the dispatch had then."""
+
+    def __init__(self, d: dispatch.Dispatch, open: bool = True) -> None:
+        self.d, self.open = d, open
+        self.taken: list[tuple[int, str, int]] = []
+
+    def ready(self) -> bool:
+        return self.open
+
+    def take(self, chunk: p.TokenChunk) -> None:
+        self.taken.append((chunk.seq, chunk.text, self.d.completion_tokens))
+
+
+async def test_a_sink_takes_every_chunk_in_the_read_loop_and_the_consumer_only_the_end(
     nc: NATS, stream_prefix: str
 ) -> None:
     go = asyncio.Event()
-    go.set()
     await nc.subscribe(
-        p.work_subject(stream_prefix, "sku_first"),
+        p.work_subject(stream_prefix, "sku_sink"),
         queue="q",
-        cb=scripted_worker(nc, ["a", "b", "c"], go),  # type: ignore[arg-type]
+        cb=scripted_worker(nc, ["a", "", "c"], go),  # type: ignore[arg-type]
     )
     client = await started(nc, stream_prefix)
-    d = await client.dispatch(request("sku_first"))
-    offered: list[tuple[int, str, int]] = []
-    # Called in the read loop: before the consumer below has taken anything.
-    d.write_first_chunk_with(lambda c: offered.append((c.seq, c.text, d.completion_tokens)))
-    got = [chunk.text async for chunk in d.chunks()]
-    assert offered == [(0, "a", 0)]  # once, the first chunk only
-    # ...and it is relayed and counted like the others.
-    assert got == ["a", "b", "c"] and d.completion_tokens == 3 and d.gaps == 0
+    d = await client.dispatch(request("sku_sink"))
+    sink = RecordingSink(d)
+    d.relay_chunks_to(sink)
+    go.set()
+    # The consumer is handed nothing: every chunk went to the sink, counted as it was taken
+    # (the empty one too: metering follows what the worker sent).
+    assert await d.batch() == [] and d.finished is not None
+    assert sink.taken == [(0, "a", 1), (1, "", 2), (2, "c", 3)]
+    assert d.completion_tokens == 3 and d.gaps == 0 and d.worker_id == "w1"
     await client.close()
 
 
-async def test_the_first_chunk_is_not_offered_behind_an_interrupt_or_an_empty_chunk(
+async def test_a_sink_that_is_not_ready_or_comes_behind_an_interrupt_leaves_chunks_queued(
     nc: NATS, stream_prefix: str
 ) -> None:
     go = asyncio.Event()
     await nc.subscribe(
-        p.work_subject(stream_prefix, "sku_late"),
+        p.work_subject(stream_prefix, "sku_queued"),
         queue="q",
-        cb=scripted_worker(nc, ["", "b"], go),  # type: ignore[arg-type]
+        cb=scripted_worker(nc, ["a", "b"], go),  # type: ignore[arg-type]
     )
     client = await started(nc, stream_prefix)
-    offered: list[p.TokenChunk] = []
 
-    # A chunk without text (a multibyte character pending) is not offered, nor any after it.
-    d = await client.dispatch(request("sku_late"))
-    d.write_first_chunk_with(offered.append)
+    # Not ready: the consumer gets the chunks, in order, each once.
+    d = await client.dispatch(request("sku_queued"))
+    sink = RecordingSink(d, open=False)
+    d.relay_chunks_to(sink)
     go.set()
-    while d.finished is None:
-        await d.batch()
-    assert offered == [] and d.completion_tokens == 2
+    got = [chunk.text async for chunk in d.chunks()]
+    assert got == ["a", "b"] and sink.taken == [] and d.completion_tokens == 2
 
-    # The client hung up before the first chunk came: the writer must not start a response.
+    # The client hung up before the first chunk: nothing may overtake the interrupt.
     go.clear()
-    d = await client.dispatch(request("sku_late"))
-    d.write_first_chunk_with(offered.append)
+    d = await client.dispatch(request("sku_queued"))
+    sink = RecordingSink(d)
+    d.relay_chunks_to(sink)
     d.interrupt()
     go.set()
+    for _ in range(200):  # the worker's whole answer is in, behind the interrupt
+        if len(d._items) == 4:
+            break
+        await asyncio.sleep(0.01)
+    assert sink.taken == []
     with pytest.raises(ClientGone):
         await d.batch()
+    d.relay_chunks_to(None)  # as the HTTP layer does once the client is gone
+    rest = []
     while d.finished is None:
-        await d.batch()
-    assert offered == [] and d.completion_tokens == 2
+        rest += [chunk.text for chunk in await d.batch()]
+    assert rest == ["a", "b"] and sink.taken == [] and d.completion_tokens == 2
     await client.close()
 
 

@@ -240,8 +240,9 @@ async def test_read_loop_writes_go_out_on_the_next_turn_even_after_another_loop(
     closed = asyncio.new_event_loop()
     closed.close()
     soon.loop, soon.waiting, soon.scheduled = closed, [Out("stale")], True  # type: ignore[list-item]
-    soon.add(Out("a"))  # type: ignore[arg-type]
-    soon.add(Out("b"))  # type: ignore[arg-type]
+    loop = asyncio.get_running_loop()
+    soon.add(Out("a"), loop)  # type: ignore[arg-type]
+    soon.add(Out("b"), loop)  # type: ignore[arg-type]
     assert written == []
     await asyncio.sleep(0)
     assert written == ["a", "b"] and not soon.scheduled and soon.waiting == []
