@@ -110,6 +110,14 @@ class WorkerRegistry:
         info = self.workers.get(worker_id)
         return info is not None and time.monotonic() - info.last_seen < self.dead_after_s
 
+    def serves(self, sku_id: str) -> bool:
+        """Whether a live worker serves `sku_id` (`live_workers` without building the list)."""
+        now = time.monotonic()
+        for w in self.workers.values():
+            if w.sku_id == sku_id and now - w.last_seen < self.dead_after_s:
+                return True
+        return False
+
     def live_workers(self, sku_id: str) -> list[WorkerInfo]:
         now = time.monotonic()
         return [

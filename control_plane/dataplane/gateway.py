@@ -176,7 +176,7 @@ class Gateway:
         self._listeners.append(listener)
 
     def serves(self, sku_id: str) -> bool:
-        return bool(self.registry.live_workers(sku_id))
+        return self.registry.serves(sku_id)
 
     async def open(
         self, request: p.GenerateRequest, reservation: Reservation | None = None

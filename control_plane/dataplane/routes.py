@@ -7,8 +7,8 @@ Litestar router plus start/stop callables."""
 from __future__ import annotations
 
 import logging
+import os
 import time
-import uuid
 
 import msgspec
 import nats
@@ -181,7 +181,7 @@ class DataPlane:
     ) -> Completion:
         """Authorize the model, admit (quotas, rate limits), dispatch to a worker."""
         sku = self.authorizer.sku(caller, body.model)
-        request_id = uuid.uuid4().hex
+        request_id = os.urandom(16).hex()  # as random as uuid4().hex, a few calls fewer
         ticket: Ticket | None = None
         if self.admission is not None:
             decision = await self.admission.admit(

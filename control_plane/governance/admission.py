@@ -445,6 +445,8 @@ def spend_currency(policy: LimitsSet) -> str:
 def rate_limit_headers(holds: list[Hold], now: float) -> dict[str, str]:
     """The six `x-ratelimit-*` headers, from the tightest RPM and TPM budget (largest share
     used); where no such limit applies, limit and remaining read UNLIMITED."""
+    if not any(h.kind == "rpm" or h.kind == "tpm" for h in holds):
+        return dict(_NO_RATE_LIMIT_HEADERS)
     headers: dict[str, str] = {}
     for kind, name in (("rpm", "requests"), ("tpm", "tokens")):
         candidates = [h for h in holds if h.kind == kind]
@@ -458,3 +460,11 @@ def rate_limit_headers(holds: list[Hold], now: float) -> dict[str, str]:
         headers[f"x-ratelimit-remaining-{name}"] = str(remaining)
         headers[f"x-ratelimit-reset-{name}"] = go_duration(reset)
     return headers
+
+
+# What `rate_limit_headers` says when no RPM or TPM limit applies (the common case, built once).
+_NO_RATE_LIMIT_HEADERS = {
+    f"x-ratelimit-{part}-{name}": value
+    for name in ("requests", "tokens")
+    for part, value in (("limit", str(UNLIMITED)), ("remaining", str(UNLIMITED)), ("reset", "0s"))
+}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from control_plane.governance.admission import Refusal, Ticket
+from control_plane.governance.admission import UNLIMITED, Refusal, Ticket
 from control_plane.governance.events import LimitsSet
 from tests.governance.conftest import World
 
@@ -24,6 +24,28 @@ async def test_rpm_is_shared_exactly_by_two_replicas(world: World) -> None:
     assert refused[0].status == 429 and "retry-after" in refused[0].response_headers()
     assert admitted[0].headers["x-ratelimit-limit-requests"] == "50"
     assert admitted[0].headers["x-ratelimit-reset-requests"] == "30s"
+    # No TPM limit: the token headers read unlimited.
+    assert admitted[0].headers["x-ratelimit-limit-tokens"] == str(UNLIMITED)
+    assert admitted[0].headers["x-ratelimit-reset-tokens"] == "0s"
+
+
+async def test_a_tenant_without_rate_limits_gets_all_six_headers_unlimited(world: World) -> None:
+    tenant = await world.tenant()
+    key = await world.key(tenant)
+    sku = await world.sku("m-unlimited")
+    first, second = [await world.replicas[0].admit(tenant, key, sku, 10, 10) for _ in range(2)]
+    assert isinstance(first, Ticket) and isinstance(second, Ticket)
+    assert first.headers == {
+        f"x-ratelimit-{part}-{name}": value
+        for name in ("requests", "tokens")
+        for part, value in (
+            ("limit", str(UNLIMITED)),
+            ("remaining", str(UNLIMITED)),
+            ("reset", "0s"),
+        )
+    }
+    first.headers["x-ratelimit-limit-requests"] = "changed"  # each ticket has its own dict
+    assert second.headers["x-ratelimit-limit-requests"] == str(UNLIMITED)
 
 
 async def test_quota_overspends_by_at_most_one_reservation_and_settles(world: World) -> None:
