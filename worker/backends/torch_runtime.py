@@ -26,9 +26,17 @@ class TorchRuntimeBackend:
     dtype: str = "float32"  # CPUs run float32 fastest; "bfloat16" on GPUs
     max_num_seqs: int = 8
     max_model_len: int = 2048
+    # "fp8": every linear layer's weight to FP8 e4m3 with per-channel scales as the model loads
+    # (for a 16-bit checkpoint or a `random:` benchmark model); None: as loaded.
+    quantize: str | None = None
+    # "fp8": the attention KV cache in FP8 e4m3; None: the model's dtype.
+    kv_dtype: str | None = None
     name: str = "torch_runtime"
 
     def __post_init__(self) -> None:
+        for option, value in (("quantize", self.quantize), ("kv_dtype", self.kv_dtype)):
+            if value not in (None, "fp8"):
+                raise ValueError(f"{option}={value!r}: expected 'fp8' or nothing")
         self.engine: Any = None  # AsyncLLMEngine, once started
         self.tokenizer: Any = None
 
@@ -51,8 +59,14 @@ class TorchRuntimeBackend:
         from worker.loading import load_model
 
         model, tokenizer = load_model(self.model_path, self.device, getattr(torch, self.dtype))
+        if self.quantize == "fp8":
+            from worker.models.fp8 import quantize_fp8
+
+            quantize_fp8(model)
         config = EngineConfig.from_env(
-            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            kv_dtype=torch.float8_e4m3fn if self.kv_dtype == "fp8" else None,
         )
         engine = AsyncLLMEngine(LLMEngine(model, tokenizer, config))
         engine.start()

