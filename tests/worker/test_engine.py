@@ -245,3 +245,16 @@ def test_config_from_env(monkeypatch):
     monkeypatch.setenv("TOKENMILL_ENGINE_STATE_DTYPE", "fp64")
     with pytest.raises(ValueError, match="TOKENMILL_ENGINE_STATE_DTYPE"):
         EngineConfig.from_env()
+
+
+def test_a_slow_step_is_logged_with_its_batch(monkeypatch, caplog):
+    from worker.engine import engine as engine_module
+
+    engine, _ = make_engine()
+    engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2))
+    assert "slow engine step" not in caplog.text  # the default threshold: 1 s
+    monkeypatch.setattr(engine_module, "SLOW_STEP_S", 0.0)
+    with caplog.at_level("WARNING", logger="worker.engine.engine"):
+        engine.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0, max_tokens=2))
+    assert "2 prefill chunks (5 tokens) and 0 decodes" in caplog.text  # the first step
+    assert "0 prefill chunks (0 tokens) and 2 decodes" in caplog.text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -21,6 +22,9 @@ from worker.engine.sequence import PENDING_TOKEN, FinishReason, SamplingParams, 
 from worker.engine.state_slots import StateSlotPool
 
 log = logging.getLogger(__name__)
+
+# Seconds past which one engine step is logged as slow (TOKENMILL_ENGINE_SLOW_STEP_S).
+SLOW_STEP_S = float(os.environ.get("TOKENMILL_ENGINE_SLOW_STEP_S", "1.0"))
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -199,6 +203,7 @@ class LLMEngine:
             config.overlap_decode is None or config.overlap_decode
         )
         self._in_flight: _InFlight | None = None
+        self._last_batch: ScheduledBatch | None = None  # for the slow-step warning
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -287,11 +292,28 @@ class LLMEngine:
         """Schedule and run one forward pass; one output per request that got a token.
 
         With overlapped decode the tokens of a decode step come out of the next step() call.
-        """
+        A step slower than TOKENMILL_ENGINE_SLOW_STEP_S (1 s) is logged with its batch: every
+        request in it waited that long (a kernel compiled for a new shape, say)."""
+        began = time.perf_counter()
+        outputs = self._step()
+        took = time.perf_counter() - began
+        if took > SLOW_STEP_S and self._last_batch is not None:
+            b = self._last_batch
+            log.warning(
+                "slow engine step %d: %.2f s for %d prefill chunks (%d tokens) and %d decodes",
+                b.step,
+                took,
+                len(b.prefills),
+                sum(e.num_tokens for e in b.prefills),
+                len(b.decodes),
+            )
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._finished_outside_step = self._finished_outside_step, []
         if self._in_flight is not None and not self._can_launch_ahead():
             outputs += self._settle()
-        batch = self.scheduler.schedule()
+        batch = self._last_batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs + self._settle()
         if self._overlaps(batch):
