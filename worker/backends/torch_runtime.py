@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -68,7 +69,16 @@ class TorchRuntimeBackend:
             max_model_len=self.max_model_len,
             kv_dtype=torch.float8_e4m3fn if self.kv_dtype == "fp8" else None,
         )
-        engine = AsyncLLMEngine(LLMEngine(model, tokenizer, config))
+        llm = LLMEngine(model, tokenizer, config)
+        if config.warm_up:
+            began = time.perf_counter()
+            compositions = llm.warm_up()
+            log.info(
+                "warmed up %d batch compositions in %.1f s",
+                len(compositions),
+                time.perf_counter() - began,
+            )
+        engine = AsyncLLMEngine(llm)
         engine.start()
         log.info("loaded %s on %s (%s)", self.model_path, self.device, self.dtype)
         return engine, tokenizer

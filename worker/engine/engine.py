@@ -86,6 +86,10 @@ class EngineConfig:
     # input ids the GPU takes from step N's tokens. Stop rules apply one step late: a token
     # computed past a stop is discarded, never emitted nor counted.
     overlap_decode: bool | None = None
+    # Before serving, one step of each batch composition class (`LLMEngine.warm_up`), so that
+    # kernels specialized on per-step sizes compile then, not under a user's request
+    # (TOKENMILL_ENGINE_WARM_UP=1; off by default until measured on the GPU).
+    warm_up: bool = False
 
     @classmethod
     def from_env(cls, **overrides: Any) -> EngineConfig:
@@ -99,6 +103,7 @@ class EngineConfig:
             "cuda_graphs": _env_bool("TOKENMILL_ENGINE_CUDA_GRAPHS"),
             "fuse_projections": _env_bool("TOKENMILL_ENGINE_FUSE_PROJECTIONS"),
             "overlap_decode": _env_bool("TOKENMILL_ENGINE_OVERLAP_DECODE"),
+            "warm_up": _env_bool("TOKENMILL_ENGINE_WARM_UP"),
             "state_dtype": _env_dtype("TOKENMILL_ENGINE_STATE_DTYPE"),
         }
         return cls(**{k: v for k, v in env.items() if v is not None}, **overrides)
@@ -276,6 +281,42 @@ class LLMEngine:
             request.pending_text += request.detokenizer.flush()
         self._finished_outside_step.append(self._output(request))
         return True
+
+    def warm_up(self) -> list[str]:
+        """Run one step of each batch composition class the scheduler forms under load, so that
+        Triton kernels specialized on per-step sizes compile now: a composition first seen under
+        traffic held a whole wave of requests for 2-6 s on the H200 (docs/performance.md). The
+        classes: new prefill sequences (1, 2, 3, 5: some kernels size a block by the next power
+        of two of their count), sequences already decoding beside them (0, 1, 3, 5) and prompt
+        lengths (1, 16 and 17, long and long + 1: Triton specializes integers on == 1 and on
+        divisibility by 16). Leaves the engine empty; returns the compositions run, as
+        "prefills x length + decodes"."""
+        c = self.config
+        long = min(512, c.max_num_batched_tokens // 8, c.max_model_len - 2) // 16 * 16
+        lengths = sorted({1, 16, 17, long, long + 1}) if long >= 16 else [1, 16, 17]
+        decoding = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        run: list[str] = []
+        for decodes in (0, 1, 3, 5):
+            for prefills in (1, 2, 3, 5):
+                for n in lengths:
+                    if (
+                        prefills + decodes > c.max_num_seqs
+                        or prefills * n + decodes > c.max_num_batched_tokens
+                        or n + 1 > c.max_model_len
+                    ):
+                        continue
+                    ids = [self.add_request([1], decoding) for _ in range(decodes)]
+                    while any(self._requests[r].seq.num_computed_tokens == 0 for r in ids):
+                        self.step()  # their prompt in: from now on they decode
+                    ids += [self.add_request([1] * n, one) for _ in range(prefills)]
+                    self.step()  # the composition itself
+                    for request_id in ids:
+                        self.abort(request_id)
+                    while self.has_unfinished_requests():
+                        self.step()
+                    run.append(f"{prefills}x{n}+{decodes}")
+        return run
 
     def has_unfinished_requests(self) -> bool:
         return (
