@@ -283,29 +283,28 @@ class LLMEngine:
         return True
 
     def warm_up(self) -> list[str]:
-        """Run one step of each batch composition class the scheduler forms under load, so that
-        Triton kernels specialized on per-step sizes compile now: a composition first seen under
-        traffic held a whole wave of requests for 2-6 s on the H200 (docs/performance.md). The
-        classes: new prefill sequences (1, 2, 3, 5: some kernels size a block by the next power
-        of two of their count), sequences already decoding beside them (0, 1, 3, 5) and prompt
-        lengths (1, 16 and 17, long and long + 1: Triton specializes integers on == 1 and on
-        divisibility by 16). Leaves the engine empty; returns the compositions run, as
-        "prefills x length + decodes"."""
+        """Run one step of each batch composition class the scheduler forms under load, so
+        that Triton kernels specialized on per-step sizes compile now: a composition first seen
+        under traffic held a whole wave of requests for 2-6 s on the H200 (docs/performance.md).
+        The classes: new prefill sequences (1, 2, 3, 5: some kernels size a block by the next
+        power of two of their count), sequences already decoding beside them (0, 1, 3, 5), and
+        prompt lengths 1, 16, 17 and the step budget's share, rounded to 16 and one less (Triton
+        specializes integers on == 1 and on divisibility by 16; with 256 as the longest length
+        tried, H200 run 6 still met a compile on a long chunk). Leaves the engine empty; returns
+        the compositions run, as "prefills x length + decodes"."""
         c = self.config
-        long = min(512, c.max_num_batched_tokens // 8, c.max_model_len - 2) // 16 * 16
-        lengths = sorted({1, 16, 17, long, long + 1}) if long >= 16 else [1, 16, 17]
         decoding = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         run: list[str] = []
         for decodes in (0, 1, 3, 5):
             for prefills in (1, 2, 3, 5):
-                for n in lengths:
-                    if (
-                        prefills + decodes > c.max_num_seqs
-                        or prefills * n + decodes > c.max_num_batched_tokens
-                        or n + 1 > c.max_model_len
-                    ):
-                        continue
+                if prefills + decodes > c.max_num_seqs:
+                    continue
+                # The longest chunks a step takes (the budget shared out), a multiple of 16 and
+                # one less; short prompts; a single token.
+                full = min((c.max_num_batched_tokens - decodes) // prefills, c.max_model_len - 1)
+                lengths = {1, 16, 17, full // 16 * 16, full // 16 * 16 - 1, full}
+                for n in sorted(x for x in lengths if 1 <= x <= full):
                     ids = [self.add_request([1], decoding) for _ in range(decodes)]
                     while any(self._requests[r].seq.num_computed_tokens == 0 for r in ids):
                         self.step()  # their prompt in: from now on they decode
