@@ -259,7 +259,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--hang-up", type=int, default=4, help="clients of the last round that hang up")
     ap.add_argument("--load-timeout-s", type=float, default=900)
     ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_endpoint.json"))
