@@ -242,6 +242,18 @@ class Bench:
         return asyncio.run(self._reconcile(expected, since))
 
 
+def reconciled(report: Any, mismatches_kept: int = 50) -> dict[str, Any]:
+    """A `control_plane.reconcile` report as the benchmarks' JSON gives it."""
+    return {
+        "matched": report.matched,
+        "pending": report.pending,
+        "match_rate_pct": 100 * report.match_rate,
+        "mismatches": [m.__dict__ for m in report.mismatches[:mismatches_kept]],
+        "billed_completion_tokens": report.billed_completion_tokens,
+        "delivered_completion_tokens": report.delivered_completion_tokens,
+    }
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     results = [r for run in runs for r in run["results"]]
     ok = [r for r in results if r["ok"]]
@@ -358,12 +370,7 @@ def main() -> int:
         "wall_s": recon_wall,
         "requests_per_s": a.recon_requests / recon_wall,
         "reconciled_requests": report.requests,
-        "matched": report.matched,
-        "pending": report.pending,
-        "match_rate_pct": 100 * report.match_rate,
-        "mismatches": [m.__dict__ for m in report.mismatches[:50]],
-        "billed_completion_tokens": report.billed_completion_tokens,
-        "delivered_completion_tokens": report.delivered_completion_tokens,
+        **reconciled(report),
     }
     result = {
         "machine": {

@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from bench.gateway_overhead import Bench, pct
+from bench.gateway_overhead import Bench, pct, reconciled
 
 
 def prompt_text(tokens: int, seed: int) -> str:
@@ -320,12 +320,7 @@ def main() -> int:
             "requests": report.requests,
             "client_hung_up": sum(bool(r.get("cancelled")) for r in recon_results),
             "errors": sum(not r["ok"] for r in recon_results),
-            "matched": report.matched,
-            "pending": report.pending,
-            "match_rate_pct": 100 * report.match_rate,
-            "mismatches": [m.__dict__ for m in report.mismatches[:20]],
-            "billed_completion_tokens": report.billed_completion_tokens,
-            "delivered_completion_tokens": report.delivered_completion_tokens,
+            **reconciled(report, mismatches_kept=20),
         },
     }
     if a.device == "cuda":
