@@ -47,6 +47,8 @@ OPS = (
     "linear",
     "fp8_linear",
     "linear_silu_mul",
+    "int4_linear",
+    "int4_linear_silu_mul",
 )
 # Ops whose implementation choice also depends on the KV cache dtype (fp8 or not).
 _KV_OPS = {"write_kv_cache", "paged_attention_prefill", "paged_attention_decode"}
@@ -392,3 +394,29 @@ def linear_silu_mul(
     weight [2F, K]: e4m3 with per-channel scales [2F], or 16-bit with scale None (decode kernels
     form the activation in the projection's epilogue: one launch, no [.., 2F] intermediate)."""
     return _pick("linear_silu_mul", x)(x, weight, scale, bias)
+
+
+def int4_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., K] times an int4 weight [N, K]: packed uint8 qweight [N, K / 2], fp16 group
+    scales [N, ceil(K / group_size)], optional fp16 mins of the same shape (affine groups)."""
+    return _pick("int4_linear", x)(x, qweight, scales, mins, group_size, bias)
+
+
+def int4_linear_silu_mul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """silu(gate) * up [..., F] from x and an int4 fused gate|up weight [2F, K] (decode kernels
+    form the activation in the GEMV's epilogue)."""
+    return _pick("int4_linear_silu_mul", x)(x, qweight, scales, mins, group_size, bias)

@@ -353,6 +353,48 @@ def linear_silu_mul(
     return silu_mul(gate_up)
 
 
+def int4_dequantize(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
+    """The fp32 weight [N, K] of an int4 weight (docs/worker-contract.md, "Int4 weights"):
+    qweight uint8 [N, K / 2] holds k = 2j in bits 0-3 and k = 2j + 1 in bits 4-7 of byte j;
+    scales (and mins) fp16 [N, ceil(K / group_size)]. Symmetric (mins None): w = (q - 8) * s;
+    affine: w = q * s + m (GGUF Q4_1; GPTQ's (q - z) * s has m = -z * s)."""
+    n, half = qweight.shape
+    q = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(n, 2 * half).float()
+    k = q.shape[1]
+    s = scales.float().repeat_interleave(group_size, dim=1)[:, :k]
+    if mins is None:
+        return (q - 8.0) * s
+    return q * s + mins.float().repeat_interleave(group_size, dim=1)[:, :k]
+
+
+def int4_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., K] times an int4 weight [N, K] (see `int4_dequantize`): the weight dequantized to
+    x's dtype and used as a plain linear layer."""
+    weight = int4_dequantize(qweight, scales, mins, group_size).to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+def int4_linear_silu_mul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gated MLP's activation from x and an int4 fused gate|up weight [2F, K]."""
+    return silu_mul(int4_linear(x, qweight, scales, mins, group_size, bias))
+
+
 def _quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     if dtype.is_floating_point and dtype.itemsize == 1:
         return (x.float() / scale).to(dtype)
