@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
 from control_plane.observability.series import SkuSeries
-from control_plane.settings import env_float
+from control_plane.settings import env, env_float
 from worker.protocol import Presence, WorkerAnnounce, WorkerGone, WorkerHeartbeat
 
 __all__ = ["PROMETHEUS_TEXT", "ObservabilitySettings", "OpsMetrics", "WorkerView"]
@@ -41,6 +41,9 @@ class ObservabilitySettings:
     worker_stale_s: float = field(
         default_factory=lambda: env_float("TOKENMILL_WORKER_STALE_S", 10.0)
     )
+    # TOKENMILL_METRICS_TOKEN: when set, /metrics answers only `Authorization: Bearer <it>`
+    # (401 otherwise): the exposition names tenant ids with their token counts. Unset: open.
+    metrics_token: str | None = field(default_factory=lambda: env("TOKENMILL_METRICS_TOKEN"))
 
 
 # The classic text format (0.0.4): every Prometheus and Grafana agent in use reads it.

@@ -1,5 +1,6 @@
-"""HTTP surface of the operations view: `/metrics` for Prometheus, `/admin/v1/ops/*` JSON for
-the operator's page (admin auth), and the page itself under `/ui/`.
+"""HTTP surface of the operations view: `/metrics` for Prometheus (behind its own bearer token
+when TOKENMILL_METRICS_TOKEN is set), `/admin/v1/ops/*` JSON for the operator's page (admin
+auth), and the page itself under `/ui/`.
 
 The app factory mounts it with `observability_routes(metrics, admin_guards)`. The page's
 files carry no secrets: it asks for the admin token in the browser and sends it as a bearer
@@ -8,14 +9,17 @@ on every admin call, so the data stays behind the same guard as the rest of `/ad
 
 from __future__ import annotations
 
+import hmac
 import os
 from collections.abc import Sequence
 from datetime import date
 from pathlib import Path
 
 from litestar import Response, Router, get
+from litestar.connection import ASGIConnection
 from litestar.datastructures import CacheControlHeader
 from litestar.di import Provide
+from litestar.handlers import BaseRouteHandler
 from litestar.params import Parameter
 from litestar.response import Redirect
 from litestar.static_files import create_static_files_router
@@ -23,6 +27,7 @@ from litestar.types import ControllerRouterHandler, Guard
 
 from control_plane.observability.metrics import PROMETHEUS_TEXT, OpsMetrics
 from control_plane.observability.usage import usage_by_tenant, usage_csv
+from control_plane.problems import PROBLEM_HANDLERS, ProblemError
 from control_plane.services import Services  # a runtime import: Litestar reads the annotations
 
 # Security headers of the page: everything from our own origin, nothing inline.
@@ -44,6 +49,24 @@ def web_dir() -> Path:
     if (checkout / "index.html").exists():
         return checkout
     return here.parents[1] / "static" / "web"
+
+
+def scrape_guard(token: str) -> Guard:
+    """Admits `Authorization: Bearer <token>` only: Prometheus sends it with
+    `authorization: {type: Bearer, credentials: ...}` in its scrape config."""
+    expected = token.encode()
+
+    def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+        scheme, _sep, value = connection.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), expected):
+            raise ProblemError(
+                401,
+                "unauthorized",
+                "a valid metrics bearer token is required",
+                headers={"WWW-Authenticate": 'Bearer realm="tokenmill-metrics"'},
+            )
+
+    return guard
 
 
 @get("/metrics", media_type=PROMETHEUS_TEXT, include_in_schema=False, sync_to_thread=False)
@@ -112,8 +135,8 @@ def _page_headers(response: Response) -> Response:
 def observability_routes(
     metrics: OpsMetrics, admin_guards: Sequence[Guard] = (), *, with_ledger: bool = True
 ) -> list[ControllerRouterHandler]:
-    """Route handlers to add to the app: `/metrics`, `/admin/v1/ops/{timeseries,workers}`
-    behind `admin_guards`, the page under `/ui/`, and `/` redirecting to it. `with_ledger`
+    """Route handlers to add to the app: `/metrics` (behind the metrics token of
+    `metrics.settings`, if any), `/admin/v1/ops/{timeseries,workers}` behind `admin_guards`, the page under `/ui/`, and `/` redirecting to it. `with_ledger`
     adds `/admin/v1/ops/usage[.csv]`, which need the app's `services` dependency."""
     provide = {"metrics": Provide(lambda: metrics, use_cache=True, sync_to_thread=False)}
     handlers: list[ControllerRouterHandler] = [timeseries, workers]
@@ -126,7 +149,14 @@ def observability_routes(
         dependencies=provide,
         tags=["operations"],
     )
-    scrape = Router(path="/", route_handlers=[metrics_endpoint], dependencies=provide)
+    token = metrics.settings.metrics_token
+    scrape = Router(
+        path="/",
+        route_handlers=[metrics_endpoint],
+        dependencies=provide,
+        guards=[scrape_guard(token)] if token else [],
+        exception_handlers=PROBLEM_HANDLERS,
+    )
     page = create_static_files_router(
         path="/ui",
         directories=[web_dir()],

@@ -1,4 +1,4 @@
-"""The HTTP surface on its own Litestar app: /metrics without auth, /admin/v1/ops behind the
+"""The HTTP surface on its own Litestar app: /metrics open unless a metrics token is set, /admin/v1/ops behind the
 admin guard, the page under /ui/ with its security headers."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from litestar import Litestar, Response
 from litestar.testing import AsyncTestClient
 
 from control_plane.auth import admin_guard
-from control_plane.observability.metrics import OpsMetrics
+from control_plane.observability.metrics import ObservabilitySettings, OpsMetrics
 from control_plane.observability.routes import observability_routes
 from control_plane.problems import PROBLEM_HANDLERS
 from worker.protocol import WorkerHeartbeat
@@ -121,3 +121,30 @@ async def test_refusals_under_v1_are_counted_by_code_and_worker_failures_are_not
     assert 'tokenmill_admissions_refused_total{reason="invalid_api_key",sku=""} 2.0' in text
     assert 'reason="worker_failed"' not in text and 'reason="server_error"' not in text
     assert text.count("tokenmill_admissions_refused_total{") == 2  # invalid_api_key and no-worker
+
+
+SCRAPE_TOKEN = "scrape-secret"
+
+
+async def test_metrics_takes_the_metrics_token_when_one_is_set() -> None:
+    metrics = OpsMetrics(ObservabilitySettings(metrics_token=SCRAPE_TOKEN))
+    metrics.refuse_admission("invalid_api_key")
+    async with AsyncTestClient(ops_app(metrics)) as c:
+        missing = await c.get("/metrics")
+        assert missing.status_code == 401
+        assert missing.headers["www-authenticate"].startswith("Bearer")
+        assert "tokenmill_" not in missing.text
+        assert (
+            await c.get("/metrics", headers={"Authorization": "Bearer wrong"})
+        ).status_code == 401
+        # The admin token is not the scrape token.
+        assert (await c.get("/metrics", headers=AUTH)).status_code == 401
+        ok = await c.get("/metrics", headers={"Authorization": f"Bearer {SCRAPE_TOKEN}"})
+        assert ok.status_code == 200 and "tokenmill_admissions_refused_total" in ok.text
+
+
+def test_the_metrics_token_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TOKENMILL_METRICS_TOKEN", raising=False)
+    assert ObservabilitySettings().metrics_token is None
+    monkeypatch.setenv("TOKENMILL_METRICS_TOKEN", SCRAPE_TOKEN)
+    assert ObservabilitySettings().metrics_token == SCRAPE_TOKEN
