@@ -181,7 +181,8 @@ def _split_texts() -> tuple[str, str]:
     """(held-out text, calibration text): the stdlib's docstrings in sorted file order, each
     distinct docstring once, split by file."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    held, calib = [], []
+    held: list[str] = []
+    calib: list[str] = []
     seen: set[str] = set()
     for path in _stdlib_files():
         key = zlib.crc32(path.relative_to(root).as_posix().encode())
