@@ -4,12 +4,9 @@ an unreachable NATS or Postgres is a 503."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
-import asyncpg
-import nats.errors
 from litestar import Request, Response
 from litestar.exceptions import (
     HTTPException,
@@ -20,6 +17,9 @@ from litestar.exceptions import (
     ValidationException,
 )
 from litestar.types import ExceptionHandlersMap
+
+from events.unavailable import backend_unavailable
+from events.validation import InvalidEvent
 
 log = logging.getLogger("tokenmill.api")
 
@@ -74,7 +74,9 @@ def _from_http_exception(exc: HTTPException) -> ProblemError:
         messages = " ".join(str(e.get("message", "")) for e in errors if isinstance(e, dict))
         reason = "unknown_field" if "unknown field" in messages else "invalid_request"
         detail = messages or exc.detail
-        return ProblemError(400, reason, detail, title="Invalid request", errors=errors)
+        fields = [e["key"] for e in errors if isinstance(e, dict) and e.get("key")]
+        extra: dict[str, Any] = {"field": str(fields[0])} if fields else {}
+        return ProblemError(400, reason, detail, title="Invalid request", errors=errors, **extra)
     if isinstance(exc, NotAuthorizedException):
         return ProblemError(401, "unauthorized", exc.detail, headers={"WWW-Authenticate": "Bearer"})
     if isinstance(exc, PermissionDeniedException):
@@ -97,17 +99,28 @@ def handle_http_exception(
     return problem_response(request, _from_http_exception(exc))
 
 
+def handle_invalid_event(
+    request: Request[Any, Any, Any], exc: InvalidEvent
+) -> Response[dict[str, Any]]:
+    # The write would have appended an event no projection can store: refused, nothing appended.
+    return problem_response(
+        request, ProblemError(400, exc.reason, exc.detail, title="Invalid request", field=exc.field)
+    )
+
+
 def handle_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
-    if isinstance(exc, nats.errors.Error | asyncpg.PostgresConnectionStatusError | OSError):
+    # Never raises: an exception in here would make Litestar answer with a bare text 500.
+    if isinstance(exc, TimeoutError):
+        log.warning("backend timeout on %s: %r", request.url.path, exc)
+        return problem_response(
+            request, ProblemError(503, "timeout", "a backend did not answer in time")
+        )
+    if backend_unavailable(exc):
         log.warning("backend unavailable on %s: %r", request.url.path, exc)
         return problem_response(
             request, ProblemError(503, "backend_unavailable", "NATS or Postgres is unreachable")
         )
-    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
-        return problem_response(
-            request, ProblemError(503, "timeout", "a backend did not answer in time")
-        )
-    log.exception("unexpected error on %s", request.url.path)
+    log.error("unexpected error on %s", request.url.path, exc_info=exc)
     return problem_response(
         request, ProblemError(500, "internal_error", "unexpected error; see the server log")
     )
@@ -115,6 +128,7 @@ def handle_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Respon
 
 PROBLEM_HANDLERS: ExceptionHandlersMap = {
     ProblemError: handle_problem,
+    InvalidEvent: handle_invalid_event,
     HTTPException: handle_http_exception,
     Exception: handle_unexpected,
 }

@@ -25,6 +25,7 @@ from events.usage import (
     usage_stream_name,
     usage_subject,
 )
+from events.validation import validate_event
 
 # JetStream's error code for a failed Nats-Expected-Last-Subject-Sequence check.
 WRONG_LAST_SEQUENCE = 10071
@@ -109,7 +110,9 @@ class EventStore:
         `expected_version` is the sequence of the aggregate's last event, 0 for "must not
         exist yet", None for "don't care". A stale one raises ConcurrencyError. A retry of
         the same event (same event_id) within the dedupe window returns the first append's
-        sequence instead of appending twice."""
+        sequence instead of appending twice. An event no projection could store raises
+        InvalidEvent (events.validation) and is not appended."""
+        validate_event(event)
         aggregate, aggregate_id = aggregate_of(event)
         headers = {"Nats-Msg-Id": event.event_id}
         if expected_version is not None:

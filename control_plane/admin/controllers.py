@@ -22,9 +22,11 @@ from control_plane.admin.services import AdminCommands, parse_if_match, sku_ref
 from control_plane.auth import admin_guard
 from control_plane.problems import PROBLEM_HANDLERS, ProblemError
 from control_plane.services import Services
+from events.validation import INT64_MAX
 
 Limit = Annotated[int, Parameter(ge=1, le=1000, description="page size")]
-Offset = Annotated[int, Parameter(ge=0)]
+# Postgres takes OFFSET as a bigint: a larger one is a 400, not a failed query.
+Offset = Annotated[int, Parameter(ge=0, le=INT64_MAX)]
 Consistent = Annotated[
     bool, Parameter(description="wait until the read models include every write so far")
 ]

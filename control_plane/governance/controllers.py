@@ -22,14 +22,17 @@ import msgspec
 from litestar import Request, Response, Router, get, put
 from litestar.params import Parameter
 
+from control_plane.admin.services import parse_if_match
 from control_plane.auth import admin_guard
 from control_plane.governance.admission import Admission
 from control_plane.governance.events import LimitsSet, QuotaMetric
 from control_plane.problems import PROBLEM_HANDLERS, ProblemError, not_found
 from control_plane.services import Services
 from events.store import ConcurrencyError
+from events.validation import INT64_MAX
 
-Count = Annotated[int, msgspec.Meta(ge=0)]
+# Stored in bigint columns and counted in int64: larger is a 400 naming the field.
+Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 
 
 class LimitsBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -53,7 +56,8 @@ def policy_out(p: LimitsSet) -> dict[str, Any]:
 def governance_admin_router(services: Services, admission: Admission) -> Router:
     async def write(
         tenant_id: str, key_id: str | None, body: LimitsBody, if_match: str | None
-    ) -> dict[str, Any]:
+    ) -> Response[dict[str, Any]]:
+        expected = parse_if_match(if_match)
         if services.view.tenant(tenant_id) is None:
             raise not_found("tenant", tenant_id)
         if key_id is not None:
@@ -62,7 +66,8 @@ def governance_admin_router(services: Services, admission: Admission) -> Router:
                 raise not_found("api_key", key_id)
         if body.spend_cap is not None:
             try:
-                if Decimal(body.spend_cap) < 0 or not body.spend_currency:
+                cap = Decimal(body.spend_cap)
+                if not cap.is_finite() or cap < 0 or not body.spend_currency:
                     raise InvalidOperation
             except InvalidOperation as e:
                 raise ProblemError(
@@ -71,9 +76,12 @@ def governance_admin_router(services: Services, admission: Admission) -> Router:
                     "spend_cap must be a non-negative decimal string with spend_currency",
                 ) from e
         current = services.view.version("limits", tenant_id)
-        if if_match is not None and if_match.strip('W/"') != str(current):
+        if expected is not None and expected != current:
             raise ProblemError(
-                409, "version_mismatch", f"limits of {tenant_id} are at version {current}"
+                409,
+                "version_mismatch",
+                f"limits of {tenant_id} are at version {current}, not {expected}",
+                current_version=current,
             )
         event = LimitsSet(tenant_id=tenant_id, key_id=key_id, **msgspec.structs.asdict(body))
         try:
@@ -83,14 +91,14 @@ def governance_admin_router(services: Services, admission: Admission) -> Router:
                 409, "concurrent_write", "limits changed meanwhile; re-read and retry"
             ) from e
         await admission.limits.position.wait_for(seq, within_s=5.0)
-        return {"version": seq, "policy": policy_out(event)}
+        return Response({"version": seq, "policy": policy_out(event)}, headers={"ETag": f'"{seq}"'})
 
     @put("/tenants/{tenant_id:str}/limits", status_code=200, summary="Set a tenant's limits")
     async def put_tenant_limits(
         tenant_id: str,
         data: LimitsBody,
         if_match: Annotated[str | None, Parameter(header="If-Match")] = None,
-    ) -> dict[str, Any]:
+    ) -> Response[dict[str, Any]]:
         return await write(tenant_id, None, data, if_match)
 
     @put(
@@ -103,19 +111,21 @@ def governance_admin_router(services: Services, admission: Admission) -> Router:
         key_id: str,
         data: LimitsBody,
         if_match: Annotated[str | None, Parameter(header="If-Match")] = None,
-    ) -> dict[str, Any]:
+    ) -> Response[dict[str, Any]]:
         return await write(tenant_id, key_id, data, if_match)
 
     @get("/tenants/{tenant_id:str}/limits", summary="A tenant's limits (tenant-wide and per key)")
-    async def get_limits(tenant_id: str) -> dict[str, Any]:
+    async def get_limits(tenant_id: str) -> Response[dict[str, Any]]:
         if services.view.tenant(tenant_id) is None:
             raise not_found("tenant", tenant_id)
         policies = [p for p in admission.limits.policies.values() if p.tenant_id == tenant_id]
-        return {
+        version = services.view.version("limits", tenant_id)
+        body = {
             "tenant_id": tenant_id,
-            "version": services.view.version("limits", tenant_id),
+            "version": version,
             "policies": [policy_out(p) for p in policies],
         }
+        return Response(body, headers={"ETag": f'"{version}"'})
 
     return Router(
         path="/admin/v1",

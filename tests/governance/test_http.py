@@ -30,8 +30,8 @@ async def http(services: Services) -> AsyncIterator[httpx.AsyncClient]:  # noqa:
         yield client
 
 
-async def _tenant_with_key(c: httpx.AsyncClient) -> tuple[str, str, str]:
-    tenant = (await c.post("/admin/v1/tenants", json={"name": "acme"}, headers=ADMIN)).json()
+async def _tenant_with_key(c: httpx.AsyncClient, name: str) -> tuple[str, str, str]:
+    tenant = (await c.post("/admin/v1/tenants", json={"name": name}, headers=ADMIN)).json()
     key = (
         await c.post(f"/admin/v1/tenants/{tenant['tenant_id']}/keys", json={}, headers=ADMIN)
     ).json()
@@ -42,8 +42,8 @@ async def test_limits_admin_and_own_usage(
     http: httpx.AsyncClient,
     services: Services,  # noqa: F811
 ) -> None:
-    t1, k1, plain1 = await _tenant_with_key(http)
-    t2, k2, plain2 = await _tenant_with_key(http)
+    t1, k1, plain1 = await _tenant_with_key(http, "acme")
+    t2, k2, plain2 = await _tenant_with_key(http, "globex")
     r = await http.put(
         f"/admin/v1/tenants/{t1}/limits",
         json={"token_quota": 1000, "requests_per_minute": 60},
@@ -51,6 +51,7 @@ async def test_limits_admin_and_own_usage(
     )
     assert r.status_code == 200, r.text
     version = r.json()["version"]
+    assert r.headers["etag"] == f'"{version}"'
     r = await http.put(
         f"/admin/v1/tenants/{t1}/keys/{k1}/limits",
         json={"max_concurrent_streams": 2},
@@ -106,3 +107,36 @@ async def test_limits_admin_and_own_usage(
     assert other["tenant_id"] == t2 and other["policies"] == []  # nothing of t1's
     bad = await http.get("/v1/usage", headers={"Authorization": "Bearer nope"})
     assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+
+
+async def test_limits_writes_are_conditional_and_bounded(http: httpx.AsyncClient) -> None:
+    tenant, key, _ = await _tenant_with_key(http, "acme")
+    url = f"/admin/v1/tenants/{tenant}/limits"
+    r = await http.put(url, json={"requests_per_minute": 60}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    etag = r.headers["etag"]
+    got = await http.get(url, headers=ADMIN)
+    assert got.headers["etag"] == etag
+    # If-Match: the current version wins, a stale one is a 409, a malformed one a 400.
+    r = await http.put(url, json={"token_quota": 10}, headers={**ADMIN, "If-Match": etag})
+    assert r.status_code == 200 and r.headers["etag"] != etag
+    for header, status, reason in (
+        (etag, 409, "version_mismatch"),
+        ("abc", 400, "invalid_if_match"),
+    ):
+        r = await http.put(url, json={}, headers={**ADMIN, "If-Match": header})
+        assert r.status_code == status and r.json()["reason"] == reason, r.text
+        assert r.headers["content-type"].startswith("application/problem+json")
+    # Values a bigint column cannot hold, a NUL, a non-finite cap: 400 naming the field.
+    for body, reason, field in (
+        ({"requests_per_minute": 2**63}, "invalid_request", "requests_per_minute"),
+        ({"token_quota": 2**80}, "invalid_request", "token_quota"),
+        ({"sku_id": "sku\u0000"}, "invalid_string", "sku_id"),
+        ({"spend_cap": "Infinity", "spend_currency": "USD"}, "invalid_spend_cap", None),
+    ):
+        for target in (url, f"/admin/v1/tenants/{tenant}/keys/{key}/limits"):
+            r = await http.put(target, json=body, headers=ADMIN)
+            assert r.status_code == 400 and r.json()["reason"] == reason, r.text
+            assert r.json().get("field") == field
+    r = await http.put(url, json={"requests_per_minute": 2**63 - 1}, headers=ADMIN)
+    assert r.status_code == 200, r.text

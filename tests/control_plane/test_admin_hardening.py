@@ -1,0 +1,92 @@
+"""Writes that no projection could store are refused up front; unexpected errors are still
+problem details. Real NATS and Postgres (the `api` fixture)."""
+
+from __future__ import annotations
+
+import asyncpg
+import httpx
+import nats.errors
+import pytest
+from litestar.testing import RequestFactory
+
+from control_plane.problems import PROBLEM_JSON, handle_unexpected
+from control_plane.services import Services
+
+
+def _problem(r: httpx.Response, status: int, reason: str) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith(PROBLEM_JSON)
+    body = r.json()
+    assert body["status"] == status and body["reason"] == reason, body
+    return body
+
+
+async def test_unstorable_writes_are_400_naming_the_field(
+    api: httpx.AsyncClient, services: Services
+) -> None:
+    head = await services.store.head(services.layout.control_stream)
+    body = _problem(
+        await api.post("/admin/v1/tenants", json={"name": "evil\u0000name"}), 400, "invalid_string"
+    )
+    assert body["field"] == "name"
+    body = _problem(
+        await api.post("/admin/v1/tenants", json={"name": "ok", "labels": {"team": "a\u0000"}}),
+        400,
+        "invalid_string",
+    )
+    assert body["field"] == "labels.team"
+    sku = {"name": "s1", "model": "m", "runtime": "r", "gpu_type": "cpu"}
+    body = _problem(
+        await api.post("/admin/v1/skus", json={**sku, "runtime_config": {"a": [1, "\u0000"]}}),
+        400,
+        "invalid_string",
+    )
+    assert body["field"] == "runtime_config.a[1]"
+    body = _problem(
+        await api.post("/admin/v1/skus", json={**sku, "runtime_config": {"n": 2**64}}),
+        400,
+        "out_of_range",
+    )
+    assert body["field"] == "runtime_config.n"
+    # Nothing was appended: the log holds only what the projections can apply.
+    assert await services.store.head(services.layout.control_stream) == head
+
+    tid = (await api.post("/admin/v1/tenants", json={"name": "acme"})).json()["tenant_id"]
+    _problem(
+        await api.put(f"/admin/v1/tenants/{tid}/labels", json={"labels": {"k": "\u0000"}}),
+        400,
+        "invalid_string",
+    )
+    r = await api.get(f"/admin/v1/tenants/{tid}", params={"consistent": "true"})
+    assert r.status_code == 200, r.text
+    assert (await api.get("/readyz")).status_code == 200
+
+
+async def test_out_of_range_paging_is_400(api: httpx.AsyncClient) -> None:
+    for params in (
+        {"offset": "199947873844415967526912"},
+        {"offset": str(2**63)},
+        {"limit": str(2**70)},
+    ):
+        body = _problem(await api.get("/admin/v1/skus", params=params), 400, "invalid_request")
+        assert body["field"] == next(iter(params))
+    r = await api.get("/admin/v1/skus", params={"offset": str(2**63 - 1)})
+    assert r.status_code == 200 and r.json()["items"] == []
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "reason"),
+    [
+        (RuntimeError("bug"), 500, "internal_error"),
+        (asyncpg.ConnectionDoesNotExistError("gone"), 503, "backend_unavailable"),
+        (asyncpg.CannotConnectNowError("starting up"), 503, "backend_unavailable"),
+        (ConnectionRefusedError(111, "refused"), 503, "backend_unavailable"),
+        (nats.errors.NoServersError(), 503, "backend_unavailable"),
+        (nats.errors.TimeoutError(), 503, "timeout"),
+        (asyncpg.NumericValueOutOfRangeError("out of range"), 500, "internal_error"),
+    ],
+)
+def test_unexpected_errors_are_problem_details(exc: Exception, status: int, reason: str) -> None:
+    response = handle_unexpected(RequestFactory().get("/admin/v1/tenants"), exc)
+    assert response.status_code == status and response.media_type == PROBLEM_JSON
+    assert response.content["reason"] == reason and response.content["status"] == status
