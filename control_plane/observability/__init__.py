@@ -24,6 +24,12 @@ def _dataplane(services: Services) -> Any:
     return services.extra.get("dataplane")
 
 
+def _sku_name(services: Services, requested: str) -> str | None:
+    """The published SKU a request's `model` names, as its metrics label (None: unknown)."""
+    sku = services.view.sku_by_name(requested)
+    return sku.name if sku is not None else None
+
+
 def tokenmill_extension(services: Services) -> Extension:
     from control_plane.app import Extension
     from control_plane.auth import admin_guard
@@ -43,7 +49,7 @@ def tokenmill_extension(services: Services) -> Extension:
     return Extension(
         name="observability",
         route_handlers=observability_routes(metrics, [admin_guard(services.admin_token)]),
-        plugins=[RefusalCounter(metrics)],
+        plugins=[RefusalCounter(metrics, sku_of=lambda name: _sku_name(services, name))],
         lifespan=[feeding(metrics), gateway_outcomes],
         extra={"metrics": metrics},
     )

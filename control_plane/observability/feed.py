@@ -1,25 +1,28 @@
 """What feeds OpsMetrics inside a running control plane: worker presence from NATS, request
-outcomes from the gateway, projection lag from Postgres, and event-append timings.
+outcomes from the gateway, event-append timings, and, read at scrape time, the projection lag
+(Postgres positions against the stream heads) and the open quota reservations (admission's
+in-memory ledger).
 
 SKUs are labelled by name (the OpenAI `model` a client calls; ids are opaque), tenants by id
 (names need not be unique)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import msgspec
 from litestar.config.app import AppConfig
 from litestar.plugins import InitPluginProtocol
-from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from litestar.types import ASGIApp, Message, Receive, ReceiveMessage, Scope, Send
 
 from control_plane.observability.metrics import OpsMetrics
+from events.projections import all_projections, committed_positions
 from worker import protocol as p
 
 if TYPE_CHECKING:
@@ -27,12 +30,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tokenmill.observability")
 
-# How often the projection lag is read from Postgres (seconds).
-PROJECTION_LAG_EVERY_S = 2.0
-
 
 class SkuNames(Protocol):
     def sku(self, sku_id: str) -> Any: ...
+
+
+class SkuCatalog(SkuNames, Protocol):
+    def skus(self) -> Iterable[Any]: ...
+    def sku_by_name(self, name: str) -> Any: ...
 
 
 def sku_label(view: SkuNames, sku_id: str) -> str:
@@ -103,14 +108,51 @@ def time_appends(metrics: OpsMetrics, store: Any, stream: str) -> None:
     store.append = timed
 
 
-async def watch_projection_lag(metrics: OpsMetrics, services: Services) -> None:
-    while True:
-        try:
-            for projection, lag in (await services.projection_lags()).items():
-                metrics.set_projection_lag(projection, lag)
-        except Exception as exc:  # Postgres away: readiness reports it; keep the last figures
-            log.debug("projection lag unavailable: %s", exc)
-        await asyncio.sleep(PROJECTION_LAG_EVERY_S)
+class OpenReservations(Protocol):
+    def open_reservations(self) -> dict[str, tuple[int, int]]: ...
+
+
+def reservations_reader(
+    metrics: OpsMetrics, admission: OpenReservations, view: SkuCatalog
+) -> Callable[[], None]:
+    """A scrape-time reader of admission's open quota reservations, per SKU name, with 0 for
+    every published SKU that holds none."""
+
+    def read() -> None:
+        held = {sku_label(view, sku_id): h for sku_id, h in admission.open_reservations().items()}
+        metrics.report_reservations(held, skus=[s.name for s in view.skus() if s.active])
+
+    return read
+
+
+async def projection_lag(services: Services) -> dict[str, tuple[int, float]]:
+    """Per projection: (stream messages not yet projected, age in seconds of the oldest of
+    them; 0 when caught up)."""
+    positions = await committed_positions(services.pool)
+    heads: dict[str, int] = {}
+    now = datetime.now(UTC)
+    out: dict[str, tuple[int, float]] = {}
+    for projection in all_projections():
+        stream = projection.stream(services.layout)
+        if stream not in heads:
+            heads[stream] = await services.store.head(stream)
+        done = positions.get(projection.name, 0)
+        behind = max(0, heads[stream] - done)
+        age = 0.0
+        if behind:
+            oldest = await services.js.get_msg(stream, seq=done + 1)
+            if oldest.time is not None:
+                age = max(0.0, (now - oldest.time).total_seconds())
+        out[projection.name] = (behind, age)
+    return out
+
+
+def projection_lag_reader(metrics: OpsMetrics, services: Services) -> Callable[[], Awaitable[None]]:
+    async def read() -> None:
+        for name, (messages, seconds) in (await projection_lag(services)).items():
+            metrics.set_projection_lag(name, messages, seconds)
+
+    return read
 
 
 def feeding(
@@ -126,15 +168,13 @@ def feeding(
         )
         # Workers announce on request: a control plane that starts late still lists them.
         await services.nc.publish(p.discover_subject(services.layout.prefix), b"")
-        lag = asyncio.create_task(
-            watch_projection_lag(metrics, services), name="observability:projection-lag"
-        )
+        metrics.on_scrape_async(projection_lag_reader(metrics, services))
+        admission = services.extra.get("admission")
+        if admission is not None:
+            metrics.on_scrape(reservations_reader(metrics, admission, services.view))
         try:
             yield
         finally:
-            lag.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await lag
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
@@ -148,6 +188,19 @@ class _ErrorCode(msgspec.Struct):
 
 class _ErrorBody(msgspec.Struct):
     error: _ErrorCode
+
+
+class _Requested(msgspec.Struct):
+    model: str | None = None
+
+
+def requested_model(body: bytes) -> str | None:
+    """The `model` a /v1 request body names, if it is JSON and names one."""
+    try:
+        model = msgspec.json.decode(body, type=_Requested).model
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return model
 
 
 def refusal_reason(status: int, body: bytes) -> str:
@@ -173,17 +226,29 @@ class RefusalCounter(InitPluginProtocol):
     write their own error responses (no exception reaches Litestar), while /v1/models and
     Litestar's own refusals go through exception handlers. Both pass this middleware, so every
     refusal counts once wherever it is decided. Past the response start of a 2xx the wrapper
-    only forwards, so the token stream pays one function call per chunk."""
+    only forwards, so the token stream pays one function call per chunk.
 
-    def __init__(self, metrics: OpsMetrics) -> None:
+    A refusal is labelled with the SKU the request body's `model` names when `sku_of` knows
+    it (the SKU name; "" otherwise: a made-up model name must not become a label value)."""
+
+    def __init__(
+        self, metrics: OpsMetrics, sku_of: Callable[[str], str | None] | None = None
+    ) -> None:
         self.metrics = metrics
+        self.sku_of = sku_of
 
     def on_app_init(self, app_config: AppConfig) -> AppConfig:
         app_config.middleware = [*app_config.middleware, self.middleware]
         return app_config
 
     def middleware(self, app: ASGIApp) -> ASGIApp:
-        metrics = self.metrics
+        metrics, sku_of = self.metrics, self.sku_of
+
+        def sku_label_of(request: list[bytes]) -> str:
+            if sku_of is None or not request:
+                return ""
+            model = requested_model(b"".join(request))
+            return (sku_of(model) or "") if model else ""
 
         async def count_refusals(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
@@ -191,18 +256,29 @@ class RefusalCounter(InitPluginProtocol):
                 return
             status = 0
             body: list[bytes] = []
+            request: list[bytes] = []  # references to the chunks the handler reads, no copies
+
+            async def reading() -> ReceiveMessage:
+                message = await receive()
+                if message["type"] == "http.request" and status == 0:
+                    request.append(cast(bytes, message.get("body", b"")))
+                return message
 
             async def watching(message: Message) -> None:
                 nonlocal status
                 if message["type"] == "http.response.start":
                     status = message["status"]
+                    if not refused(status):
+                        request.clear()
                 elif refused(status):
                     body.append(cast(bytes, message.get("body", b"")))
                     if not message.get("more_body", False):
-                        metrics.refuse_admission(refusal_reason(status, b"".join(body)))
+                        metrics.refuse_admission(
+                            refusal_reason(status, b"".join(body)), sku_label_of(request)
+                        )
                 await send(message)
 
-            await app(scope, receive, watching)
+            await app(scope, receive if sku_of is None else reading, watching)
 
         return count_refusals
 

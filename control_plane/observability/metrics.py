@@ -2,12 +2,19 @@
 own `tokenmill_*` series, and a short in-memory history per SKU for the operator's page.
 
 One `OpsMetrics` per app (its own CollectorRegistry, never the process-global one), so two
-apps in one process, as in the tests, never mix their numbers. Callers:
+apps in one process, as in the tests, never mix their numbers.
 
-- the gateway: `observe_request(...)` when a request ends, `refuse_admission(reason)` when it
-  turns one away, `set_open_reservations(...)` as its quota ledger changes;
+`model_name` on the vLLM series is the SKU's name, the `model` clients send and `/v1/models`
+lists (vLLM's `model_name` is its served model name, the name clients call), on latency,
+token and worker-load series alike; `sku` carries the same value. The Hugging Face id behind
+a SKU stays in the page's series (`timeseries()[...]["model"]`). Callers:
+
+- the gateway: `observe_request(...)` when a request ends, `refuse_admission(reason, sku)`
+  when it turns one away;
+- scrape-time readers (`on_scrape`, `on_scrape_async`): the open quota reservations
+  (`report_reservations`) and the projection lag, read from the state they live in;
 - the worker-presence listener: `update_worker(message)` for every announce / heartbeat / gone;
-- the event store and projectors: `observe_event_append(...)`, `set_projection_lag(...)`.
+- the event store: `observe_event_append(...)`.
 
 Everything here is plain Python on the caller's thread, cheap enough for the request path
 (a few microseconds per call, about one per inter-token gap).
@@ -15,10 +22,12 @@ Everything here is plain Python on the caller's thread, cheap enough for the req
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -29,6 +38,12 @@ from control_plane.settings import env, env_float
 from worker.protocol import Presence, WorkerAnnounce, WorkerGone, WorkerHeartbeat
 
 __all__ = ["PROMETHEUS_TEXT", "ObservabilitySettings", "OpsMetrics", "WorkerView"]
+
+log = logging.getLogger("tokenmill.observability")
+
+# How long a scrape waits for an async reader (Postgres, NATS) before it answers with the last
+# figures it has: Prometheus's default scrape timeout is 10 s.
+SCRAPE_READ_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -207,6 +222,8 @@ class OpsMetrics:
         self._series: dict[str, SkuSeries] = {}
         self._models: dict[str, str] = {}  # sku -> model name, as last seen
         self._workers: dict[str, WorkerView] = {}
+        self._scrape_hooks: list[Callable[[], None]] = []
+        self._async_scrape_hooks: list[Callable[[], Awaitable[None]]] = []
         r = self.registry
         req = ["model_name", "sku"]
         # --- vLLM's names: dashboards built for vLLM read these unchanged. ---
@@ -344,8 +361,9 @@ class OpsMetrics:
         finish_reason: str = "stop",
     ) -> None:
         """One finished request, as the gateway measured it. `itl_s` holds the gaps between
-        consecutive streamed tokens (empty for a non-streamed answer)."""
-        labels = (model, sku)
+        consecutive streamed tokens (empty for a non-streamed answer). `model` (the SKU's
+        model id) is for the page; the series' `model_name` is the SKU name."""
+        labels = (sku, sku)
         if ttft_s is not None:
             self.ttft.labels(*labels).observe(ttft_s)
         if itl_s:
@@ -382,6 +400,35 @@ class OpsMetrics:
         if tokens is not None:
             self.reserved_tokens.labels(sku).set(tokens)
 
+    def report_reservations(
+        self, held: Mapping[str, tuple[int, int]], skus: Iterable[str] = ()
+    ) -> None:
+        """The reservation gauges as of now: `held` per SKU name (reservations, tokens), and 0
+        for every other SKU of `skus`, so an idle SKU reports 0 rather than nothing."""
+        self.open_reservations.clear()
+        self.reserved_tokens.clear()
+        for sku in {*skus, *held}:
+            count, tokens = held.get(sku, (0, 0))
+            self.set_open_reservations(sku, count, tokens)
+
+    # ------------------------------------------------------------------ scrape-time readers
+    def on_scrape(self, read: Callable[[], None]) -> None:
+        """Call `read` before every exposition (cheap, in-memory readers only)."""
+        self._scrape_hooks.append(read)
+
+    def on_scrape_async(self, read: Callable[[], Awaitable[None]]) -> None:
+        """Await `read` before every scrape of /metrics (I/O readers; given
+        SCRAPE_READ_TIMEOUT_S, after which the scrape shows the last figures)."""
+        self._async_scrape_hooks.append(read)
+
+    async def refresh(self) -> None:
+        """Run the async scrape-time readers; a failing or slow one keeps its last figures."""
+        for read in self._async_scrape_hooks:
+            try:
+                await asyncio.wait_for(read(), SCRAPE_READ_TIMEOUT_S)
+            except Exception as exc:  # a backend away: readiness reports it
+                log.debug("scrape-time reader failed: %r", exc)
+
     # ------------------------------------------------------------------ event log
     def observe_event_append(self, stream: str, seconds: float) -> None:
         self.append_latency.labels(stream).observe(seconds)
@@ -408,13 +455,13 @@ class OpsMetrics:
                 self._workers[message.worker_id] = worker
             worker.last_seen = now
             if isinstance(message, WorkerAnnounce):
-                self._drop_load_gauges(worker)  # the model label may change
                 worker.model, worker.backend, worker.capacity = (
                     message.model,
                     message.backend,
                     message.capacity,
                 )
-                self._models[message.sku_id] = message.model
+                # The gateway's (the SKU's published model) wins over what a worker calls it.
+                self._models.setdefault(message.sku_id, message.model)
                 worker.state = "live"
             elif isinstance(message, WorkerHeartbeat):
                 worker.running, worker.waiting, worker.kv_pressure = (
@@ -457,14 +504,14 @@ class OpsMetrics:
             self._count_workers()
 
     def _set_load_gauges(self, w: WorkerView) -> None:
-        labels = (w.model, w.sku_id, w.worker_id)
+        labels = (w.sku_id, w.sku_id, w.worker_id)
         self.kv_usage.labels(*labels).set(w.kv_pressure)
         self.running.labels(*labels).set(w.running)
         self.waiting.labels(*labels).set(w.waiting)
 
     def _drop_load_gauges(self, w: WorkerView) -> None:
         for metric in (self.kv_usage, self.running, self.waiting):
-            _remove(metric, w.model, w.sku_id, w.worker_id)
+            _remove(metric, w.sku_id, w.sku_id, w.worker_id)
 
     def _record_sku_load(self, sku: str, now: float) -> None:
         live = [w for w in self._workers.values() if w.sku_id == sku and w.state == "live"]
@@ -490,6 +537,11 @@ class OpsMetrics:
     # ------------------------------------------------------------------ reads
     def exposition(self) -> bytes:
         """The Prometheus text format of everything above."""
+        for read in self._scrape_hooks:
+            try:
+                read()
+            except Exception as exc:  # one reader's failure must not blank the scrape
+                log.warning("scrape-time reader failed: %r", exc)
         self.expire_workers()
         return generate_latest(self.registry)
 

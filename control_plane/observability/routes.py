@@ -69,8 +69,9 @@ def scrape_guard(token: str) -> Guard:
     return guard
 
 
-@get("/metrics", media_type=PROMETHEUS_TEXT, include_in_schema=False, sync_to_thread=False)
-def metrics_endpoint(metrics: OpsMetrics) -> Response[bytes]:
+@get("/metrics", media_type=PROMETHEUS_TEXT, include_in_schema=False)
+async def metrics_endpoint(metrics: OpsMetrics) -> Response[bytes]:
+    await metrics.refresh()  # the scrape-time readers (projection lag)
     return Response(metrics.exposition(), media_type=PROMETHEUS_TEXT)
 
 

@@ -16,12 +16,13 @@ SERIES = re.compile(r"\b(vllm:[a-z0-9_]+|tokenmill_[a-z0-9_]+)")
 BY_LABELS = re.compile(r"by \(([^)]*)\)")
 
 
-def exposed() -> dict[str, set[str]]:
-    """Every sample name /metrics emits once each API has been called, with its label names."""
+def exposition() -> str:
+    """/metrics once each API has been called; the gateway and the worker name the model
+    differently (a Hugging Face id, the SKU name), as in `tokenmill up`."""
     m = OpsMetrics()
     m.observe_request(
         sku="s",
-        model="m",
+        model="org/Model-7B",
         tenant="t",
         ttft_s=0.1,
         itl_s=[0.01],
@@ -35,16 +36,57 @@ def exposed() -> dict[str, set[str]]:
     m.set_projection_lag("usage_ledger", 1, seconds=0.1)
     m.observe_event_append("control", 0.001)
     m.update_worker(
-        WorkerAnnounce(worker_id="w", sku_id="s", model="m", backend="torch", capacity=1)
+        WorkerAnnounce(worker_id="w", sku_id="s", model="worker-name", backend="t", capacity=1)
     )
     m.update_worker(
         WorkerHeartbeat(worker_id="w", sku_id="s", running=1, waiting=0, kv_pressure=0.1, ts=0)
     )
-    names: dict[str, set[str]] = {}
-    for family in text_string_to_metric_families(m.exposition().decode()):
+    return m.exposition().decode()
+
+
+def label_values() -> dict[str, dict[str, set[str]]]:
+    """Per sample name: each label's values."""
+    out: dict[str, dict[str, set[str]]] = {}
+    for family in text_string_to_metric_families(exposition()):
         for sample in family.samples:
-            names.setdefault(sample.name, set()).update(sample.labels)
-    return names
+            for label, v in sample.labels.items():
+                out.setdefault(sample.name, {}).setdefault(label, set()).add(v)
+            out.setdefault(sample.name, {})
+    return out
+
+
+def exposed() -> dict[str, set[str]]:
+    """Every sample name /metrics emits, with its label names."""
+    return {name: set(labels) for name, labels in label_values().items()}
+
+
+LABEL_VALUES = re.compile(r"label_values\(([^,]+), *([a-z_]+)\)")
+MATCHER = re.compile(r'([a-z_]+)=~"\$([a-z_]+)\|?"')
+
+
+def test_each_filter_value_selects_series_on_every_panel_that_filters_by_it() -> None:
+    """A variable's values (from one series' label) must be values of the label each panel
+    matches it against: a model filter that blanks the load panels is a broken dashboard."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    values = label_values()
+    choices: dict[str, set[str]] = {}
+    for var in dashboard["templating"]["list"][1:]:
+        found = LABEL_VALUES.search(var["query"]["query"])
+        assert found, var["query"]
+        series, label = found.group(1).strip(), found.group(2)
+        choices[var["name"]] = values[series][label]
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    checked = 0
+    for expr in exprs:
+        for name in SERIES.findall(expr):
+            for label, var in MATCHER.findall(expr):
+                assert var in choices, f"{expr!r} uses an undefined ${var}"
+                assert choices[var] <= values[name].get(label, set()), (
+                    f"${var} = {sorted(choices[var])} selects nothing of {name}{{{label}}}"
+                    f" = {sorted(values[name].get(label, set()))}"
+                )
+                checked += 1
+    assert checked >= 15
 
 
 def test_every_panel_query_uses_exposed_series_and_labels() -> None:

@@ -55,7 +55,7 @@ def test_request_feeds_vllm_histograms_and_counters(metrics: OpsMetrics) -> None
         completion_tokens=4,
         cached_tokens=3,
     )
-    lbl = {"model_name": "smollm2", "sku": "demo"}
+    lbl = {"model_name": "demo", "sku": "demo"}
     assert value(metrics, "vllm:time_to_first_token_seconds_count", **lbl) == 1
     assert value(metrics, "vllm:time_to_first_token_seconds_sum", **lbl) == pytest.approx(0.03)
     assert value(metrics, "vllm:time_to_first_token_seconds_bucket", **lbl, le="0.04") == 1
@@ -143,7 +143,7 @@ def test_worker_presence_sets_vllm_gauges_then_lost_after_silence(
             worker_id="w1", sku_id="demo", running=3, waiting=2, kv_pressure=0.4, ts=clock.now
         )
     )
-    eng = {"model_name": "smollm2", "sku": "demo", "engine": "w1"}
+    eng = {"model_name": "demo", "sku": "demo", "engine": "w1"}
     assert value(metrics, "vllm:num_requests_running", **eng) == 3
     assert value(metrics, "vllm:num_requests_waiting", **eng) == 2
     assert value(metrics, "vllm:kv_cache_usage_perc", **eng) == pytest.approx(0.4)
@@ -202,7 +202,7 @@ def test_heartbeat_before_announce_does_not_leave_a_stale_model_label(
     assert running == {
         (
             "vllm:num_requests_running",
-            frozenset({("model_name", "m"), ("sku", "demo"), ("engine", "w1")}),
+            frozenset({("model_name", "demo"), ("sku", "demo"), ("engine", "w1")}),
         ): 2
     }
 
@@ -295,3 +295,50 @@ def test_observing_many_values_at_once_counts_as_observing_each() -> None:
     assert expositions[0] == expositions[1]
     assert sums[0] == pytest.approx(sums[1]) == pytest.approx(sum(values))
     assert b'gap_seconds_bucket{le="0.005",sku="a"} 6.0' in expositions[1]
+
+
+def test_model_name_is_the_served_sku_name_on_every_vllm_series(
+    metrics: OpsMetrics, clock: Clock
+) -> None:
+    # The gateway knows the SKU's Hugging Face id; the demo worker announces the SKU name as
+    # its model. One value on every series, the name clients call (as vLLM's served name).
+    metrics.observe_request(
+        sku="demo",
+        model="HuggingFaceTB/SmolLM2-135M-Instruct",
+        tenant="t",
+        ttft_s=0.1,
+        itl_s=[0.01],
+        e2e_s=0.2,
+        prompt_tokens=3,
+        completion_tokens=2,
+    )
+    metrics.update_worker(
+        WorkerAnnounce(
+            worker_id="w1", sku_id="demo", model="SmolLM2-135M-Instruct", backend="t", capacity=4
+        )
+    )
+    metrics.update_worker(
+        WorkerHeartbeat(
+            worker_id="w1", sku_id="demo", running=1, waiting=1, kv_pressure=0.3, ts=clock.now
+        )
+    )
+    names: dict[str, set[str]] = {}
+    for (name, labels), _ in samples(metrics).items():
+        if name.startswith("vllm:"):
+            names.setdefault(name, set()).add(dict(labels)["model_name"])
+    assert "vllm:kv_cache_usage_perc" in names and "vllm:generation_tokens_total" in names
+    assert names == {name: {"demo"} for name in names}
+    # The page still shows the model behind the SKU.
+    assert metrics.timeseries()["skus"]["demo"]["model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_reservation_gauges_are_read_at_scrape_time_for_every_sku(metrics: OpsMetrics) -> None:
+    held: dict[str, tuple[int, int]] = {}
+    metrics.on_scrape(lambda: metrics.report_reservations(held, skus=["demo", "other"]))
+    assert value(metrics, "tokenmill_open_reservations", sku="demo") == 0
+    assert value(metrics, "tokenmill_reserved_tokens", sku="other") == 0
+    held["demo"] = (2, 300)
+    assert value(metrics, "tokenmill_open_reservations", sku="demo") == 2
+    assert value(metrics, "tokenmill_reserved_tokens", sku="demo") == 300
+    held.clear()
+    assert value(metrics, "tokenmill_open_reservations", sku="demo") == 0

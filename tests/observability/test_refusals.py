@@ -76,3 +76,56 @@ def test_reason_falls_back_to_type_then_status() -> None:
         "invalid_request_error"
     )
     assert refusal_reason(404, b"Not Found") == "http_404"
+
+
+async def test_a_refusal_is_labelled_with_the_sku_the_request_body_names() -> None:
+    """After the body is read (rate limits, quotas, no worker), a refusal names the SKU the
+    request asked for, when it is one; a key refused from the head alone has no body read."""
+    from litestar.types import Receive, Scope, Send
+
+    async def refusing(scope: Scope, receive: Receive, send: Send) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        status = 200 if b"ok" in body else 429
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        code = b"" if status == 200 else b'{"error": {"code": "rate_limit_exceeded"}}'
+        await send({"type": "http.response.body", "body": code})
+
+    metrics = OpsMetrics()
+    known = {"qwen3.6-27b": "qwen3.6-27b"}
+    wrapped = RefusalCounter(metrics, known.get).middleware(refusing)
+
+    async def call(body: bytes, chunk: int = 7) -> None:
+        parts = [body[i : i + chunk] for i in range(0, len(body), chunk)] or [b""]
+        messages = [
+            {"type": "http.request", "body": p, "more_body": i < len(parts) - 1}
+            for i, p in enumerate(parts)
+        ]
+
+        async def receive() -> Any:
+            return messages.pop(0)
+
+        async def send(_: Any) -> None:
+            return None
+
+        scope = {"type": "http", "path": "/v1/chat/completions", "method": "POST"}
+        await wrapped(cast(Any, scope), receive, send)
+
+    await call(b'{"model": "qwen3.6-27b", "messages": []}')
+    await call(b'{"messages": [], "model": "qwen3.6-27b"}', chunk=3)
+    await call(b'{"model": "made-up-model"}')  # not a SKU: no label of its own
+    await call(b"not json")
+    await call(b'{"model": "qwen3.6-27b", "ok": 1}')  # answered: not a refusal
+
+    def count(sku: str) -> float | None:
+        return value(
+            metrics, "tokenmill_admissions_refused_total", reason="rate_limit_exceeded", sku=sku
+        )
+
+    assert count("qwen3.6-27b") == 2
+    assert count("") == 2
+    assert count("made-up-model") is None

@@ -53,7 +53,7 @@ async def test_metrics_is_prometheus_text(client: AsyncTestClient, metrics: OpsM
     r = await client.get("/metrics")
     assert r.status_code == 200
     assert r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
-    assert 'vllm:generation_tokens_total{model_name="m",sku="demo"} 2.0' in r.text
+    assert 'vllm:generation_tokens_total{model_name="demo",sku="demo"} 2.0' in r.text
     assert "# TYPE vllm:time_to_first_token_seconds histogram" in r.text
 
 

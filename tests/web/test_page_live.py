@@ -139,7 +139,7 @@ async def operator_journey(
     async with httpx.AsyncClient() as http:  # the app serves on this loop: never block it
         metrics = (await http.get(f"{base_url}/metrics")).text
     generated = re.search(
-        rf'vllm:generation_tokens_total{{model_name="{re.escape(model)}",sku="{re.escape(sku_name)}"}} ([0-9.]+)',
+        rf'vllm:generation_tokens_total{{model_name="{re.escape(sku_name)}",sku="{re.escape(sku_name)}"}} ([0-9.]+)',
         metrics,
     )
     assert generated and float(generated.group(1)) > 0, metrics[:2000]
