@@ -4,8 +4,16 @@ A sequence's tokens at positions [i * block_size, (i + 1) * block_size) live in 
 `seq.block_table[i]`; the flat KV slot of position p is
 `block_table[p // block_size] * block_size + p % block_size`.
 
-Each block records the engine step of its last write (its page age), so that a later staged
-cache can re-encode pages that have not been written for a while (FP8 -> 3-bit).
+Each block records the engine step of its last write (its page age).
+
+Staged pages (optional, `num_compressed_blocks > 0`): block ids [0, num_blocks) are recent pages
+(FP8 in the attention caches) and ids [num_blocks, num_blocks + num_compressed_blocks) are
+compressed pages (TurboQuant codes). New pages are always recent. `restage` decides, once per
+step, which recent pages aged out: not one of a sequence's first `anchor_pages` (attention
+sinks), not among its last `window_pages`, and not written in the last `min_age` steps. Each one
+moves to a free compressed block (the table entry changes; the recent block is freed) and the
+(recent, compressed) pairs are what the executor re-encodes before the step's forward. A
+compressed page is never written again: only a sequence's last page takes new tokens.
 """
 
 from __future__ import annotations
@@ -17,15 +25,55 @@ from worker.engine.sequence import Sequence
 NEVER_WRITTEN = -1
 
 
+def staged_pool_blocks(
+    budget_bytes: int,
+    recent_page_bytes: int,
+    compressed_page_bytes: int,
+    max_num_seqs: int,
+    block_size: int,
+    max_num_batched_tokens: int,
+    window_pages: int = 8,
+    anchor_pages: int = 1,
+) -> tuple[int, int]:
+    """(recent blocks, compressed blocks) for a byte budget: enough recent pages that every
+    running sequence keeps its anchors, window, the page it writes and the pages of a step's
+    prefill chunks until they are restaged next step; the rest of the budget compressed."""
+    chunk_pages = -(-max_num_batched_tokens // block_size) + max_num_seqs
+    recent = max_num_seqs * (anchor_pages + window_pages + 1) + chunk_pages
+    left = budget_bytes - recent * recent_page_bytes
+    if left < 0:
+        raise ValueError(
+            f"a KV budget of {budget_bytes} bytes cannot hold the {recent} recent pages of "
+            f"{recent_page_bytes} bytes that {max_num_seqs} sequences need"
+        )
+    return recent, left // compressed_page_bytes
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_compressed_blocks: int = 0,
+        window_pages: int = 8,
+        anchor_pages: int = 1,
+        min_age: int = 1,
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("need at least one block of at least one token")
-        self.num_blocks = num_blocks
+        if num_compressed_blocks < 0 or window_pages < 1 or anchor_pages < 0 or min_age < 1:
+            raise ValueError("staging needs a window of >= 1 page and pages at least 1 step old")
+        self.num_blocks = num_blocks  # recent (uncompressed) blocks: what growth draws on
         self.block_size = block_size
+        self.num_compressed_blocks = num_compressed_blocks
+        self.window_pages = window_pages
+        self.anchor_pages = anchor_pages
+        self.min_age = min_age
+        total = num_blocks + num_compressed_blocks
         self._free: deque[int] = deque(range(num_blocks))
-        self._is_free = [True] * num_blocks
-        self.last_write_step = [NEVER_WRITTEN] * num_blocks
+        self._free_compressed: deque[int] = deque(range(num_blocks, total))
+        self._is_free = [True] * total
+        self.last_write_step = [NEVER_WRITTEN] * total
 
     @property
     def num_free_blocks(self) -> int:
@@ -58,11 +106,57 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         # Freed blocks go to the back of the free list: the most recently used are reused last.
         for block in seq.block_table:
-            if self._is_free[block]:
-                raise RuntimeError(f"KV block {block} freed twice")
-            self._is_free[block] = True
-            self._free.append(block)
+            self._release(block)
         seq.block_table = []
+
+    def _release(self, block: int) -> None:
+        if self._is_free[block]:
+            raise RuntimeError(f"KV block {block} freed twice")
+        self._is_free[block] = True
+        (self._free_compressed if self.is_compressed(block) else self._free).append(block)
+
+    # --- staged pages ---------------------------------------------------------------------
+
+    @property
+    def num_free_compressed_blocks(self) -> int:
+        return len(self._free_compressed)
+
+    def is_compressed(self, block: int) -> bool:
+        return block >= self.num_blocks
+
+    def stale_pages(self, seq: Sequence, step: int) -> list[int]:
+        """Indices into `seq.block_table` of its recent pages that aged out at `step`: past the
+        anchors, before the window of the last `window_pages`, last written >= min_age ago."""
+        table = seq.block_table
+        return [
+            i
+            for i in range(self.anchor_pages, len(table) - self.window_pages)
+            if not self.is_compressed(table[i])
+            and step - self.last_write_step[table[i]] >= self.min_age
+        ]
+
+    def restage(
+        self, seqs: list[Sequence], step: int, max_pages: int | None = None
+    ) -> list[tuple[int, int]]:
+        """Move the stale pages of `seqs` (oldest sequences first, each one's pages in order) to
+        compressed blocks, at most `max_pages` per call and while compressed blocks are free.
+        Returns the (recent block, compressed block) pairs to re-encode before this step's
+        forward; the recent blocks are already free for growth (writes to them are ordered
+        after the re-encode on the device)."""
+        moves: list[tuple[int, int]] = []
+        if not self.num_compressed_blocks:
+            return moves
+        for seq in seqs:
+            for i in self.stale_pages(seq, step):
+                if not self._free_compressed or (max_pages is not None and len(moves) >= max_pages):
+                    return moves
+                recent, compressed = seq.block_table[i], self._free_compressed.popleft()
+                self._is_free[compressed] = False
+                self.last_write_step[compressed] = self.last_write_step[recent]
+                seq.block_table[i] = compressed
+                self._release(recent)
+                moves.append((recent, compressed))
+        return moves
 
     def record_write(self, seq: Sequence, start: int, end: int, step: int) -> None:
         """Mark the blocks holding positions [start, end) of `seq` as written at `step`."""

@@ -20,11 +20,14 @@ import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from worker.kernels import reference
+
+if TYPE_CHECKING:
+    from worker.models.cache import StagedAttentionCache
 
 Supported = Callable[[torch.device, torch.dtype, "torch.dtype | None"], tuple[bool, str]]
 
@@ -49,12 +52,22 @@ OPS = (
     "linear_silu_mul",
     "int4_linear",
     "int4_linear_silu_mul",
+    "turboquant_restage",
+    "staged_attention_prefill",
+    "staged_attention_decode",
 )
 # Ops whose implementation choice also depends on the KV cache dtype (fp8 or not).
-_KV_OPS = {"write_kv_cache", "paged_attention_prefill", "paged_attention_decode"}
+_KV_OPS = {
+    "write_kv_cache",
+    "paged_attention_prefill",
+    "paged_attention_decode",
+    "turboquant_restage",
+    "staged_attention_prefill",
+    "staged_attention_decode",
+}
 
 # Modules that register GPU implementations when imported.
-PLUGINS = ("worker.kernels.triton",)
+PLUGINS: tuple[str, ...] = ("worker.kernels.triton",)
 
 
 @dataclass(frozen=True)
@@ -420,3 +433,42 @@ def int4_linear_silu_mul(
     """silu(gate) * up [..., F] from x and an int4 fused gate|up weight [2F, K] (decode kernels
     form the activation in the GEMV's epilogue)."""
     return _pick("int4_linear_silu_mul", x)(x, qweight, scales, mins, group_size, bias)
+
+
+# Staged KV pages (worker/models/cache.py StagedAttentionCache): rotated-basis queries in,
+# rotated-basis outputs out; see worker.kernels.reference.
+
+PLUGINS = (*PLUGINS, "worker.kernels.triton.turboquant")
+
+
+def turboquant_restage(
+    cache: StagedAttentionCache, recent_blocks: torch.Tensor, compressed_blocks: torch.Tensor
+) -> None:
+    """Re-encode recent pages (block ids) into compressed pool entries (indices)."""
+    _pick("turboquant_restage", cache.k_cache, cache.k_cache)(
+        cache, recent_blocks, compressed_blocks
+    )
+
+
+def staged_attention_prefill(
+    q: torch.Tensor,
+    cache: StagedAttentionCache,
+    cu_seqlens: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    fn = _pick("staged_attention_prefill", q, cache.k_cache)
+    return fn(q, cache, cu_seqlens, context_lens, block_tables, positions, scale)
+
+
+def staged_attention_decode(
+    q: torch.Tensor,
+    cache: StagedAttentionCache,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    fn = _pick("staged_attention_decode", q, cache.k_cache)
+    return fn(q, cache, context_lens, block_tables, scale)

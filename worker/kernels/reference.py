@@ -11,8 +11,13 @@ FP8 KV caches store `value / scale` in `float8_e4m3fn`; reads multiply by the pe
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from worker.models.cache import StagedAttentionCache
 
 _ACTIVATIONS = {"silu": F.silu, None: lambda t: t}
 
@@ -469,3 +474,122 @@ def paged_attention_decode(
         last = torch.tensor([length - 1], device=q.device)
         out[b] = _attend(q[b : b + 1], keys, values, last, scale)[0]
     return out
+
+
+# ---------------------------------------------------------------- staged KV pages
+#
+# A StagedAttentionCache (worker/models/cache.py) keeps each layer's pages in two pools: recent
+# pages FP8, compressed pages TurboQuant codes (worker/kvcache/turboquant.py), every vector in the
+# codec's rotated basis. Block ids below cache.num_recent_blocks are recent pages. These ops take
+# rotated queries and return rotated outputs (sum_j p_j R v_j = R sum_j p_j v_j): the layer
+# rotates q once per head and un-rotates the output once per head (worker/kvcache/staged.py).
+
+
+def _staged_vectors(
+    cache: StagedAttentionCache, blocks: torch.Tensor, offsets: torch.Tensor, value: bool
+) -> torch.Tensor:
+    """Keys (or values) [N, Hkv, D] fp32 in the rotated basis at (block id, offset) pairs of
+    either pool: FP8 times its scale, or centroid * norm."""
+    from worker.kvcache import turboquant as tq
+
+    pages, scale = (cache.v_cache, cache.v_scale) if value else (cache.k_cache, cache.k_scale)
+    codes, norms = (cache.v_codes, cache.v_norms) if value else (cache.k_codes, cache.k_norms)
+    bits = cache.v_bits if value else cache.k_bits
+    recent = cache.num_recent_blocks
+    compressed = blocks >= recent
+    plain = pages[blocks.clamp(max=recent - 1), offsets].float()
+    if pages.dtype.itemsize == 1:
+        plain = plain * scale
+    if not cache.num_compressed_blocks:
+        return plain
+    index = (blocks - recent).clamp(0, cache.num_compressed_blocks - 1)
+    encoded = tq.Encoded(codes[index, offsets], norms[index, offsets])
+    decoded = tq.dequantize_rotated(encoded, bits, pages.shape[-1])
+    return torch.where(compressed[:, None, None], decoded, plain)
+
+
+def _staged_context(
+    cache: StagedAttentionCache, block_table: torch.Tensor, length: int, value: bool
+) -> torch.Tensor:
+    block_size = cache.k_cache.shape[1]
+    pos = torch.arange(length, device=block_table.device)
+    return _staged_vectors(cache, block_table[pos // block_size].long(), pos % block_size, value)
+
+
+def turboquant_restage(
+    cache: StagedAttentionCache, recent_blocks: torch.Tensor, compressed_blocks: torch.Tensor
+) -> None:
+    """Re-encode recent pages (block ids) into compressed pages (compressed pool indices, not
+    block ids): each token's k and v per head become TurboQuant codes of their own bit width and
+    an fp16 norm. The recent pages are left as they were."""
+    from worker.kvcache import turboquant as tq
+
+    src, dst = recent_blocks.long(), compressed_blocks.long()
+    if src.numel() == 0:
+        return
+    for pages, scale, codes, norms, bits in (
+        (cache.k_cache, cache.k_scale, cache.k_codes, cache.k_norms, cache.k_bits),
+        (cache.v_cache, cache.v_scale, cache.v_codes, cache.v_norms, cache.v_bits),
+    ):
+        values = pages[src].float()
+        if pages.dtype.itemsize == 1:
+            values = values * scale
+        encoded = tq.quantize_rotated(values, bits)
+        codes[dst] = encoded.codes
+        norms[dst] = encoded.norms
+
+
+def staged_attention_prefill(
+    q: torch.Tensor,
+    cache: StagedAttentionCache,
+    cu_seqlens: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`paged_attention_prefill` over mixed recent/compressed pages, q and the result [T, Hq, D]
+    in the rotated basis."""
+    out = torch.empty_like(q)
+    lengths = context_lens.tolist()
+    for b, (start, end) in enumerate(_lens(cu_seqlens)):
+        keys = _staged_context(cache, block_tables[b], lengths[b], value=False)
+        values = _staged_context(cache, block_tables[b], lengths[b], value=True)
+        out[start:end] = _attend(q[start:end], keys, values, positions[start:end], scale)
+    return out
+
+
+def staged_attention_decode(
+    q: torch.Tensor,
+    cache: StagedAttentionCache,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`paged_attention_decode` over mixed recent/compressed pages, q and the result [B, Hq, D]
+    in the rotated basis."""
+    out = torch.empty_like(q)
+    for b, length in enumerate(context_lens.tolist()):
+        keys = _staged_context(cache, block_tables[b], length, value=False)
+        values = _staged_context(cache, block_tables[b], length, value=True)
+        last = torch.tensor([length - 1], device=q.device)
+        out[b] = _attend(q[b : b + 1], keys, values, last, scale)[0]
+    return out
+
+
+def staged_scratch(
+    cache: StagedAttentionCache, block_tables: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every page the block tables [B, M] name, both kinds, as plain caches of `dtype`
+    [B * M, block_size, Hkv, D] (rotated basis, scales applied) and the tables into them
+    [B, M] (row-major): a prefill over mixed pages can then run the plain prefill kernel.
+    No host sync: the scratch covers the tables' full width."""
+    batch, width = block_tables.shape
+    block_size = cache.k_cache.shape[1]
+    blocks = block_tables.reshape(-1).long().repeat_interleave(block_size)
+    offsets = torch.arange(block_size, device=blocks.device).repeat(batch * width)
+    shape = (batch * width, block_size, *cache.k_cache.shape[2:])
+    keys = _staged_vectors(cache, blocks, offsets, value=False).to(dtype).view(shape)
+    values = _staged_vectors(cache, blocks, offsets, value=True).to(dtype).view(shape)
+    tables = torch.arange(batch * width, device=blocks.device, dtype=torch.int32)
+    return keys, values, tables.view(batch, width)

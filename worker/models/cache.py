@@ -17,6 +17,87 @@ class AttentionCache:
 
 
 @dataclass
+class StagedAttentionCache:
+    """One full-attention layer's KV in two page pools (worker/engine/block_manager.py: block
+    ids below `num_recent_blocks` are recent pages, the rest compressed pages, id minus
+    num_recent_blocks). Every vector is stored in the rotated basis of
+    `worker.kvcache.turboquant` (x @ rotation): recent pages as FP8 (value / scale), compressed
+    pages as TurboQuant codes + fp16 norms, so attention over either kind only needs the
+    rotated query, and the output (a sum of rotated values) is un-rotated once per head."""
+
+    k_cache: torch.Tensor  # [num_recent_blocks, block_size, Hkv, D] (fp8 e4m3, or 16-bit)
+    v_cache: torch.Tensor
+    k_codes: torch.Tensor  # uint8 [num_compressed_blocks, block_size, Hkv, D * k_bits / 8]
+    k_norms: torch.Tensor  # fp16 [num_compressed_blocks, block_size, Hkv]
+    v_codes: torch.Tensor
+    v_norms: torch.Tensor
+    k_bits: int
+    v_bits: int
+    k_centroids: torch.Tensor  # fp32 [2^k_bits], ascending
+    v_centroids: torch.Tensor
+    rotation: torch.Tensor  # fp32 [D, D]: rotated = x @ rotation, x = rotated @ rotation.T
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    @classmethod
+    def allocate(
+        cls,
+        num_recent_blocks: int,
+        num_compressed_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        k_bits: int = 4,
+        v_bits: int = 3,
+        kv_dtype: torch.dtype = torch.float8_e4m3fn,
+        device: torch.device | str = "cpu",
+    ) -> StagedAttentionCache:
+        from worker.kvcache import turboquant as tq
+
+        recent = (num_recent_blocks, block_size, num_kv_heads, head_dim)
+        norms = (num_compressed_blocks, block_size, num_kv_heads)
+
+        def codes(bits: int) -> torch.Tensor:
+            shape = (*norms, tq.packed_bytes(head_dim, bits))
+            return torch.zeros(shape, dtype=torch.uint8, device=device)
+
+        return cls(
+            torch.zeros(recent, dtype=kv_dtype, device=device),
+            torch.zeros(recent, dtype=kv_dtype, device=device),
+            codes(k_bits),
+            torch.zeros(norms, dtype=torch.float16, device=device),
+            codes(v_bits),
+            torch.zeros(norms, dtype=torch.float16, device=device),
+            k_bits,
+            v_bits,
+            tq.codebook(head_dim, k_bits, device)[0],
+            tq.codebook(head_dim, v_bits, device)[0],
+            tq.rotation_matrix(head_dim, device),
+        )
+
+    @property
+    def num_recent_blocks(self) -> int:
+        return self.k_cache.shape[0]
+
+    @property
+    def num_compressed_blocks(self) -> int:
+        return self.k_codes.shape[0]
+
+    def recent_bytes_per_token(self) -> int:
+        return 2 * self.k_cache[0, 0].numel() * self.k_cache.element_size()
+
+    def compressed_bytes_per_token(self) -> int:
+        return sum(
+            t[0, 0].numel() * t.element_size()
+            for t in (self.k_codes, self.k_norms, self.v_codes, self.v_norms)
+        )
+
+    def total_bytes(self) -> int:
+        tensors = (self.k_cache, self.v_cache, self.k_codes, self.k_norms, self.v_codes)
+        return sum(t.numel() * t.element_size() for t in (*tensors, self.v_norms))
+
+
+@dataclass
 class DeltaNetState:
     # [num_state_slots, Hv, dk, dv]: fp32, or 16-bit (half the bytes a decode step reads and
     # writes; kernels still compute in fp32)

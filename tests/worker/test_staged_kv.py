@@ -1,0 +1,222 @@
+"""Staged KV pages: the block manager's restaging decisions (plain Python), the references over
+mixed FP8 / TurboQuant pages, the layer helper, and the Triton kernels under the interpreter
+(compiled on CUDA with `-m gpu`)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.worker.numerics import rel_err  # noqa: E402
+from worker.engine.block_manager import BlockManager, staged_pool_blocks  # noqa: E402
+from worker.engine.sequence import SamplingParams, Sequence  # noqa: E402
+from worker.kernels import reference  # noqa: E402
+from worker.kernels.reference import cu_seqlens_of  # noqa: E402
+from worker.models.cache import StagedAttentionCache  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def seq(i: int = 0) -> Sequence:
+    return Sequence(i, f"r{i}", [1], SamplingParams())
+
+
+# ---------------------------------------------------------------- decide: which pages move
+
+
+def grown(bm: BlockManager, s: Sequence, tokens: int, step: int) -> Sequence:
+    start = len(s.block_table) * bm.block_size
+    bm.grow(s, tokens)
+    bm.record_write(s, min(start, tokens), tokens, step)
+    return s
+
+
+def test_stale_pages_skip_anchors_window_and_fresh_writes():
+    bm = BlockManager(16, 4, num_compressed_blocks=16, window_pages=3, anchor_pages=1)
+    s = grown(bm, seq(), 40, step=1)  # 10 pages written at step 1 (a prefill chunk)
+    assert bm.stale_pages(s, step=1) == []  # written this step: the forward has not run
+    assert bm.stale_pages(s, step=2) == [1, 2, 3, 4, 5, 6]  # not page 0, not the last 3
+    moves = bm.restage([s], step=2)
+    assert len(moves) == 6
+    assert all(bm.is_compressed(b) for b in s.block_table[1:7])
+    assert not any(bm.is_compressed(b) for b in [s.block_table[0], *s.block_table[7:]])
+    assert bm.num_free_blocks == 16 - 4 and bm.num_free_compressed_blocks == 10
+    assert bm.restage([s], step=3) == []  # nothing new aged out
+
+
+def test_restage_moves_pairs_and_frees_recent_blocks():
+    bm = BlockManager(8, 2, num_compressed_blocks=4, window_pages=1, anchor_pages=0)
+    s = grown(bm, seq(), 8, step=1)  # 4 pages
+    before = list(s.block_table)
+    moves = bm.restage([s], step=2)
+    assert [m[0] for m in moves] == before[:3]
+    assert [m[1] for m in moves] == s.block_table[:3] and all(m[1] >= 8 for m in moves)
+    assert s.block_table[3] == before[3]
+    # the freed recent blocks serve growth again, the compressed ones never do
+    other = grown(bm, seq(1), 14, step=2)
+    assert not any(bm.is_compressed(b) for b in other.block_table)
+    bm.free(s)
+    assert bm.num_free_compressed_blocks == 4 and bm.num_free_blocks == 1  # s's last page
+    with pytest.raises(RuntimeError, match="twice"):
+        bm._release(moves[0][1])
+
+
+def test_decode_growth_ages_pages_out_one_at_a_time():
+    bm = BlockManager(8, 4, num_compressed_blocks=8, window_pages=2, anchor_pages=1)
+    s = grown(bm, seq(), 4, step=1)
+    moved = []
+    for step in range(2, 40):  # one token per step
+        moved += bm.restage([s], step)
+        n = step + 3
+        bm.grow(s, n)
+        bm.record_write(s, n - 1, n, step)
+    # 42 tokens = 11 pages: page 0 anchored, the last 2 in the window, 8 compressed
+    assert len(s.block_table) == 11 and len(moved) == 8
+    assert [bm.is_compressed(b) for b in s.block_table] == [False] + [True] * 8 + [False] * 2
+    assert bm.num_free_blocks == 8 - 3
+
+
+def test_restage_stops_at_the_limit_and_when_the_compressed_pool_is_full():
+    bm = BlockManager(32, 2, num_compressed_blocks=5, window_pages=1, anchor_pages=0)
+    a, b = grown(bm, seq(0), 10, step=1), grown(bm, seq(1), 10, step=1)
+    assert len(bm.restage([a, b], step=2, max_pages=3)) == 3
+    moves = bm.restage([a, b], step=2)
+    assert len(moves) == 2 and bm.num_free_compressed_blocks == 0  # a's 4th, then b's 1st
+    assert sum(bm.is_compressed(x) for x in a.block_table) == 4
+    assert sum(bm.is_compressed(x) for x in b.block_table) == 1
+    assert bm.restage([a, b], step=3) == []  # stays FP8 until compressed blocks free up
+
+
+def test_without_compressed_blocks_nothing_moves():
+    bm = BlockManager(8, 2)
+    s = grown(bm, seq(), 16, step=1)
+    assert bm.restage([s], step=9) == [] and bm.num_free_compressed_blocks == 0
+
+
+def test_staged_pool_blocks_split_a_budget():
+    recent, compressed = staged_pool_blocks(10_000_000, 1000, 400, 4, 16, 256, 8, 1)
+    assert recent == 4 * 10 + (16 + 4)
+    assert compressed == (10_000_000 - recent * 1000) // 400
+    with pytest.raises(ValueError, match="recent pages"):
+        staged_pool_blocks(1000, 1000, 400, 4, 16, 256)
+
+
+# ---------------------------------------------------------------- execute: references
+
+
+def staged_case(
+    contexts: list[int],
+    compressed_fraction: float,
+    hq: int = 4,
+    hkv: int = 2,
+    dim: int = 64,
+    block_size: int = 4,
+    device: str = "cpu",
+    kv_dtype: torch.dtype = FP8,
+    k_bits: int = 4,
+    v_bits: int = 3,
+    seed: int = 0,
+):
+    """A staged cache holding rotated K/V of random contexts, a fraction of each sequence's
+    pages compressed (by the reference restage), scattered blocks; and the exact (fp32,
+    unrotated) keys and values per sequence."""
+    torch.manual_seed(seed)
+    pages = [-(-n // block_size) for n in contexts]
+    recent, comp = sum(pages) + 2, sum(pages) + 1
+    cache = StagedAttentionCache.allocate(
+        recent, comp, block_size, hkv, dim, k_bits, v_bits, kv_dtype, device
+    )
+    cache.k_scale, cache.v_scale = 0.5, 0.25
+    free = torch.randperm(recent).tolist()
+    tables = torch.zeros(len(contexts), max(pages) + 1, dtype=torch.int32)
+    exact, moves = [], []
+    next_comp = iter(torch.randperm(comp).tolist())
+    for b, n in enumerate(contexts):
+        k = torch.randn(n, hkv, dim, device=device) * 2
+        v = torch.randn(n, hkv, dim, device=device)
+        blocks = [free.pop() for _ in range(pages[b])]
+        slots = torch.tensor(
+            [blocks[p // block_size] * block_size + p % block_size for p in range(n)],
+            device=device,
+        )
+        rot = cache.rotation
+        reference.write_kv_cache(
+            k @ rot, v @ rot, cache.k_cache, cache.v_cache, slots, cache.k_scale, cache.v_scale
+        )
+        for i, block in enumerate(blocks):
+            if i < round(compressed_fraction * pages[b]):
+                c = next(next_comp)
+                moves.append((block, c))
+                blocks[i] = recent + c
+        tables[b, : pages[b]] = torch.tensor(blocks)
+        exact.append((k, v))
+    if moves:
+        src, dst = torch.tensor(moves, device=device).T
+        reference.turboquant_restage(cache, src, dst)
+    return cache, tables.to(device), exact
+
+
+def exact_decode(q: torch.Tensor, exact, scale: float) -> torch.Tensor:
+    out = []
+    for b, (k, v) in enumerate(exact):
+        n = k.shape[0]
+        out.append(reference._attend(q[b : b + 1], k, v, torch.tensor([n - 1]), scale)[0])
+    return torch.stack(out)
+
+
+def test_restage_reference_encodes_what_the_recent_page_held():
+    cache, tables, exact = staged_case([12], 0.0)
+    k, _ = exact[0]
+    block = int(tables[0, 1])
+    reference.turboquant_restage(cache, torch.tensor([block]), torch.tensor([2]))
+    got = reference._staged_vectors(
+        cache,
+        torch.full((4,), cache.num_recent_blocks + 2),
+        torch.arange(4),
+        value=False,
+    )
+    want = k[4:8] @ cache.rotation
+    assert 0.03 < rel_err(got, want) < 0.15  # 4-bit codes of FP8 pages: lossy, not garbage
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_staged_decode_reference_tracks_exact_attention(fraction: float):
+    cache, tables, exact = staged_case([5, 17, 9], fraction)
+    scale = 64**-0.5
+    q = torch.randn(3, 4, 64)
+    out = reference.staged_attention_decode(
+        q @ cache.rotation, cache, torch.tensor([5, 17, 9]), tables, scale
+    )
+    err = rel_err(out @ cache.rotation.T, exact_decode(q, exact, scale))
+    # FP8 pages alone ~3%; 4-bit keys / 3-bit values add ~10-20% on random data
+    assert err < (0.06 if fraction == 0 else 0.3), err
+
+
+def test_staged_prefill_reference_matches_decode_on_last_rows():
+    cache, tables, _ = staged_case([6, 11], 0.5)
+    q = torch.randn(6 + 11, 4, 64)
+    cu = cu_seqlens_of([6, 11])
+    positions = torch.cat([torch.arange(6), torch.arange(11)])
+    ctx = torch.tensor([6, 11])
+    out = reference.staged_attention_prefill(q, cache, cu, ctx, tables, positions, 0.125)
+    last = reference.staged_attention_decode(q[[5, 16]], cache, ctx, tables, 0.125)
+    assert rel_err(out[[5, 16]], last) < 1e-5
+    # a row only sees its prefix: row 2 equals a decode over a context of 3
+    early = reference.staged_attention_decode(q[[2]], cache, ctx[:1] - 3, tables[:1], 0.125)
+    assert rel_err(out[2], early[0]) < 1e-5
+
+
+def test_scratch_gathers_both_kinds_of_page():
+    cache, tables, _ = staged_case([7, 10], 0.5)
+    keys, values, scratch_tables = reference.staged_scratch(cache, tables, torch.float32)
+    q = torch.randn(2, 4, 64)
+    ctx = torch.tensor([7, 10])
+    via_scratch = reference.paged_attention_decode(q, keys, values, ctx, scratch_tables, 0.125)
+    direct = reference.staged_attention_decode(q, cache, ctx, tables, 0.125)
+    assert rel_err(via_scratch, direct) < 1e-5

@@ -1,0 +1,85 @@
+"""A full-attention layer over staged pages (worker/models/cache.py StagedAttentionCache), and the
+executor's half of restaging (the block manager decides which pages move; this re-encodes them).
+
+The rotation is folded into the layer, not the pages: q, k and v are rotated once per head as
+they are projected (one [tokens * heads, D] x [D, D] GEMM each), recent pages store rotated
+FP8, compressed pages rotated codes, and the attention output (a softmax-weighted sum of
+rotated values) is un-rotated once per head. No page is ever rotated back on read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.engine.batch import BatchMetadata
+from worker.kernels import ops
+from worker.models.cache import StagedAttentionCache
+
+
+def to_rotated(x: torch.Tensor, cache: StagedAttentionCache) -> torch.Tensor:
+    """x [..., D] in the cache's rotated basis, in x's dtype."""
+    return (x.float() @ cache.rotation).to(x.dtype)
+
+
+def from_rotated(y: torch.Tensor, cache: StagedAttentionCache) -> torch.Tensor:
+    return (y.float() @ cache.rotation.T).to(y.dtype)
+
+
+def staged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: BatchMetadata,
+    cache: StagedAttentionCache,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's k, v [T, Hkv, D] into their (recent) pages and attend q [T, Hq, D]
+    (after rotary) over each sequence's mixed pages: prefill chunks first, then decodes, as
+    BatchMetadata orders them. Returns [T, Hq, D] in q's dtype and basis."""
+    q_rot = to_rotated(q, cache)
+    ops.write_kv_cache(
+        to_rotated(k, cache),
+        to_rotated(v, cache),
+        cache.k_cache,
+        cache.v_cache,
+        meta.slot_mapping,
+        cache.k_scale,
+        cache.v_scale,
+    )
+    p = meta.num_prefills
+    split = sum(meta.query_lens[:p])
+    parts = []
+    if p:
+        parts.append(
+            ops.staged_attention_prefill(
+                q_rot[:split],
+                cache,
+                meta.cu_seqlens[: p + 1],
+                meta.context_lens[:p],
+                meta.block_tables[:p],
+                meta.positions[:split],
+                scale,
+            )
+        )
+    if len(meta.query_lens) > p:
+        parts.append(
+            ops.staged_attention_decode(
+                q_rot[split:], cache, meta.context_lens[p:], meta.block_tables[p:], scale
+            )
+        )
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return from_rotated(out, cache)
+
+
+def restage(
+    caches: list[StagedAttentionCache], moves: list[tuple[int, int]], device: torch.device | str
+) -> None:
+    """Re-encode the (recent block, compressed block id) pairs `BlockManager.restage` returned,
+    in every staged layer: one launch per layer for the whole step's pages."""
+    if not moves or not caches:
+        return
+    recent_blocks = caches[0].num_recent_blocks
+    pairs = torch.tensor(moves, dtype=torch.int64).to(device, non_blocking=True)
+    src, dst = pairs[:, 0], pairs[:, 1] - recent_blocks
+    for cache in caches:
+        ops.turboquant_restage(cache, src, dst)
