@@ -227,7 +227,8 @@ def test_runner_builds_the_contract_metadata():
     assert meta.has_initial_state.tolist() == [True, True]
     assert meta.state_slots.tolist() == [s1.state_slot, s0.state_slot]
     t1, t0 = s1.block_table, s0.block_table
-    assert meta.block_tables.tolist() == [t1, t0 + [0, 0]]  # padded with 0
+    # padded with 0 to the next power of two of the widest (3 blocks: 4)
+    assert meta.block_tables.tolist() == [t1 + [0], t0 + [0, 0, 0]]
     assert meta.slot_mapping.tolist() == [
         t1[1] * 4 + 2, t1[1] * 4 + 3, t1[2] * 4, t1[2] * 4 + 1, t0[0] * 4 + 3,
     ]  # fmt: skip
@@ -258,27 +259,3 @@ def test_a_slow_step_is_logged_with_its_batch(monkeypatch, caplog):
         engine.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0, max_tokens=2))
     assert "2 prefill chunks (5 tokens) and 0 decodes" in caplog.text  # the first step
     assert "0 prefill chunks (0 tokens) and 2 decodes" in caplog.text
-
-
-def test_warm_up_runs_each_composition_and_leaves_the_engine_empty():
-    engine, model = make_engine(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
-    free_blocks = engine.block_manager.num_free_blocks
-    run = engine.warm_up()
-    assert "1x1+0" in run and "3x17+3" in run and "3x16+5" in run
-    assert "5x17+3" not in run  # 88 tokens: more than one step takes
-    assert "5x16+5" not in run  # ten sequences: more than max_num_seqs
-    # The steps formed the compositions named: prefills of those lengths beside decodes.
-    mixed = {(m.num_prefills, m.num_decodes) for m in model.batches}
-    assert {(1, 0), (2, 1), (3, 3), (5, 3), (3, 5)} <= mixed
-    assert not engine.has_unfinished_requests() and engine.num_requests == 0
-    assert engine.block_manager.num_free_blocks == free_blocks
-    assert engine.scheduler.state_slots.num_free == 8
-    # ...and it serves as before.
-    [out] = engine.generate([[5, 6, 7]], GREEDY)
-    assert out.new_token_ids == greedy_reference([5, 6, 7], 12)
-
-
-def test_warm_up_is_off_unless_asked(monkeypatch):
-    assert EngineConfig.from_env().warm_up is False
-    monkeypatch.setenv("TOKENMILL_ENGINE_WARM_UP", "1")
-    assert EngineConfig.from_env().warm_up is True

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from worker.engine.batch import BatchMetadata
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.runner import ModelRunner, SampledTokens, model_dtype
@@ -86,10 +87,13 @@ class EngineConfig:
     # input ids the GPU takes from step N's tokens. Stop rules apply one step late: a token
     # computed past a stop is discarded, never emitted nor counted.
     overlap_decode: bool | None = None
-    # Before serving, one step of each batch composition class (`LLMEngine.warm_up`), so that
-    # kernels specialized on per-step sizes compile then, not under a user's request
-    # (TOKENMILL_ENGINE_WARM_UP=1; off by default until measured on the GPU).
-    warm_up: bool = False
+    # Before serving, one step of each kernel specialization class (`LLMEngine.warm_up`), so
+    # that kernels compile then, not under a user's request (TOKENMILL_ENGINE_WARM_UP; default:
+    # on for a CUDA device, off elsewhere, where no kernel compiles). Block-table widths are warmed up to warm_up_max_len tokens
+    # (TOKENMILL_ENGINE_WARM_UP_MAX_LEN; default max_model_len): a longer context meets each
+    # wider class once, a compile while it waits.
+    warm_up: bool | None = None
+    warm_up_max_len: int | None = None
 
     @classmethod
     def from_env(cls, **overrides: Any) -> EngineConfig:
@@ -104,6 +108,7 @@ class EngineConfig:
             "fuse_projections": _env_bool("TOKENMILL_ENGINE_FUSE_PROJECTIONS"),
             "overlap_decode": _env_bool("TOKENMILL_ENGINE_OVERLAP_DECODE"),
             "warm_up": _env_bool("TOKENMILL_ENGINE_WARM_UP"),
+            "warm_up_max_len": _env_int("TOKENMILL_ENGINE_WARM_UP_MAX_LEN", None),
             "state_dtype": _env_dtype("TOKENMILL_ENGINE_STATE_DTYPE"),
         }
         return cls(**{k: v for k, v in env.items() if v is not None}, **overrides)
@@ -194,6 +199,8 @@ class LLMEngine:
             pad_decode=config.pad_decode,
         )
         self.runner.capture_graphs()  # no-op off CUDA
+        if config.warm_up is None:  # resolved in place: the caller decides on warm_up() by it
+            config.warm_up = self.runner.device.type == "cuda"
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -283,38 +290,53 @@ class LLMEngine:
         return True
 
     def warm_up(self) -> list[str]:
-        """Run one step of each batch composition class the scheduler forms under load, so
-        that Triton kernels specialized on per-step sizes compile now: a composition first seen
-        under traffic held a whole wave of requests for 2-6 s on the H200 (docs/performance.md).
-        The classes: new prefill sequences (1, 2, 3, 5: some kernels size a block by the next
-        power of two of their count), sequences already decoding beside them (0, 1, 3, 5), and
-        prompt lengths 1, 16, 17 and the step budget's share, rounded to 16 and one less (Triton
-        specializes integers on == 1 and on divisibility by 16; with 256 as the longest length
-        tried, H200 run 6 still met a compile on a long chunk). Leaves the engine empty; returns
-        the compositions run, as "prefills x length + decodes"."""
+        """Run one step of each kernel specialization class (`specialization_class`) the
+        scheduler can form, so that Triton compiles now and not under a user's request: a class
+        first seen under traffic held a whole wave of requests for 2-6 s on the H200
+        (docs/performance.md). Per-step sizes (token, row and sequence counts) are not
+        specialized (`_launch.PER_STEP_SIZES`); what still varies is bucketed by powers of two:
+        the number of prefill chunks and of decodes in a step (up to max_num_seqs), and the
+        block-table width of eager steps (up to max_model_len, capped by warm_up_max_len). Leaves
+        the engine empty; returns the compositions run, as "prefills x length + decodes"."""
         c = self.config
         decoding = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        # the smallest count of each power-of-two bucket: the most compositions fit
+        counts = [b // 2 + 1 for b in _buckets(c.max_num_seqs) if b // 2 + 1 <= c.max_num_seqs]
+        longest = min(c.max_model_len - 1, c.warm_up_max_len or c.max_model_len)
         run: list[str] = []
-        for decodes in (0, 1, 3, 5):
-            for prefills in (1, 2, 3, 5):
-                if prefills + decodes > c.max_num_seqs:
-                    continue
-                # The longest chunks a step takes (the budget shared out), a multiple of 16 and
-                # one less; short prompts; a single token.
-                full = min((c.max_num_batched_tokens - decodes) // prefills, c.max_model_len - 1)
-                lengths = {1, 16, 17, full // 16 * 16, full // 16 * 16 - 1, full}
-                for n in sorted(x for x in lengths if 1 <= x <= full):
-                    ids = [self.add_request([1], decoding) for _ in range(decodes)]
-                    while any(self._requests[r].seq.num_computed_tokens == 0 for r in ids):
-                        self.step()  # their prompt in: from now on they decode
-                    ids += [self.add_request([1] * n, one) for _ in range(prefills)]
-                    self.step()  # the composition itself
-                    for request_id in ids:
-                        self.abort(request_id)
-                    while self.has_unfinished_requests():
-                        self.step()
-                    run.append(f"{prefills}x{n}+{decodes}")
+
+        def compose(prefills: int, length: int, decodes: int, decode_len: int = 1) -> None:
+            ids = [self.add_request([1] * decode_len, decoding) for _ in range(decodes)]
+            while any(self._requests[r].seq.num_computed_tokens < decode_len for r in ids):
+                self.step()  # their prompts in: from now on they decode
+            ids += [self.add_request([1] * length, one) for _ in range(prefills)]
+            while any(
+                self._requests[r].seq.num_computed_tokens < length
+                for r in ids[decodes:]
+                if r in self._requests
+            ):
+                self.step()  # the composition (a long prompt's chunks run beside the decodes)
+            for request_id in ids:
+                self.abort(request_id)
+            while self.has_unfinished_requests():
+                self.step()
+            run.append(f"{prefills}x{length}+{decodes}")
+
+        for decodes in [0, *counts]:
+            for prefills in counts:
+                share = (c.max_num_batched_tokens - decodes) // prefills
+                if prefills + decodes <= c.max_num_seqs and share >= 1:
+                    compose(prefills, min(share, longest), decodes)
+        # Block-table widths beside each decode bucket: one prompt per power-of-two width, whose
+        # last chunk runs with the wide table.
+        for decodes in [d for d in counts if d < c.max_num_seqs]:
+            width = 1
+            while True:
+                compose(1, min(width * c.block_size, longest), decodes)
+                if width * c.block_size >= longest:
+                    break
+                width *= 2
         return run
 
     def has_unfinished_requests(self) -> bool:
@@ -519,6 +541,28 @@ class LLMEngine:
                 )
                 acc.usage, acc.metrics = out.usage, out.metrics
         return [results[i] for i in ids]
+
+
+def _bucket(n: int) -> int:
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
+
+
+def _buckets(n: int) -> list[int]:
+    """The power-of-two buckets of the counts 1..n."""
+    return sorted({_bucket(i) for i in range(1, n + 1)})
+
+
+def specialization_classes(meta: BatchMetadata) -> set[tuple[str, int, int]]:
+    """The compile-time variants an eager step's kernels meet beyond the model's own shapes
+    (per-step sizes are not specialized: `_launch.PER_STEP_SIZES`): ("seqs", prefill chunks,
+    decodes), each bucketed by powers of two (the DeltaNet and attention kernels pad their
+    sequence counts so), and, with decodes beside prefills, ("decode_attention", decodes'
+    bucket, block-table width), which set the decode attention's split sizes."""
+    p, d = _bucket(meta.num_prefills), _bucket(meta.num_decodes)
+    classes = {("seqs", p, d)}
+    if d:
+        classes.add(("decode_attention", d, int(meta.block_tables.shape[1])))
+    return classes
 
 
 def _eos_token_ids(config: EngineConfig, tokenizer: Any, model: Any) -> list[int]:

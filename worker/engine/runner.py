@@ -46,6 +46,11 @@ def padded_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+def width_bucket(blocks: int) -> int:
+    """An eager step's block-table width: the next power of two of its widest sequence."""
+    return 1 << max(0, blocks - 1).bit_length()
+
+
 class DecodeInputs:
     """Static buffers of a padded decode step (device), filled from pinned host staging buffers.
 
@@ -279,7 +284,10 @@ class ModelRunner:
         offset_in_chunk = torch.arange(int(lens.sum())) - cu_seqlens[:-1].long()[seq_of_token]
         positions = starts[seq_of_token] + offset_in_chunk
 
-        max_blocks = max(len(e.seq.block_table) for e in entries)
+        # The table's width sets the attention kernels' split sizes (compile-time constants):
+        # rounding it up to a power of two bounds the variants an eager step can meet to the
+        # ones `LLMEngine.warm_up` runs. Entries past a sequence's blocks are never read.
+        max_blocks = width_bucket(max(len(e.seq.block_table) for e in entries))
         block_tables = torch.zeros(len(entries), max_blocks, dtype=torch.int32)
         for i, e in enumerate(entries):
             block_tables[i, : len(e.seq.block_table)] = torch.tensor(e.seq.block_table)

@@ -53,13 +53,60 @@ def pdl_wait(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+# Integer arguments that change from one engine step to the next (row, token and sequence
+# counts; the width of a step's block table; attention splits). Triton specializes integers on
+# `== 1` and on divisibility by 16, so each such argument would double the variants a batch
+# composition can hit; a variant first met under traffic compiles while a whole wave of
+# requests waits (seconds on the H200). Not specializing them costs nothing measurable: they are
+# loop bounds and masks, never strides of a vector load.
+PER_STEP_SIZES = frozenset(
+    {"M", "n_rows", "n_tokens", "num_seqs", "num_splits", "SPLITS", "stride_bt", "splits"}
+)
+
+_compiles = 0
+
+
+def _count_compile(*args: Any, **kwargs: Any) -> None:
+    global _compiles
+    if not kwargs.get("already_compiled", False):
+        _compiles += 1
+
+
+def compiles() -> int:
+    """Kernel compilations seen in this process (triton's post-compile hook): a count that
+    grows while serving means a step waited on a compile."""
+    return _compiles
+
+
+def _install_compile_hook() -> None:
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        return  # an older triton: no count
+    previous = runtime.jit_post_compile_hook
+    if previous is None:
+        runtime.jit_post_compile_hook = _count_compile
+        return
+
+    def both(*args: Any, **kwargs: Any) -> Any:
+        _count_compile(*args, **kwargs)
+        return previous(*args, **kwargs)
+
+    runtime.jit_post_compile_hook = both
+
+
+_install_compile_hook()
+
+
 class Kernel:
     """`kernel[grid](*args, **constexprs)` like a `triton.jit` function. A kernel that declares
-    `PDL: tl.constexpr` gets it from the launcher (True on Hopper+ GPUs while PDL is on)."""
+    `PDL: tl.constexpr` gets it from the launcher (True on Hopper+ GPUs while PDL is on).
+    Arguments named in PER_STEP_SIZES are not specialized."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
-        self.takes_pdl = "PDL" in inspect.signature(fn).parameters
-        self.compiled = triton.jit(fn)
+        params = inspect.signature(fn).parameters
+        self.takes_pdl = "PDL" in params
+        self.per_step = [name for name in params if name in PER_STEP_SIZES]
+        self.compiled = triton.jit(fn, do_not_specialize=self.per_step)
         self.interpreted = (
             self.compiled
             if isinstance(self.compiled, InterpretedFunction)

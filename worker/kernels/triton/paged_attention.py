@@ -144,7 +144,9 @@ def _combine_kernel(
 
 def decode_partition(capacity: int, batch: int, kv_heads: int) -> int:
     """Tokens per split: enough splits to fill the GPU, in whole steps of BN tokens."""
-    splits = max(1, triton.cdiv(_TARGET_PROGRAMS, batch * kv_heads))
+    # by the batch's power-of-two bucket: the split size is a compile-time constant, so this
+    # keeps one variant per bucket (the engine's warm-up runs each), not one per batch size
+    splits = max(1, triton.cdiv(_TARGET_PROGRAMS, triton.next_power_of_2(batch) * kv_heads))
     per_split = max(_MIN_PARTITION, triton.cdiv(capacity, splits))
     return triton.cdiv(per_split, _TOKENS_PER_STEP) * _TOKENS_PER_STEP
 
