@@ -19,6 +19,7 @@ from worker.kernels.triton.conv1d import (
 )
 from worker.kernels.triton.delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
 from worker.kernels.triton.fp8_gemm import fp8_linear, linear, linear_silu_mul
+from worker.kernels.triton.int4_gemm import int4_linear, int4_linear_silu_mul
 from worker.kernels.triton.kv_cache import write_kv_cache
 from worker.kernels.triton.norm import add_rms_norm, gated_rms_norm, rms_norm
 from worker.kernels.triton.paged_attention import paged_attention_decode, paged_attention_prefill
@@ -73,6 +74,10 @@ ops.register("write_kv_cache", write_kv_cache, cuda_attention, name="triton.writ
 ops.register("fp8_linear", fp8_linear, cuda_half, name="triton.fp8_linear")
 ops.register("linear", linear, cuda_half, name="triton.linear")
 ops.register("linear_silu_mul", linear_silu_mul, cuda_half, name="triton.gate_up_silu_mul_gemv")
+ops.register("int4_linear", int4_linear, cuda_half, name="triton.int4_linear")
+ops.register(
+    "int4_linear_silu_mul", int4_linear_silu_mul, cuda_half, name="triton.int4_gate_up_silu_mul"
+)
 
 __all__ = [
     "add_rms_norm",
@@ -85,6 +90,8 @@ __all__ = [
     "gated_delta_rule_prefill",
     "gated_rms_norm",
     "gdn_gates",
+    "int4_linear",
+    "int4_linear_silu_mul",
     "linear",
     "linear_silu_mul",
     "paged_attention_decode",

@@ -1,0 +1,228 @@
+"""The int4 weight kernels (worker/kernels/triton/int4_gemm.py) against their plain-PyTorch
+references: the decode GEMV (one K range, split K with in-launch arrival counters, stream-K),
+the fused gate|up + silu*mul GEMV, and the prefill path's dequantize kernel + GEMM. On CPU they
+run under the triton interpreter at small shapes; with `-m gpu` compiled at the Qwen3.6-27B
+shapes. Agreement is by relative error, except the dequantized weight, which must be exact."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from tests.worker.numerics import rel_err  # noqa: E402
+from worker.kernels import ops, reference  # noqa: E402
+from worker.kernels.triton import int4_gemm  # noqa: E402
+from worker.kernels.triton.fp8_gemm import _arrivals, _workspaces  # noqa: E402
+from worker.kernels.triton.int4_gemm import (  # noqa: E402
+    Int4Tiling,
+    int4_dequantize,
+    int4_gemv,
+    int4_gemv_silu_mul,
+    int4_linear,
+    int4_linear_silu_mul,
+)
+from worker.models.int4 import Int4Tensors, quantize_rtn  # noqa: E402
+
+GPU = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def int4_weight(n: int, k: int, group: int, symmetric: bool, device: str) -> Int4Tensors:
+    return quantize_rtn(torch.randn(n, k, device=device) * 0.02, group, symmetric)
+
+
+def exact_linear(x: torch.Tensor, q: Int4Tensors, bias: torch.Tensor | None) -> torch.Tensor:
+    """x times the fp32 dequantized weight in fp32 (the reference rounds the weight to x's dtype)."""
+    w = reference.int4_dequantize(q.qweight, q.scales, q.mins, q.group_size)
+    out = x.float() @ w.T
+    return out if bias is None else out + bias.float()
+
+
+def assert_rearmed(device: torch.device) -> None:
+    """Split and stream-K launches leave their arrival counters and workspace zero."""
+    counters = _arrivals.get(device)
+    assert counters is None or counters.count_nonzero() == 0
+    workspace = _workspaces.get(device)
+    assert workspace is None or workspace.count_nonzero() == 0
+
+
+def check_gemv(
+    m: int,
+    n: int,
+    k: int,
+    group: int,
+    symmetric: bool,
+    tiling: Int4Tiling | None,
+    with_bias: bool,
+    device: str,
+) -> None:
+    q = int4_weight(n, k, group, symmetric, device)
+    x = torch.randn(m, k, device=device).bfloat16()
+    bias = torch.randn(n, device=device).bfloat16() if with_bias else None
+    calls = 2 if tiling is None or tiling.splits > 1 or tiling.stream_k else 1
+    for _ in range(calls):  # again: the first call must have re-armed the counters
+        out = int4_gemv(x, q.qweight, q.scales, q.mins, group, bias, tiling)
+        assert out.shape == (m, n) and out.dtype == x.dtype
+        ref = reference.int4_linear(x, q.qweight, q.scales, q.mins, group, bias)
+        assert rel_err(out, ref) < 1e-2
+        # the kernel applies the exact weight: only its bf16 output rounding differs
+        assert rel_err(out, exact_linear(x, q, bias)) < 6e-3
+    assert_rearmed(x.device)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group", "symmetric", "tiling", "with_bias"),
+    [
+        (1, 40, 256, 128, True, Int4Tiling(16, 128, 1), False),  # one K range per program
+        (3, 40, 256, 64, False, Int4Tiling(16, 64, 2), True),  # affine, split K, bias
+        (8, 48, 256, 32, True, Int4Tiling(16, 128, 2), False),  # a step of 4 groups
+        (8, 40, 256, 128, True, Int4Tiling(16, 64, 2), False),  # a group over 2 steps
+        (16, 40, 576, 128, True, Int4Tiling(16, 128, 3), True),  # ragged K (SmolLM2's 576)
+        (8, 40, 576, 128, False, Int4Tiling(32, 128, 1), False),  # ragged K, N % BN != 0
+        (33, 40, 256, 64, True, Int4Tiling(16, 64, 2), False),  # 64-row block
+        (3, 40, 256, 128, True, None, False),  # the default tiling
+        # stream-K (4 "SMs" under the interpreter): ranges that start and end mid-tile
+        (5, 70, 512, 128, False, Int4Tiling(16, 128, 1, stream_k=3), False),
+        (8, 96, 512, 64, True, Int4Tiling(32, 128, 1, stream_k=1), True),
+        (3, 40, 576, 128, True, Int4Tiling(16, 128, 1, stream_k=2), False),  # ragged K
+        # x's even/odd columns split in registers; the weight re-interleaved for one dot
+        (8, 40, 256, 128, False, Int4Tiling(16, 128, 1, x_mode=1), False),
+        (8, 40, 256, 64, True, Int4Tiling(16, 128, 2, x_mode=2), False),
+    ],
+)
+def test_int4_gemv_matches_reference(m, n, k, group, symmetric, tiling, with_bias) -> None:
+    torch.manual_seed(m * n + k + group)
+    check_gemv(m, n, k, group, symmetric, tiling, with_bias, "cpu")
+
+
+def check_silu_mul(
+    m: int,
+    f: int,
+    k: int,
+    group: int,
+    symmetric: bool,
+    tiling: Int4Tiling | None,
+    with_bias: bool,
+    device: str,
+) -> None:
+    q = int4_weight(2 * f, k, group, symmetric, device)
+    x = torch.randn(m, k, device=device).bfloat16()
+    bias = torch.randn(2 * f, device=device).bfloat16() if with_bias else None
+    out = int4_gemv_silu_mul(x, q.qweight, q.scales, q.mins, group, bias, tiling)
+    assert out.shape == (m, f) and out.dtype == x.dtype
+    ref = reference.int4_linear_silu_mul(x, q.qweight, q.scales, q.mins, group, bias)
+    # the interpreter's fp32 -> bf16 cast (three roundings here) truncates where torch rounds
+    assert rel_err(out, ref) < (1e-2 if device == "cuda" else 2e-2)
+    assert_rearmed(x.device)
+
+
+@pytest.mark.parametrize(
+    ("m", "f", "k", "group", "symmetric", "tiling", "with_bias"),
+    [
+        (1, 24, 256, 64, True, Int4Tiling(16, 64, 1), False),
+        (8, 40, 576, 128, False, Int4Tiling(16, 128, 2), True),  # ragged K, split, bias
+        (16, 20, 256, 32, True, None, False),  # the default tiling, F % BN != 0
+        (33, 24, 256, 128, False, Int4Tiling(16, 128, 2, x_mode=1), False),
+    ],
+)
+def test_int4_gate_up_gemv_forms_silu_mul(m, f, k, group, symmetric, tiling, with_bias) -> None:
+    torch.manual_seed(m + f + k + group)
+    check_silu_mul(m, f, k, group, symmetric, tiling, with_bias, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "group", "symmetric"), [(40, 576, 128, True), (33, 512, 32, False)]
+)
+def test_dequantize_kernel_is_exact(n: int, k: int, group: int, symmetric: bool) -> None:
+    torch.manual_seed(n + k)
+    q = int4_weight(n, k, group, symmetric, "cpu")
+    ref = reference.int4_dequantize(q.qweight, q.scales, q.mins, group)
+    w, scale = int4_dequantize(q.qweight, q.scales, q.mins, group, torch.float32)
+    assert scale is None and torch.equal(w, ref)
+    # 16-bit: the exact value rounded once (the interpreter's cast truncates: within one ulp)
+    w16, _ = int4_dequantize(q.qweight, q.scales, q.mins, group, torch.bfloat16)
+    ulp = ref.abs() * 2.0**-7
+    assert ((w16.float() - ref).abs() <= ulp).all()
+    # e4m3 with per-channel scales: every channel's extreme fits, ~3 mantissa bits of error
+    w8, scale = int4_dequantize(q.qweight, q.scales, q.mins, group, torch.float8_e4m3fn)
+    assert scale is not None and scale.shape == (n,)
+    assert w8.float().abs().amax() <= 448
+    assert rel_err(w8.float() * scale[:, None], ref) < 4e-2
+
+
+def test_prefill_rows_dequantize_then_gemm(monkeypatch) -> None:
+    """More than INT4_GEMV_MAX_ROWS rows (or a group the GEMV cannot step through): the weight
+    dequantized into the per-device scratch, then one GEMM; decode rows take the GEMV."""
+    torch.manual_seed(3)
+    q = int4_weight(48, 576, 128, False, "cpu")
+    bias = torch.randn(48).bfloat16()
+    gemv_calls: list[int] = []
+    real = int4_gemm.int4_gemv
+
+    def recording_gemv(x: torch.Tensor, *args):
+        gemv_calls.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(int4_gemm, "int4_gemv", recording_gemv)
+    for shape in ((70, 576), (2, 20, 576), (64, 576)):
+        x = torch.randn(*shape).bfloat16()
+        out = int4_linear(x, q.qweight, q.scales, q.mins, 128, bias)
+        assert out.shape == (*shape[:-1], 48)
+        ref = reference.int4_linear(x, q.qweight, q.scales, q.mins, 128, bias)
+        assert rel_err(out, ref) < 1e-2
+    assert gemv_calls == [40, 64]  # 2 x 20 rows, then 64; the 70 rows went through the scratch
+    assert int4_gemm._scratch[torch.device("cpu")].numel() >= 48 * 576 * 2
+    x = torch.randn(70, 576).bfloat16()
+    out = int4_linear_silu_mul(x, q.qweight, q.scales, q.mins, 128, bias)
+    ref = reference.int4_linear_silu_mul(x, q.qweight, q.scales, q.mins, 128, bias)
+    assert out.shape == (70, 24) and rel_err(out, ref) < 2e-2
+
+
+def test_registry_takes_the_int4_kernels_on_cuda_with_16bit_activations() -> None:
+    for op, name in [
+        ("int4_linear", "triton.int4_linear"),
+        ("int4_linear_silu_mul", "triton.int4_gate_up_silu_mul"),
+    ]:
+        names = [impl.name for impl in ops.implementations(op)]
+        assert names[0] == name and names[-1] == "reference"
+        assert ops.select(op, torch.device("cpu"), torch.bfloat16).name == "reference"
+        assert ops.select(op, torch.device("cuda"), torch.bfloat16).name == name
+        assert ops.select(op, torch.device("cuda"), torch.float16).name == name
+        ok, reason = ops.candidates(op, torch.device("cuda"), torch.float32)[0][1:]
+        assert not ok and "bf16/fp16" in reason
+
+
+# ---------------------------------------------------------------- GPU, at the 27B shapes
+
+SHAPES_27B = [(34816, 5120), (5120, 17408), (14336, 5120), (5120, 6144), (16384, 5120)]
+
+
+@GPU
+@needs_cuda
+@pytest.mark.parametrize(("n", "k"), SHAPES_27B)
+def test_gpu_int4_linear_27b(n: int, k: int) -> None:
+    torch.manual_seed(n + k)
+    for m in (1, 8, 16, 33):
+        check_gemv(m, n, k, 128, True, None, False, "cuda")
+    check_gemv(8, n, k, 128, False, None, True, "cuda")
+    q = int4_weight(n, k, 128, True, "cuda")
+    x = torch.randn(512, k, device="cuda").bfloat16()
+    ref = reference.int4_linear(x, q.qweight, q.scales, None, 128)
+    assert rel_err(int4_linear(x, q.qweight, q.scales, None, 128), ref) < 1e-2
+    w, _ = int4_dequantize(q.qweight, q.scales, None, 128, torch.bfloat16)
+    assert torch.equal(w, reference.int4_dequantize(q.qweight, q.scales, None, 128).bfloat16())
+
+
+@GPU
+@needs_cuda
+def test_gpu_int4_gate_up_silu_mul_27b() -> None:
+    for m in (1, 8, 16):
+        check_silu_mul(m, 17408, 5120, 128, True, None, False, "cuda")

@@ -1,0 +1,701 @@
+"""Int4 weight GEMMs (docs/worker-contract.md, "Int4 weights"): y = x @ dequant(qweight).T + bias.
+
+Two paths, picked by the number of rows (tokens) of x:
+- decode (M <= `INT4_GEMV_MAX_ROWS`, default 64): `int4_gemv`, one triton launch that streams the
+  packed weight once as the dot's left operand (out^T = W x^T), as fp8_gemm's w8_gemv does. Each
+  [BN, KS/2] byte tile (KS = one group, or a part of one) is split into its low nibbles (even k)
+  and high nibbles (odd k) in registers, turned into exact 16-bit codes, and dotted against x's
+  even and odd columns: two dots, no interleave. The group's scale multiplies the fp32 partial
+  sum; affine mins add m * sum_k x. K is split across programs (the last program to arrive at a
+  column tile sums the fp32 partials: no second launch) or cut into equal stream-K ranges.
+  `int4_gemv_silu_mul` is the same GEMV over a fused gate|up weight with the MLP's activation in
+  its epilogue. Tilings per (N, K) come from `INT4_DECODE_TILINGS` (bench/int4_kernels.py sweeps
+  them at the real shapes and prints entries to paste), else from `default_tiling`.
+- prefill (more rows): `int4_dequantize` writes the 16-bit weight (or e4m3 with per-channel scales,
+  `TOKENMILL_INT4_PREFILL=fp8`) into one reusable scratch per device, then cuBLAS (`F.linear`) or
+  fp8_gemm's `scaled_mm` runs on it: the dequant costs one weight write + read, small next to the
+  GEMM's time at prefill sizes.
+
+Codes become 16-bit floats exactly (0..15, minus 8 when symmetric) with the exponent trick: the
+code OR'ed into the mantissa of 1024 (fp16) or 128 (bf16) is 1024 + q (128 + q) exactly, so one
+integer OR and one subtract replace an int -> float conversion (a quarter-rate instruction on
+sm_90 that would cap the GEMV well below the HBM bandwidth). The dot runs in x's dtype, so bf16
+activations are never rounded to fp16.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from worker.kernels.triton._launch import dot_dtype, kernel, pdl_wait
+from worker.kernels.triton.fp8_gemm import (
+    _arrival_counters,
+    _gemv_epilogue,
+    _round_to_e4m3,
+    _stream_k_count,
+    _stream_k_workspace,
+    scaled_mm,
+)
+
+INT4_GEMV_MAX_ROWS = int(os.environ.get("TOKENMILL_INT4_GEMV_MAX_ROWS", "64"))
+INT4_PREFILL = os.environ.get("TOKENMILL_INT4_PREFILL", "bf16")  # or "fp8": e4m3 + scaled_mm
+_E4M3_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class Int4Tiling:
+    """How `int4_gemv` tiles one (N, K) weight: BN output channels x BK of K per loop step (BK a
+    multiple of the group size, or a divisor of it), K split in `splits` ranges, or cut into one
+    wave of equal stream-K ranges with `stream_k` programs per SM."""
+
+    bn: int = 64
+    bk: int = 128
+    splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    stream_k: int = 0
+    # how x's even/odd columns meet the two nibble dots: 0 two stride-2 loads of x, 1 one
+    # contiguous load split in registers, 2 the weight re-interleaved (join) for one dot
+    x_mode: int = 0
+    # codes to 16-bit by the exponent trick (GPU); False: a plain int -> float conversion
+    fast_cvt: bool = True
+
+
+# Filled from bench/int4_kernels.py's sweep (the fastest measured tiling per weight shape).
+INT4_DECODE_TILINGS: dict[tuple[int, int], Int4Tiling] = {}
+# The fused gate|up + silu*mul GEMV per fused weight shape (2F, K).
+INT4_SILU_MUL_TILINGS: dict[tuple[int, int], Int4Tiling] = {}
+
+
+def default_tiling(n: int, k: int, group_size: int = 128, sms: int = 132) -> Int4Tiling:
+    """64 channels x 128 of K per step (64 bytes of each weight row: four 16-byte loads), K split
+    so that ~4 programs per SM stream weight, each over at least 4 K steps."""
+    bk = _compatible_bk(128, group_size)
+    tiles, steps = triton.cdiv(n, 64), triton.cdiv(k, bk)
+    splits = max(1, min(triton.cdiv(4 * sms, tiles), steps // 4))
+    return Int4Tiling(64, bk, splits, 4, 4)
+
+
+def _compatible_bk(bk: int, group_size: int) -> int:
+    """A BK whose steps each stay inside one group or cover whole groups (a power of two >= 32,
+    as the dots need 16 of each nibble half)."""
+    if bk % group_size == 0 or group_size % bk == 0:
+        return bk
+    return group_size
+
+
+def _gemv_supports(k: int, group_size: int) -> bool:
+    """The GEMV's steps are powers of two >= 32 that stay inside one group."""
+    return k % 2 == 0 and group_size >= 32 and group_size & (group_size - 1) == 0
+
+
+# ---------------------------------------------------------------- device functions
+
+
+@triton.jit
+def _codes(b, DOT: tl.constexpr, OFFSET: tl.constexpr, FAST: tl.constexpr, MAGIC: tl.constexpr,
+           MAGIC_F: tl.constexpr):  # fmt: skip
+    """The low (even k) and high (odd k) nibbles of packed bytes b as DOT values q - OFFSET,
+    exactly. FAST: the code OR'ed into the mantissa of MAGIC_F (bits MAGIC), minus MAGIC_F."""
+    lo = b & 0xF
+    hi = b >> 4
+    if FAST:
+        lo = (lo.to(tl.uint16) | MAGIC).to(DOT, bitcast=True) - (MAGIC_F + OFFSET)
+        hi = (hi.to(tl.uint16) | MAGIC).to(DOT, bitcast=True) - (MAGIC_F + OFFSET)
+    else:
+        lo = lo.to(DOT) - OFFSET
+        hi = hi.to(DOT) - OFFSET
+    return lo, hi
+
+
+@triton.jit
+def _x_chunk(x_rows, m_ok, k0, K, KS: tl.constexpr, MASK_K: tl.constexpr, HAS_MINS: tl.constexpr,
+             XMODE: tl.constexpr):  # fmt: skip
+    """x's columns k0 .. k0 + KS - 1: (even, odd, sum over the chunk per row) for the two-dot
+    modes, (all, all, sum) for the interleaved mode. The sum (fp32) feeds the affine mins."""
+    HALF: tl.constexpr = KS // 2
+    if XMODE == 0:
+        ke = k0 + 2 * tl.arange(0, HALF)
+        mask = m_ok
+        if MASK_K:
+            mask = m_ok & (ke < K)[None, :]
+        xa = tl.load(x_rows + ke[None, :], mask=mask, other=0.0)
+        xb = tl.load(x_rows + ke[None, :] + 1, mask=mask, other=0.0)
+    else:
+        kk = k0 + tl.arange(0, KS)
+        mask = m_ok
+        if MASK_K:
+            mask = m_ok & (kk < K)[None, :]
+        xa = tl.load(x_rows + kk[None, :], mask=mask, other=0.0)
+        xb = xa
+        if XMODE == 1:
+            xa, xb = tl.split(tl.reshape(xa, (xa.shape[0], HALF, 2)))
+    xsum = tl.zeros((xa.shape[0],), dtype=tl.float32)
+    if HAS_MINS:
+        xsum = tl.sum(xa.to(tl.float32), axis=1)
+        if XMODE != 2:
+            xsum += tl.sum(xb.to(tl.float32), axis=1)
+    return xa, xb, xsum
+
+
+@triton.jit
+def _w_chunk(q_rows, s_rows, m_rows, n_ok, rn, N, k0, K, xa, xb, xsum, GROUP: tl.constexpr,
+             KS: tl.constexpr, MASK_K: tl.constexpr, HAS_MINS: tl.constexpr, XMODE: tl.constexpr,
+             DOT: tl.constexpr, FAST: tl.constexpr, MAGIC: tl.constexpr,
+             MAGIC_F: tl.constexpr):  # fmt: skip
+    """fp32 [BN, BM] contribution of weight columns k0 .. k0 + KS - 1 (inside one group): the
+    codes' dot with x times the group's scale, plus its min times the chunk's sum of x."""
+    HALF: tl.constexpr = KS // 2
+    kb = k0 // 2 + tl.arange(0, HALF)
+    if MASK_K:
+        b = tl.load(q_rows + kb[None, :], mask=n_ok & (kb < K // 2)[None, :], other=0)
+    else:  # whole steps: a row-only mask keeps the 16-byte vector loads
+        b = tl.load(q_rows + kb[None, :], mask=n_ok, other=0)
+    if HAS_MINS:  # affine: w = q * s + m
+        lo, hi = _codes(b, DOT, 0.0, FAST, MAGIC, MAGIC_F)
+    else:  # symmetric: w = (q - 8) * s
+        lo, hi = _codes(b, DOT, 8.0, FAST, MAGIC, MAGIC_F)
+    if XMODE == 2:
+        w = tl.reshape(tl.join(lo, hi), (lo.shape[0], KS))
+        part = tl.dot(w, tl.trans(xa.to(DOT)))
+    else:
+        part = tl.dot(lo, tl.trans(xa.to(DOT)))
+        part = tl.dot(hi, tl.trans(xb.to(DOT)), part)
+    g = k0 // GROUP
+    s_ok = rn < N
+    if MASK_K:  # a sub-step past a ragged K has no group (and adds zeros)
+        s_ok = s_ok & (k0 + 0 * rn < K)
+    s = tl.load(s_rows + g, mask=s_ok, other=0.0).to(tl.float32)
+    part = part * s[:, None]
+    if HAS_MINS:
+        mn = tl.load(m_rows + g, mask=s_ok, other=0.0).to(tl.float32)
+        part += mn[:, None] * xsum[None, :]
+    return part
+
+
+# ---------------------------------------------------------------- decode GEMV
+
+
+@kernel
+def _int4_gemv_kernel(
+    x, qw, scales, mins, bias, out, partial, arrivals,
+    M, N, K, k_per_split, splits, stride_xm, stride_qn, stride_sn, stride_om,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, GROUP: tl.constexpr,
+    HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    XMODE: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr, MAGIC: tl.constexpr,
+    MAGIC_F: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """out^T tile [BN, BM] over one K range (`k_per_split`, a multiple of BK). SPLIT: the range's
+    fp32 partial goes to partial[split, M, N]; the program arriving last at the column tile sums
+    the partials, adds bias, writes out and re-arms the tile's counter (as fp8_gemm's GEMV)."""
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    n_ok = (rn < N)[:, None]
+    m_ok = (rm < M)[:, None]
+    q_rows = qw + rn[:, None].to(tl.int64) * stride_qn
+    s_rows = scales + rn.to(tl.int64) * stride_sn
+    m_rows = s_rows  # (unused when symmetric)
+    if HAS_MINS:
+        m_rows = mins + rn.to(tl.int64) * stride_sn
+    x_rows = x + rm[:, None] * stride_xm
+    k_start = split * k_per_split
+    pdl_wait(PDL)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BK):
+        for sub in tl.static_range(BK // KS):
+            kc = k0 + sub * KS
+            xa, xb, xsum = _x_chunk(x_rows, m_ok, kc, K, KS, not EVEN_K, HAS_MINS, XMODE)
+            acc += _w_chunk(
+                q_rows, s_rows, m_rows, n_ok, rn, N, kc, K, xa, xb, xsum, GROUP, KS,
+                not EVEN_K, HAS_MINS, XMODE, DOT, FAST, MAGIC, MAGIC_F,
+            )  # fmt: skip
+    mask = n_ok & (rm < M)[None, :]
+    if not SPLIT:
+        _gemv_epilogue(acc, bias, bias, out, rn, rm, N, stride_om, mask, False, HAS_BIAS)
+    else:
+        slab = (rm[None, :] * N + rn[:, None]).to(tl.int64)
+        tl.store(partial + split * M * N + slab, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+        arrived = tl.atomic_add(arrivals + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            total = tl.zeros((BN, BM), dtype=tl.float32)
+            for s in range(0, splits):  # .cg: the other SMs' partials, from L2
+                total += tl.load(
+                    partial + s * M * N + slab, mask=mask, other=0.0, cache_modifier=".cg"
+                )
+            tl.atomic_xchg(arrivals + pid_n, 0)
+            _gemv_epilogue(total, bias, bias, out, rn, rm, N, stride_om, mask, False, HAS_BIAS)
+
+
+@kernel
+def _int4_stream_k_kernel(
+    x, qw, scales, mins, bias, out, workspace, arrivals,
+    M, N, K, ksteps, total_steps, stride_xm, stride_qn, stride_sn, stride_om,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, GROUP: tl.constexpr,
+    HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, XMODE: tl.constexpr,
+    DOT: tl.constexpr, FAST: tl.constexpr, MAGIC: tl.constexpr, MAGIC_F: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """Stream-K (fp8_gemm's `_gemv_stream_k_kernel` over int4 steps): the (column tile, K step)
+    work is cut into one equal contiguous range per program of a one-wave grid, so every SM
+    streams the same number of weight bytes. Whole tiles are written directly; a range's partial
+    tiles at its ends add fp32 into workspace[tile] and count their K steps at the tile's arrival
+    counter, and the program completing the count writes the tile (fp8_gemm's `_stream_k_count`,
+    which re-zeroes the workspace and the counter for the next launch)."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    start = (pid * total_steps) // programs
+    stop = ((pid + 1) * total_steps) // programs
+    first_tile = start // ksteps
+    first_ks = start - first_tile * ksteps
+    rm = tl.arange(0, BM)
+    rb = tl.arange(0, BN)
+    m_ok = (rm < M)[:, None]
+    x_rows = x + rm[:, None] * stride_xm
+    pdl_wait(PDL)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    # one flat loop over the range, so the weight pipeline runs on across tile boundaries; no
+    # barrier or acquire/release atomic in it (either stops triton from pipelining the loads)
+    for step in range(start, stop):
+        tile = step // ksteps
+        ks = step - tile * ksteps
+        rn = tile * BN + rb
+        n_ok = (rn < N)[:, None]
+        q_rows = qw + rn[:, None].to(tl.int64) * stride_qn
+        s_rows = scales + rn.to(tl.int64) * stride_sn
+        m_rows = s_rows  # (unused when symmetric)
+        if HAS_MINS:
+            m_rows = mins + rn.to(tl.int64) * stride_sn
+        for sub in tl.static_range(BK // KS):
+            kc = ks * BK + sub * KS
+            xa, xb, xsum = _x_chunk(x_rows, m_ok, kc, K, KS, not EVEN_K, HAS_MINS, XMODE)
+            acc += _w_chunk(
+                q_rows, s_rows, m_rows, n_ok, rn, N, kc, K, xa, xb, xsum, GROUP, KS,
+                not EVEN_K, HAS_MINS, XMODE, DOT, FAST, MAGIC, MAGIC_F,
+            )  # fmt: skip
+        if (ks == ksteps - 1) | (step == stop - 1):  # this tile's part of the range is done
+            mask = n_ok & (rm < M)[None, :]
+            if (tl.where(tile == first_tile, first_ks, 0) == 0) & (ks == ksteps - 1):
+                _gemv_epilogue(acc, bias, bias, out, rn, rm, N, stride_om, mask, False, HAS_BIAS)
+            else:
+                slab = workspace + tile.to(tl.int64) * BN * BM + rb[:, None] * BM + rm[None, :]
+                tl.atomic_add(slab, acc, mask=mask, sem="relaxed")
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+    tl.debug_barrier()  # every thread's workspace adds are done before the steps are counted
+    last_tile = (stop - 1) // ksteps
+    last_end = stop - last_tile * ksteps
+    if first_tile == last_tile:
+        if (first_ks > 0) | (last_end < ksteps):
+            _stream_k_count(
+                first_tile, last_end - first_ks, ksteps, workspace, arrivals, bias, bias, out,
+                M, N, stride_om, BM, BN, False, HAS_BIAS,
+            )  # fmt: skip
+    else:
+        if first_ks > 0:
+            _stream_k_count(
+                first_tile, ksteps - first_ks, ksteps, workspace, arrivals, bias, bias, out,
+                M, N, stride_om, BM, BN, False, HAS_BIAS,
+            )  # fmt: skip
+        if last_end < ksteps:
+            _stream_k_count(
+                last_tile, last_end, ksteps, workspace, arrivals, bias, bias, out,
+                M, N, stride_om, BM, BN, False, HAS_BIAS,
+            )  # fmt: skip
+
+
+@kernel
+def _int4_silu_mul_kernel(
+    x, qw, scales, mins, bias, out, partial, arrivals,
+    M, F, K, k_per_split, splits, stride_xm, stride_qn, stride_sn, stride_om,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, GROUP: tl.constexpr,
+    HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    XMODE: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr, MAGIC: tl.constexpr,
+    MAGIC_F: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """out [M, F] = silu(x W_gate^T) * (x W_up^T) for a fused gate|up int4 weight [2F, K] (gate
+    rows first; its scales and mins fused the same way): BN gate channels and the same BN up
+    channels per program, one x chunk per two weight chunks. SPLIT: partials go to
+    partial[split, M, 2F] and the last program to arrive at the column tile forms the
+    activation. Rounded as the unfused path rounds (gate|up output, silu, product, each in out's
+    dtype), so the [M, 2F] intermediate is never written."""
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    n_ok = (rn < F)[:, None]
+    m_ok = (rm < M)[:, None]
+    gate_q = qw + rn[:, None].to(tl.int64) * stride_qn
+    up_q = gate_q + F.to(tl.int64) * stride_qn
+    gate_s = scales + rn.to(tl.int64) * stride_sn
+    up_s = gate_s + F.to(tl.int64) * stride_sn
+    gate_m = gate_s
+    up_m = up_s
+    if HAS_MINS:
+        gate_m = mins + rn.to(tl.int64) * stride_sn
+        up_m = gate_m + F.to(tl.int64) * stride_sn
+    x_rows = x + rm[:, None] * stride_xm
+    k_start = split * k_per_split
+    pdl_wait(PDL)
+    acc_gate = tl.zeros((BN, BM), dtype=tl.float32)
+    acc_up = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BK):
+        for sub in tl.static_range(BK // KS):
+            kc = k0 + sub * KS
+            xa, xb, xsum = _x_chunk(x_rows, m_ok, kc, K, KS, not EVEN_K, HAS_MINS, XMODE)
+            acc_gate += _w_chunk(
+                gate_q, gate_s, gate_m, n_ok, rn, F, kc, K, xa, xb, xsum, GROUP, KS,
+                not EVEN_K, HAS_MINS, XMODE, DOT, FAST, MAGIC, MAGIC_F,
+            )  # fmt: skip
+            acc_up += _w_chunk(
+                up_q, up_s, up_m, n_ok, rn, F, kc, K, xa, xb, xsum, GROUP, KS,
+                not EVEN_K, HAS_MINS, XMODE, DOT, FAST, MAGIC, MAGIC_F,
+            )  # fmt: skip
+    mask = n_ok & (rm < M)[None, :]
+    if not SPLIT:
+        _silu_mul_epilogue(acc_gate, acc_up, bias, out, rn, rm, F, stride_om, mask, HAS_BIAS)
+    else:
+        slab = (rm[None, :] * 2 * F + rn[:, None]).to(tl.int64)
+        tl.store(partial + split * M * 2 * F + slab, acc_gate, mask=mask)
+        tl.store(partial + split * M * 2 * F + F + slab, acc_up, mask=mask)
+        tl.debug_barrier()  # every thread's partials are written before the arrival is counted
+        arrived = tl.atomic_add(arrivals + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            acc_gate = tl.zeros((BN, BM), dtype=tl.float32)
+            acc_up = tl.zeros((BN, BM), dtype=tl.float32)
+            for s in range(0, splits):
+                base = partial + s * M * 2 * F + slab
+                acc_gate += tl.load(base, mask=mask, other=0.0, cache_modifier=".cg")
+                acc_up += tl.load(base + F, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(arrivals + pid_n, 0)
+            _silu_mul_epilogue(acc_gate, acc_up, bias, out, rn, rm, F, stride_om, mask, HAS_BIAS)
+
+
+@triton.jit
+def _silu_mul_epilogue(acc_gate, acc_up, bias, out, rn, rm, F, stride_om, mask,
+                       HAS_BIAS: tl.constexpr):  # fmt: skip
+    if HAS_BIAS:
+        acc_gate += tl.load(bias + rn, mask=rn < F, other=0.0).to(tl.float32)[:, None]
+        acc_up += tl.load(bias + F + rn, mask=rn < F, other=0.0).to(tl.float32)[:, None]
+    gate = acc_gate.to(out.dtype.element_ty).to(tl.float32)
+    up = acc_up.to(out.dtype.element_ty).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out.dtype.element_ty).to(tl.float32)
+    tl.store(
+        out + rm[None, :] * stride_om + rn[:, None], (act * up).to(out.dtype.element_ty), mask=mask
+    )
+
+
+def _dot_args(x: torch.Tensor, tiling: Int4Tiling) -> dict[str, Any]:
+    """The dot dtype and the code conversion: x's 16-bit dtype on a GPU (fp32 under the
+    interpreter, whose bf16 dot multiplies raw bits), the exponent trick's bits per dtype."""
+    if not x.is_cuda:
+        return {"DOT": dot_dtype(x.device), "FAST": False, "MAGIC": 0, "MAGIC_F": 0.0}
+    if x.dtype == torch.bfloat16:
+        return {"DOT": tl.bfloat16, "FAST": tiling.fast_cvt, "MAGIC": 0x4300, "MAGIC_F": 128.0}
+    return {"DOT": tl.float16, "FAST": tiling.fast_cvt, "MAGIC": 0x6400, "MAGIC_F": 1024.0}
+
+
+def _block_m(m: int) -> int:
+    return max(16, triton.next_power_of_2(m))
+
+
+def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> None:
+    k = x.shape[-1]
+    if qweight.dtype != torch.uint8 or qweight.shape[-1] * 2 != k:
+        raise ValueError(f"qweight must be uint8 [N, K / 2] for K = {k}, got {qweight.shape}")
+    if scales.shape != (qweight.shape[0], triton.cdiv(k, group_size)):
+        raise ValueError(
+            f"scales {tuple(scales.shape)} do not match {qweight.shape}, group {group_size}"
+        )
+
+
+def _tiling_for(table: dict[tuple[int, int], Int4Tiling], n: int, k: int, group_size: int,
+                tiling: Int4Tiling | None) -> Int4Tiling:  # fmt: skip
+    tiling = tiling or table.get((n, k)) or default_tiling(n, k, group_size)
+    bk = _compatible_bk(tiling.bk, group_size)
+    if bk != tiling.bk:
+        tiling = Int4Tiling(**{**tiling.__dict__, "bk": bk})
+    return tiling
+
+
+def int4_gemv(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    tiling: Int4Tiling | None = None,
+) -> torch.Tensor:
+    """Decode GEMM in one launch: x [M <= 64, K] (16-bit) times an int4 weight [N, K]."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    if m > 64:
+        raise ValueError(f"int4_gemv takes at most 64 rows, got {m}")
+    _check(x, qweight, scales, group_size)
+    tiling = _tiling_for(INT4_DECODE_TILINGS, n, k, group_size, tiling)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    bm, bk = _block_m(m), tiling.bk
+    ks = min(bk, group_size)
+    on_gpu = x.is_cuda
+    common: dict[str, Any] = dict(
+        BM=bm, BN=tiling.bn, BK=bk, KS=ks, GROUP=group_size, HAS_MINS=mins is not None,
+        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, XMODE=tiling.x_mode,
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages if on_gpu else 1,
+        **_dot_args(x, tiling),
+    )  # fmt: skip
+    tiles = triton.cdiv(n, tiling.bn)
+    strides = (x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0))
+    b = bias if bias is not None else scales
+    mn = mins if mins is not None else scales
+    if tiling.stream_k:
+        ksteps = triton.cdiv(k, bk)
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if on_gpu else 4
+        programs = min(tiles * ksteps, sms * tiling.stream_k)
+        workspace = _stream_k_workspace(x.device, tiles * tiling.bn * bm)
+        arrivals = _arrival_counters(x.device, tiles)
+        _int4_stream_k_kernel[(programs,)](
+            x, qweight, scales, mn, b, out, workspace, arrivals,
+            m, n, k, ksteps, tiles * ksteps, *strides, **common,
+        )  # fmt: skip
+        return out
+    k_per_split = triton.cdiv(triton.cdiv(k, tiling.splits), bk) * bk
+    splits = triton.cdiv(k, k_per_split)
+    partial = (
+        torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+    )
+    arrivals = _arrival_counters(x.device, tiles) if splits > 1 else out
+    _int4_gemv_kernel[(tiles, splits)](
+        x, qweight, scales, mn, b, out, partial, arrivals,
+        m, n, k, k_per_split, splits, *strides, SPLIT=splits > 1, **common,
+    )  # fmt: skip
+    return out
+
+
+def default_silu_mul_tiling(two_f: int, k: int, group_size: int = 128) -> Int4Tiling:
+    """Each program streams BN gate and BN up channels: the gate|up GEMV's tiling at half the
+    channels (the same weight bytes per program and step)."""
+    whole = INT4_DECODE_TILINGS.get((two_f, k)) or default_tiling(two_f, k, group_size)
+    if whole.stream_k:
+        whole = default_tiling(two_f, k, group_size)
+    return Int4Tiling(**{**whole.__dict__, "bn": max(16, whole.bn // 2)})
+
+
+def int4_gemv_silu_mul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    tiling: Int4Tiling | None = None,
+) -> torch.Tensor:
+    """silu(gate) * up [M, F] of x [M <= 64, K] and a fused gate|up int4 weight [2F, K], in one
+    launch (the activation is formed where the split partials are summed)."""
+    m, k = x.shape
+    two_f = qweight.shape[0]
+    if m > 64 or two_f % 2:
+        raise ValueError(f"int4_gemv_silu_mul takes <= 64 rows and an even 2F, got {m}, {two_f}")
+    _check(x, qweight, scales, group_size)
+    f = two_f // 2
+    tiling = tiling or INT4_SILU_MUL_TILINGS.get((two_f, k))
+    tiling = tiling or default_silu_mul_tiling(two_f, k, group_size)
+    tiling = _tiling_for({}, two_f, k, group_size, tiling)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((m, f), dtype=x.dtype, device=x.device)
+    bm, bk = _block_m(m), tiling.bk
+    tiles = triton.cdiv(f, tiling.bn)
+    k_per_split = triton.cdiv(triton.cdiv(k, tiling.splits), bk) * bk
+    splits = triton.cdiv(k, k_per_split)
+    partial = (
+        torch.empty((splits, m, two_f), dtype=torch.float32, device=x.device) if splits > 1 else out
+    )
+    arrivals = _arrival_counters(x.device, tiles) if splits > 1 else out
+    on_gpu = x.is_cuda
+    _int4_silu_mul_kernel[(tiles, splits)](
+        x, qweight, scales, mins if mins is not None else scales,
+        bias if bias is not None else scales, out, partial, arrivals,
+        m, f, k, k_per_split, splits, x.stride(0), qweight.stride(0), scales.stride(0),
+        out.stride(0), BM=bm, BN=tiling.bn, BK=bk, KS=min(bk, group_size), GROUP=group_size,
+        HAS_MINS=mins is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1,
+        EVEN_K=k % bk == 0, XMODE=tiling.x_mode, num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages if on_gpu else 1, **_dot_args(x, tiling),
+    )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------- prefill: dequantize + GEMM
+
+
+@kernel
+def _int4_dequant_kernel(
+    qw, scales, mins, w, channel_scale, N, K, G, stride_qn, stride_sn, stride_wn,
+    BN: tl.constexpr, BJ: tl.constexpr, GP: tl.constexpr, GROUP: tl.constexpr,
+    HAS_MINS: tl.constexpr, OUT_FP8: tl.constexpr, EXACT_E4M3: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """w [N, K] = the int4 weight dequantized (in fp32 as the reference: code times scale is
+    exact, so fusing the min's add into an FMA rounds the same), rounded to w's dtype. OUT_FP8:
+    divided by a per-channel scale (the largest magnitude the channel's groups can reach / 448,
+    written by the first K program) so it fits e4m3."""
+    pid_n, pid_j = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rj = pid_j * BJ + tl.arange(0, BJ)
+    n_ok = rn < N
+    mask = n_ok[:, None] & (rj < K // 2)[None, :]
+    pdl_wait(PDL)
+    b = tl.load(qw + rn[:, None].to(tl.int64) * stride_qn + rj[None, :], mask=mask, other=0)
+    g = (2 * rj) // GROUP  # k = 2j and 2j + 1 share a group (even group sizes)
+    s_off = rn[:, None].to(tl.int64) * stride_sn + g[None, :]
+    s = tl.load(scales + s_off, mask=mask, other=0.0).to(tl.float32)
+    lo = (b & 0xF).to(tl.float32)
+    hi = (b >> 4).to(tl.float32)
+    if HAS_MINS:
+        mn = tl.load(mins + s_off, mask=mask, other=0.0).to(tl.float32)
+        w_lo = lo * s + mn
+        w_hi = hi * s + mn
+    else:
+        w_lo = (lo - 8.0) * s
+        w_hi = (hi - 8.0) * s
+    if OUT_FP8:
+        rg = tl.arange(0, GP)
+        g_off = rn[:, None].to(tl.int64) * stride_sn + rg[None, :]
+        g_mask = n_ok[:, None] & (rg < G)[None, :]
+        sg = tl.load(scales + g_off, mask=g_mask, other=0.0).to(tl.float32)
+        if HAS_MINS:
+            mg = tl.load(mins + g_off, mask=g_mask, other=0.0).to(tl.float32)
+            bound = tl.maximum(tl.abs(mg), tl.abs(15.0 * sg + mg))
+        else:
+            bound = 8.0 * tl.abs(sg)
+        cs = tl.maximum(tl.max(bound, axis=1), 1e-12) / 448.0
+        if pid_j == 0:
+            tl.store(channel_scale + rn, cs, mask=n_ok)
+        w_lo = w_lo / cs[:, None]
+        w_hi = w_hi / cs[:, None]
+        if EXACT_E4M3:  # the interpreter's e4m3 cast loses carries: round in fp32 first
+            w_lo = _round_to_e4m3(w_lo)
+            w_hi = _round_to_e4m3(w_hi)
+    wv = tl.reshape(tl.join(w_lo, w_hi), (BN, 2 * BJ))
+    kk = pid_j * 2 * BJ + tl.arange(0, 2 * BJ)
+    tl.store(
+        w + rn[:, None].to(tl.int64) * stride_wn + kk[None, :],
+        wv.to(w.dtype.element_ty),
+        mask=n_ok[:, None] & (kk < K)[None, :],
+    )
+
+
+def int4_dequantize(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight [N, K] in `dtype` (bf16/fp16/fp32, or float8_e4m3fn with the per-channel fp32
+    scales [N] it needs, the second value), into `out` when given (a scratch view)."""
+    n, half = qweight.shape
+    k = 2 * half
+    if group_size % 2:
+        raise ValueError(f"int4 groups must be of even size, got {group_size}")
+    groups = scales.shape[1]
+    w = out if out is not None else torch.empty((n, k), dtype=dtype, device=qweight.device)
+    fp8 = dtype == torch.float8_e4m3fn
+    channel_scale = torch.empty(n, dtype=torch.float32, device=qweight.device) if fp8 else None
+    bn, bj = 32, 128
+    _int4_dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(half, bj))](
+        qweight, scales, mins if mins is not None else scales, w,
+        channel_scale if channel_scale is not None else scales,
+        n, k, groups, qweight.stride(0), scales.stride(0), w.stride(0),
+        BN=bn, BJ=bj, GP=triton.next_power_of_2(groups), GROUP=group_size,
+        HAS_MINS=mins is not None, OUT_FP8=fp8, EXACT_E4M3=not qweight.is_cuda, num_warps=4,
+    )  # fmt: skip
+    return w, channel_scale
+
+
+_scratch: dict[torch.device, torch.Tensor] = {}
+
+
+def dequant_scratch(device: torch.device, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """An [N, K] view of one per-device buffer, grown to the largest weight seen: prefill GEMMs on
+    one stream dequantize into it one after another, so no call allocates its weight."""
+    nbytes = n * k * dtype.itemsize
+    buf = _scratch.get(device)
+    if buf is None or buf.numel() < nbytes:
+        buf = _scratch[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf[:nbytes].view(dtype).view(n, k)
+
+
+def int4_dequant_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    fp8: bool | None = None,
+) -> torch.Tensor:
+    """Prefill rows x [M, K]: the weight dequantized into the scratch, then cuBLAS in x's dtype,
+    or (fp8) e4m3 with per-channel scales and fp8_gemm's per-token scaled_mm."""
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    fp8 = INT4_PREFILL == "fp8" if fp8 is None else fp8
+    if fp8 and x.is_cuda:
+        w8 = dequant_scratch(x.device, n, k, torch.float8_e4m3fn)
+        _, channel_scale = int4_dequantize(qweight, scales, mins, group_size, w8.dtype, w8)
+        assert channel_scale is not None
+        return scaled_mm(x, w8, channel_scale, bias)
+    w = dequant_scratch(x.device, n, k, x.dtype)
+    int4_dequantize(qweight, scales, mins, group_size, x.dtype, w)
+    return torch.nn.functional.linear(x, w, bias)
+
+
+# ---------------------------------------------------------------- the registered ops
+
+
+def int4_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., K] -> [..., N]: the int4 GEMV up to INT4_GEMV_MAX_ROWS rows, dequantize + GEMM from
+    there (and for group sizes the GEMV's steps cannot follow)."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    n = qweight.shape[0]
+    if rows.shape[0] <= min(INT4_GEMV_MAX_ROWS, 64) and _gemv_supports(k, group_size):
+        out = int4_gemv(rows, qweight, scales, mins, group_size, bias)
+    else:
+        out = int4_dequant_linear(rows, qweight, scales, mins, group_size, bias)
+    return out.view(*x.shape[:-1], n)
+
+
+def int4_linear_silu_mul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """silu(gate) * up [..., F] of x [..., K] and a fused gate|up int4 weight [2F, K]: decode rows
+    in one GEMV launch with the activation in its epilogue, prefill rows as the projection then
+    silu_mul."""
+    from worker.kernels.triton.activations import silu_mul
+
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    two_f = qweight.shape[0]
+    gemv = rows.shape[0] <= min(INT4_GEMV_MAX_ROWS, 64) and _gemv_supports(k, group_size)
+    if not gemv or two_f % 2:
+        return silu_mul(int4_linear(x, qweight, scales, mins, group_size, bias))
+    out = int4_gemv_silu_mul(rows, qweight, scales, mins, group_size, bias)
+    return out.view(*x.shape[:-1], two_f // 2)
