@@ -7,6 +7,8 @@
     tokenmill project    the projectors only (one active per projection, others stand by)
     tokenmill projections rebuild [--only NAME]
         drop the read models and replay them from the streams (stop the projectors first)
+    tokenmill projections dead-letters list [--all] [--json] | resolve ID [--retry]
+        events a projection could not apply; resolve marks one done (--retry re-applies it)
     tokenmill invoices list|show|close|showback|rollups|report ...   billing (--help for more)
     tokenmill scheduler  the billing jobs only (one active across replicas; `up` runs them too)
     tokenmill capacity ...   capacity projection what-ifs (needs no servers; --help for more)
@@ -38,7 +40,7 @@ from control_plane.dataplane.server import direct_routes, gateway_protocol
 from control_plane.embedded import EmbeddedNats, EmbeddedPostgres
 from control_plane.services import Services
 from control_plane.settings import Settings
-from events.projections import ProjectionLocked, Projector, all_projections
+from events.projections import ProjectionLocked, Projector, all_projections, dead_letters
 from pricing.cli import capacity_main, invoices_main, scheduler_main
 
 log = logging.getLogger("tokenmill")
@@ -256,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     p = projections.add_parser("rebuild")
     p.add_argument("--data-dir", type=Path, dest="sub_data_dir", help=argparse.SUPPRESS)
     p.add_argument("--only", choices=[x.name for x in all_projections()])
+    p = projections.add_parser("dead-letters", help="events a projection could not apply")
+    p.add_argument("--data-dir", type=Path, dest="sub_data_dir", help=argparse.SUPPRESS)
+    dead_letters.add_arguments(p)
     for name, summary in {**BILLING_COMMANDS, **DATAPLANE_COMMANDS}.items():
         p = sub.add_parser(name, help=summary, add_help=False)
         p.add_argument("--data-dir", type=Path, dest="sub_data_dir", help=argparse.SUPPRESS)
@@ -297,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         elif args.command == "project":
             asyncio.run(_project(settings))
+        elif args.action == "dead-letters":
+            return dead_letters.command(str(settings.database_url), args)
         else:
             try:
                 asyncio.run(_rebuild(settings, args.only))

@@ -1,5 +1,5 @@
 """/healthz (the process answers) and /readyz (NATS and Postgres reachable, the governance
-view replayed, the projections caught up)."""
+view replayed, the projections caught up, no unresolved dead letters)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from typing import Any
 
 from litestar import Request, Response, get
 
-from control_plane.problems import PROBLEM_JSON
+from control_plane.problems import PROBLEM_JSON, PROBLEM_TYPE_BASE
 from control_plane.services import Services
+from events.projections.dead_letters import unresolved_counts
 
 # A projection further behind its stream than this many events is "not caught up".
 READY_MAX_LAG = 1000
@@ -27,24 +28,38 @@ async def readyz(request: Request[Any, Any, Any], services: Services) -> Respons
         async with asyncio.timeout(2.0):
             checks["postgres"] = await services.pool.fetchval("SELECT true")
             lags = await services.projection_lags()
+            dead = await unresolved_counts(services.pool)
     except Exception as e:  # unreachable backends are the answer here, not an error
         checks["postgres"] = checks.get("postgres", False)
         checks["error"] = type(e).__name__
         lags = {}
+        dead = {}
     checks["governance_seq"] = services.view.seq
     checks["projection_lag"] = lags
+    checks["dead_letters"] = dead
     ready = bool(
         checks["nats"] and checks["postgres"] and lags and max(lags.values()) <= READY_MAX_LAG
     )
-    if ready:
+    if ready and not dead:
         return Response({"status": "ready", "checks": checks})
+    if ready:
+        # Caught up, but past events it could not apply: the read models may be missing them.
+        detail = (
+            "unresolved dead letters in "
+            + ", ".join(f"{name} ({n})" for name, n in sorted(dead.items()))
+            + "; see `tokenmill projections dead-letters list`"
+        )
+        reason = "dead_letters"
+    else:
+        detail = "a backend is unreachable or a projection is behind"
+        reason = "not_ready"
     return Response(
         {
-            "type": "https://tokenmill.dev/problems/not_ready",
+            "type": PROBLEM_TYPE_BASE + reason,
             "title": "Not ready",
             "status": 503,
-            "detail": "a backend is unreachable or a projection is behind",
-            "reason": "not_ready",
+            "detail": detail,
+            "reason": reason,
             "instance": request.url.path,
             "checks": checks,
         },

@@ -179,11 +179,12 @@ _CONTROL_TAGS = frozenset(t.__struct_config__.tag for t in get_args(AnyControlEv
 
 
 def decode_control_or_skip(
-    data: bytes, seq: int, log: logging.Logger, reader: str
+    data: bytes, seq: int, log: logging.Logger, reader: str, *, strict: bool = False
 ) -> AnyControlEvent | None:
     """The event, or None for one to skip. Other parts of the product keep their own event
     types on the control stream (billing's `invoice.finalized`): those are skipped quietly.
-    A message of no type, or a malformed one of a known type, is skipped with a warning."""
+    A message of no type, or a malformed one of a known type, is skipped with a warning, or
+    with `strict` raises msgspec.DecodeError (a projection then records it as a dead letter)."""
     try:
         return _decoder.decode(data)
     except msgspec.DecodeError:
@@ -193,8 +194,10 @@ def decode_control_or_skip(
             tag = None
         if tag is not None and tag not in _CONTROL_TAGS:
             log.debug("%s: skipping %s event at seq %d (not a governance event)", reader, tag, seq)
-        else:
-            log.warning("%s: skipping undecodable control event at seq %d", reader, seq)
+            return None
+        if strict:
+            raise
+        log.warning("%s: skipping undecodable control event at seq %d", reader, seq)
         return None
 
 

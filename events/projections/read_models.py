@@ -101,7 +101,7 @@ class ReadModelsProjection:
     async def apply(self, conn: asyncpg.Connection, batch: Sequence[Entry]) -> None:
         # Control events are few: one statement each keeps the fold obvious.
         for seq, data in batch:
-            event = decode_control_or_skip(data, seq, log, "read_models")
+            event = decode_control_or_skip(data, seq, log, "read_models", strict=True)
             if event is not None:
                 await self._apply_one(conn, event, seq)
 

@@ -5,7 +5,11 @@ position are committed in one transaction, and a message at or below the committ
 is skipped. So a projector killed anywhere (mid-batch, after commit but before the ack)
 resumes without losing or doubling anything: on start it re-creates its durable consumer at
 the committed position + 1. One projector per projection runs at a time (a Postgres advisory
-lock); another instance waits as a standby."""
+lock); another instance waits as a standby.
+
+An event the projection cannot apply (a failure other than an unreachable backend) never
+wedges it: the batch is re-applied one event at a time, and each failing event is recorded
+as a dead letter in the transaction that moves the position past it (dead_letters.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +26,9 @@ from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from events.projections import dead_letters
 from events.store import StreamLayout
+from events.unavailable import backend_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +76,7 @@ async def ensure_schema(conn: asyncpg.Connection, projections: Sequence[Projecti
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock(hashtext('tokenmill.schema'))")
         await conn.execute(POSITIONS_DDL)
+        await conn.execute(dead_letters.DEAD_LETTERS_DDL)
         for p in projections:
             await conn.execute(p.ddl)
 
@@ -100,7 +107,7 @@ class Projector:
         self.batch_size = batch_size
         self.linger_s = linger_s
         self.position = 0  # last committed stream sequence
-        self._buf: deque[tuple[int, bytes, str]] = deque()
+        self._buf: deque[tuple[int, bytes, str, str]] = deque()  # seq, data, reply, subject
         self._arrived = asyncio.Event()
 
     async def run(
@@ -196,10 +203,10 @@ class Projector:
     async def _on_msg(self, msg: Msg) -> None:
         if not msg.reply or not msg.reply.startswith("$JS.ACK."):
             return  # a status message (heartbeat), not an event
-        self._buf.append((_stream_seq(msg.reply), msg.data, msg.reply))
+        self._buf.append((_stream_seq(msg.reply), msg.data, msg.reply, msg.subject))
         self._arrived.set()
 
-    async def _next_batch(self) -> list[tuple[int, bytes, str]]:
+    async def _next_batch(self) -> list[tuple[int, bytes, str, str]]:
         if not self._buf:
             self._arrived.clear()
             try:
@@ -211,7 +218,10 @@ class Projector:
         n = min(len(self._buf), self.batch_size)
         return [self._buf.popleft() for _ in range(n)]
 
-    async def _commit(self, conn: asyncpg.Connection, batch: list[tuple[int, bytes, str]]) -> None:
+    async def _commit(
+        self, conn: asyncpg.Connection, batch: list[tuple[int, bytes, str, str]]
+    ) -> None:
+        recorded = 0
         async with conn.transaction():
             # The row lock orders concurrent writers; the position filter drops redeliveries.
             committed = await conn.fetchval(
@@ -219,9 +229,11 @@ class Projector:
                 self.projection.name,
             )
             committed = int(committed or 0)
-            fresh = [Entry(seq, data) for seq, data, _ in batch if seq > committed]
+            fresh = [
+                (Entry(seq, data), subject) for seq, data, _, subject in batch if seq > committed
+            ]
             if fresh:
-                await self.projection.apply(conn, fresh)
+                recorded = await self._apply(conn, fresh)
                 await conn.execute(
                     """INSERT INTO projection_positions (projection, stream, last_seq, updated_at)
                        VALUES ($1, $2, $3, now())
@@ -229,9 +241,44 @@ class Projector:
                        SET last_seq = EXCLUDED.last_seq, stream = EXCLUDED.stream, updated_at = now()""",
                     self.projection.name,
                     self.stream,
-                    fresh[-1].seq,
+                    fresh[-1][0].seq,
                 )
-                committed = fresh[-1].seq
+                committed = fresh[-1][0].seq
+        if recorded:
+            dead_letters.DEAD_LETTERS.labels(self.projection.name).inc(recorded)
         self.position = committed
         # Ack-all: acknowledges every message up to this one.
         await self.nc.publish(batch[-1][2], b"+ACK")
+
+    async def _apply(self, conn: asyncpg.Connection, fresh: list[tuple[Entry, str]]) -> int:
+        """Apply the batch (in a savepoint); if it fails for a reason other than an unreachable
+        backend, apply it event by event and dead-letter the ones that fail. Returns how many
+        new dead letters it recorded."""
+        try:
+            async with conn.transaction():
+                await self.projection.apply(conn, [entry for entry, _ in fresh])
+            return 0
+        except Exception as e:
+            if backend_unavailable(e):
+                raise
+        recorded = 0
+        for entry, subject in fresh:
+            try:
+                async with conn.transaction():
+                    await self.projection.apply(conn, [entry])
+            except Exception as e:
+                if backend_unavailable(e):
+                    raise
+                log.error(
+                    "projection %s cannot apply %s seq %d (%s): %r; recorded as a dead letter",
+                    self.projection.name,
+                    self.stream,
+                    entry.seq,
+                    subject,
+                    e,
+                )
+                if await dead_letters.record(
+                    conn, self.projection.name, self.stream, entry.seq, subject, entry.data, e
+                ):
+                    recorded += 1
+        return recorded

@@ -11,6 +11,8 @@ from litestar.testing import RequestFactory
 
 from control_plane.problems import PROBLEM_JSON, handle_unexpected
 from control_plane.services import Services
+from events.control import TenantCreated, control_subject, encode_control
+from events.projections import dead_letters
 
 
 def _problem(r: httpx.Response, status: int, reason: str) -> dict:
@@ -90,3 +92,29 @@ def test_unexpected_errors_are_problem_details(exc: Exception, status: int, reas
     response = handle_unexpected(RequestFactory().get("/admin/v1/tenants"), exc)
     assert response.status_code == status and response.media_type == PROBLEM_JSON
     assert response.content["reason"] == reason and response.content["status"] == status
+
+
+async def test_a_dead_letter_keeps_the_api_serving_and_readyz_says_why(
+    api: httpx.AsyncClient, services: Services
+) -> None:
+    # Appended straight to the stream, past the store's validation.
+    evil = TenantCreated(tenant_id="ten_evil", name="evil\u0000name")
+    await services.js.publish(
+        control_subject(services.layout.prefix, "tenant", evil.tenant_id),
+        encode_control(evil),
+        stream=services.layout.control_stream,
+    )
+    r = await api.post("/admin/v1/tenants", json={"name": "acme"})
+    assert r.status_code == 201, r.text
+    tid = r.json()["tenant_id"]
+    r = await api.get(f"/admin/v1/tenants/{tid}", params={"consistent": "true"})
+    assert r.status_code == 200, r.text
+    body = _problem(await api.get("/readyz"), 503, "dead_letters")
+    assert body["checks"]["dead_letters"] == {"read_models": 1}
+    assert "tokenmill projections dead-letters" in body["detail"]
+
+    async with services.pool.acquire() as conn:
+        (letter,) = await dead_letters.dead_letters(conn)
+        await dead_letters.resolve(conn, letter["id"])
+    r = await api.get("/readyz")
+    assert r.status_code == 200 and r.json()["checks"]["dead_letters"] == {}
