@@ -87,8 +87,12 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         while True:
             busy = self.engine.has_unfinished_requests()
+            hold = self.engine.admission_hold_s  # arrivals held for more to come
             try:  # wait for work only when there is nothing to step
-                command = self._commands.get(block=not busy)
+                if hold > 0:
+                    command = self._commands.get(timeout=hold)
+                else:
+                    command = self._commands.get(block=not busy)
             except queue.Empty:
                 command = None
             while command is not None:

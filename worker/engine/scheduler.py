@@ -10,6 +10,13 @@ Policy (one step = one forward pass, at most `max_num_batched_tokens` tokens and
    a free state slot, room under `max_num_seqs` and free KV blocks for their first chunk; the
    head of the queue is never skipped (no starvation of long prompts).
 
+Prefill gathering (`prefill_gather_s` > 0): when a step would run nothing but new arrivals (no
+decodes, no running prefill chunks), admission waits until the oldest arrival has waited
+`prefill_gather_s`, or the waiting prompts fill the token budget or the free sequence room:
+requests that arrive a few milliseconds apart (spread by HTTP) are then prefilled in one step,
+as requests arriving together are. Running sequences are never held; `admission_hold_s` says
+how long the engine may sleep before scheduling again.
+
 A chunk is as long as the remaining budget allows, so long prompts are split across steps
 (chunked prefill) and mixed with decodes in the same batch.
 
@@ -22,7 +29,9 @@ itself is preempted. No admissions happen in a step that preempted.
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from worker.engine.block_manager import BlockManager
@@ -77,9 +86,17 @@ class Scheduler:
         state_slots: StateSlotPool,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        prefill_gather_s: float = 0.0,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if prefill_gather_s < 0:
+            raise ValueError("prefill_gather_s must be >= 0")
+        self.prefill_gather_s = prefill_gather_s
+        self.clock = clock  # the clock of Sequence.arrival_time
+        # > 0 after a schedule() that held arrivals: seconds until they are admitted anyway
+        self.admission_hold_s = 0.0
         self.block_manager = block_manager
         self.state_slots = state_slots
         self.max_num_seqs = max_num_seqs
@@ -117,6 +134,9 @@ class Scheduler:
                 scheduled.add(seq.seq_id)
                 budget -= n
 
+        self.admission_hold_s = 0.0
+        if batch.is_empty and not batch.preempted and self._gathering(budget):
+            return batch
         while (
             self.waiting
             and budget > 0
@@ -135,6 +155,22 @@ class Scheduler:
             self._schedule(seq, n, batch)
             budget -= n
         return batch
+
+    def _gathering(self, budget: int) -> bool:
+        """Whether to hold the waiting arrivals for more to come (see the module docstring)."""
+        if self.prefill_gather_s <= 0 or not self.waiting:
+            return False
+        oldest = self.waiting[0]
+        if oldest.num_preemptions:  # a preempted sequence resumes at once
+            return False
+        pending = sum(s.num_uncomputed_tokens for s in self.waiting)
+        if pending >= budget or len(self.running) + len(self.waiting) >= self.max_num_seqs:
+            return False
+        left = oldest.arrival_time + self.prefill_gather_s - self.clock()
+        if left <= 0:
+            return False
+        self.admission_hold_s = left
+        return True
 
     def _make_room(
         self, seq: Sequence, num_tokens: int, scheduled: set[int], batch: ScheduledBatch
