@@ -223,7 +223,9 @@ def billing_admin_router(services: Services, ctx: BillingContext) -> Router:
             raise ProblemError(400, "invalid_request", "give period, or from and to")
         if consistent:
             await caught_up(services)
-        body = await showback_export(store, *window, granularity, tenant_id)
+        body = await showback_export(
+            store, *window, granularity, tenant_id, ctx.settings.default_currency
+        )
         return _attachment(body, CSV, f"showback-{tenant_id or 'all'}-{name}.csv")
 
     @get("/capacity", summary="The capacity job's latest projection per SKU")

@@ -140,7 +140,14 @@ async def invoices_main(argv: list[str] | None = None) -> int:
         elif args.command == "showback":
             _emit(
                 args,
-                await showback_export(store, args.start, args.end, args.granularity, args.tenant),
+                await showback_export(
+                    store,
+                    args.start,
+                    args.end,
+                    args.granularity,
+                    args.tenant,
+                    ctx.settings.default_currency,
+                ),
             )
         elif args.command == "rollups":
             _emit(args, f"rollups at ledger sequence {await refresh_rollups(ctx)}".encode())

@@ -415,6 +415,7 @@ INVOICE_CSV_COLUMNS = (
     "amount",
     "requests",
     "description",
+    "unpriced",  # true: usage of a SKU with no price plan in force, listed at no cost
 )
 
 
@@ -423,7 +424,8 @@ def iso(at: datetime) -> str:
 
 
 def invoice_csv(invoice: Invoice) -> bytes:
-    """One row per line; the amount column sums to the invoice total."""
+    """One row per line, then one per unpriced (SKU, token class), flagged and at 0; the
+    amount column sums to the invoice total."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(INVOICE_CSV_COLUMNS)
@@ -448,6 +450,36 @@ def invoice_csv(invoice: Invoice) -> bytes:
                 plain(line.amount),
                 line.requests,
                 line.description,
+                "false",
+            )
+        )
+    zero = plain(line_amount(0, Decimal(0), invoice.currency))
+    for number, usage in enumerate(invoice.unpriced, start=len(invoice.lines) + 1):
+        label = usage.token_class.replace("_", " ")
+        description = f"{usage.sku_id} {label} tokens: no price plan in force, not billed"
+        if usage.category == "adjustment":
+            description = f"Late usage: {description}"
+        writer.writerow(
+            (
+                invoice.invoice_id,
+                invoice.tenant_id,
+                invoice.status,
+                invoice.currency,
+                iso(invoice.period_start),
+                iso(invoice.period_end),
+                number,
+                usage.category,
+                usage.sku_id,
+                usage.token_class,
+                "",
+                iso(invoice.period_start),
+                iso(invoice.period_end),
+                usage.quantity,
+                "",
+                zero,
+                usage.requests,
+                description,
+                "true",
             )
         )
     return out.getvalue().encode()

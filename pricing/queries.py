@@ -49,11 +49,16 @@ async def showback_export(
     end: datetime,
     granularity: Granularity = "day",
     tenant_id: str | None = None,
+    default_currency: str = "USD",
 ) -> bytes:
-    """FOCUS-style CSV of the usage that finished in [start, end), as of the ledger now."""
+    """FOCUS-style CSV of the usage that finished in [start, end), as of the ledger now
+    (unpriced usage in `default_currency` for a tenant with no priced usage)."""
     cut = await store.ledger_position()
     rows = await store.ledger_rows(tenant_id=tenant_id, start=start, end=end, cut_seq=cut)
-    records = usage_showback(rows, await store.price_book(), start, end, granularity, cut_seq=cut)
+    book = await store.price_book()
+    records = usage_showback(
+        rows, book, start, end, granularity, cut_seq=cut, default_currency=default_currency
+    )
     return showback_csv(records, await store.attribution())
 
 

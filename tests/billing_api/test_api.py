@@ -162,7 +162,7 @@ async def test_showback_csv_has_focus_columns_and_ties_to_the_invoice(billing: B
     invoice = invoice_from_json(
         (await b.http.get(f"/tenants/{tenant_id}/invoices/2026-09")).content
     )
-    assert sum(Decimal(x["BilledCost"]) for x in records) == invoice.total == Decimal("1.27")
+    assert sum(Decimal(x["x_InvoicedCost"]) for x in records) == invoice.total == Decimal("1.27")
     assert sum(int(x["ConsumedQuantity"]) for x in records) == sum(
         x.quantity for x in invoice.lines
     )
@@ -188,7 +188,7 @@ async def test_showback_csv_has_focus_columns_and_ties_to_the_invoice(billing: B
     assert {(x["ChargePeriodStart"], x["ChargePeriodEnd"]) for x in hourly} == {
         ("2026-09-20T14:00:00Z", "2026-09-20T15:00:00Z")
     }
-    assert sum(Decimal(x["BilledCost"]) for x in hourly) == Decimal("1.00")
+    assert sum(Decimal(x["x_InvoicedCost"]) for x in hourly) == Decimal("1.00")
     assert list(csv.DictReader(io.StringIO((await b.http.get("/showback", params={"period": "2026-08"})).text))) == []  # fmt: skip
 
     for bad in ({}, {"period": "2026-13"}, {"period": "2026-09", "granularity": "week"}, {"from": "2026-09-02", "to": "2026-09-01"}):  # fmt: skip

@@ -85,7 +85,8 @@ async def test_tokenmill_invoices_reads_what_the_api_finalized(
     )  # fmt: skip
     assert code == 0, out
     assert (
-        sum(Decimal(row["BilledCost"]) for row in csv.DictReader(io.StringIO(out))) == final.total
+        sum(Decimal(row["x_InvoicedCost"]) for row in csv.DictReader(io.StringIO(out)))
+        == final.total
     )
 
     code, out = await tokenmill(b, tmp_path, "invoices", "show", "inv_nobody_202609")

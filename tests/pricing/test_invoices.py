@@ -315,3 +315,22 @@ def test_a_rebuild_prices_with_the_plans_known_at_the_cut() -> None:
     rebuilt = build_invoice(original.basis, rows, [*known, retro])
     assert rebuilt.content_digest == original.content_digest
     assert build_invoice(march_basis(), rows, [*known, retro]).total != original.total
+
+
+def test_invoice_csv_lists_unpriced_usage_flagged_at_no_cost() -> None:
+    rows = [row(at(2026, 3, 3), sku_id="llama-8b"), row(at(2026, 3, 3))]
+    invoice = build_invoice(march_basis(), rows, PLANS)
+    records = list(csv.DictReader(io.StringIO(invoice_csv(invoice).decode())))
+    unpriced = [r for r in records if r["unpriced"] == "true"]
+    assert {(r["sku_id"], r["token_class"], r["quantity"]) for r in unpriced} == {
+        ("llama-8b", "input", "1000"),
+        ("llama-8b", "output", "200"),
+    }
+    assert {(r["amount"], r["plan_id"], r["unit_price_per_mtok"]) for r in unpriced} == {
+        ("0.00", "", "")
+    }
+    assert all("no price plan" in r["description"] for r in unpriced)
+    priced = [r for r in records if r["unpriced"] == "false"]
+    assert {r["sku_id"] for r in priced} == {"qwen-27b"}
+    assert sum(Decimal(r["amount"]) for r in records) == invoice.total
+    assert [r["line"] for r in records] == [str(n) for n in range(1, len(records) + 1)]

@@ -160,7 +160,7 @@ async def test_ten_thousand_requests_with_cancels_reconcile_at_100_percent(rig: 
                 showback_csv(invoice_showback(invoice.basis, ledger, book, "hour")).decode()
             )
         )
-        assert sum(Decimal(r["BilledCost"]) for r in table) == invoice.total
+        assert sum(Decimal(r["x_InvoicedCost"]) for r in table) == invoice.total
     assert elapsed < 60, f"10k-request billing run took {elapsed:.1f}s"
 
 
