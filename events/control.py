@@ -207,6 +207,13 @@ def new_id(kind: str) -> str:
     return f"{kind}_{ms:012x}{secrets.token_hex(7)}"
 
 
+def tenant_id_for(name: str) -> str:
+    """Tenant ids derive from the name (as SKU ids do), so two creates of one name meet on one
+    subject and the second fails its expected version: names stay unique without a race.
+    Tenants created before this keep their random `new_id("ten")` ids."""
+    return "ten_" + uuid.uuid5(uuid.NAMESPACE_URL, "tokenmill:tenant:" + name).hex[:26]
+
+
 def sku_id_for(name: str) -> str:
     """SKU ids derive from the name, so two publishes of one name meet on one subject and
     optimistic concurrency, not a race on a uniqueness check, decides."""

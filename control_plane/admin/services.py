@@ -27,6 +27,7 @@ from events.control import (
     TenantSuspended,
     new_id,
     sku_id_for,
+    tenant_id_for,
 )
 from events.governance import ApiKey, PricePlan, Sku, Tenant
 from events.store import ConcurrencyError
@@ -90,13 +91,21 @@ class AdminCommands:
     # -- tenants ---------------------------------------------------------------------------
 
     async def create_tenant(self, body: s.TenantCreate) -> Tenant:
-        tenant_id = new_id("ten")
-        await self._append(
-            TenantCreated(tenant_id=tenant_id, name=body.name, labels=body.labels),
-            "tenant",
-            tenant_id,
-            None,
+        await self.view.sync()
+        # Older tenants have random ids: only the view knows their names.
+        same = next((t for t in self.view.tenants() if t.name == body.name), None)
+        tenant_id = same.tenant_id if same is not None else tenant_id_for(body.name)
+        exists = ProblemError(
+            409, "tenant_exists", f"a tenant named {body.name!r} exists", tenant_id=tenant_id
         )
+        if same is not None or self.view.tenant(tenant_id) is not None:
+            raise exists
+        event = TenantCreated(tenant_id=tenant_id, name=body.name, labels=body.labels)
+        try:
+            seq = await self.store.append(event, expected_version=0)
+        except ConcurrencyError as e:  # created meanwhile, under the same derived id
+            raise exists from e
+        await self.view.wait_for(seq)
         return self._tenant(tenant_id)
 
     async def suspend_tenant(

@@ -3,6 +3,8 @@ problem details. Real NATS and Postgres (the `api` fixture)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import asyncpg
 import httpx
 import nats.errors
@@ -118,3 +120,22 @@ async def test_a_dead_letter_keeps_the_api_serving_and_readyz_says_why(
         await dead_letters.resolve(conn, letter["id"])
     r = await api.get("/readyz")
     assert r.status_code == 200 and r.json()["checks"]["dead_letters"] == {}
+
+
+async def test_tenant_names_are_unique(api: httpx.AsyncClient, services: Services) -> None:
+    rs = await asyncio.gather(
+        *(api.post("/admin/v1/tenants", json={"name": "acme"}) for _ in range(4))
+    )
+    assert sorted(r.status_code for r in rs) == [201, 409, 409, 409], [r.text for r in rs]
+    (created,) = (r.json() for r in rs if r.status_code == 201)
+    for r in rs:
+        if r.status_code == 409:
+            assert _problem(r, 409, "tenant_exists")["tenant_id"] == created["tenant_id"]
+    # A tenant from before names were unique (a random id) still claims its name.
+    await services.store.append(TenantCreated(tenant_id="ten_legacy", name="legacy"), 0)
+    body = _problem(
+        await api.post("/admin/v1/tenants", json={"name": "legacy"}), 409, "tenant_exists"
+    )
+    assert body["tenant_id"] == "ten_legacy"
+    r = await api.get("/admin/v1/tenants", params={"consistent": "true"})
+    assert sorted(t["name"] for t in r.json()["items"]) == ["acme", "legacy"]
