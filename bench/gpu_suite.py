@@ -679,6 +679,15 @@ def gdn_sweep(args: argparse.Namespace, config: Any, budget: float) -> dict[str,
 TOP_TILINGS: dict[tuple[int, int], list[Any]] = {}
 
 
+def w4_gemv(args: argparse.Namespace, budget: float) -> dict[str, Any]:
+    """The int4 decode GEMV sweep at the 27B shapes (bench/int4_kernels.py): checks each tiling
+    against the reference, times it, stores the winners in INT4_DECODE_TILINGS for the w4 engine
+    section, and reports % of the copy bandwidth measured by the roofline section."""
+    from bench import int4_kernels
+
+    return int4_kernels.sweep(budget_s=budget, copy_bandwidth=args.copy_bandwidth)
+
+
 def choose_decode_setup(runner: Any, rows: int, fp8: bool) -> dict[str, Any]:
     """The decode step as the engine replays it, timed while its GEMV tilings and PDL change: the
     sweep times each GEMV alone, but the step of the same kernels (eager sums within 0.02 ms)
@@ -1005,16 +1014,24 @@ def overlap_check(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, Any]
 
 
 def engine_config(
-    args: argparse.Namespace, config: Any, fp8: bool, budget: float
+    args: argparse.Namespace, config: Any, precision: str, budget: float
 ) -> dict[str, Any]:
+    """The engine at the load point with `precision` weights: "bf16", "fp8" (e4m3 per channel)
+    or "w4" (int4 group 128 with the FP8 LM head, `quantize_int4`'s default scheme); fp8 and w4
+    run an fp8 KV cache."""
     from worker.models import build_random
     from worker.models.fp8 import quantize_fp8
 
     began = time.perf_counter()
     device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     model = build_random(config, device, dtype, seed=args.seed)
+    fp8 = precision == "fp8"
     if fp8:
         quantize_fp8(model)
+    elif precision == "w4":
+        from worker.models.int4 import quantize_int4
+
+        quantize_int4(model)
     free_gpu()
     build_s = time.perf_counter() - began
     max_model_len = args.prompt_len + args.max_tokens
@@ -1027,7 +1044,7 @@ def engine_config(
             max_num_seqs=args.concurrency,
             max_num_batched_tokens=args.prompt_len * args.concurrency,
             max_model_len=max_model_len,
-            kv_dtype=FP8_E4M3 if fp8 else None,
+            kv_dtype=FP8_E4M3 if precision != "bf16" else None,
             device=device,
             pad_decode=True,  # on CPU too, so the plumbing check covers the same path
         ),
@@ -1051,6 +1068,10 @@ def engine_config(
         from worker.kernels.triton import fp8_gemm as fp8k
 
         table = fp8k.DECODE_TILINGS if fp8 else fp8k.BF16_DECODE_TILINGS
+        if precision == "w4":
+            from worker.kernels.triton import int4_gemm
+
+            table = int4_gemm.INT4_DECODE_TILINGS
         result["decode_tilings"] = {f"{n}x{k}": str(t) for (n, k), t in table.items()}
     if device == "cuda":
         from worker.kernels import ops
@@ -1205,6 +1226,19 @@ def hf_baseline(args: argparse.Namespace, config: Any, budget: float) -> dict[st
     return result  # the model goes with this frame
 
 
+def write_tuning(suite: Suite, into_package: bool) -> None:
+    """The settings this run chose and measured, as the GPU's tuning file: a copy in the out
+    folder, and the package's own file with --write-tuning."""
+    from worker.kernels import tuning
+
+    gpu = torch.cuda.get_device_name()
+    data = tuning.snapshot(gpu, measured_by="python -m bench.gpu_suite")
+    tuning.write(suite.out / f"tuning-{tuning.gpu_slug(gpu)}.json", data)
+    if into_package:
+        tuning.write(tuning.path_for(gpu), data)
+    suite.report["tuning_file"] = str(tuning.path_for(gpu)) if into_package else None
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -1218,7 +1252,7 @@ def print_table(report: dict[str, Any]) -> None:
     cols = ("output tok/s", "TTFT p50/p95 s", "E2E p50/p95 s", "weights GiB", "KV GiB@1M",
             "state MiB/seq", "GPU-h/1M tok", "decode ms (graph/eager)")  # fmt: skip
     print(" | ".join(["config", *cols]))
-    for name in ("bf16", "fp8", "hf"):
+    for name in ("bf16", "fp8", "w4", "hf"):
         r = s.get(name, {})
         if "output_tok_s" not in r:
             print(f"{name} | {r.get('error', 'not run')}")
@@ -1245,6 +1279,9 @@ def print_table(report: dict[str, Any]) -> None:
                 ]
             )
         )
+    w4, fp8 = s.get("w4", {}), s.get("fp8", {})
+    if "output_tok_s" in w4 and "output_tok_s" in fp8:
+        print(f"W4 / FP8 output tok/s: {w4['output_tok_s'] / fp8['output_tok_s']:.3f}")
     roof = s.get("roofline", {})
     for name, row in roof.get("configs", {}).items():
         print(
@@ -1266,8 +1303,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sections", default="roofline,preflight,gemv,fp8_gemm,fp8,bf16,hf")
+    p.add_argument("--sections", default="roofline,preflight,gemv,w4_gemv,fp8_gemm,fp8,w4,bf16,hf")
     p.add_argument("--out", help="folder for gpu_suite.json (default $OUT, else bench/results)")
+    p.add_argument(
+        "--write-tuning",
+        action="store_true",
+        help="write the settings the sweeps chose to worker/kernels/tuning/<gpu>.json "
+        "(a copy always goes to the out folder)",
+    )
     args = p.parse_args(argv)
     from worker.models.presets import PRESETS
 
@@ -1283,11 +1326,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ("gdn", lambda b: gdn_sweep(args, config, b), 0.1),
         ("l2_probe", lambda b: l2_probe(args, config), 0.1),
         ("fp8_gemm", lambda b: fp8_gemm(args, config), 0.1),
-        ("fp8", lambda b: engine_config(args, config, True, b), 0.45),
-        ("bf16", lambda b: engine_config(args, config, False, b), 0.9),
+        ("w4_gemv", lambda b: w4_gemv(args, b), 0.1),
+        ("fp8", lambda b: engine_config(args, config, "fp8", b), 0.35),
+        ("w4", lambda b: engine_config(args, config, "w4", b), 0.5),
+        ("bf16", lambda b: engine_config(args, config, "bf16", b), 0.9),
         ("hf", lambda b: hf_baseline(args, config, b), 0.9),
     ]
     args.copy_bandwidth = None
+    if {"gemv", "gdn", "w4_gemv"} & set(wanted):
+        from worker.kernels import tuning
+
+        tuning.mark_swept()  # the engine sections run what the sweeps chose, not a file
     for name, fn, share in plan:
         if name in wanted:
             suite.section(name, fn, share)
@@ -1296,6 +1345,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 args.copy_bandwidth = gb_s * 1e9 if gb_s else None
     suite.report["suite_s"] = time.perf_counter() - suite.start
     suite.write()
+    if args.device == "cuda":
+        write_tuning(suite, args.write_tuning)
     print_table(suite.report)
     return suite.report
 

@@ -204,6 +204,10 @@ class LLMEngine:
             cuda_graphs=config.cuda_graphs,
             pad_decode=config.pad_decode,
         )
+        if self.runner.device.type == "cuda":  # the GPU's measured kernel settings, if any
+            from worker.kernels import tuning
+
+            tuning.apply(self.runner.device)
         self.runner.capture_graphs()  # no-op off CUDA
         if config.warm_up is None:  # resolved in place: the caller decides on warm_up() by it
             config.warm_up = self.runner.device.type == "cuda"
