@@ -220,3 +220,148 @@ def test_scratch_gathers_both_kinds_of_page():
     via_scratch = reference.paged_attention_decode(q, keys, values, ctx, scratch_tables, 0.125)
     direct = reference.staged_attention_decode(q, cache, ctx, tables, 0.125)
     assert rel_err(via_scratch, direct) < 1e-5
+
+
+# ---------------------------------------------------------------- layer helper
+
+
+def test_staged_attention_layer_equals_plain_attention_without_compression():
+    from worker.engine.batch import BatchMetadata
+    from worker.kvcache.staged import staged_attention
+
+    torch.manual_seed(3)
+    hq, hkv, dim, bs = 4, 2, 64, 4
+    prefix, chunk = 6, 5
+    cache = StagedAttentionCache.allocate(8, 4, bs, hkv, dim, kv_dtype=torch.float32)
+    plain_k = torch.zeros(8, bs, hkv, dim)
+    plain_v = torch.zeros(8, bs, hkv, dim)
+    table = torch.tensor([[5, 2, 7]], dtype=torch.int32)
+    k = torch.randn(prefix + chunk, hkv, dim)
+    v = torch.randn(prefix + chunk, hkv, dim)
+    q = torch.randn(prefix + chunk, hq, dim)
+    slots = torch.tensor([int(table[0, p // bs]) * bs + p % bs for p in range(prefix + chunk)])
+    outs = []
+    for lo, hi in ((0, prefix), (prefix, prefix + chunk)):
+        meta = BatchMetadata(
+            seq_ids=[0],
+            num_prefills=1,
+            query_lens=[hi - lo],
+            context_lens=torch.tensor([hi], dtype=torch.int32),
+            cu_seqlens=cu_seqlens_of([hi - lo]),
+            positions=torch.arange(lo, hi),
+            slot_mapping=slots[lo:hi],
+            block_tables=table,
+            state_slots=torch.zeros(1, dtype=torch.int64),
+            has_initial_state=torch.tensor([lo > 0]),
+            logits_indices=torch.tensor([hi - lo - 1]),
+        )
+        outs.append(staged_attention(q[lo:hi], k[lo:hi], v[lo:hi], meta, cache, 0.125))
+        reference.write_kv_cache(k[lo:hi], v[lo:hi], plain_k, plain_v, slots[lo:hi])
+    want = reference.paged_attention_prefill(
+        q,
+        plain_k,
+        plain_v,
+        cu_seqlens_of([prefix + chunk]),
+        torch.tensor([prefix + chunk]),
+        table,
+        torch.arange(prefix + chunk),
+        0.125,
+    )
+    assert rel_err(torch.cat(outs), want) < 1e-5
+    # stored rotated: the recent page is not the plain k
+    assert rel_err(cache.k_cache[5, 0], k[0]) > 0.5
+
+
+def test_restage_helper_converts_block_ids_in_every_layer():
+    from worker.kvcache.staged import restage
+
+    caches = [staged_case([8], 0.0, seed=s)[0] for s in (0, 1)]
+    recent = caches[0].num_recent_blocks
+    block = 3
+    restage(caches, [(block, recent + 1)], "cpu")
+    for cache in caches:
+        got = reference._staged_vectors(
+            cache, torch.full((4,), recent + 1), torch.arange(4), value=True
+        )
+        want = cache.v_cache[block].float() * cache.v_scale
+        assert rel_err(got, want) < 0.25
+
+
+# ---------------------------------------------------------------- triton kernels
+
+
+def triton_module():
+    pytest.importorskip("triton")
+    from worker.kernels.triton import turboquant
+
+    return turboquant
+
+
+def check_restage(device: str, hkv: int, dim: int, block_size: int, k_bits: int, v_bits: int):
+    tq_kernels = triton_module()
+    cache, tables, _ = staged_case(
+        [3 * block_size], 0.0, 2 * hkv, hkv, dim, block_size, device, k_bits=k_bits, v_bits=v_bits
+    )
+    expected = StagedAttentionCache(**{**cache.__dict__})
+    expected.k_codes, expected.v_codes = cache.k_codes.clone(), cache.v_codes.clone()
+    expected.k_norms, expected.v_norms = cache.k_norms.clone(), cache.v_norms.clone()
+    src = tables[0, [2, 0, 1]].long()  # written pages
+    dst = torch.tensor([1, 3, 0], device=device)
+    reference.turboquant_restage(expected, src, dst)
+    tq_kernels.turboquant_restage(cache, src, dst)
+    assert rel_err(cache.k_norms, expected.k_norms) < 1e-3
+    assert rel_err(cache.v_norms, expected.v_norms) < 1e-3
+    for bits, got, want in (
+        (k_bits, cache.k_codes, expected.k_codes),
+        (v_bits, cache.v_codes, expected.v_codes),
+    ):
+        from worker.kvcache.turboquant import unpack_codes
+
+        same = unpack_codes(got, bits, dim) == unpack_codes(want, bits, dim)
+        assert same.float().mean() > 0.999  # ties at a boundary may round either way
+    untouched = torch.ones(cache.num_compressed_blocks, dtype=torch.bool)
+    untouched[dst.cpu()] = False
+    assert (cache.k_norms[untouched.to(device)] == 0).all()
+
+
+@pytest.mark.parametrize("bits", [(4, 3), (2, 1)])
+def test_triton_restage(bits: tuple[int, int]):
+    check_restage("cpu", 2, 64, 4, *bits)
+
+
+def check_staged_decode(
+    device: str, contexts: list[int], fraction: float, hq: int, hkv: int, dim: int, bs: int,
+    partition: int | None = None, kv_dtype: torch.dtype = FP8,
+):  # fmt: skip
+    tq_kernels = triton_module()
+    cache, tables, _ = staged_case(contexts, fraction, hq, hkv, dim, bs, device, kv_dtype)
+    q = torch.randn(len(contexts), hq, dim, device=device).bfloat16()
+    ctx = torch.tensor(contexts, dtype=torch.int32, device=device)
+    want = reference.staged_attention_decode(q, cache, ctx, tables, dim**-0.5)
+    got = tq_kernels.staged_attention_decode(q, cache, ctx, tables, dim**-0.5, partition)
+    assert rel_err(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.6, 1.0])
+def test_triton_staged_decode_mixed_pages(fraction: float):
+    check_staged_decode("cpu", [5, 70, 33], fraction, 4, 2, 64, 4)
+
+
+def test_triton_staged_decode_split_partitions():
+    check_staged_decode("cpu", [150, 9], 0.5, 6, 2, 64, 8, partition=64)
+
+
+def test_triton_staged_prefill_via_scratch():
+    tq_kernels = triton_module()
+    cache, tables, _ = staged_case([9, 20], 0.5)
+    keys, values, scratch_tables = tq_kernels.staged_scratch(cache, tables, torch.float32)
+    want_k, want_v, want_tables = reference.staged_scratch(cache, tables, torch.float32)
+    assert torch.equal(scratch_tables, want_tables)
+    assert rel_err(keys, want_k) < 1e-5 and rel_err(values, want_v) < 1e-5
+    q = torch.randn(3 + 20, 4, 64).bfloat16()
+    cu = cu_seqlens_of([3, 20])
+    ctx = torch.tensor([9, 20], dtype=torch.int32)
+    positions = torch.cat([torch.arange(6, 9), torch.arange(20)])
+    want = reference.staged_attention_prefill(q, cache, cu, ctx, tables, positions, 0.125)
+    got = tq_kernels.staged_attention_prefill(q, cache, cu, ctx, tables, positions, 0.125)
+    assert rel_err(got, want) < 2e-2

@@ -121,7 +121,9 @@ def _codebook_cpu(dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, floa
     bounds = (centroids[1:] + centroids[:-1]) / 2
     cell = torch.bucketize(t, bounds)
     mse = float((w * (t - centroids[cell]) ** 2).sum()) * dim
-    return centroids.float(), bounds.float(), mse
+    # the boundaries as the kernels form them: midpoints of the fp32 centroids
+    c32 = centroids.float()
+    return c32, (c32[1:] + c32[:-1]) / 2, mse
 
 
 def codebook(
