@@ -17,6 +17,11 @@ request by request against the usage ledger.
     python -m bench.gpu_endpoint --preset tiny-qwen3.5 --device cpu --dtype float32 \\
         --quantize none --kv-dtype none --requests 4 --prompt-tokens 32 --max-tokens 8
 
+`--sweep 1,2,4,8,16,32,64` then measures each concurrency C (2 x C requests, one warm round
+through the gateway first), direct and governed, on the same worker (its max_num_seqs is the
+largest C). The worker logs every engine step over `--slow-step-s` (with the kernel compiles
+it waited on); the report counts those after the worker's warm-up.
+
 Prints a table and writes JSON (`--out`).
 """
 
@@ -220,9 +225,10 @@ def start_worker(b: Bench, a: argparse.Namespace) -> dict[str, Any]:
         "model_path": f"random:{a.preset}",
         "device": a.device,
         "dtype": a.dtype,
-        "max_num_seqs": a.concurrency,
+        "max_num_seqs": max([a.concurrency, *a.sweep]),
         "max_model_len": a.prompt_tokens * 2 + a.max_tokens,
     }
+    b.env = {**b.env, "TOKENMILL_ENGINE_SLOW_STEP_S": str(a.slow_step_s)}
     if a.quantize != "none":
         config["quantize"] = a.quantize
     if a.kv_dtype != "none":
@@ -247,12 +253,53 @@ def start_worker(b: Bench, a: argparse.Namespace) -> dict[str, Any]:
         time.sleep(1.0)
 
 
+def slow_steps(worker_log: str) -> list[str]:
+    """The worker's slow-step warnings after its warm-up finished (all of them if it logged no
+    warm-up)."""
+    lines = worker_log.splitlines()
+    start = max((i for i, line in enumerate(lines) if "warmed up" in line), default=-1)
+    return [line.strip() for line in lines[start + 1 :] if "slow engine step" in line]
+
+
+def concurrency_sweep(b: Any, sku: dict[str, Any], a: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each concurrency C: 2 x C requests, a warm gateway round, then direct and governed."""
+    rows = []
+    load_point = a.concurrency
+    for c in a.sweep:
+        a.concurrency = c
+        prompts = [prompt_text(a.prompt_tokens, 1000 * c + i) for i in range(2 * c)]
+        asyncio.run(through_gateway(b.url, b.key, sku["name"], prompts, a, set()))
+        d = summary(*asyncio.run(direct(b, sku, prompts, a)))
+        g = summary(*asyncio.run(through_gateway(b.url, b.key, sku["name"], prompts, a, set())))
+        rows.append({"concurrency": c, "direct": d, "gateway": g})
+        print(
+            f"sweep C={c}: direct {d['output_tokens_per_s']:.1f} tok/s, governed "
+            f"{g['output_tokens_per_s']:.1f} tok/s, TTFT p50 {g['ttft_s_p50']:.3f} s",
+            flush=True,
+        )
+    a.concurrency = load_point
+    return rows
+
+
+def print_sweep(rows: list[dict[str, Any]]) -> None:
+    print(f"{'C':>4}{'direct tok/s':>14}{'governed tok/s':>16}{'gov/direct':>12}"
+          f"{'TTFT p50':>10}{'TTFT p95':>10}{'errors':>8}")  # fmt: skip
+    for r in rows:
+        d, g = r["direct"], r["gateway"]
+        ratio = g["output_tokens_per_s"] / d["output_tokens_per_s"]
+        print(
+            f"{r['concurrency']:>4}{d['output_tokens_per_s']:>14.1f}{g['output_tokens_per_s']:>16.1f}"
+            f"{ratio:>12.3f}{g['ttft_s_p50']:>10.3f}{g['ttft_s_p95']:>10.3f}"
+            f"{d['errors'] + g['errors']:>8}"
+        )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--preset", default="qwen3.6-27b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--quantize", default="fp8", choices=["fp8", "none"])
+    ap.add_argument("--quantize", default="fp8", choices=["fp8", "w4", "none"])
     ap.add_argument("--kv-dtype", default="fp8", choices=["fp8", "none"])
     ap.add_argument("--gpu-type", default="H200")
     ap.add_argument("--requests", type=int, default=32)
@@ -263,7 +310,10 @@ def main() -> int:
     ap.add_argument("--hang-up", type=int, default=4, help="clients of the last round that hang up")
     ap.add_argument("--load-timeout-s", type=float, default=900)
     ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_endpoint.json"))
+    ap.add_argument("--sweep", default="", help="concurrencies to measure after the load point")
+    ap.add_argument("--slow-step-s", type=float, default=0.25, help="worker steps logged as slow")
     a = ap.parse_args()
+    a.sweep = [int(c) for c in a.sweep.split(",") if c]
     a.uvloop = False
     prompts = [prompt_text(a.prompt_tokens, i) for i in range(a.requests)]
     runs: dict[str, list[tuple[list[dict[str, Any]], float]]] = {"direct": [], "gateway": []}
@@ -300,6 +350,8 @@ def main() -> int:
             through_gateway(b.url, b.key, sku["name"], prompts, a, hang_up)
         )
         report = b.reconcile(len(prompts), since)
+        sweep_rows = concurrency_sweep(b, sku, a) if a.sweep else []
+        worker_log = (b.tmp / "worker.log").read_text(errors="replace")
     modes = {
         mode: summary([r for rs, _ in rr for r in rs], sum(w for _, w in rr))
         for mode, rr in runs.items()
@@ -323,6 +375,8 @@ def main() -> int:
             **reconciled(report, mismatches_kept=20),
         },
     }
+    result["sweep"] = sweep_rows
+    result["slow_steps_after_warm_up"] = slow_steps(worker_log)
     if a.device == "cuda":
         import torch
 
@@ -359,6 +413,12 @@ def main() -> int:
             )
         )
     rc = result["reconciliation"]
+    slow_list = result["slow_steps_after_warm_up"]
+    print(f"worker steps over {a.slow_step_s} s after its warm-up: {len(slow_list)}")
+    for line in slow_list[:5]:
+        print("  " + line)
+    if sweep_rows:
+        print_sweep(sweep_rows)
     print(f"gateway cost: {cost:.2f}% of output tok/s")
     print(
         f"reconciliation: {rc['requests']} requests ({rc['client_hung_up']} hung up): "

@@ -1132,6 +1132,83 @@ def engine_config(
     return result
 
 
+def concurrency_sweep(
+    args: argparse.Namespace, config: Any, precision: str, budget: float
+) -> dict[str, Any]:
+    """The engine alone at concurrency 1, 2, 4, ... (`--sweep`), 2 x C requests of the load
+    point's lengths per point after one warm round, on one engine sized for the largest C and
+    warmed up first (its ready time is reported): output tok/s, TTFT p50/p95, decode step ms
+    (overlapped decode's launch-to-launch time at the point's batch), preemptions, and the
+    kernel compiles each point met after warm-up (should be 0)."""
+    from worker.kernels.triton._launch import compiles
+    from worker.models import build_random
+    from worker.models.fp8 import quantize_fp8
+
+    began = time.perf_counter()
+    device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = build_random(config, device, dtype, seed=args.seed)
+    if precision == "fp8":
+        quantize_fp8(model)
+    elif precision == "w4":
+        from worker.models.int4 import quantize_int4
+
+        quantize_int4(model)
+    free_gpu()
+    top = max(args.sweep)
+    max_model_len = args.prompt_len + args.max_tokens
+    engine = LLMEngine(
+        model,
+        None,
+        EngineConfig(
+            block_size=16,
+            num_kv_blocks=-(-max_model_len // 16) * top,
+            max_num_seqs=top,
+            max_num_batched_tokens=args.sweep_batched_tokens,
+            max_model_len=max_model_len,
+            kv_dtype=FP8_E4M3 if precision != "bf16" else None,
+            device=device,
+        ),
+    )
+    built = time.perf_counter()
+    compositions = engine.warm_up()
+    result: dict[str, Any] = {
+        "build_and_capture_s": built - began,
+        "warm_up_s": time.perf_counter() - built,
+        "warm_up_compositions": len(compositions),
+        "max_num_batched_tokens": args.sweep_batched_tokens,
+        "points": [],
+    }
+    steps = StepLog(engine.runner)
+    rng = random.Random(args.seed)
+    for c in args.sweep:
+        if time.perf_counter() - began > budget:
+            result["points"].append({"concurrency": c, "skipped": "budget"})
+            continue
+        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        run_round(engine, random_prompts(c, args.prompt_len, config.vocab_size, rng), c, params)
+        steps.steps.clear()
+        before = compiles()
+        r = run_round(
+            engine, random_prompts(2 * c, args.prompt_len, config.vocab_size, rng), c, params
+        )
+        full = [s for kind, n, s in steps.steps if kind in ("decode", "overlapped") and n == c]
+        result["points"].append(
+            {
+                "concurrency": c,
+                "output_tok_s": r.output_tok_s,
+                "ttft_p50_s": percentile(r.ttft_s, 50),
+                "ttft_p95_s": percentile(r.ttft_s, 95),
+                "decode_step_ms_p50": 1e3 * statistics.median(full) if full else None,
+                "preemptions": r.preemptions,
+                "compiles_after_warm_up": compiles() - before,
+                "wall_s": r.wall_s,
+            }
+        )
+        print(f"  C={c}: {r.output_tok_s:.1f} tok/s", file=sys.stderr)
+    del engine, model
+    return result
+
+
 # --- 4. Hugging Face transformers -----------------------------------------------------------
 
 
@@ -1279,6 +1356,15 @@ def print_table(report: dict[str, Any]) -> None:
                 ]
             )
         )
+    for name in ("sweep_fp8", "sweep_w4"):
+        for point in s.get(name, {}).get("points", []):
+            if "output_tok_s" in point:
+                print(
+                    f"{name} C={point['concurrency']}: {point['output_tok_s']:.1f} tok/s, TTFT "
+                    f"p50/p95 {point['ttft_p50_s']:.3f}/{point['ttft_p95_s']:.3f} s, decode "
+                    f"{point['decode_step_ms_p50'] or float('nan'):.2f} ms, "
+                    f"{point['preemptions']} preemptions, {point['compiles_after_warm_up']} compiles"
+                )
     w4, fp8 = s.get("w4", {}), s.get("fp8", {})
     if "output_tok_s" in w4 and "output_tok_s" in fp8:
         print(f"W4 / FP8 output tok/s: {w4['output_tok_s'] / fp8['output_tok_s']:.3f}")
@@ -1306,12 +1392,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--sections", default="roofline,preflight,gemv,w4_gemv,fp8_gemm,fp8,w4,bf16,hf")
     p.add_argument("--out", help="folder for gpu_suite.json (default $OUT, else bench/results)")
     p.add_argument(
+        "--sweep", default="1,2,4,8,16,32,64", help="concurrencies of the sweep sections"
+    )
+    p.add_argument("--sweep-batched-tokens", type=int, default=4096)
+    p.add_argument(
         "--write-tuning",
         action="store_true",
         help="write the settings the sweeps chose to worker/kernels/tuning/<gpu>.json "
         "(a copy always goes to the out folder)",
     )
     args = p.parse_args(argv)
+    args.sweep = [int(c) for c in args.sweep.split(",") if c]
     from worker.models.presets import PRESETS
 
     config = PRESETS[args.preset.replace("_", ".")]
@@ -1330,6 +1421,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ("fp8", lambda b: engine_config(args, config, "fp8", b), 0.35),
         ("w4", lambda b: engine_config(args, config, "w4", b), 0.5),
         ("bf16", lambda b: engine_config(args, config, "bf16", b), 0.9),
+        ("sweep_fp8", lambda b: concurrency_sweep(args, config, "fp8", b), 0.5),
+        ("sweep_w4", lambda b: concurrency_sweep(args, config, "w4", b), 0.9),
         ("hf", lambda b: hf_baseline(args, config, b), 0.9),
     ]
     args.copy_bandwidth = None

@@ -16,7 +16,7 @@ import torch
 from worker.engine.batch import BatchMetadata
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.runner import ModelRunner, SampledTokens, model_dtype
+from worker.engine.runner import ModelRunner, SampledTokens, model_device, model_dtype
 from worker.engine.sampler import stop_by_token
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import PENDING_TOKEN, FinishReason, SamplingParams, Sequence
@@ -31,6 +31,11 @@ SLOW_STEP_S = float(os.environ.get("TOKENMILL_ENGINE_SLOW_STEP_S", "1.0"))
 def _env_int(name: str, default: int | None) -> int | None:
     value = os.environ.get(name)
     return int(value) if value else default
+
+
+def _env_float(name: str) -> float | None:
+    value = os.environ.get(name)
+    return float(value) if value else None
 
 
 def _env_bool(name: str) -> bool | None:
@@ -50,20 +55,90 @@ def _env_dtype(name: str) -> torch.dtype | None:
     return _STATE_DTYPES[value]
 
 
+GIB = 1 << 30
+# The context limit of a model whose config does not give max_position_embeddings.
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+def kv_budget_bytes(free_bytes: int, fraction: float, state_bytes: int) -> int:
+    """Bytes the KV pool may take on a GPU: `fraction` of the memory free at start-up (after
+    the weights), less what the DeltaNet state slots take; the rest is left to activations,
+    CUDA graphs and the allocator."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"gpu_memory_fraction={fraction}: expected a fraction in (0, 1]")
+    return max(0, int(free_bytes * fraction) - state_bytes)
+
+
+def check_kv_pool(
+    num_blocks: int, block_size: int, max_model_len: int, bytes_per_token: int, source: str
+) -> None:
+    """Refuse a KV pool too small for one sequence of max_model_len, saying by how much."""
+    if num_blocks * block_size >= max_model_len:
+        return
+    need = -(-max_model_len // block_size)
+    sizes = ""
+    if bytes_per_token:
+        have_gib = num_blocks * block_size * bytes_per_token / GIB
+        need_gib = need * block_size * bytes_per_token / GIB
+        sizes = (
+            f" ({have_gib:.2f} GiB at {bytes_per_token} bytes per token; it needs {need_gib:.2f})"
+        )
+    raise ValueError(
+        f"the KV pool ({source}) holds {num_blocks} blocks of {block_size} tokens = "
+        f"{num_blocks * block_size} tokens{sizes}, fewer than one sequence of "
+        f"max_model_len={max_model_len} needs ({need} blocks): lower max_model_len "
+        f"(TOKENMILL_ENGINE_MAX_MODEL_LEN) or give the KV pool more memory"
+    )
+
+
+def _context_limit(config: EngineConfig, model: Any) -> int:
+    """max_model_len as configured, else the model's positions; never past the model's."""
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if config.max_model_len <= 0:
+        return int(positions or DEFAULT_MAX_MODEL_LEN)
+    if positions is not None and config.max_model_len > positions:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} is past the model's "
+            f"max_position_embeddings={positions}"
+        )
+    return config.max_model_len
+
+
+class ContextLengthExceeded(ValueError):
+    """A request that can never run: its prompt alone reaches the context limit."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, prompt_tokens: int, max_model_len: int) -> None:
+        self.prompt_tokens, self.max_model_len = prompt_tokens, max_model_len
+        super().__init__(
+            f"this model's maximum context length is {max_model_len} tokens of prompt and "
+            f"output together; the prompt has {prompt_tokens} tokens, "
+            f"{prompt_tokens - max_model_len + 1} more than leaves room for one output token"
+        )
+
+
 @dataclass
 class EngineConfig:
     """Engine sizing. Every field can be set from the environment (see `from_env`)."""
 
     block_size: int = 16  # tokens per KV block (TOKENMILL_ENGINE_BLOCK_SIZE)
     # KV cache size: a block count (TOKENMILL_ENGINE_NUM_KV_BLOCKS), else a byte budget
-    # (TOKENMILL_ENGINE_KV_CACHE_BYTES), else room for max_num_seqs full-length sequences.
+    # (TOKENMILL_ENGINE_KV_CACHE_BYTES), else on a GPU gpu_memory_fraction of the memory free
+    # when the engine starts (weights loaded) less the DeltaNet state slots, else (CPU) room
+    # for max_num_seqs full-length sequences. Sequences share the pool: a long context takes
+    # what short ones leave, the scheduler preempts when it runs out.
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
+    gpu_memory_fraction: float = 0.9  # TOKENMILL_ENGINE_GPU_MEMORY_FRACTION
     max_num_seqs: int = (
         8  # running sequences = DeltaNet state slots (TOKENMILL_ENGINE_MAX_NUM_SEQS)
     )
     max_num_batched_tokens: int = 2048  # tokens per step (TOKENMILL_ENGINE_MAX_NUM_BATCHED_TOKENS)
-    max_model_len: int = 4096  # prompt + output tokens (TOKENMILL_ENGINE_MAX_MODEL_LEN)
+    # prompt + output tokens (TOKENMILL_ENGINE_MAX_MODEL_LEN); 0: the model's
+    # max_position_embeddings (262,144 for Qwen3.6), resolved in place when the engine starts.
+    # An operator may lower it, never raise it past the model's positions.
+    max_model_len: int = 0
     kv_dtype: torch.dtype | None = None  # default: the model's dtype
     # DeltaNet recurrent state in the slot pool (TOKENMILL_ENGINE_STATE_DTYPE=float32|bfloat16|
     # float16; default: the model's dtype, as vLLM's mamba_ssm_cache_dtype=auto). Kernels compute
@@ -105,6 +180,7 @@ class EngineConfig:
             "block_size": _env_int("TOKENMILL_ENGINE_BLOCK_SIZE", None),
             "num_kv_blocks": _env_int("TOKENMILL_ENGINE_NUM_KV_BLOCKS", None),
             "kv_cache_bytes": _env_int("TOKENMILL_ENGINE_KV_CACHE_BYTES", None),
+            "gpu_memory_fraction": _env_float("TOKENMILL_ENGINE_GPU_MEMORY_FRACTION"),
             "max_num_seqs": _env_int("TOKENMILL_ENGINE_MAX_NUM_SEQS", None),
             "max_num_batched_tokens": _env_int("TOKENMILL_ENGINE_MAX_NUM_BATCHED_TOKENS", None),
             "max_model_len": _env_int("TOKENMILL_ENGINE_MAX_MODEL_LEN", None),
@@ -186,12 +262,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(_eos_token_ids(config, tokenizer, model))
         if config.fuse_projections and hasattr(model, "fuse_projections"):
             model.fuse_projections()
+        config.max_model_len = _context_limit(config, model)
         num_blocks = self._num_kv_blocks()
-        if num_blocks * config.block_size < config.max_model_len:
-            raise ValueError(
-                f"{num_blocks} KV blocks of {config.block_size} tokens cannot hold one sequence "
-                f"of max_model_len={config.max_model_len}"
-            )
         self.runner = ModelRunner(
             model,
             num_blocks=num_blocks,
@@ -229,25 +301,51 @@ class LLMEngine:
         self._last_batch: ScheduledBatch | None = None  # for the slow-step warning
 
     def _num_kv_blocks(self) -> int:
+        """The KV pool's block count, by EngineConfig's order (a count, a byte budget, the GPU's
+        free memory, room for max_num_seqs full-length sequences). A pool that cannot hold one
+        sequence of max_model_len is refused here, with the numbers."""
         cfg = self.config
+        full = -(-cfg.max_num_seqs * cfg.max_model_len // cfg.block_size)
         if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        if cfg.kv_cache_bytes is not None:
+            blocks, source = cfg.num_kv_blocks, f"num_kv_blocks={cfg.num_kv_blocks}"
+        else:
             per_token = self.kv_bytes_per_token()
             if per_token == 0:  # no attention layers: KV blocks cost nothing
-                return -(-cfg.max_num_seqs * cfg.max_model_len // cfg.block_size)
-            return cfg.kv_cache_bytes // (per_token * cfg.block_size)
-        return -(-cfg.max_num_seqs * cfg.max_model_len // cfg.block_size)
+                return full
+            device = torch.device(cfg.device) if cfg.device else model_device(self.model)
+            if cfg.kv_cache_bytes is not None:
+                budget, source = cfg.kv_cache_bytes, f"kv_cache_bytes={cfg.kv_cache_bytes}"
+            elif device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+                state = cfg.max_num_seqs * self._probe_cache().state_bytes_per_sequence()
+                budget = kv_budget_bytes(free, cfg.gpu_memory_fraction, state)
+                source = (
+                    f"gpu_memory_fraction={cfg.gpu_memory_fraction} of {free / GIB:.2f} GiB free, "
+                    f"less {state / GIB:.2f} GiB of DeltaNet state for {cfg.max_num_seqs} sequences"
+                )
+            else:
+                return full
+            blocks = budget // (per_token * cfg.block_size)
+        check_kv_pool(blocks, cfg.block_size, cfg.max_model_len, self.kv_bytes_per_token(), source)
+        return blocks
+
+    def _probe_cache(self) -> Any:
+        """A one-block, one-slot cache of the model's layout (for its per-token sizes)."""
+        dtype = model_dtype(self.model)
+        return self.model.allocate_cache(
+            1,
+            self.config.block_size,
+            1,
+            self.config.kv_dtype or dtype,
+            self.config.device or "cpu",
+            state_dtype=self.config.state_dtype or dtype,
+        )
 
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes per token of context, measured on a one-block cache."""
         if hasattr(self, "runner"):
             return int(self.runner.cache.kv_bytes_per_token())
-        kv_dtype = self.config.kv_dtype or model_dtype(self.model)
-        probe = self.model.allocate_cache(
-            1, self.config.block_size, 1, kv_dtype, self.config.device or "cpu"
-        )
-        return int(probe.kv_bytes_per_token())
+        return int(self._probe_cache().kv_bytes_per_token())
 
     def state_bytes_per_sequence(self) -> int:
         return int(self.runner.cache.state_bytes_per_sequence())
@@ -274,10 +372,7 @@ class LLMEngine:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= self.config.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens; this model serves at most "
-                f"{self.config.max_model_len} tokens of prompt and output together"
-            )
+            raise ContextLengthExceeded(len(prompt_ids), self.config.max_model_len)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         seq = Sequence(next(self._seq_ids), request_id, prompt_ids, params)
@@ -373,18 +468,20 @@ class LLMEngine:
         With overlapped decode the tokens of a decode step come out of the next step() call.
         A step slower than TOKENMILL_ENGINE_SLOW_STEP_S (1 s) is logged with its batch: every
         request in it waited that long (a kernel compiled for a new shape, say)."""
-        began = time.perf_counter()
+        began, compiled = time.perf_counter(), _compiles()
         outputs = self._step()
         took = time.perf_counter() - began
         if took > SLOW_STEP_S and self._last_batch is not None:
             b = self._last_batch
             log.warning(
-                "slow engine step %d: %.2f s for %d prefill chunks (%d tokens) and %d decodes",
+                "slow engine step %d: %.2f s for %d prefill chunks (%d tokens) and %d decodes "
+                "(%d kernel compiles)",
                 b.step,
                 took,
                 len(b.prefills),
                 sum(e.num_tokens for e in b.prefills),
                 len(b.decodes),
+                _compiles() - compiled,
             )
         return outputs
 
@@ -560,6 +657,15 @@ class LLMEngine:
         return [results[i] for i in ids]
 
 
+def _compiles() -> int:
+    """Triton kernel compilations so far in this process (0 where triton is absent)."""
+    try:
+        from worker.kernels.triton._launch import compiles
+    except Exception:  # no triton here: nothing compiles
+        return 0
+    return compiles()
+
+
 def _bucket(n: int) -> int:
     return 0 if n == 0 else 1 << (n - 1).bit_length()
 
@@ -599,6 +705,7 @@ def _eos_token_ids(config: EngineConfig, tokenizer: Any, model: Any) -> list[int
 
 
 __all__ = [
+    "ContextLengthExceeded",
     "EngineConfig",
     "LLMEngine",
     "RequestMetrics",
