@@ -11,6 +11,9 @@ benchmark's results file, worker telemetry, or the ledger itself) and the GPU's 
 - margin = revenue - cost, per 1M and per period; break-even busy fraction.
 Reference check: 387.6 tok/s at 70% busy -> ~703M tokens / 30 days, 0.717 GPU-h per 1M.
 
+A GPU-hour cost that nobody gave (None) is unknown, never 0: the cost, margin and break-even
+figures are None and `unknown` says why; the token figures stand.
+
 All arithmetic is Decimal; what-if inputs are fields of `CapacityInputs` (`dataclasses.replace`).
 """
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import ROUND_DOWN, ROUND_HALF_EVEN, Decimal
 from pathlib import Path
@@ -58,7 +61,7 @@ class Throughput:
 class CapacityInputs:
     """The what-if knobs."""
 
-    gpu_hour_cost: Decimal  # per GPU, in `currency`
+    gpu_hour_cost: Decimal | None  # per GPU, in `currency`; None: unknown
     currency: str = "USD"
     busy_fraction: Decimal = Decimal("0.70")
     days: int = 30
@@ -69,13 +72,17 @@ class CapacityInputs:
     # The input that comes with each output token (None: the measured mix, else 0).
     input_tokens_per_output_token: Decimal | None = None
     cached_share_of_input: Decimal = Decimal(0)
+    # Why the GPU-hour cost is unknown, when it is (reported with the projection).
+    unknown_cost_reason: str = "no GPU-hour cost given"
 
     def __post_init__(self) -> None:
         if not Decimal(0) < self.busy_fraction <= Decimal(1):
             raise ValueError(f"busy fraction must be in (0, 1], got {self.busy_fraction}")
         if not Decimal(0) <= self.cached_share_of_input <= Decimal(1):
             raise ValueError(f"cached share must be in [0, 1], got {self.cached_share_of_input}")
-        if self.days <= 0 or to_decimal(self.gpu_hour_cost) < 0:
+        if self.days <= 0 or (
+            self.gpu_hour_cost is not None and to_decimal(self.gpu_hour_cost) < 0
+        ):
             raise ValueError("days must be positive and the GPU cost non-negative")
 
     def priced_by(self, plan: PricePlan) -> CapacityInputs:
@@ -108,18 +115,22 @@ class CapacityProjection:
     currency: str
     gpu_hours_per_million_output: Decimal
     output_tokens_per_period: int
-    cost_per_period: Decimal
-    cost_per_million_output: Decimal
+    cost_per_period: Decimal | None  # None: the GPU-hour cost is unknown
+    cost_per_million_output: Decimal | None
     revenue_per_million_output: Decimal | None
     revenue_per_period: Decimal | None
     margin_per_million_output: Decimal | None
     margin_per_period: Decimal | None
     margin_fraction: Decimal | None  # margin / revenue
     breakeven_busy_fraction: Decimal | None  # busy fraction at which revenue covers cost
+    unknown: dict[str, str] = field(default_factory=dict)  # input -> why it is unknown
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready: decimals as strings."""
-        return {k: (str(v) if isinstance(v, Decimal) else v) for k, v in self.__dict__.items()}
+        return {
+            k: (str(v) if isinstance(v, Decimal) else dict(v) if isinstance(v, dict) else v)
+            for k, v in self.__dict__.items()
+        }
 
 
 def project(throughput: Throughput, inputs: CapacityInputs) -> CapacityProjection:
@@ -129,8 +140,13 @@ def project(throughput: Throughput, inputs: CapacityInputs) -> CapacityProjectio
     tokens_exact = tps * busy_seconds
     tokens = int(tokens_exact.to_integral_value(rounding=ROUND_DOWN))
     gpu_hours_per_million = throughput.gpus * _MILLION / (tps * SECONDS_PER_HOUR)
-    period_cost = inputs.gpu_hour_cost * throughput.gpus * period_hours
-    cost_per_million = period_cost / tokens_exact * _MILLION
+    unknown: dict[str, str] = {}
+    period_cost = cost_per_million = None
+    if inputs.gpu_hour_cost is None:
+        unknown["gpu_hour_cost"] = inputs.unknown_cost_reason
+    else:
+        period_cost = inputs.gpu_hour_cost * throughput.gpus * period_hours
+        cost_per_million = period_cost / tokens_exact * _MILLION
 
     revenue_per_million: Decimal | None = None
     if inputs.output_price is not None:
@@ -146,6 +162,8 @@ def project(throughput: Throughput, inputs: CapacityInputs) -> CapacityProjectio
     revenue = margin_million = margin = margin_fraction = breakeven = None
     if revenue_per_million is not None:
         revenue = tokens_exact / _MILLION * revenue_per_million
+    if revenue_per_million is not None and revenue is not None and period_cost is not None:
+        assert cost_per_million is not None
         margin_million = revenue_per_million - cost_per_million
         margin = revenue - period_cost
         margin_fraction = _q4(margin / revenue) if revenue else None
@@ -165,8 +183,8 @@ def project(throughput: Throughput, inputs: CapacityInputs) -> CapacityProjectio
         currency=inputs.currency,
         gpu_hours_per_million_output=_q4(gpu_hours_per_million),
         output_tokens_per_period=tokens,
-        cost_per_period=round_to_minor(period_cost, inputs.currency),
-        cost_per_million_output=_q4(cost_per_million),
+        cost_per_period=money(period_cost),
+        cost_per_million_output=None if cost_per_million is None else _q4(cost_per_million),
         revenue_per_million_output=None
         if revenue_per_million is None
         else _q4(revenue_per_million),
@@ -175,6 +193,7 @@ def project(throughput: Throughput, inputs: CapacityInputs) -> CapacityProjectio
         margin_per_period=money(margin),
         margin_fraction=margin_fraction,
         breakeven_busy_fraction=breakeven,
+        unknown=unknown,
     )
 
 
@@ -240,6 +259,208 @@ def throughput_from_bench(
         source=source,
         input_tokens_per_output_token=mix,
     )
+
+
+@dataclass(frozen=True)
+class BenchPoint:
+    """One measured load point of a benchmark results file: aggregate output tok/s at a
+    concurrency, with the latency it came with."""
+
+    sku_id: str
+    variant: str  # what was measured: "engine" (gpu_suite), "gateway" / "direct" (gpu_endpoint)
+    output_tokens_per_second: Decimal
+    concurrency: int | None = None
+    ttft_p95_s: Decimal | None = None
+    e2e_p95_s: Decimal | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None  # max tokens per request
+    gpus: int = 1
+    source: str = ""
+
+    def throughput(self) -> Throughput:
+        mix = None
+        if self.prompt_tokens is not None and self.output_tokens:
+            mix = Decimal(self.prompt_tokens) / Decimal(self.output_tokens)
+        at = f" c={self.concurrency}" if self.concurrency is not None else ""
+        return Throughput(
+            sku_id=self.sku_id,
+            output_tokens_per_second=self.output_tokens_per_second,
+            gpus=self.gpus,
+            source=f"{self.source} {self.variant}{at}".strip(),
+            input_tokens_per_output_token=mix,
+        )
+
+
+def _number(value: Any) -> Decimal | None:
+    # Decimal(str(x)): the value as printed in the file, not the binary float's expansion.
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int | float | str):
+        try:
+            result = Decimal(str(value))
+        except ArithmeticError:
+            return None
+        return result if result.is_finite() else None
+    return None
+
+
+def _int(value: Any) -> int | None:
+    number = _number(value)
+    return int(number) if number is not None and number == number.to_integral_value() else None
+
+
+def _model_name(value: Any) -> str:
+    # gpu_suite writes "qwen3.6-27b (random weights)": the SKU-like part is the first word.
+    return str(value).split(" (")[0].strip() if value else ""
+
+
+def bench_points(
+    doc: Mapping[str, Any] | str | Path, sku_id: str | None = None
+) -> list[BenchPoint]:
+    """Every load point of a benchmark results file (a path or the parsed document):
+    - bench/gpu_suite.py: `load_point` (concurrency, prompt_len, max_tokens) and one point per
+      engine section with `output_tok_s` (fp8, bf16, hf), SKU `<model>-<section>`;
+    - bench/gpu_endpoint.py: `config` (preset, quantize, concurrency, prompt_tokens,
+      max_tokens) and the `gateway` and `direct` figures, SKU `<preset>-<quantize>`;
+    - otherwise one point from the aggregate output tokens/s (one of `_THROUGHPUT_KEYS`, at
+      top level or under summary/results) with `sku_id`, `concurrency`, `prompt_tokens`,
+      `output_tokens` / `max_tokens`; or a `points` list of such documents.
+    `sku_id` names the SKU of a file that names none. Raises ValueError if nothing is found."""
+    if isinstance(doc, Mapping):
+        source, results = "bench", doc
+    else:
+        source, results = f"bench:{Path(doc).name}", json.loads(Path(doc).read_text())
+    points: list[BenchPoint] = []
+    if isinstance(results.get("sections"), Mapping):
+        load = results.get("load_point") or {}
+        base = _model_name(results.get("model")) or sku_id or "model"
+        for section, figures in results["sections"].items():
+            if not isinstance(figures, Mapping):
+                continue
+            tps = _number(figures.get("output_tok_s"))
+            if tps is None or tps <= 0:
+                continue
+            points.append(
+                BenchPoint(
+                    sku_id=f"{base}-{section}",
+                    variant="engine",
+                    output_tokens_per_second=tps,
+                    concurrency=_int(load.get("concurrency")),
+                    ttft_p95_s=_number(figures.get("ttft_p95_s")),
+                    e2e_p95_s=_number(figures.get("e2e_p95_s")),
+                    prompt_tokens=_int(load.get("prompt_len")),
+                    output_tokens=_int(load.get("max_tokens")),
+                    source=source,
+                )
+            )
+    elif isinstance(results.get("config"), Mapping) and any(
+        isinstance(results.get(k), Mapping) for k in ("gateway", "direct")
+    ):
+        config = results["config"]
+        preset = str(config.get("preset") or sku_id or "model")
+        quantize = config.get("quantize")
+        sku = f"{preset}-{quantize}" if quantize and quantize != "None" else preset
+        for variant in ("gateway", "direct"):
+            figures = results.get(variant)
+            if not isinstance(figures, Mapping):
+                continue
+            tps = _number(figures.get("output_tokens_per_s"))
+            if tps is None or tps <= 0:
+                continue
+            points.append(
+                BenchPoint(
+                    sku_id=sku,
+                    variant=variant,
+                    output_tokens_per_second=tps,
+                    concurrency=_int(config.get("concurrency")),
+                    ttft_p95_s=_number(figures.get("ttft_s_p95")),
+                    e2e_p95_s=_number(figures.get("e2e_s_p95")),
+                    prompt_tokens=_int(config.get("prompt_tokens")),
+                    output_tokens=_int(config.get("max_tokens")),
+                    source=source,
+                )
+            )
+    else:
+        listed = results.get("points")
+        docs: list[Any] = list(listed) if isinstance(listed, list) else [results]
+        for item in docs:
+            if not isinstance(item, Mapping):
+                continue
+            tps = _number(_find_throughput(item))
+            if tps is None or tps <= 0:
+                continue
+            named: Any = item.get("sku_id") or item.get("sku") or item.get("model")
+            named = named or results.get("sku_id") or results.get("sku") or sku_id
+            if not named:
+                raise ValueError("the results name no SKU; pass sku_id")
+            points.append(
+                BenchPoint(
+                    sku_id=str(named),
+                    variant=str(item.get("variant", "")),
+                    output_tokens_per_second=tps,
+                    concurrency=_int(item.get("concurrency")),
+                    ttft_p95_s=_number(item.get("ttft_p95_s", item.get("ttft_s_p95"))),
+                    e2e_p95_s=_number(item.get("e2e_p95_s", item.get("e2e_s_p95"))),
+                    prompt_tokens=_int(item.get("prompt_tokens")),
+                    output_tokens=_int(item.get("output_tokens", item.get("max_tokens"))),
+                    gpus=_int(item.get("gpus")) or 1,
+                    source=source,
+                )
+            )
+    if not points:
+        raise ValueError(
+            f"no output throughput in {source} (read gpu_suite sections, gpu_endpoint "
+            f"gateway/direct figures, or one of {', '.join(_THROUGHPUT_KEYS)})"
+        )
+    return points
+
+
+class NoPointMeetsTheChoice(ValueError):
+    """No measured load point matches the concurrency / SLO asked for."""
+
+
+def choose_points(
+    points: Iterable[BenchPoint],
+    *,
+    concurrency: int | None = None,
+    ttft_p95_max_s: Decimal | None = None,
+    e2e_p95_max_s: Decimal | None = None,
+    variants: Iterable[str] = (),
+    sku_ids: Iterable[str] = (),
+) -> list[BenchPoint]:
+    """Per (SKU, variant), the highest-throughput point measured at `concurrency` (if given)
+    whose p95 latencies are within the SLO (a point without the figure does not qualify).
+    Raises NoPointMeetsTheChoice, saying what was measured."""
+    every = list(points)
+    wanted_variants, wanted_skus = set(variants), set(sku_ids)
+    kept = [
+        p
+        for p in every
+        if (not wanted_variants or p.variant in wanted_variants)
+        and (not wanted_skus or p.sku_id in wanted_skus)
+        and (concurrency is None or p.concurrency == concurrency)
+        and (
+            ttft_p95_max_s is None or (p.ttft_p95_s is not None and p.ttft_p95_s <= ttft_p95_max_s)
+        )
+        and (e2e_p95_max_s is None or (p.e2e_p95_s is not None and p.e2e_p95_s <= e2e_p95_max_s))
+    ]
+    if not kept:
+        measured = sorted(
+            {
+                f"{p.sku_id} {p.variant} at concurrency {p.concurrency}: "
+                f"ttft p95 {p.ttft_p95_s} s, e2e p95 {p.e2e_p95_s} s"
+                for p in every
+            }
+        )
+        raise NoPointMeetsTheChoice(
+            "no measured point matches the chosen concurrency/SLO; measured: " + "; ".join(measured)
+        )
+    best: dict[tuple[str, str], BenchPoint] = {}
+    for p in kept:
+        key = (p.sku_id, p.variant)
+        if key not in best or p.output_tokens_per_second > best[key].output_tokens_per_second:
+            best[key] = p
+    return [best[k] for k in sorted(best)]
 
 
 def throughput_from_ledger(rows: Iterable[LedgerRow], sku_id: str) -> list[Throughput]:

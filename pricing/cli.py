@@ -6,8 +6,10 @@
     tokenmill invoices showback --from ISO --to ISO [--tenant T] [--granularity hour|day]
     tokenmill invoices rollups | report             run the rollup / reconciliation job once
     tokenmill scheduler                             run all billing jobs (one leader)
-    tokenmill capacity (--bench results.json | --sku S --tok-s 387.6) --gpu-hour-cost 2.00
-                       [--busy 0.5 --busy 0.7 ...] [--output-price 3.00 ...] [--json]
+    tokenmill capacity (--bench bench/results/gpu_endpoint.json ... | --sku S --tok-s 387.6)
+                       [--concurrency 8] [--ttft-p95-max 0.5] [--e2e-p95-max 3]
+                       [--gpu-hour-cost 2.00] [--busy 0.5 --busy 0.7 ...] [--output-price 3.00]
+                       [--json]
 
 Connections come from --database-url / --nats-url or TOKENMILL_DATABASE_URL / TOKENMILL_NATS_URL
 (and TOKENMILL_STREAM_PREFIX). Writes the document to stdout, or to --out."""
@@ -29,7 +31,7 @@ import nats
 
 from control_plane.settings import env
 from events.projections import all_projections, ensure_schema
-from pricing.capacity import CapacityInputs, Throughput, project, throughput_from_bench
+from pricing.capacity import CapacityInputs, Throughput, bench_points, choose_points, project
 from pricing.invoices import invoice_csv, invoice_json
 from pricing.jobs import (
     BillingContext,
@@ -184,32 +186,101 @@ async def scheduler_main(argv: list[str] | None = None, stop: asyncio.Event | No
 def _capacity_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="tokenmill capacity",
-        description="GPU-hours per 1M output tokens, tokens per period, cost and margin per SKU.",
+        description=(
+            "GPU-hours per 1M output tokens, tokens per period, cost and margin per SKU, from "
+            "benchmark results (bench/results/*.json: gpu_suite, gpu_endpoint, or a file with "
+            "an aggregate output tok/s) or a throughput you give. From results, each SKU is "
+            "projected from its best measured point at the chosen concurrency and within the "
+            "latency SLO. A GPU-hour cost not given is unknown: cost and margin show as such."
+        ),
     )
     ap.add_argument(
-        "--bench", type=Path, action="append", default=[], help="benchmark results JSON"
+        "--bench",
+        type=Path,
+        action="append",
+        default=[],
+        help="benchmark results JSON (repeatable), e.g. bench/results/gpu_endpoint.json",
     )
-    ap.add_argument("--sku", help="SKU id (with --tok-s, or to override the results file's)")
+    ap.add_argument(
+        "--sku",
+        help="with --tok-s: the SKU measured; with --bench: keep only this SKU's points",
+    )
     ap.add_argument("--tok-s", type=to_decimal, help="measured aggregate output tokens/s")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs per replica (with --tok-s)")
-    ap.add_argument("--gpu-hour-cost", type=to_decimal, required=True)
-    ap.add_argument("--currency", default="USD")
     ap.add_argument(
-        "--busy", type=to_decimal, action="append", help="busy fraction(s); default 0.70"
+        "--concurrency",
+        type=int,
+        help="project from the points measured at this many concurrent requests",
     )
-    ap.add_argument("--days", type=int, default=30)
-    ap.add_argument("--output-price", type=to_decimal)
-    ap.add_argument("--input-price", type=to_decimal)
-    ap.add_argument("--cached-price", type=to_decimal)
-    ap.add_argument("--input-per-output", type=to_decimal, help="input tokens per output token")
-    ap.add_argument("--cached-share", type=to_decimal, default=Decimal(0))
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--ttft-p95-max",
+        type=to_decimal,
+        metavar="S",
+        help="SLO: only points whose p95 time to first token is at most S seconds",
+    )
+    ap.add_argument(
+        "--e2e-p95-max",
+        type=to_decimal,
+        metavar="S",
+        help="SLO: only points whose p95 end-to-end latency is at most S seconds",
+    )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="only points of this kind (repeatable): engine (gpu_suite), gateway or direct "
+        "(gpu_endpoint)",
+    )
+    ap.add_argument(
+        "--gpu-hour-cost",
+        type=to_decimal,
+        help="cost of one GPU-hour; without it cost and margin are reported unknown",
+    )
+    ap.add_argument("--currency", default="USD", help="currency of costs and prices (USD)")
+    ap.add_argument(
+        "--busy",
+        type=to_decimal,
+        action="append",
+        help="busy fraction(s) of the period (repeatable); default 0.70",
+    )
+    ap.add_argument("--days", type=int, default=30, help="days in the period (30)")
+    ap.add_argument("--output-price", type=to_decimal, help="price per 1M output tokens")
+    ap.add_argument("--input-price", type=to_decimal, help="price per 1M input tokens")
+    ap.add_argument("--cached-price", type=to_decimal, help="price per 1M cached input tokens")
+    ap.add_argument(
+        "--input-per-output",
+        type=to_decimal,
+        help="input tokens per output token (default: the benchmark's request mix, else 0)",
+    )
+    ap.add_argument(
+        "--cached-share",
+        type=to_decimal,
+        default=Decimal(0),
+        help="share of the input that is cached, 0 to 1 (0)",
+    )
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return ap
 
 
 def capacity_main(argv: list[str] | None = None) -> int:
     args = _capacity_parser().parse_args(argv)
-    measured = [throughput_from_bench(path, args.sku) for path in args.bench]
+    measured: list[Throughput] = []
+    if args.bench:
+        try:
+            points = [p for path in args.bench for p in bench_points(path, args.sku)]
+            chosen = choose_points(
+                points,
+                concurrency=args.concurrency,
+                ttft_p95_max_s=args.ttft_p95_max,
+                e2e_p95_max_s=args.e2e_p95_max,
+                variants=args.variant,
+                sku_ids=[args.sku]
+                if args.sku and any(p.sku_id == args.sku for p in points)
+                else [],
+            )
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"tokenmill capacity: {e}") from None
+        measured += [p.throughput() for p in chosen]
     if args.tok_s is not None:
         if not args.sku:
             raise SystemExit("tokenmill capacity: --tok-s needs --sku")
@@ -225,6 +296,7 @@ def capacity_main(argv: list[str] | None = None) -> int:
         cached_input_price=args.cached_price,
         input_tokens_per_output_token=args.input_per_output,
         cached_share_of_input=args.cached_share,
+        unknown_cost_reason="no GPU-hour cost given (--gpu-hour-cost)",
     )
     projections = [
         project(t, replace(base, busy_fraction=busy))
@@ -234,21 +306,29 @@ def capacity_main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps([p.as_dict() for p in projections], indent=2))
         return 0
+
+    def show(value: Decimal | None) -> str:
+        return "?" if value is None else plain(value)
+
     header = (
-        f"{'sku':<20} {'tok/s':>9} {'busy':>5} {'GPU-h/1M':>9} {'M tok/' + str(args.days) + 'd':>11} "
-        f"{'cost/1M':>9} {'price/1M':>9} {'margin/1M':>10} {'margin':>7} {'break-even':>10}"
+        f"{'sku':<20} {'measured':<40} {'tok/s':>9} {'busy':>5} {'GPU-h/1M':>9} "
+        f"{'M tok/' + str(args.days) + 'd':>11} {'cost/1M':>9} {'price/1M':>9} "
+        f"{'margin/1M':>10} {'margin':>7} {'break-even':>10}"
     )
     print(header)
     for p in projections:
-
-        def show(value: object) -> str:
-            return "-" if value is None else str(value)
-
-        margin = "-" if p.margin_fraction is None else f"{p.margin_fraction * 100:.1f}%"
+        margin = "?" if p.margin_fraction is None else f"{p.margin_fraction * 100:.1f}%"
+        price = "-" if p.revenue_per_million_output is None else plain(p.revenue_per_million_output)
+        if p.revenue_per_million_output is None:
+            margin = "-"
         print(
-            f"{p.sku_id:<20} {plain(p.output_tokens_per_second):>9} {plain(p.busy_fraction):>5} "
-            f"{plain(p.gpu_hours_per_million_output):>9} {p.output_tokens_per_period / 1e6:>11.1f} "
-            f"{plain(p.cost_per_million_output):>9} {show(p.revenue_per_million_output):>9} "
-            f"{show(p.margin_per_million_output):>10} {margin:>7} {show(p.breakeven_busy_fraction):>10}"
+            f"{p.sku_id:<20} {p.source:<40} {plain(p.output_tokens_per_second.quantize(Decimal('0.1'))):>9} "
+            f"{plain(p.busy_fraction):>5} {plain(p.gpu_hours_per_million_output):>9} "
+            f"{p.output_tokens_per_period / 1e6:>11.1f} {show(p.cost_per_million_output):>9} "
+            f"{price:>9} {show(p.margin_per_million_output) if price != '-' else '-':>10} "
+            f"{margin:>7} {show(p.breakeven_busy_fraction) if price != '-' else '-':>10}"
         )
+    reasons = sorted({why for p in projections for why in p.unknown.values()})
+    for why in reasons:
+        print(f"? unknown: {why}")
     return 0

@@ -336,8 +336,12 @@ def capacity_inputs(
     """The configured GPU cost and busy fraction, changed by `what_if` (CapacityInputs
     fields), priced by the plan in force where no price is given."""
     inputs = CapacityInputs(
-        gpu_hour_cost=settings.gpu_hour_costs.get(gpu_type, Decimal(0)),
+        gpu_hour_cost=settings.gpu_hour_costs.get(gpu_type),  # None: unknown, never 0
         busy_fraction=settings.busy_fraction,
+        unknown_cost_reason=(
+            f"no GPU-hour cost for gpu_type {gpu_type}: set TOKENMILL_GPU_HOUR_COSTS "
+            f"(e.g. {gpu_type}=3.50) or pass gpu_hour_cost"
+        ),
     )
     inputs = replace(inputs, **what_if)
     return inputs.priced_by(plan) if plan is not None else inputs

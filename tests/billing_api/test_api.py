@@ -236,6 +236,14 @@ async def test_capacity_reference_what_if_and_measured(billing: Billing) -> None
     r = await b.http.get("/capacity/nope", params=reference)
     assert (r.status_code, r.json()["reason"]) == (404, "sku_not_found")
 
+    # No GPU-hour cost configured for H200 and none given: cost and margin are unknown.
+    r = await b.http.get(f"/capacity/{sku_id}", params={"tok_s": "387.6", "output_price": "3"})
+    assert r.status_code == 200, r.text
+    unknown = r.json()
+    assert unknown["output_tokens_per_period"] == 703_261_440
+    assert (unknown["cost_per_period"], unknown["margin_fraction"]) == (None, None)
+    assert "TOKENMILL_GPU_HOUR_COSTS" in unknown["unknown"]["gpu_hour_cost"]
+
 
 async def test_finalize_refusals_and_auth(billing: Billing) -> None:
     b = billing

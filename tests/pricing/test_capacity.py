@@ -110,3 +110,73 @@ def test_throughput_from_the_ledger_counts_concurrent_requests_once() -> None:
     )  # 3000 / 30 s busy
     assert w1.input_tokens_per_output_token == Decimal(2)
     assert w2.output_tokens_per_second == Decimal(100)
+
+
+def test_a_missing_gpu_cost_is_unknown_not_free() -> None:
+    from pricing.jobs import BillingSettings, capacity_inputs
+
+    priced = plan("p", at(2026, 1, 1), input="0.50", cached="0.10", output="3.00")
+    inputs = capacity_inputs(BillingSettings(gpu_hour_costs={}), "H200", priced)
+    assert inputs.gpu_hour_cost is None
+    p = project(REFERENCE, inputs)
+    assert p.output_tokens_per_period == 703_261_440  # what the GPU produces is still known
+    assert p.revenue_per_period == Decimal("2109.78")
+    for unknown in (
+        p.cost_per_period,
+        p.cost_per_million_output,
+        p.margin_per_million_output,
+        p.margin_per_period,
+        p.margin_fraction,
+        p.breakeven_busy_fraction,
+    ):
+        assert unknown is None
+    assert set(p.unknown) == {"gpu_hour_cost"}
+    assert p.unknown["gpu_hour_cost"].startswith("no GPU-hour cost for gpu_type H200")
+    doc = p.as_dict()
+    assert doc["margin_fraction"] is None and "gpu_hour_cost" in doc["unknown"]
+    # A cost of 0 given on purpose is a cost, not an unknown.
+    free = project(REFERENCE, replace(inputs, gpu_hour_cost=Decimal(0)))
+    assert free.margin_fraction == Decimal(1) and free.unknown == {}
+
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+
+
+def test_the_committed_benchmark_results_are_read() -> None:
+    from pricing.capacity import bench_points
+
+    endpoint = {(p.sku_id, p.variant): p for p in bench_points(RESULTS / "gpu_endpoint.json")}
+    assert set(endpoint) == {("qwen3.6-27b-fp8", "gateway"), ("qwen3.6-27b-fp8", "direct")}
+    gateway = endpoint[("qwen3.6-27b-fp8", "gateway")]
+    assert gateway.output_tokens_per_second == Decimal("708.5739419097932")
+    assert (gateway.concurrency, gateway.prompt_tokens, gateway.output_tokens) == (8, 512, 256)
+    assert gateway.ttft_p95_s == Decimal("0.5081623159000017")
+    assert gateway.throughput().input_tokens_per_output_token == Decimal(2)
+
+    suite = {p.sku_id: p for p in bench_points(RESULTS / "gpu_suite_run15.json")}
+    assert set(suite) == {"qwen3.6-27b-fp8", "qwen3.6-27b-bf16", "qwen3.6-27b-hf"}
+    assert suite["qwen3.6-27b-fp8"].output_tokens_per_second == Decimal("804.8499334240253")
+    assert suite["qwen3.6-27b-bf16"].concurrency == 8
+    assert {p.variant for p in suite.values()} == {"engine"}
+
+    for path in sorted(RESULTS.glob("gpu_*.json")):  # every committed GPU result
+        assert bench_points(path), path
+
+
+def test_points_are_chosen_by_concurrency_and_slo() -> None:
+    from pricing.capacity import NoPointMeetsTheChoice, bench_points, choose_points
+
+    points = [
+        *bench_points(RESULTS / "gpu_endpoint.json"),
+        *bench_points(RESULTS / "gpu_suite_run15.json"),
+        *bench_points(RESULTS / "gpu_suite_run14.json"),
+    ]
+    at8 = choose_points(points, concurrency=8)
+    assert len(at8) == 5  # fp8 gateway, fp8 direct, and the engine's fp8, bf16, hf
+    engine_fp8 = next(p for p in at8 if p.variant == "engine" and p.sku_id.endswith("-fp8"))
+    assert engine_fp8.output_tokens_per_second == Decimal("804.8499334240253")  # the best run
+    # ttft p95 <= 0.3 s: only the engine's fp8 (0.24 s; bf16 0.35 s, the gateway 0.51 s).
+    fast = choose_points(points, concurrency=8, ttft_p95_max_s=Decimal("0.3"))
+    assert {(p.sku_id, p.variant) for p in fast} == {("qwen3.6-27b-fp8", "engine")}
+    with pytest.raises(NoPointMeetsTheChoice, match="at concurrency 8"):
+        choose_points(points, concurrency=16)

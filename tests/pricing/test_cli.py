@@ -120,3 +120,29 @@ async def test_scheduler_runs_the_jobs(
         == 1
     )
     assert await rig.pool.fetchval("SELECT ok FROM billing_reports") is True
+
+
+def test_capacity_cli_projects_the_committed_benchmark_results(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[2] / "bench" / "results"
+    argv = ["--bench", str(results / "gpu_endpoint.json")]
+    argv += ["--bench", str(results / "gpu_suite_run15.json"), "--concurrency", "8"]
+    assert capacity_main([*argv, "--variant", "gateway", "--json"]) == 0
+    (gateway,) = json.loads(capsys.readouterr().out)
+    assert gateway["sku_id"] == "qwen3.6-27b-fp8"
+    assert gateway["source"] == "bench:gpu_endpoint.json gateway c=8"
+    # 708.5739419097932 tok/s x 0.70 busy x 30 days x 86,400 s
+    assert gateway["output_tokens_per_period"] == 1_285_636_560
+    assert gateway["cost_per_period"] is None and gateway["margin_fraction"] is None
+    assert "gpu_hour_cost" in gateway["unknown"]
+
+    assert capacity_main([*argv, "--ttft-p95-max", "0.3", "--gpu-hour-cost", "3.50"]) == 0
+    table = capsys.readouterr().out
+    assert "qwen3.6-27b-fp8" in table and "engine c=8" in table and "bf16" not in table
+    assert "1460.3" in table  # 804.85 tok/s x 0.7 x 30 d, in millions
+
+    with pytest.raises(SystemExit, match="concurrency 8"):
+        capacity_main([*argv[:4], "--concurrency", "32"])
