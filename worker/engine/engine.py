@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import sys
 import time
 import uuid
 from collections.abc import Iterable
@@ -78,17 +79,19 @@ def check_kv_pool(
     need = -(-max_model_len // block_size)
     sizes = ""
     if bytes_per_token:
-        have_gib = num_blocks * block_size * bytes_per_token / GIB
-        need_gib = need * block_size * bytes_per_token / GIB
-        sizes = (
-            f" ({have_gib:.2f} GiB at {bytes_per_token} bytes per token; it needs {need_gib:.2f})"
-        )
+        have = _size(num_blocks * block_size * bytes_per_token)
+        needs = _size(need * block_size * bytes_per_token)
+        sizes = f" ({have} at {bytes_per_token} bytes per token; it needs {needs})"
     raise ValueError(
         f"the KV pool ({source}) holds {num_blocks} blocks of {block_size} tokens = "
         f"{num_blocks * block_size} tokens{sizes}, fewer than one sequence of "
         f"max_model_len={max_model_len} needs ({need} blocks): lower max_model_len "
         f"(TOKENMILL_ENGINE_MAX_MODEL_LEN) or give the KV pool more memory"
     )
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / (1 << 20):.2f} MiB"
 
 
 def _context_limit(config: EngineConfig, model: Any) -> int:
@@ -112,9 +115,9 @@ class ContextLengthExceeded(ValueError):
     def __init__(self, prompt_tokens: int, max_model_len: int) -> None:
         self.prompt_tokens, self.max_model_len = prompt_tokens, max_model_len
         super().__init__(
-            f"this model's maximum context length is {max_model_len} tokens of prompt and "
-            f"output together; the prompt has {prompt_tokens} tokens, "
-            f"{prompt_tokens - max_model_len + 1} more than leaves room for one output token"
+            f"the prompt has {prompt_tokens} tokens; this model serves at most {max_model_len} "
+            f"tokens of prompt and output together, so a prompt may have {max_model_len - 1} "
+            f"({prompt_tokens - max_model_len + 1} fewer)"
         )
 
 
@@ -658,12 +661,10 @@ class LLMEngine:
 
 
 def _compiles() -> int:
-    """Triton kernel compilations so far in this process (0 where triton is absent)."""
-    try:
-        from worker.kernels.triton._launch import compiles
-    except Exception:  # no triton here: nothing compiles
-        return 0
-    return compiles()
+    """Triton kernel compilations so far in this process: 0 until the kernels' registry
+    imported them (a step must not pay for importing triton)."""
+    launch = sys.modules.get("worker.kernels.triton._launch")
+    return 0 if launch is None else launch.compiles()
 
 
 def _bucket(n: int) -> int:
