@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgspec
 from litestar import Request, Response
 from litestar.exceptions import (
     HTTPException,
@@ -16,6 +17,7 @@ from litestar.exceptions import (
     PermissionDeniedException,
     ValidationException,
 )
+from litestar.openapi.datastructures import ResponseSpec
 from litestar.types import ExceptionHandlersMap
 
 from events.unavailable import backend_unavailable
@@ -25,6 +27,43 @@ log = logging.getLogger("tokenmill.api")
 
 PROBLEM_JSON = "application/problem+json"
 PROBLEM_TYPE_BASE = "https://tokenmill.dev/problems/"
+
+
+class ProblemDetails(msgspec.Struct, kw_only=True):
+    """The body of every admin error (RFC 9457); some carry more members (`field`, `errors`,
+    `current_version`, `tenant_id`, ...)."""
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    instance: str
+    reason: str
+    field: str | None = None
+
+
+_DESCRIPTIONS = {
+    400: "Invalid request: a malformed or out-of-range parameter or body (`field` names it)",
+    401: "Missing or wrong admin token",
+    404: "No such resource",
+    409: "Conflict: a stale If-Match, a concurrent write, or the resource's state forbids it",
+    422: "The body names resources that do not exist",
+    503: "NATS or Postgres unreachable, or the read models did not catch up in time",
+}
+
+
+def problem_responses(*statuses: int) -> dict[int, ResponseSpec]:
+    """OpenAPI `responses` for the error statuses a route sends, as problem details (with 400,
+    401 and 503, which every admin route can send)."""
+    return {
+        status: ResponseSpec(
+            data_container=ProblemDetails,
+            description=_DESCRIPTIONS[status],
+            media_type=PROBLEM_JSON,
+            generate_examples=False,
+        )
+        for status in sorted({400, 401, 503, *statuses})
+    }
 
 
 class ProblemError(Exception):
@@ -74,7 +113,14 @@ def _from_http_exception(exc: HTTPException) -> ProblemError:
         messages = " ".join(str(e.get("message", "")) for e in errors if isinstance(e, dict))
         reason = "unknown_field" if "unknown field" in messages else "invalid_request"
         detail = messages or exc.detail
-        fields = [e["key"] for e in errors if isinstance(e, dict) and e.get("key")]
+        # Litestar names the whole body "data" when the error has no path in it.
+        fields = [
+            e["key"]
+            for e in errors
+            if isinstance(e, dict)
+            and e.get("key")
+            and (e["key"], e.get("source")) != ("data", "body")
+        ]
         extra: dict[str, Any] = {"field": str(fields[0])} if fields else {}
         return ProblemError(400, reason, detail, title="Invalid request", errors=errors, **extra)
     if isinstance(exc, NotAuthorizedException):

@@ -22,11 +22,12 @@ import msgspec
 from litestar import Request, Response, Router, get, put
 from litestar.params import Parameter
 
+from control_plane.admin.controllers import ETAG
 from control_plane.admin.services import parse_if_match
 from control_plane.auth import admin_guard
 from control_plane.governance.admission import Admission
 from control_plane.governance.events import LimitsSet, QuotaMetric
-from control_plane.problems import PROBLEM_HANDLERS, ProblemError, not_found
+from control_plane.problems import PROBLEM_HANDLERS, ProblemError, not_found, problem_responses
 from control_plane.services import Services
 from events.store import ConcurrencyError
 from events.validation import INT64_MAX
@@ -93,7 +94,13 @@ def governance_admin_router(services: Services, admission: Admission) -> Router:
         await admission.limits.position.wait_for(seq, within_s=5.0)
         return Response({"version": seq, "policy": policy_out(event)}, headers={"ETag": f'"{seq}"'})
 
-    @put("/tenants/{tenant_id:str}/limits", status_code=200, summary="Set a tenant's limits")
+    @put(
+        "/tenants/{tenant_id:str}/limits",
+        status_code=200,
+        summary="Set a tenant's limits",
+        responses=problem_responses(404, 409),
+        response_headers=ETAG,
+    )
     async def put_tenant_limits(
         tenant_id: str,
         data: LimitsBody,
@@ -105,6 +112,8 @@ def governance_admin_router(services: Services, admission: Admission) -> Router:
         "/tenants/{tenant_id:str}/keys/{key_id:str}/limits",
         status_code=200,
         summary="Set a key's limits",
+        responses=problem_responses(404, 409),
+        response_headers=ETAG,
     )
     async def put_key_limits(
         tenant_id: str,
@@ -114,7 +123,12 @@ def governance_admin_router(services: Services, admission: Admission) -> Router:
     ) -> Response[dict[str, Any]]:
         return await write(tenant_id, key_id, data, if_match)
 
-    @get("/tenants/{tenant_id:str}/limits", summary="A tenant's limits (tenant-wide and per key)")
+    @get(
+        "/tenants/{tenant_id:str}/limits",
+        summary="A tenant's limits (tenant-wide and per key)",
+        responses=problem_responses(404),
+        response_headers=ETAG,
+    )
     async def get_limits(tenant_id: str) -> Response[dict[str, Any]]:
         if services.view.tenant(tenant_id) is None:
             raise not_found("tenant", tenant_id)
