@@ -84,8 +84,8 @@ def check_kv_pool(
         sizes = f" ({have} at {bytes_per_token} bytes per token; it needs {needs})"
     raise ValueError(
         f"the KV pool ({source}) holds {num_blocks} blocks of {block_size} tokens = "
-        f"{num_blocks * block_size} tokens{sizes}, fewer than one sequence of "
-        f"max_model_len={max_model_len} needs ({need} blocks): lower max_model_len "
+        f"{num_blocks * block_size} tokens{sizes}, so it cannot hold one sequence of "
+        f"max_model_len={max_model_len} ({need} blocks): lower max_model_len "
         f"(TOKENMILL_ENGINE_MAX_MODEL_LEN) or give the KV pool more memory"
     )
 
