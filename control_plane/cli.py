@@ -15,7 +15,9 @@
 
 Every command finds NATS and Postgres the same way: the environment variables; else the
 servers of a `tokenmill up` running on the same data dir; else it starts the embedded
-servers itself, for as long as it runs.
+servers itself, for as long as it runs. Commands that read state (invoices, scheduler,
+reconcile, projections) start them only over a data dir that holds state: with none there
+they stop and say what to pass (--data-dir, or the servers' URLs).
 """
 
 from __future__ import annotations
@@ -189,6 +191,38 @@ async def _rebuild(settings: Settings, only: str | None) -> None:
         await services.close()
 
 
+# Commands that read what a running or stopped `tokenmill up` recorded: over a data dir with no
+# state, starting empty embedded servers would only answer "nothing" (and litter the cwd).
+STATE_COMMANDS = frozenset({"invoices", "scheduler", "reconcile", "projections"})
+
+
+def _missing_state(settings: Settings) -> str | None:
+    """Why `backends` would have to start empty servers for a command that reads state, or
+    None when it finds them (URLs, a running `tokenmill up`, or an existing data dir)."""
+    if settings.nats_url and settings.database_url:
+        return None
+    runtime = settings.data_dir / RUNTIME_FILE
+    if runtime.exists():
+        with contextlib.suppress(ValueError, OSError):
+            if _pid_alive(int(json.loads(runtime.read_text()).get("pid", 0))):
+                return None
+    missing = [
+        what
+        for what, url, path in (
+            ("PostgreSQL", settings.database_url, settings.data_dir / "pgdata" / "PG_VERSION"),
+            ("NATS", settings.nats_url, settings.data_dir / "nats"),
+        )
+        if not url and not path.exists()
+    ]
+    if not missing:
+        return None
+    return (
+        f"no tokenmill state in {settings.data_dir.resolve()} (no {' or '.join(missing)} data, "
+        "no running `tokenmill up`); pass --data-dir DIR of a `tokenmill up`, or set "
+        "TOKENMILL_DATABASE_URL and TOKENMILL_NATS_URL to the running instance's servers"
+    )
+
+
 # Billing's commands parse their own arguments (pricing.cli); they get the servers' URLs.
 BILLING_COMMANDS = {
     "invoices": "invoices, showback CSV, rollups and the reconciliation report",
@@ -237,7 +271,7 @@ def _billing(command: str, argv: list[str], settings: Settings) -> int:
     return asyncio.run(invoices_main(argv))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenmill", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -247,24 +281,43 @@ def main(argv: list[str] | None = None) -> int:
         help="state of the embedded servers, admin token (default ./.tokenmill)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("up", "serve"):
-        p = sub.add_parser(name)
+    for name, summary in (
+        ("up", "embedded servers (unless configured), projectors, the API, the billing jobs"),
+        ("serve", "the API only (stateless; run several behind a load balancer)"),
+    ):
+        p = sub.add_parser(name, help=summary)
         p.add_argument("--data-dir", type=Path, dest="sub_data_dir", help=argparse.SUPPRESS)
-        p.add_argument("--port", type=int)
-        p.add_argument("--host")
-    p = sub.add_parser("project")
+        p.add_argument("--port", type=int, help="port to listen on (TOKENMILL_PORT, 8080)")
+        p.add_argument("--host", help="address to listen on (TOKENMILL_HOST, 127.0.0.1)")
+    p = sub.add_parser("project", help="the projectors only (one active per projection)")
     p.add_argument("--data-dir", type=Path, dest="sub_data_dir", help=argparse.SUPPRESS)
-    projections = sub.add_parser("projections").add_subparsers(dest="action", required=True)
-    p = projections.add_parser("rebuild")
+    projections = sub.add_parser(
+        "projections", help="read-model maintenance: rebuild, dead letters"
+    ).add_subparsers(dest="action", required=True)
+    p = projections.add_parser("rebuild", help="drop the read models and replay the streams")
     p.add_argument("--data-dir", type=Path, dest="sub_data_dir", help=argparse.SUPPRESS)
-    p.add_argument("--only", choices=[x.name for x in all_projections()])
+    p.add_argument(
+        "--only",
+        choices=[x.name for x in all_projections()],
+        help="rebuild only this projection",
+    )
     p = projections.add_parser("dead-letters", help="events a projection could not apply")
     p.add_argument("--data-dir", type=Path, dest="sub_data_dir", help=argparse.SUPPRESS)
     dead_letters.add_arguments(p)
+    sub.add_parser("quantize", help="write an int4 checkpoint (no servers)", add_help=False)
     for name, summary in {**BILLING_COMMANDS, **DATAPLANE_COMMANDS}.items():
         p = sub.add_parser(name, help=summary, add_help=False)
         p.add_argument("--data-dir", type=Path, dest="sub_data_dir", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args, billing_argv = parser.parse_known_args(argv)
+    if args.command == "quantize":  # parses its own arguments; needs no servers
+        from worker.quantize.cli import main as quantize_main
+
+        return quantize_main(billing_argv)
     if billing_argv and args.command not in BILLING_COMMANDS | DATAPLANE_COMMANDS:
         parser.error(f"unrecognized arguments: {' '.join(billing_argv)}")
 
@@ -283,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         return _dataplane(args.command, billing_argv, settings)  # no servers needed
     if args.command == "capacity" or {"-h", "--help"} & set(billing_argv):
         return _billing(args.command, billing_argv, settings)  # no servers needed
+    if args.command in STATE_COMMANDS and (why := _missing_state(settings)):
+        print(f"tokenmill {args.command}: {why}", file=sys.stderr)
+        return 2
     settings.data_dir.mkdir(parents=True, exist_ok=True)
 
     with backends(settings) as settings:

@@ -48,9 +48,21 @@ from pricing.store import BillingStore
 
 
 def _add_connection_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--database-url", default=env("TOKENMILL_DATABASE_URL"))
-    ap.add_argument("--nats-url", default=env("TOKENMILL_NATS_URL"))
-    ap.add_argument("--prefix", default=env("TOKENMILL_STREAM_PREFIX", "TM"))
+    ap.add_argument(
+        "--database-url",
+        default=env("TOKENMILL_DATABASE_URL"),
+        help="PostgreSQL of the instance (TOKENMILL_DATABASE_URL)",
+    )
+    ap.add_argument(
+        "--nats-url",
+        default=env("TOKENMILL_NATS_URL"),
+        help="NATS of the instance (TOKENMILL_NATS_URL)",
+    )
+    ap.add_argument(
+        "--prefix",
+        default=env("TOKENMILL_STREAM_PREFIX", "TM"),
+        help="stream name prefix (TOKENMILL_STREAM_PREFIX, TM)",
+    )
 
 
 def _invoices_parser() -> argparse.ArgumentParser:
@@ -59,19 +71,29 @@ def _invoices_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, help="write here instead of stdout")
     sub = ap.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("list", help="finalized invoices")
-    ls.add_argument("--tenant")
+    ls.add_argument("--tenant", help="only this tenant's (id)")
     show = sub.add_parser("show", help="one invoice: finalized, or the draft as of now")
-    show.add_argument("invoice_id", nargs="?")
-    show.add_argument("--tenant")
-    show.add_argument("--period", type=BillingPeriod.parse, help="YYYY-MM")
-    show.add_argument("--format", choices=("json", "csv"), default="json")
+    show.add_argument("invoice_id", nargs="?", help="a finalized invoice's id")
+    show.add_argument("--tenant", help="tenant id (with --period, instead of an invoice id)")
+    show.add_argument("--period", type=BillingPeriod.parse, help="billing month, YYYY-MM")
+    show.add_argument(
+        "--format", choices=("json", "csv"), default="json", help="document format (json)"
+    )
     close = sub.add_parser("close", help="finalize every month past its grace window")
-    close.add_argument("--now", type=parse_instant)
+    close.add_argument(
+        "--now", type=parse_instant, help="close as of this ISO 8601 instant (default: now)"
+    )
     sb = sub.add_parser("showback", help="FOCUS-style chargeback/showback CSV")
-    sb.add_argument("--from", dest="start", type=parse_instant, required=True)
-    sb.add_argument("--to", dest="end", type=parse_instant, required=True)
-    sb.add_argument("--tenant")
-    sb.add_argument("--granularity", choices=("hour", "day"), default="day")
+    sb.add_argument(
+        "--from", dest="start", type=parse_instant, required=True, help="ISO 8601, inclusive"
+    )
+    sb.add_argument(
+        "--to", dest="end", type=parse_instant, required=True, help="ISO 8601, exclusive"
+    )
+    sb.add_argument("--tenant", help="only this tenant's usage (id)")
+    sb.add_argument(
+        "--granularity", choices=("hour", "day"), default="day", help="row per hour or day"
+    )
     sub.add_parser("rollups", help="bring the hourly usage rollups up to date")
     sub.add_parser("report", help="run the reconciliation report now")
     return ap
@@ -99,6 +121,10 @@ async def _context(args: argparse.Namespace, need_nats: bool) -> AsyncIterator[B
         await pool.close()
 
 
+def _note(args: argparse.Namespace, message: str) -> None:
+    print(f"tokenmill invoices {args.command}: {message}", file=sys.stderr)
+
+
 def _emit(args: argparse.Namespace, data: bytes) -> None:
     if args.out:
         args.out.write_bytes(data)
@@ -116,7 +142,11 @@ async def invoices_main(argv: list[str] | None = None) -> int:
                 f"{i.invoice_id}\t{i.tenant_id}\t{i.period.label}\t{i.status}\t{plain(i.total)} {i.currency}"
                 for i in await store.invoices(args.tenant)
             ]
-            _emit(args, "\n".join(rows).encode())
+            if rows:
+                _emit(args, "\n".join(rows).encode())
+            else:  # a note for people; stdout stays empty for tools
+                whose = f" of tenant {args.tenant}" if args.tenant else ""
+                _note(args, f"no finalized invoices{whose}")
         elif args.command == "show":
             if args.invoice_id:
                 invoice = await store.invoice(args.invoice_id)
@@ -133,24 +163,30 @@ async def invoices_main(argv: list[str] | None = None) -> int:
             _emit(args, invoice_json(invoice) if args.format == "json" else invoice_csv(invoice))
         elif args.command == "close":
             closed = await close_periods(ctx, args.now)
-            _emit(
-                args,
-                "\n".join(
-                    f"finalized {i.invoice_id} {plain(i.total)} {i.currency}" for i in closed
-                ).encode(),
-            )
+            if closed:
+                _emit(
+                    args,
+                    "\n".join(
+                        f"finalized {i.invoice_id} {plain(i.total)} {i.currency}" for i in closed
+                    ).encode(),
+                )
+            else:
+                _note(args, "nothing to finalize: every closable month is finalized")
         elif args.command == "showback":
-            _emit(
-                args,
-                await showback_export(
-                    store,
-                    args.start,
-                    args.end,
-                    args.granularity,
-                    args.tenant,
-                    ctx.settings.default_currency,
-                ),
+            export = await showback_export(
+                store,
+                args.start,
+                args.end,
+                args.granularity,
+                args.tenant,
+                ctx.settings.default_currency,
             )
+            _emit(args, export)
+            if export.count(b"\n") <= 1:  # the header only
+                whose = f" of tenant {args.tenant}" if args.tenant else ""
+                _note(
+                    args, f"no usage{whose} from {args.start.isoformat()} to {args.end.isoformat()}"
+                )
         elif args.command == "rollups":
             _emit(args, f"rollups at ledger sequence {await refresh_rollups(ctx)}".encode())
         elif args.command == "report":
@@ -164,12 +200,19 @@ def main(argv: list[str] | None = None) -> int:
     return asyncio.run(invoices_main(argv))
 
 
+def _scheduler_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="tokenmill scheduler",
+        description="Run the billing jobs until stopped; replicas elect one leader.",
+    )
+    _add_connection_args(ap)
+    return ap
+
+
 async def scheduler_main(argv: list[str] | None = None, stop: asyncio.Event | None = None) -> int:
     """`tokenmill scheduler`: run the billing jobs until `stop` is set (or the task is
     cancelled); replicas elect one leader."""
-    ap = argparse.ArgumentParser(prog="tokenmill scheduler", description=scheduler_main.__doc__)
-    _add_connection_args(ap)
-    args = ap.parse_args(argv)
+    args = _scheduler_parser().parse_args(argv)
     async with _context(args, need_nats=True) as ctx:
         scheduler = BillingScheduler(ctx)
         await scheduler.start()

@@ -153,10 +153,10 @@ async def resolve(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="dead_letters_action", required=True)
     p = actions.add_parser("list", help="unresolved dead letters (--all: resolved ones too)")
-    p.add_argument("--all", action="store_true", dest="include_resolved")
+    p.add_argument("--all", action="store_true", dest="include_resolved", help="resolved ones too")
     p.add_argument("--json", action="store_true", help="one JSON object per line, with payload")
     p = actions.add_parser("resolve", help="mark a dead letter resolved")
-    p.add_argument("id", type=int)
+    p.add_argument("id", type=int, help="the dead letter's id (from list)")
     p.add_argument(
         "--retry",
         action="store_true",

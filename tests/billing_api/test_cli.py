@@ -3,6 +3,7 @@ the environment, next to a running control plane."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import csv
 import io
@@ -10,9 +11,12 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
+
+import pytest
 
 from control_plane.cli import RUNTIME_FILE
 from pricing.invoices import invoice_from_json
@@ -116,3 +120,57 @@ async def test_tokenmill_scheduler_runs_the_jobs_and_stops_on_sigterm(
         _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 0, err.decode()
     assert "is the leader" in err.decode()
+
+
+def test_commands_that_read_state_refuse_to_start_empty_servers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from control_plane.cli import main
+
+    for name in ("TOKENMILL_DATABASE_URL", "TOKENMILL_NATS_URL", "TOKENMILL_DATA_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    for argv in (
+        ["invoices", "list"],
+        ["invoices", "showback", "--from", "2026-01-01", "--to", "2026-02-01"],
+        ["reconcile"],
+        ["scheduler"],
+        ["projections", "rebuild"],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "no tokenmill state" in err and "--data-dir" in err, err
+        assert "TOKENMILL_DATABASE_URL" in err
+        assert not (tmp_path / ".tokenmill").exists(), argv  # nothing was started or created
+    elsewhere = tmp_path / "empty"
+    assert main(["--data-dir", str(elsewhere), "invoices", "list"]) == 2
+    assert str(elsewhere) in capsys.readouterr().err and not elsewhere.exists()
+
+
+def _actions(parser: argparse.ArgumentParser, path: str) -> Iterator[tuple[str, argparse.Action]]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, child in action.choices.items():
+                yield f"{path} {name}", argparse.Action([name], name, help=helps.get(name))
+                yield from _actions(child, f"{path} {name}")
+        elif not isinstance(action, argparse._HelpAction):
+            yield path, action
+
+
+def test_every_option_and_command_has_help() -> None:
+    from control_plane.cli import build_parser
+    from pricing.cli import _capacity_parser, _invoices_parser, _scheduler_parser
+
+    missing = [
+        f"{path}: {action.option_strings or action.dest}"
+        for parser, path in (
+            (build_parser(), "tokenmill"),
+            (_invoices_parser(), "tokenmill invoices"),
+            (_capacity_parser(), "tokenmill capacity"),
+            (_scheduler_parser(), "tokenmill scheduler"),
+        )
+        for path, action in _actions(parser, path)
+        if not action.help
+    ]
+    assert missing == []

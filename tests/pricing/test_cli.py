@@ -146,3 +146,21 @@ def test_capacity_cli_projects_the_committed_benchmark_results(
 
     with pytest.raises(SystemExit, match="concurrency 8"):
         capacity_main([*argv[:4], "--concurrency", "32"])
+
+
+async def test_empty_lists_say_so(
+    rig: BillingRig, nats_server: EmbeddedNats, capsys: pytest.CaptureFixture[str]
+) -> None:
+    conn = connection_args(rig, nats_server)
+    assert await invoices_main([*conn, "list"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "" and "no finalized invoices" in captured.err
+    assert await invoices_main([*conn, "list", "--tenant", "acme"]) == 0
+    assert "no finalized invoices of tenant acme" in capsys.readouterr().err
+    assert await invoices_main([*conn, "close", "--now", "2026-05-01T00:00:00Z"]) == 0
+    assert "nothing to finalize" in capsys.readouterr().err
+    window = ["--from", "2026-01-01T00:00:00Z", "--to", "2026-02-01T00:00:00Z"]
+    assert await invoices_main([*conn, "showback", *window]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("BillingAccountId,")  # the header, for tools
+    assert "no usage from 2026-01-01" in captured.err
