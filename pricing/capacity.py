@@ -321,7 +321,8 @@ def bench_points(
     - bench/gpu_suite.py: `load_point` (concurrency, prompt_len, max_tokens) and one point per
       engine section with `output_tok_s` (fp8, bf16, hf), SKU `<model>-<section>`;
     - bench/gpu_endpoint.py: `config` (preset, quantize, concurrency, prompt_tokens,
-      max_tokens) and the `gateway` and `direct` figures, SKU `<preset>-<quantize>`;
+      max_tokens) and the `gateway` and `direct` figures, at the load point and at each
+      concurrency of its `sweep`, SKU `<preset>-<quantize>`;
     - otherwise one point from the aggregate output tokens/s (one of `_THROUGHPUT_KEYS`, at
       top level or under summary/results) with `sku_id`, `concurrency`, `prompt_tokens`,
       `output_tokens` / `max_tokens`; or a `points` list of such documents.
@@ -360,8 +361,13 @@ def bench_points(
         preset = str(config.get("preset") or sku_id or "model")
         quantize = config.get("quantize")
         sku = f"{preset}-{quantize}" if quantize and quantize != "None" else preset
-        for variant in ("gateway", "direct"):
-            figures = results.get(variant)
+        # The load point, then each concurrency of a sweep (`gpu_endpoint --sweep`).
+        rows = [(results, _int(config.get("concurrency")))]
+        sweep = results.get("sweep")
+        if isinstance(sweep, list):
+            rows += [(r, _int(r.get("concurrency"))) for r in sweep if isinstance(r, Mapping)]
+        for (row, concurrency), variant in ((r, v) for r in rows for v in ("gateway", "direct")):
+            figures = row.get(variant)
             if not isinstance(figures, Mapping):
                 continue
             tps = _number(figures.get("output_tokens_per_s"))
@@ -372,7 +378,7 @@ def bench_points(
                     sku_id=sku,
                     variant=variant,
                     output_tokens_per_second=tps,
-                    concurrency=_int(config.get("concurrency")),
+                    concurrency=concurrency,
                     ttft_p95_s=_number(figures.get("ttft_s_p95")),
                     e2e_p95_s=_number(figures.get("e2e_s_p95")),
                     prompt_tokens=_int(config.get("prompt_tokens")),

@@ -180,3 +180,22 @@ def test_points_are_chosen_by_concurrency_and_slo() -> None:
     assert {(p.sku_id, p.variant) for p in fast} == {("qwen3.6-27b-fp8", "engine")}
     with pytest.raises(NoPointMeetsTheChoice, match="at concurrency 8"):
         choose_points(points, concurrency=16)
+
+
+def test_a_concurrency_sweep_gives_a_point_per_concurrency() -> None:
+    from pricing.capacity import bench_points, choose_points
+
+    doc = json.loads((RESULTS / "gpu_endpoint.json").read_text())
+    fast = {"output_tokens_per_s": 300.5, "ttft_s_p95": 0.1, "e2e_s_p95": 1.0}
+    slow = {"output_tokens_per_s": 1100.0, "ttft_s_p95": 1.9, "e2e_s_p95": 6.0}
+    doc["sweep"] = [
+        {"concurrency": 2, "gateway": fast, "direct": fast},
+        {"concurrency": 32, "gateway": slow, "direct": slow},
+    ]
+    points = bench_points(doc)
+    assert sorted({p.concurrency for p in points}) == [2, 8, 32]
+    (at32,) = choose_points(points, concurrency=32, variants=["gateway"])
+    assert at32.output_tokens_per_second == Decimal("1100.0")
+    # Within a 1 s TTFT p95 the best measured is the load point at 8 (0.51 s), not 32.
+    (slo,) = choose_points(points, ttft_p95_max_s=Decimal(1), variants=["gateway"])
+    assert (slo.concurrency, slo.output_tokens_per_second) == (8, Decimal("708.5739419097932"))
