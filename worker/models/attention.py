@@ -10,7 +10,7 @@ from worker.engine.batch import BatchMetadata
 from worker.kernels import ops
 from worker.models.cache import AttentionCache
 from worker.models.config import ModelConfig
-from worker.models.layers import Linear, RMSNorm, RotaryTables, fuse_linears
+from worker.models.layers import Linear, RMSNorm, RotaryTables, fusable, fuse_linears
 
 
 def num_prefill_tokens(meta: BatchMetadata) -> int:
@@ -42,7 +42,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps, config.norm_unit_offset)
 
     def fuse_projections(self) -> None:
-        if self.qkv_proj is None:
+        """q|k|v as one projection when all three have one format (else they stay three)."""
+        if self.qkv_proj is None and fusable([self.q_proj, self.k_proj, self.v_proj]):
             assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
             self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
             self.q_proj = self.k_proj = self.v_proj = None

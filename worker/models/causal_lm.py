@@ -16,6 +16,7 @@ from worker.models.attention import Attention
 from worker.models.cache import AttentionCache, DeltaNetState, ModelCache
 from worker.models.config import FULL_ATTENTION, ModelConfig
 from worker.models.deltanet import GatedDeltaNet
+from worker.models.int4 import QuantizationConfig
 from worker.models.layers import MLP, Linear, RMSNorm, RotaryTables
 
 
@@ -79,10 +80,12 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = TextModel(config)
         # A tied head reads the embedding matrix (see `head_weight`), so it cannot come untied.
-        # An untied head may be swapped for an FP8 one (worker.models.fp8).
+        # An untied head may be swapped for an FP8 or int4 one (worker.models.fp8 / int4).
         self.lm_head: nn.Module | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Per-module precisions once quantized (worker.models.int4); None: as built.
+        self.quantization_config: QuantizationConfig | None = None
 
     @property
     def dtype(self) -> torch.dtype:

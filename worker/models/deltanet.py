@@ -12,7 +12,7 @@ from worker.kernels import ops
 from worker.models.attention import num_prefill_tokens
 from worker.models.cache import DeltaNetState
 from worker.models.config import ModelConfig
-from worker.models.layers import Linear, fuse_linears
+from worker.models.layers import Linear, fusable, fuse_linears
 
 
 class GatedRMSNorm(nn.Module):
@@ -40,6 +40,9 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b: nn.Module | None = Linear(h, nv, bias=False)  # beta logits
         self.in_proj_a: nn.Module | None = Linear(h, nv, bias=False)  # decay time-step logits
         self.in_proj_qkvzba: nn.Module | None = None  # the four as one GEMM (fuse_projections)
+        # ... or two when b|a keep a different format from qkv|z (int4 qkv|z, 16-bit b|a)
+        self.in_proj_qkvz: nn.Module | None = None
+        self.in_proj_ba: nn.Module | None = None
         # Only a weight holder ([C, 1, K] as in HF checkpoints); the conv runs through ops.
         self.conv1d = nn.Conv1d(
             self.conv_dim,
@@ -60,16 +63,30 @@ class GatedDeltaNet(nn.Module):
         return [p for p in parts if p is not None]
 
     def fuse_projections(self) -> None:
-        if self.in_proj_qkvzba is None:
-            self.in_proj_qkvzba = fuse_linears(self._parts())
-            self.in_proj_qkv = self.in_proj_z = self.in_proj_b = self.in_proj_a = None
+        """qkv|z|b|a as one projection when the four share a format; else qkv|z and b|a as two
+        (int4 codes and 16-bit weights cannot share a GEMM); a pair that still differs stays
+        unfused."""
+        if self.in_proj_qkv is None:
+            return  # already fused
+        parts = self._parts()
+        if fusable(parts):
+            self.in_proj_qkvzba = fuse_linears(parts)
+        elif fusable(parts[:2]) and fusable(parts[2:]):
+            self.in_proj_qkvz, self.in_proj_ba = fuse_linears(parts[:2]), fuse_linears(parts[2:])
+        else:
+            return
+        self.in_proj_qkv = self.in_proj_z = self.in_proj_b = self.in_proj_a = None
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(q|k|v before the conv, z, b, a): one GEMM split by views once fused."""
+        """(q|k|v before the conv, z, b, a): one GEMM (or two) split by views once fused."""
+        nv = self.num_v_heads
         if self.in_proj_qkvzba is not None:
-            nv = self.num_v_heads
             sizes = [self.conv_dim, self.value_dim, nv, nv]
             return tuple(self.in_proj_qkvzba(hidden).split(sizes, dim=-1))
+        if self.in_proj_qkvz is not None and self.in_proj_ba is not None:
+            mixed, z = self.in_proj_qkvz(hidden).split([self.conv_dim, self.value_dim], dim=-1)
+            b, a = self.in_proj_ba(hidden).split([nv, nv], dim=-1)
+            return mixed, z, b, a
         return tuple(p(hidden) for p in self._parts())
 
     def forward(

@@ -47,8 +47,30 @@ class Fp8Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach()
         return cls(q, scale, bias)
 
+    @classmethod
+    def empty(
+        cls,
+        out_features: int,
+        in_features: int,
+        bias_dtype: torch.dtype | None = None,
+        device: torch.device | str = "meta",
+    ) -> Fp8Linear:
+        """Uninitialised tensors of the right shapes (loaders build on meta, then fill)."""
+        bias = None
+        if bias_dtype is not None:
+            bias = torch.empty(out_features, dtype=bias_dtype, device=device)
+        return cls(
+            torch.empty(out_features, in_features, dtype=FP8, device=device),
+            torch.empty(out_features, dtype=torch.float32, device=device),
+            bias,
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.fp8_linear(x, self.weight, self.weight_scale, self.bias)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up when this is a fused gate|up projection."""
+        return ops.linear_silu_mul(x, self.weight, self.weight_scale, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3"
@@ -57,10 +79,12 @@ class Fp8Linear(nn.Module):
 @torch.no_grad()
 def quantize_fp8(model: nn.Module) -> nn.Module:
     """Swap every nn.Linear of `model` for an Fp8Linear, in place; returns the model."""
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for name, linear in targets:
+    # names only: holding the modules in a list would keep every 16-bit weight alive to the end
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        linear = getattr(parent, child)
         setattr(parent, child, Fp8Linear.from_linear(linear))
         del linear  # the 16-bit weight goes with the last reference
     return model

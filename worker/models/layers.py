@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -41,13 +41,47 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias)
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up when this is a fused gate|up projection."""
+        return ops.linear_silu_mul(x, self.weight, None, self.bias)
+
+
+class GatedProjection(Protocol):
+    """A fused gate|up projection: every linear type (Linear, Fp8Linear, Int4Linear) knows how
+    to form silu(gate) * up from its own weight format."""
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def fusable(linears: Sequence[nn.Module | None]) -> bool:
+    """Whether `fuse_linears` can concatenate these: one weight format (16-bit, fp8, or int4 of
+    one group size and symmetry), one input width, biases on all or none."""
+    from worker.models.fp8 import Fp8Linear
+    from worker.models.int4 import Int4Linear
+
+    if not linears or any(m is None for m in linears):
+        return False
+    kinds = {nn.Linear if isinstance(m, nn.Linear) else type(m) for m in linears}
+    if len(kinds) != 1 or kinds.pop() not in (nn.Linear, Fp8Linear, Int4Linear):
+        return False
+    if len({getattr(m, "in_features", None) for m in linears}) != 1:
+        return False
+    if len({getattr(m, "bias", None) is None for m in linears}) != 1:
+        return False
+    if isinstance(linears[0], Int4Linear):
+        int4 = cast("list[Int4Linear]", list(linears))
+        return len({(m.group_size, m.symmetric) for m in int4}) == 1
+    return True
+
 
 @torch.no_grad()
 def fuse_linears(linears: Sequence[nn.Module]) -> nn.Module:
     """One projection whose output is the given projections' outputs side by side: weights (and
-    FP8 per-channel scales, and biases) concatenated along the output axis, gpt-fast style. The
-    parts are left for the caller to drop, which frees their memory."""
+    FP8 per-channel scales, int4 codes and group scales/mins, and biases) concatenated along the
+    output axis, gpt-fast style. The parts are left for the caller to drop, which frees their
+    memory. Raises TypeError for parts `fusable` rejects."""
     from worker.models.fp8 import Fp8Linear
+    from worker.models.int4 import Int4Linear
 
     def cat(name: str) -> torch.Tensor | None:
         parts = [getattr(m, name) for m in linears]
@@ -59,19 +93,24 @@ def fuse_linears(linears: Sequence[nn.Module]) -> nn.Module:
             return torch.cat([p.detach().view(torch.uint8) for p in parts]).view(parts[0].dtype)
         return torch.cat([p.detach() for p in parts])
 
-    if all(isinstance(m, Fp8Linear) for m in linears):
+    if not fusable(linears):
+        kinds = sorted({type(m).__name__ for m in linears})
+        raise TypeError(f"cannot fuse {kinds} (formats, widths or biases differ)")
+    if isinstance(linears[0], Int4Linear):
+        qweight, scales = cat("qweight"), cat("scales")
+        assert qweight is not None and scales is not None
+        return Int4Linear(qweight, scales, cat("mins"), cat("bias"), linears[0].group_size)
+    if isinstance(linears[0], Fp8Linear):
         weight, scale = cat("weight"), cat("weight_scale")
         assert weight is not None and scale is not None
         return Fp8Linear(weight, scale, cat("bias"))
-    if all(isinstance(m, nn.Linear) for m in linears):
-        weight, bias = cat("weight"), cat("bias")
-        assert weight is not None
-        fused = Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-        fused.weight = nn.Parameter(weight, requires_grad=False)
-        if bias is not None:
-            fused.bias = nn.Parameter(bias, requires_grad=False)
-        return fused
-    raise TypeError(f"cannot fuse {sorted({type(m).__name__ for m in linears})}")
+    weight, bias = cat("weight"), cat("bias")
+    assert weight is not None
+    fused = Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    return fused
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -134,15 +173,14 @@ class MLP(nn.Module):
         self.down_proj = Linear(f, h, bias=bias)
 
     def fuse_projections(self) -> None:
-        if self.gate_proj is not None and self.up_proj is not None:
+        """gate|up as one projection when both have one format (a mixed pair stays two)."""
+        if fusable([self.gate_proj, self.up_proj]):
+            assert self.gate_proj is not None and self.up_proj is not None
             self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
             self.gate_proj = self.up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            proj = self.gate_up_proj
-            weight, bias = cast(torch.Tensor, proj.weight), cast("torch.Tensor | None", proj.bias)
-            scale = getattr(proj, "weight_scale", None)  # Fp8Linear's; 16-bit Linear has none
-            return self.down_proj(ops.linear_silu_mul(x, weight, scale, bias))
+            return self.down_proj(cast(GatedProjection, self.gate_up_proj).silu_mul(x))
         assert self.gate_proj is not None and self.up_proj is not None
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
