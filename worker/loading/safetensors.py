@@ -70,7 +70,12 @@ def load_safetensors_weights(model: CausalLM, path: str | Path) -> None:
 def load_hf_model(
     path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16
 ) -> CausalLM:
-    """A model from a Hugging Face checkpoint directory (config.json + safetensors)."""
+    """A model from a Hugging Face checkpoint directory (config.json + safetensors); a quantized
+    one goes to `worker.loading.quantized` (built on meta, never 16-bit on the device)."""
+    from worker.loading.quantized import is_quantized_checkpoint, load_quantized_model
+
+    if is_quantized_checkpoint(path):
+        return load_quantized_model(path, device, dtype)
     model = build_empty(load_hf_config(path), device, dtype)
     load_safetensors_weights(model, path)
     return model
