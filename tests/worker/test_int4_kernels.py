@@ -186,6 +186,25 @@ def test_prefill_rows_dequantize_then_gemm(monkeypatch) -> None:
     assert out.shape == (70, 24) and rel_err(out, ref) < 2e-2
 
 
+def test_gate_up_takes_two_launches_where_measured_faster(monkeypatch) -> None:
+    torch.manual_seed(4)
+    q = int4_weight(48, 256, 128, True, "cpu")
+    x = torch.randn(3, 256).bfloat16()
+    fused: list[int] = []
+    real = int4_gemm.int4_gemv_silu_mul
+
+    def recording(x: torch.Tensor, *args):
+        fused.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(int4_gemm, "int4_gemv_silu_mul", recording)
+    ref = reference.int4_linear_silu_mul(x, q.qweight, q.scales, None, 128)
+    assert rel_err(int4_linear_silu_mul(x, q.qweight, q.scales, None, 128), ref) < 2e-2
+    monkeypatch.setitem(int4_gemm.INT4_SILU_MUL_TILINGS, (48, 256), None)
+    assert rel_err(int4_linear_silu_mul(x, q.qweight, q.scales, None, 128), ref) < 2e-2
+    assert fused == [3]  # the second call: the GEMV, then silu_mul
+
+
 def test_registry_takes_the_int4_kernels_on_cuda_with_16bit_activations() -> None:
     for op, name in [
         ("int4_linear", "triton.int4_linear"),
@@ -213,6 +232,11 @@ def test_gpu_int4_linear_27b(n: int, k: int) -> None:
     for m in (1, 8, 16, 33):
         check_gemv(m, n, k, 128, True, None, False, "cuda")
     check_gemv(8, n, k, 128, False, None, True, "cuda")
+    for symmetric in (True, False):  # fp16 activations: the fp16 form of the code conversion
+        q = int4_weight(n, k, 128, symmetric, "cuda")
+        xh = torch.randn(8, k, device="cuda").half()
+        ref = reference.int4_linear(xh, q.qweight, q.scales, q.mins, 128)
+        assert rel_err(int4_linear(xh, q.qweight, q.scales, q.mins, 128), ref) < 1e-2
     q = int4_weight(n, k, 128, True, "cuda")
     x = torch.randn(512, k, device="cuda").bfloat16()
     ref = reference.int4_linear(x, q.qweight, q.scales, None, 128)

@@ -57,29 +57,41 @@ class Int4Tiling:
     bn: int = 64
     bk: int = 128
     splits: int = 1
-    num_warps: int = 4
-    num_stages: int = 4
+    num_warps: int = 2
+    num_stages: int = 3
     stream_k: int = 0
-    # how x's even/odd columns meet the two nibble dots: 0 two stride-2 loads of x, 1 one
-    # contiguous load split in registers, 2 the weight re-interleaved (join) for one dot
-    x_mode: int = 0
-    # codes to 16-bit by the exponent trick (GPU); False: a plain int -> float conversion
-    fast_cvt: bool = True
+    # how the nibbles meet x: 1 dots the low (even k) and high (odd k) codes against x's even
+    # and odd columns, split in registers; 2 re-interleaves the codes (join) for one dot with
+    # contiguous x; 0 loads x's even/odd columns with stride 2 (not async-copied: 2x slower)
+    x_mode: int = 1
+    # codes to 16-bit (GPU): 2 the exponent trick in PTX on packed registers (`_nibbles_ptx`),
+    # 1 the same trick in triton ops, 0 a plain int -> float conversion (H200 gate|up, M = 8,
+    # 64 x 128 tiles: 2 warps 46.9 us with 2, 4 warps 56-58 us with 2 or 1, 109 us with 0)
+    fast_cvt: int = 2
 
 
-# Filled from bench/int4_kernels.py's sweep (the fastest measured tiling per weight shape).
-INT4_DECODE_TILINGS: dict[tuple[int, int], Int4Tiling] = {}
-# The fused gate|up + silu*mul GEMV per fused weight shape (2F, K).
-INT4_SILU_MUL_TILINGS: dict[tuple[int, int], Int4Tiling] = {}
+# The fastest measured tiling per weight shape (bench/int4_kernels.py prints these entries), at
+# M = 8 on the H200 (run 3; group 128; copy 4.24 TB/s; FP8 w8_gemv at the same shape beside).
+INT4_DECODE_TILINGS: dict[tuple[int, int], Int4Tiling] = {
+    (34816, 5120): Int4Tiling(64, 256, 2, 2, 3),  # mlp gate|up: 46.8 us, 47% (fp8 50.2 us)
+    (5120, 17408): Int4Tiling(64, 256, 7, 2, 3),  # mlp down: 29.4 us, 37% (fp8 29.1 us)
+    (16384, 5120): Int4Tiling(64, 128, 3, 2, 3),  # deltanet qkv|z: 22.6 us, 46% (fp8 25.3)
+    (14336, 5120): Int4Tiling(64, 128, 3, 2, 3),  # attention q|gate,k,v: 22.3 us, 41% (24.5)
+    (5120, 6144): Int4Tiling(64, 256, 6, 2, 3),  # deltanet out / attention o: 12.5 us (13.8)
+}
+# The fused gate|up + silu*mul GEMV per fused weight shape (2F, K); None: the projection then
+# silu_mul measured faster (H200 run 3, the 27B MLP at M = 8: fused 51.7 us, two launches 48.6).
+INT4_SILU_MUL_TILINGS: dict[tuple[int, int], Int4Tiling | None] = {(34816, 5120): None}
 
 
 def default_tiling(n: int, k: int, group_size: int = 128, sms: int = 132) -> Int4Tiling:
-    """64 channels x 128 of K per step (64 bytes of each weight row: four 16-byte loads), K split
-    so that ~4 programs per SM stream weight, each over at least 4 K steps."""
+    """64 channels x 128 of K per step (64 bytes of each weight row: four 16-byte loads) on 2
+    warps (mma.sync: 20% faster than 4 warps on wgmma in the H200 probe), K split so that ~4
+    programs per SM stream weight, each over at least 4 K steps."""
     bk = _compatible_bk(128, group_size)
     tiles, steps = triton.cdiv(n, 64), triton.cdiv(k, bk)
     splits = max(1, min(triton.cdiv(4 * sms, tiles), steps // 4))
-    return Int4Tiling(64, bk, splits, 4, 4)
+    return Int4Tiling(64, bk, splits)
 
 
 def _compatible_bk(bk: int, group_size: int) -> int:
@@ -103,6 +115,8 @@ def _codes(b, DOT: tl.constexpr, OFFSET: tl.constexpr, FAST: tl.constexpr, MAGIC
            MAGIC_F: tl.constexpr):  # fmt: skip
     """The low (even k) and high (odd k) nibbles of packed bytes b as DOT values q - OFFSET,
     exactly. FAST: the code OR'ed into the mantissa of MAGIC_F (bits MAGIC), minus MAGIC_F."""
+    if FAST == 2:  # the same trick in PTX on packed registers: 4 bytes -> 8 codes
+        return _codes_asm(b, DOT, OFFSET)
     lo = b & 0xF
     hi = b >> 4
     if FAST:
@@ -111,6 +125,55 @@ def _codes(b, DOT: tl.constexpr, OFFSET: tl.constexpr, FAST: tl.constexpr, MAGIC
     else:
         lo = lo.to(DOT) - OFFSET
         hi = hi.to(DOT) - OFFSET
+    return lo, hi
+
+
+def _nibbles_ptx(magic: str, neg: str, ty: str) -> str:
+    """PTX of one byte quad -> 4 low and 4 high codes: bytes b0..b3 spread to 16-bit lanes (prmt),
+    each nibble masked into the mantissa of the magic number (lop3) and magic (+ 8 when
+    symmetric) subtracted two lanes at a time: 12 instructions per 8 codes, where the
+    elementwise form costs ~5 per code (H200 run 2's PTX)."""
+    return (
+        "{\n.reg .b32 t0, t1, t2, t3, z, c;\nmov.b32 z, 0;\n"
+        f"mov.b32 c, {neg};\n"
+        "prmt.b32 t0, $4, z, 0x4140;\nprmt.b32 t1, $4, z, 0x4342;\n"
+        "shr.u32 t2, t0, 4;\nshr.u32 t3, t1, 4;\n"
+        f"lop3.b32 $0, t0, 0x000f000f, {magic}, 0xea;\n"
+        f"lop3.b32 $1, t1, 0x000f000f, {magic}, 0xea;\n"
+        f"lop3.b32 $2, t2, 0x000f000f, {magic}, 0xea;\n"
+        f"lop3.b32 $3, t3, 0x000f000f, {magic}, 0xea;\n"
+        f"add.{ty} $0, $0, c;\nadd.{ty} $1, $1, c;\nadd.{ty} $2, $2, c;\nadd.{ty} $3, $3, c;\n}}"
+    )
+
+
+# (magic, -(magic value + offset)): bf16 128 + q, fp16 1024 + q; symmetric codes are q - 8
+_PTX_BF16_SYM: tl.constexpr = tl.constexpr(_nibbles_ptx("0x43004300", "0xC308C308", "bf16x2"))
+_PTX_BF16_AFF: tl.constexpr = tl.constexpr(_nibbles_ptx("0x43004300", "0xC300C300", "bf16x2"))
+_PTX_F16_SYM: tl.constexpr = tl.constexpr(_nibbles_ptx("0x64006400", "0xE408E408", "f16x2"))
+_PTX_F16_AFF: tl.constexpr = tl.constexpr(_nibbles_ptx("0x64006400", "0xE400E400", "f16x2"))
+
+
+@triton.jit
+def _codes_asm(b, DOT: tl.constexpr, OFFSET: tl.constexpr):
+    """`_codes` in PTX on packed registers, 4 bytes (8 codes) per instance."""
+    if DOT == tl.bfloat16:
+        if OFFSET == 8.0:
+            lo, hi = tl.inline_asm_elementwise(
+                _PTX_BF16_SYM, "=r,=r,=r,=r,r", [b], (tl.bfloat16, tl.bfloat16), True, 4
+            )
+        else:
+            lo, hi = tl.inline_asm_elementwise(
+                _PTX_BF16_AFF, "=r,=r,=r,=r,r", [b], (tl.bfloat16, tl.bfloat16), True, 4
+            )
+    else:
+        if OFFSET == 8.0:
+            lo, hi = tl.inline_asm_elementwise(
+                _PTX_F16_SYM, "=r,=r,=r,=r,r", [b], (tl.float16, tl.float16), True, 4
+            )
+        else:
+            lo, hi = tl.inline_asm_elementwise(
+                _PTX_F16_AFF, "=r,=r,=r,=r,r", [b], (tl.float16, tl.float16), True, 4
+            )
     return lo, hi
 
 
@@ -145,12 +208,33 @@ def _x_chunk(x_rows, m_ok, k0, K, KS: tl.constexpr, MASK_K: tl.constexpr, HAS_MI
 
 
 @triton.jit
-def _w_chunk(q_rows, s_rows, m_rows, n_ok, rn, N, k0, K, xa, xb, xsum, GROUP: tl.constexpr,
-             KS: tl.constexpr, MASK_K: tl.constexpr, HAS_MINS: tl.constexpr, XMODE: tl.constexpr,
-             DOT: tl.constexpr, FAST: tl.constexpr, MAGIC: tl.constexpr,
-             MAGIC_F: tl.constexpr):  # fmt: skip
+def _group_params(s_rows, m_rows, rn, N, k0, K, SUB: tl.constexpr, KS: tl.constexpr,
+                  GROUP: tl.constexpr, HAS_MINS: tl.constexpr):  # fmt: skip
+    """fp32 scales (and mins) [BN, SUB] of the SUB chunks of the step at k0. The kernels load
+    them a step ahead: they are 2-byte gathers (no async copy), so a load in the step that uses
+    them would stall it for a full L2 round trip."""
+    kc = k0 + tl.arange(0, SUB) * KS
+    g = kc // GROUP
+    mask = (rn < N)[:, None] & (kc < K)[None, :]
+    s = tl.load(s_rows[:, None] + g[None, :], mask=mask, other=0.0).to(tl.float32)
+    m = tl.zeros_like(s)
+    if HAS_MINS:
+        m = tl.load(m_rows[:, None] + g[None, :], mask=mask, other=0.0).to(tl.float32)
+    return s, m
+
+
+@triton.jit
+def _col(t, j: tl.constexpr, SUB: tl.constexpr):
+    """Column j of a [BN, SUB] register tile."""
+    return tl.sum(tl.where(tl.arange(0, SUB)[None, :] == j, t, 0.0), axis=1)
+
+
+@triton.jit
+def _w_chunk(q_rows, n_ok, k0, K, xa, xb, xsum, s, mn, KS: tl.constexpr, MASK_K: tl.constexpr,
+             HAS_MINS: tl.constexpr, XMODE: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr,
+             MAGIC: tl.constexpr, MAGIC_F: tl.constexpr):  # fmt: skip
     """fp32 [BN, BM] contribution of weight columns k0 .. k0 + KS - 1 (inside one group): the
-    codes' dot with x times the group's scale, plus its min times the chunk's sum of x."""
+    codes' dot with x times the group's scale s [BN], plus its min mn times the chunk's x sum."""
     HALF: tl.constexpr = KS // 2
     kb = k0 // 2 + tl.arange(0, HALF)
     if MASK_K:
@@ -167,14 +251,8 @@ def _w_chunk(q_rows, s_rows, m_rows, n_ok, rn, N, k0, K, xa, xb, xsum, GROUP: tl
     else:
         part = tl.dot(lo, tl.trans(xa.to(DOT)))
         part = tl.dot(hi, tl.trans(xb.to(DOT)), part)
-    g = k0 // GROUP
-    s_ok = rn < N
-    if MASK_K:  # a sub-step past a ragged K has no group (and adds zeros)
-        s_ok = s_ok & (k0 + 0 * rn < K)
-    s = tl.load(s_rows + g, mask=s_ok, other=0.0).to(tl.float32)
     part = part * s[:, None]
     if HAS_MINS:
-        mn = tl.load(m_rows + g, mask=s_ok, other=0.0).to(tl.float32)
         part += mn[:, None] * xsum[None, :]
     return part
 
@@ -207,15 +285,19 @@ def _int4_gemv_kernel(
     x_rows = x + rm[:, None] * stride_xm
     k_start = split * k_per_split
     pdl_wait(PDL)
+    SUB: tl.constexpr = BK // KS
     acc = tl.zeros((BN, BM), dtype=tl.float32)
+    s_cur, m_cur = _group_params(s_rows, m_rows, rn, N, k_start, K, SUB, KS, GROUP, HAS_MINS)
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BK):
-        for sub in tl.static_range(BK // KS):
+        s_nxt, m_nxt = _group_params(s_rows, m_rows, rn, N, k0 + BK, K, SUB, KS, GROUP, HAS_MINS)
+        for sub in tl.static_range(SUB):
             kc = k0 + sub * KS
             xa, xb, xsum = _x_chunk(x_rows, m_ok, kc, K, KS, not EVEN_K, HAS_MINS, XMODE)
             acc += _w_chunk(
-                q_rows, s_rows, m_rows, n_ok, rn, N, kc, K, xa, xb, xsum, GROUP, KS,
-                not EVEN_K, HAS_MINS, XMODE, DOT, FAST, MAGIC, MAGIC_F,
+                q_rows, n_ok, kc, K, xa, xb, xsum, _col(s_cur, sub, SUB), _col(m_cur, sub, SUB),
+                KS, not EVEN_K, HAS_MINS, XMODE, DOT, FAST, MAGIC, MAGIC_F,
             )  # fmt: skip
+        s_cur, m_cur = s_nxt, m_nxt
     mask = n_ok & (rm < M)[None, :]
     if not SPLIT:
         _gemv_epilogue(acc, bias, bias, out, rn, rm, N, stride_om, mask, False, HAS_BIAS)
@@ -232,6 +314,21 @@ def _int4_gemv_kernel(
                 )
             tl.atomic_xchg(arrivals + pid_n, 0)
             _gemv_epilogue(total, bias, bias, out, rn, rm, N, stride_om, mask, False, HAS_BIAS)
+
+
+@triton.jit
+def _stream_k_params(scales, mins, rb, N, K, step, ksteps, stride_sn, BN: tl.constexpr,
+                     BK: tl.constexpr, SUB: tl.constexpr, KS: tl.constexpr, GROUP: tl.constexpr,
+                     HAS_MINS: tl.constexpr):  # fmt: skip
+    """`_group_params` of flat stream-K step `step` (its tile's rows, its K step)."""
+    tile = step // ksteps
+    rn = tile * BN + rb
+    s_rows = scales + rn.to(tl.int64) * stride_sn
+    m_rows = s_rows
+    if HAS_MINS:
+        m_rows = mins + rn.to(tl.int64) * stride_sn
+    k0 = (step - tile * ksteps) * BK
+    return _group_params(s_rows, m_rows, rn, N, k0, K, SUB, KS, GROUP, HAS_MINS)
 
 
 @kernel
@@ -259,7 +356,10 @@ def _int4_stream_k_kernel(
     m_ok = (rm < M)[:, None]
     x_rows = x + rm[:, None] * stride_xm
     pdl_wait(PDL)
+    SUB: tl.constexpr = BK // KS
     acc = tl.zeros((BN, BM), dtype=tl.float32)
+    s_cur, m_cur = _stream_k_params(scales, mins, rb, N, K, start, ksteps, stride_sn, BN, BK, SUB,
+                                    KS, GROUP, HAS_MINS)  # fmt: skip
     # one flat loop over the range, so the weight pipeline runs on across tile boundaries; no
     # barrier or acquire/release atomic in it (either stops triton from pipelining the loads)
     for step in range(start, stop):
@@ -268,17 +368,16 @@ def _int4_stream_k_kernel(
         rn = tile * BN + rb
         n_ok = (rn < N)[:, None]
         q_rows = qw + rn[:, None].to(tl.int64) * stride_qn
-        s_rows = scales + rn.to(tl.int64) * stride_sn
-        m_rows = s_rows  # (unused when symmetric)
-        if HAS_MINS:
-            m_rows = mins + rn.to(tl.int64) * stride_sn
-        for sub in tl.static_range(BK // KS):
+        s_nxt, m_nxt = _stream_k_params(scales, mins, rb, N, K, step + 1, ksteps, stride_sn, BN,
+                                        BK, SUB, KS, GROUP, HAS_MINS)  # fmt: skip
+        for sub in tl.static_range(SUB):
             kc = ks * BK + sub * KS
             xa, xb, xsum = _x_chunk(x_rows, m_ok, kc, K, KS, not EVEN_K, HAS_MINS, XMODE)
             acc += _w_chunk(
-                q_rows, s_rows, m_rows, n_ok, rn, N, kc, K, xa, xb, xsum, GROUP, KS,
-                not EVEN_K, HAS_MINS, XMODE, DOT, FAST, MAGIC, MAGIC_F,
+                q_rows, n_ok, kc, K, xa, xb, xsum, _col(s_cur, sub, SUB), _col(m_cur, sub, SUB),
+                KS, not EVEN_K, HAS_MINS, XMODE, DOT, FAST, MAGIC, MAGIC_F,
             )  # fmt: skip
+        s_cur, m_cur = s_nxt, m_nxt
         if (ks == ksteps - 1) | (step == stop - 1):  # this tile's part of the range is done
             mask = n_ok & (rm < M)[None, :]
             if (tl.where(tile == first_tile, first_ks, 0) == 0) & (ks == ksteps - 1):
@@ -341,20 +440,26 @@ def _int4_silu_mul_kernel(
     x_rows = x + rm[:, None] * stride_xm
     k_start = split * k_per_split
     pdl_wait(PDL)
+    SUB: tl.constexpr = BK // KS
     acc_gate = tl.zeros((BN, BM), dtype=tl.float32)
     acc_up = tl.zeros((BN, BM), dtype=tl.float32)
+    gs_cur, gm_cur = _group_params(gate_s, gate_m, rn, F, k_start, K, SUB, KS, GROUP, HAS_MINS)
+    us_cur, um_cur = _group_params(up_s, up_m, rn, F, k_start, K, SUB, KS, GROUP, HAS_MINS)
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BK):
-        for sub in tl.static_range(BK // KS):
+        gs_nxt, gm_nxt = _group_params(gate_s, gate_m, rn, F, k0 + BK, K, SUB, KS, GROUP, HAS_MINS)
+        us_nxt, um_nxt = _group_params(up_s, up_m, rn, F, k0 + BK, K, SUB, KS, GROUP, HAS_MINS)
+        for sub in tl.static_range(SUB):
             kc = k0 + sub * KS
             xa, xb, xsum = _x_chunk(x_rows, m_ok, kc, K, KS, not EVEN_K, HAS_MINS, XMODE)
             acc_gate += _w_chunk(
-                gate_q, gate_s, gate_m, n_ok, rn, F, kc, K, xa, xb, xsum, GROUP, KS,
-                not EVEN_K, HAS_MINS, XMODE, DOT, FAST, MAGIC, MAGIC_F,
+                gate_q, n_ok, kc, K, xa, xb, xsum, _col(gs_cur, sub, SUB), _col(gm_cur, sub, SUB),
+                KS, not EVEN_K, HAS_MINS, XMODE, DOT, FAST, MAGIC, MAGIC_F,
             )  # fmt: skip
             acc_up += _w_chunk(
-                up_q, up_s, up_m, n_ok, rn, F, kc, K, xa, xb, xsum, GROUP, KS,
-                not EVEN_K, HAS_MINS, XMODE, DOT, FAST, MAGIC, MAGIC_F,
+                up_q, n_ok, kc, K, xa, xb, xsum, _col(us_cur, sub, SUB), _col(um_cur, sub, SUB),
+                KS, not EVEN_K, HAS_MINS, XMODE, DOT, FAST, MAGIC, MAGIC_F,
             )  # fmt: skip
+        gs_cur, gm_cur, us_cur, um_cur = gs_nxt, gm_nxt, us_nxt, um_nxt
     mask = n_ok & (rm < M)[None, :]
     if not SPLIT:
         _silu_mul_epilogue(acc_gate, acc_up, bias, out, rn, rm, F, stride_om, mask, HAS_BIAS)
@@ -395,12 +500,18 @@ def _dot_args(x: torch.Tensor, tiling: Int4Tiling) -> dict[str, Any]:
     if not x.is_cuda:
         return {"DOT": dot_dtype(x.device), "FAST": False, "MAGIC": 0, "MAGIC_F": 0.0}
     if x.dtype == torch.bfloat16:
-        return {"DOT": tl.bfloat16, "FAST": tiling.fast_cvt, "MAGIC": 0x4300, "MAGIC_F": 128.0}
-    return {"DOT": tl.float16, "FAST": tiling.fast_cvt, "MAGIC": 0x6400, "MAGIC_F": 1024.0}
+        return {"DOT": tl.bfloat16, "FAST": int(tiling.fast_cvt), "MAGIC": 0x4300, "MAGIC_F": 128.0}
+    return {"DOT": tl.float16, "FAST": int(tiling.fast_cvt), "MAGIC": 0x6400, "MAGIC_F": 1024.0}
 
 
 def _block_m(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
+
+
+def _warps(tiling: Int4Tiling, bm: int) -> int:
+    """32- and 64-row blocks take at least 4 warps (H200: gate|up at M = 64 ran 99 us on 4 warps,
+    229 us on the 2-warp tiling that is fastest up to 16 rows)."""
+    return tiling.num_warps if bm <= 16 else max(4, tiling.num_warps)
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> None:
@@ -447,7 +558,7 @@ def int4_gemv(
     common: dict[str, Any] = dict(
         BM=bm, BN=tiling.bn, BK=bk, KS=ks, GROUP=group_size, HAS_MINS=mins is not None,
         HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, XMODE=tiling.x_mode,
-        num_warps=tiling.num_warps, num_stages=tiling.num_stages if on_gpu else 1,
+        num_warps=_warps(tiling, bm), num_stages=tiling.num_stages if on_gpu else 1,
         **_dot_args(x, tiling),
     )  # fmt: skip
     tiles = triton.cdiv(n, tiling.bn)
@@ -525,7 +636,7 @@ def int4_gemv_silu_mul(
         m, f, k, k_per_split, splits, x.stride(0), qweight.stride(0), scales.stride(0),
         out.stride(0), BM=bm, BN=tiling.bn, BK=bk, KS=min(bk, group_size), GROUP=group_size,
         HAS_MINS=mins is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1,
-        EVEN_K=k % bk == 0, XMODE=tiling.x_mode, num_warps=tiling.num_warps,
+        EVEN_K=k % bk == 0, XMODE=tiling.x_mode, num_warps=_warps(tiling, bm),
         num_stages=tiling.num_stages if on_gpu else 1, **_dot_args(x, tiling),
     )  # fmt: skip
     return out
@@ -687,15 +798,16 @@ def int4_linear_silu_mul(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """silu(gate) * up [..., F] of x [..., K] and a fused gate|up int4 weight [2F, K]: decode rows
-    in one GEMV launch with the activation in its epilogue, prefill rows as the projection then
-    silu_mul."""
+    in one GEMV launch with the activation in its epilogue (unless INT4_SILU_MUL_TILINGS measured
+    two launches faster for the shape), prefill rows as the projection then silu_mul."""
     from worker.kernels.triton.activations import silu_mul
 
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     two_f = qweight.shape[0]
     gemv = rows.shape[0] <= min(INT4_GEMV_MAX_ROWS, 64) and _gemv_supports(k, group_size)
-    if not gemv or two_f % 2:
+    measured_unfused = INT4_SILU_MUL_TILINGS.get((two_f, k), ()) is None
+    if not gemv or two_f % 2 or measured_unfused:
         return silu_mul(int4_linear(x, qweight, scales, mins, group_size, bias))
     out = int4_gemv_silu_mul(rows, qweight, scales, mins, group_size, bias)
     return out.view(*x.shape[:-1], two_f // 2)
