@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import inspect
 import math
+import re
 import sysconfig
 import zlib
 from collections.abc import Iterator, Sequence
@@ -178,8 +179,9 @@ _DOC_NODES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 @cache
 def _split_texts() -> tuple[str, str]:
-    """(held-out text, calibration text): the stdlib's docstrings in sorted file order, each
-    distinct docstring once, split by file."""
+    """(held-out text, calibration text): the stdlib's docstrings in sorted file order, split
+    by file, each distinct paragraph once (modules copy paragraphs from one another, and a
+    paragraph on both sides would be calibrated on and then judged)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     held: list[str] = []
     calib: list[str] = []
@@ -188,10 +190,15 @@ def _split_texts() -> tuple[str, str]:
         key = zlib.crc32(path.relative_to(root).as_posix().encode())
         side = held if key % _HELD_OUT_EVERY == 0 else calib
         for doc in _docstrings(path):
-            if doc not in seen:
-                seen.add(doc)
-                side.append(doc)
+            for paragraph in _PARAGRAPH_BREAK.split(doc):
+                paragraph = paragraph.strip()
+                if paragraph and paragraph not in seen:
+                    seen.add(paragraph)
+                    side.append(paragraph)
     return "\n\n".join(held), "\n\n".join(calib)
+
+
+_PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 
 
 def held_out_text(max_chars: int | None = 200_000) -> str:
