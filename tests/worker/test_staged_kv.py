@@ -365,3 +365,21 @@ def test_triton_staged_prefill_via_scratch():
     want = reference.staged_attention_prefill(q, cache, cu, ctx, tables, positions, 0.125)
     got = tq_kernels.staged_attention_prefill(q, cache, cu, ctx, tables, positions, 0.125)
     assert rel_err(got, want) < 2e-2
+
+
+# ---------------------------------------------------------------- the 27B shape on a GPU
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_restage_27b_shape():
+    check_restage("cuda", 4, 256, 16, 4, 3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fraction", [0.0, 0.9])
+def test_gpu_staged_decode_27b_shape(fraction: float):
+    check_staged_decode(
+        "cuda", [4096, 1000, 33, 2048, 17, 3000, 512, 4095], fraction, 24, 4, 256, 16
+    )
