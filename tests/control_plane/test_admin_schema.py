@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis import checks as st_checks
 
@@ -129,6 +130,9 @@ def _failures(app: _ServedApp, max_examples: int, modes: list[GenerationMode]) -
 
             try:
                 run()
+            except Unsatisfiable:
+                # No negative case exists (only free-form string path parameters).
+                assert mode == GenerationMode.NEGATIVE, operation.label
             except (Exception, BaseExceptionGroup) as e:  # schemathesis groups its failures
                 failures.append(f"{operation.label} ({mode}): {e}")
     return failures
@@ -140,6 +144,8 @@ def test_admin_api_conforms_to_its_openapi(admin_app: _ServedApp) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_admin_api_conforms_to_its_openapi_long(admin_app: _ServedApp) -> None:
-    failures = _failures(admin_app, 100, [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+    # Negative cases too: bodies and parameters outside the schema must be documented 4xx.
+    failures = _failures(admin_app, 40, [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
     assert not failures, "\n\n".join(failures)
