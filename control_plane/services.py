@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
-import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
+from control_plane.nats_cluster import connect as connect_nats
+from control_plane.nats_cluster import ensure_streams
 from control_plane.settings import Settings
 from events.governance import GovernanceView
 from events.projections import Projector, all_projections, committed_positions, ensure_schema
@@ -44,12 +45,12 @@ class Services:
         read-model schema, and replay the control stream into the governance view."""
         if not settings.nats_url or not settings.database_url:
             raise ValueError("Services.connect needs settings.nats_url and settings.database_url")
-        nc = await nats.connect(settings.nats_url, name="tokenmill", max_reconnect_attempts=-1)
+        nc = await connect_nats(settings.nats_url, name="tokenmill")
         try:
             js = nc.jetstream()
             layout = StreamLayout(prefix=settings.stream_prefix, replicas=settings.stream_replicas)
             store = EventStore(js, layout)
-            await store.ensure_streams()
+            await ensure_streams(store)
             pool = await asyncpg.create_pool(settings.database_url, min_size=1, max_size=10)
             assert pool is not None
             async with pool.acquire() as conn:

@@ -27,8 +27,8 @@ from decimal import Decimal
 from pathlib import Path
 
 import asyncpg
-import nats
 
+from control_plane.nats_cluster import connect as connect_nats
 from control_plane.settings import env
 from events.projections import all_projections, ensure_schema
 from pricing.capacity import CapacityInputs, Throughput, bench_points, choose_points, project
@@ -107,7 +107,7 @@ async def _context(args: argparse.Namespace, need_nats: bool) -> AsyncIterator[B
         raise SystemExit("tokenmill invoices: give --nats-url or set TOKENMILL_NATS_URL")
     pool = await asyncpg.create_pool(args.database_url, min_size=1, max_size=4)
     assert pool is not None
-    nc = await nats.connect(args.nats_url) if need_nats else None
+    nc = await connect_nats(args.nats_url, name="tokenmill billing") if need_nats else None
     try:
         async with pool.acquire() as conn:  # the read models billing reads, on a fresh database
             await ensure_schema(conn, all_projections())

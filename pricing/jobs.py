@@ -33,9 +33,10 @@ import msgspec
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig
-from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
+from control_plane.nats_cluster import ensure_key_value
 from control_plane.reconcile import reconcile as reconcile_metering
 from control_plane.settings import env, env_float
 from pricing.capacity import CapacityInputs, Throughput, project, throughput_from_ledger
@@ -105,6 +106,8 @@ class BillingSettings:
     reconcile_interval_s: float = field(
         default_factory=lambda: env_float("TOKENMILL_BILLING_RECONCILE_INTERVAL_S", 3600.0)
     )
+    # TOKENMILL_STREAM_REPLICAS: replicas of the leader lock's KV bucket, as for the streams.
+    kv_replicas: int = field(default_factory=lambda: int(env("TOKENMILL_STREAM_REPLICAS", "1")))
 
     @property
     def grace(self) -> timedelta:
@@ -420,24 +423,28 @@ class LeaderLock:
     KEY = "leader"
 
     def __init__(
-        self, js: JetStreamContext, bucket: str, ttl_s: float, owner: str | None = None
+        self,
+        js: JetStreamContext,
+        bucket: str,
+        ttl_s: float,
+        owner: str | None = None,
+        replicas: int = 1,
     ) -> None:
         self.js = js
         self.bucket = bucket
         self.ttl_s = ttl_s
+        self.replicas = replicas
         self.owner = owner or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._kv: KeyValue | None = None
         self._revision: int | None = None
         self._valid_until = 0.0
 
+    def bucket_config(self) -> KeyValueConfig:
+        return KeyValueConfig(bucket=self.bucket, ttl=self.ttl_s, history=1, replicas=self.replicas)
+
     async def _bucket(self) -> KeyValue:
         if self._kv is None:
-            try:
-                self._kv = await self.js.key_value(self.bucket)
-            except BucketNotFoundError:
-                self._kv = await self.js.create_key_value(
-                    KeyValueConfig(bucket=self.bucket, ttl=self.ttl_s, history=1)
-                )
+            self._kv = await ensure_key_value(self.js, self.bucket_config())
         return self._kv
 
     @property
@@ -497,7 +504,13 @@ class BillingScheduler:
     ) -> None:
         self.ctx = ctx
         self.jobs = jobs if jobs is not None else default_jobs(ctx.settings)
-        self.lock = LeaderLock(ctx.js, f"{ctx.prefix}_scheduler", ctx.settings.lock_ttl_s, owner)
+        self.lock = LeaderLock(
+            ctx.js,
+            f"{ctx.prefix}_scheduler",
+            ctx.settings.lock_ttl_s,
+            owner,
+            replicas=ctx.settings.kv_replicas,
+        )
         self.scheduler = AsyncIOScheduler(timezone=UTC)
         self.runs: dict[str, int] = dict.fromkeys(self.jobs, 0)
 

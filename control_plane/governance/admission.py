@@ -155,7 +155,13 @@ class Admission:
         self.clock = clock
         self.view = view  # the backbone's: prices (its owner starts and stops it)
         self.limits = LimitsBook(js, prefix)
-        self.ledger = UsageLedger(js, prefix, self.view, on_settled=self._on_settled)
+        self.ledger = UsageLedger(
+            js,
+            prefix,
+            self.view,
+            on_settled=self._on_settled,
+            heartbeat_s=self.settings.follower_heartbeat_s,
+        )
         self.budgets = BudgetStore(
             js,
             prefix,
@@ -165,6 +171,7 @@ class Admission:
             idle_return_s=self.settings.idle_return_s,
             usage_seq=lambda: self.ledger.position.seq,
             wait_usage=self.ledger.position.wait_for,
+            replicas=self.settings.kv_replicas,
         )
         # quota reservations waiting for their request on the usage stream
         self._awaiting: dict[str, _AwaitingUsage] = {}
@@ -357,6 +364,10 @@ class Admission:
             hold.budget.give_back(hold.units - used)
 
     def _expire_reservations(self) -> None:
+        if not self.ledger.live:
+            # The usage stream is unreadable: a reservation's request may have finished
+            # unseen. Dropping it now would free usage the settled sums lack.
+            return
         now = self.clock()
         for request_id, waiting in list(self._awaiting.items()):
             if waiting.expires_at <= now:

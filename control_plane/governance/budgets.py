@@ -31,8 +31,11 @@ from dataclasses import dataclass
 
 import msgspec
 from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
+
+from control_plane.nats_cluster import ensure_key_value
 
 Clock = Callable[[], float]
 
@@ -203,6 +206,15 @@ class SharedBudget:
         return end is not None and self.store.clock() > end + 5 and not self.in_use
 
 
+def budget_bucket_configs(prefix: str, replicas: int) -> dict[str, KeyValueConfig]:
+    """The buckets of shared budgets: "r" rate windows, "h" quotas and stream slots."""
+    return {
+        # Rate windows last a minute: their keys may age out. Quotas and slots persist.
+        "r": KeyValueConfig(bucket=f"{prefix}_GOV_RATE", history=1, ttl=300, replicas=replicas),
+        "h": KeyValueConfig(bucket=f"{prefix}_GOV_HOLD", history=1, replicas=replicas),
+    }
+
+
 class BudgetStore:
     """The budgets of one replica, their KV buckets, and the loop that keeps them synced."""
 
@@ -217,20 +229,23 @@ class BudgetStore:
         idle_return_s: float = 1.0,
         usage_seq: Callable[[], int] = lambda: 0,
         wait_usage: Callable[[int, float], Awaitable[bool]] | None = None,
+        replicas: int = 1,
     ) -> None:
         self.js, self.prefix, self.replica_id, self.clock = js, prefix, replica_id, clock
+        self.replicas = replicas
         self.lease_fraction, self.idle_return_s = lease_fraction, idle_return_s
         self.usage_seq, self._wait_usage = usage_seq, wait_usage
         self.budgets: dict[str, SharedBudget] = {}
         self._kv: dict[str, KeyValue] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
+    def bucket_configs(self) -> dict[str, KeyValueConfig]:
+        """The KV buckets, with the install's replica count (TOKENMILL_STREAM_REPLICAS)."""
+        return budget_bucket_configs(self.prefix, self.replicas)
+
     async def open(self) -> None:
-        # Rate windows last a minute: their keys may age out. Quotas and slots persist.
-        self._kv["r"] = await self.js.create_key_value(
-            bucket=f"{self.prefix}_GOV_RATE", history=1, ttl=300
-        )
-        self._kv["h"] = await self.js.create_key_value(bucket=f"{self.prefix}_GOV_HOLD", history=1)
+        for kind, config in self.bucket_configs().items():
+            self._kv[kind] = await ensure_key_value(self.js, config)
 
     def budget(self, spec: BudgetSpec, settled: Callable[[], int]) -> SharedBudget:
         found = self.budgets.get(spec.kv_key)

@@ -9,9 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, DeliverPolicy
 
+from control_plane.governance.follow import StreamFollower
 from control_plane.governance.limits import cost_micros
 from control_plane.governance.position import StreamPosition
 from control_plane.governance.windows import quota_window
@@ -42,8 +43,11 @@ def usage_keys(event: RequestFinished) -> list[UsageKey]:
 
 
 class UsageLedger:
-    """Follows the usage stream (all of it, so its position is the stream's) from the start of the previous month (quota periods
-    are at most a month) and keeps the sums; `on_settled` is told of each new request."""
+    """Follows the usage stream (all of it, so its position is the stream's) from the start
+    of the previous month (quota periods are at most a month) and keeps the sums;
+    `on_settled` is told of each new request. The follower re-creates its consumer from the
+    last sequence applied whenever NATS restarts, loses a node or moves the stream's leader;
+    `live` says whether it is following now (for /readyz)."""
 
     def __init__(
         self,
@@ -51,11 +55,28 @@ class UsageLedger:
         prefix: str,
         view: GovernanceView,
         on_settled: Callable[[RequestFinished], None] | None = None,
+        *,
+        heartbeat_s: float = 1.0,
     ) -> None:
         self.js, self.prefix, self.view, self.on_settled = js, prefix, view, on_settled
         self.usage: dict[UsageKey, Usage] = {}
         self.position = StreamPosition()
-        self._sub: object | None = None
+        self.follower = StreamFollower(
+            js,
+            usage_stream_name(prefix),
+            f"{prefix}.usage.>",
+            self._on_message,
+            self.position,
+            name="usage ledger",
+            heartbeat_s=heartbeat_s,
+            start_time=_previous_month_start,
+        )
+
+    @property
+    def live(self) -> bool:
+        """Whether usage reaches this replica now. While False, settled sums are stale (they
+        catch up once it is live again, from where they stopped)."""
+        return self.follower.live
 
     def get(self, scope_id: str, sku_id: str | None, window_label: str) -> Usage:
         return self.usage.get((scope_id, sku_id, window_label)) or Usage()
@@ -77,20 +98,14 @@ class UsageLedger:
                     usage.spend_micros.get(price.currency, 0) + cost
                 )
 
-    async def start(self) -> None:
+    async def start(self, within_s: float = 60.0) -> None:
+        """Start following; return once the usage present now is applied."""
         info = await self.js.stream_info(usage_stream_name(self.prefix))
-        now = datetime.now(UTC)
-        since = datetime(now.year - (now.month == 1), (now.month - 2) % 12 + 1, 1, tzinfo=UTC)
-        self._sub = await self.js.subscribe(
-            f"{self.prefix}.usage.>",
-            cb=self._on_message,
-            ordered_consumer=True,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=since),
-        )
+        self.follower.start()
         if info.state.last_seq:
-            await self.position.wait_for(info.state.last_seq, within_s=60.0)
+            await self.position.wait_for(info.state.last_seq, within_s=within_s)
 
-    async def _on_message(self, msg) -> None:  # type: ignore[no-untyped-def]
+    def _on_message(self, msg: Msg) -> None:
         event = decode_usage(msg.data)
         if isinstance(event, RequestFinished):
             # Applying and telling admission happen without an await between them, so no
@@ -98,8 +113,11 @@ class UsageLedger:
             self.apply(event)
             if self.on_settled:
                 self.on_settled(event)
-        await self.position.advance(msg.metadata.sequence.stream)
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()  # type: ignore[attr-defined]
+        await self.follower.stop()
+
+
+def _previous_month_start() -> datetime:
+    now = datetime.now(UTC)
+    return datetime(now.year - (now.month == 1), (now.month - 2) % 12 + 1, 1, tzinfo=UTC)

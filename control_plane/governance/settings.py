@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from control_plane.settings import env_float
+from control_plane.settings import env, env_float
 
 
 @dataclass(frozen=True)
@@ -38,3 +38,10 @@ class GovernanceSettings:
     lease_fraction: float = field(
         default_factory=lambda: env_float("TOKENMILL_GOV_LEASE_FRACTION", 0.02)
     )
+    # TOKENMILL_GOV_FOLLOWER_HEARTBEAT_S: the usage follower's idle heartbeat. Three missed
+    # (a NATS restart, a lost node) and it re-creates its consumer from the last sequence read.
+    follower_heartbeat_s: float = field(
+        default_factory=lambda: env_float("TOKENMILL_GOV_FOLLOWER_HEARTBEAT_S", 1.0)
+    )
+    # TOKENMILL_STREAM_REPLICAS: replicas of the shared-budget KV buckets, as for the streams.
+    kv_replicas: int = field(default_factory=lambda: int(env("TOKENMILL_STREAM_REPLICAS", "1")))
