@@ -17,7 +17,10 @@ from worker.protocol import ChatMessage, SamplingParams
 
 Temperature = Annotated[float, msgspec.Meta(ge=0, le=2)]
 TopP = Annotated[float, msgspec.Meta(gt=0, le=1)]
-MaxTokens = Annotated[int, msgspec.Meta(ge=0)]
+# Bounded so every accepted number fits the worker protocol (msgpack: int64) and the engines
+# (a seed is an int64 in torch and vLLM; no context is anywhere near 2**31 tokens).
+MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 MAX_STOP_SEQUENCES = 4
 
 
@@ -28,6 +31,11 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     type: Literal["text"]
     text: str
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    # Plain text is what every answer is; JSON modes and schemas are not implemented.
+    type: Literal["text"]
 
 
 class MessageIn(msgspec.Struct, forbid_unknown_fields=True):
@@ -44,13 +52,16 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     top_p: TopP | None = None
     max_tokens: MaxTokens | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     user: str | None = None
     # Accepted at their defaults only (checked in `_only_defaults`).
     n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logprobs: Any = None
+    # A bool for chat, a count for completions; typed, so nested input fails at once.
+    logprobs: bool | int | None = None
+    response_format: ResponseFormat | None = None
+    store: Literal[False] | None = None
 
 
 class ChatCompletionBody(_Common, kw_only=True, forbid_unknown_fields=True):
@@ -73,17 +84,18 @@ UNSUPPORTED = {
     "functions",
     "function_call",
     "parallel_tool_calls",
-    "response_format",
     "logit_bias",
     "audio",
     "modalities",
     "prediction",
     "reasoning_effort",
     "service_tier",
-    "store",
     "metadata",
     "web_search_options",
 }
+
+# Known OpenAI parameters accepted only at values that change nothing here.
+ONLY_HARMLESS = {"response_format", "store"}
 
 _DECODERS: dict[type[msgspec.Struct], msgspec.json.Decoder[Any]] = {
     ChatCompletionBody: msgspec.json.Decoder(ChatCompletionBody),
@@ -104,6 +116,8 @@ def _decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise invalid_request(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec's own guard, raised before anything deeper is built
+        raise invalid_request("The request body is nested too deeply.") from None
     if not isinstance(raw, dict):
         raise invalid_request("The request body must be a JSON object.")
     for name in raw:
@@ -131,10 +145,15 @@ def _decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
         if param == "" or param is None:
             missing = re.search(r"missing required field `([^`]+)`", text)
             param = missing.group(1) if missing else None
-        raise invalid_request(f"Invalid request: {text}", param=param) from None
+        field = re.split(r"[.\[]", param or "", maxsplit=1)[0]
+        code = "unsupported_parameter" if field in ONLY_HARMLESS else None
+        raise invalid_request(f"Invalid request: {text}", param=param, code=code) from None
 
 
 def _only_defaults(b: _Common) -> None:
+    if b.user is not None and "\x00" in b.user:
+        # Kept as text downstream (PostgreSQL text cannot hold NUL).
+        raise invalid_request("`user` must not contain NUL characters.", param="user")
     if b.n not in (None, 1):
         raise invalid_request("Only n=1 is supported.", param="n", code="unsupported_parameter")
     for name in ("presence_penalty", "frequency_penalty"):

@@ -198,7 +198,7 @@ def requested_model(body: bytes) -> str | None:
     """The `model` a /v1 request body names, if it is JSON and names one."""
     try:
         model = msgspec.json.decode(body, type=_Requested).model
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):  # nested too deep
         return None
     return model
 
