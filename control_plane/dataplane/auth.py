@@ -17,15 +17,19 @@ class Caller:
     key: ApiKey
 
 
-# Bearer keys whose hash is remembered (`Authorizer._hashes`); past it the memo starts over.
+# Keys whose hash is remembered (`Authorizer._hashes`); past it the memo starts over.
 KEY_HASH_MEMO = 4096
+# A longer bearer is refused unhashed (a tokenmill key is 55 characters).
+MAX_BEARER_CHARS = 256
 
 
 class Authorizer:
     def __init__(self, view: GovernanceView) -> None:
         self.view = view
-        # bearer key -> sha256: a caller's key is hashed once, not on every request (only the
-        # hash; whether the key and its tenant are active is read from the view every time).
+        # key -> sha256, for keys that existed when first seen: a caller's key is hashed once,
+        # not on every request (whether the key and its tenant are active is read from the
+        # view every time). Only known keys go in, so traffic with made-up keys neither grows
+        # it nor evicts real ones; each entry is at most MAX_BEARER_CHARS long.
         self._hashes: dict[str, str] = {}
 
     def caller(self, authorization: str | None) -> Caller:
@@ -33,16 +37,21 @@ class Authorizer:
         if not authorization:
             raise errors.invalid_api_key()
         scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token or len(token) > MAX_BEARER_CHARS:
             raise errors.invalid_api_key()
         key_hash = self._hashes.get(token)
+        known = key_hash is not None
         if key_hash is None:
-            if len(self._hashes) >= KEY_HASH_MEMO:
-                self._hashes.clear()
-            key_hash = self._hashes[token] = hash_key(token.strip())
+            # A header is decoded as latin-1, which cannot fail; a non-ASCII key exists nowhere.
+            key_hash = hash_key(token) if token.isascii() else ""
         key = self.view.key_by_hash(key_hash)
         if key is None or not key.active:
             raise errors.invalid_api_key()
+        if not known:
+            if len(self._hashes) >= KEY_HASH_MEMO:
+                self._hashes.clear()
+            self._hashes[token] = key_hash
         tenant = self.view.tenant(key.tenant_id)
         if tenant is None:
             raise errors.invalid_api_key()
