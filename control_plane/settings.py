@@ -44,6 +44,22 @@ class Settings:
     stream_prefix: str = field(default_factory=lambda: env("TOKENMILL_STREAM_PREFIX", "TM"))
     # TOKENMILL_STREAM_REPLICAS: JetStream replicas for the streams (3 on a production cluster).
     stream_replicas: int = field(default_factory=lambda: int(env("TOKENMILL_STREAM_REPLICAS", "1")))
+    # TOKENMILL_V1_MAX_BODY_BYTES: the largest /v1 request body (larger: 413, refused while
+    # reading). 8 MiB holds a 262,144-token prompt at 32 JSON bytes a token: text averages 3-4
+    # bytes a token, and non-ASCII text sent as \u escapes (6-12 bytes a character) fits too.
+    v1_max_body_bytes: int = field(
+        default_factory=lambda: int(env("TOKENMILL_V1_MAX_BODY_BYTES", str(8 * 1024 * 1024)))
+    )
+    # TOKENMILL_V1_READ_TIMEOUT_S: a /v1 body must be in this long after its head (408 after);
+    # so must any request's head after its first byte. 30 s carries 8 MiB at 280 KB/s.
+    v1_read_timeout_s: float = field(
+        default_factory=lambda: env_float("TOKENMILL_V1_READ_TIMEOUT_S", 30.0)
+    )
+    # TOKENMILL_MAX_HEADER_BYTES: the largest request head (request line and headers, any
+    # path; larger: 431). 32 KiB is nginx's default (4 x 8 KiB); a tokenmill key is 55 bytes.
+    max_header_bytes: int = field(
+        default_factory=lambda: int(env("TOKENMILL_MAX_HEADER_BYTES", str(32 * 1024)))
+    )
 
     def with_overrides(self, **changes: object) -> Settings:
         from dataclasses import replace

@@ -21,11 +21,19 @@ if TYPE_CHECKING:
 def tokenmill_extension(services: Services) -> Extension:
     from control_plane.app import Extension
     from control_plane.dataplane.demo import demo_up_hook
+    from control_plane.dataplane.openapi import V1OpenAPI
     from control_plane.dataplane.reservations import ReservationsReporter
-    from control_plane.dataplane.routes import DataPlane
+    from control_plane.dataplane.routes import DataPlane, V1Errors
 
     assert services.settings.nats_url is not None
-    plane = DataPlane(services.settings.nats_url, services.layout.prefix, services.view)
+    from control_plane.dataplane.limits import InputLimits
+
+    plane = DataPlane(
+        services.settings.nats_url,
+        services.layout.prefix,
+        services.view,
+        limits=InputLimits.from_settings(services.settings),
+    )
 
     @contextlib.asynccontextmanager
     async def running(services: Services) -> AsyncIterator[None]:
@@ -53,6 +61,7 @@ def tokenmill_extension(services: Services) -> Extension:
     return Extension(
         name="dataplane",
         route_handlers=[plane.router()],
+        plugins=[V1Errors(), V1OpenAPI()],
         lifespan=[running],
         up_hooks=[demo_up_hook],
         extra={"dataplane": plane},

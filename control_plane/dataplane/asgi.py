@@ -17,6 +17,7 @@ from typing import cast
 from litestar.types import Message, Receive, Scope, Send
 
 from control_plane.dataplane import errors
+from control_plane.dataplane.auth import Caller
 from control_plane.dataplane.gateway import (
     ChunkLost,
     ClientGone,
@@ -25,6 +26,7 @@ from control_plane.dataplane.gateway import (
     RequestRejected,
     WorkerLost,
 )
+from control_plane.dataplane.limits import InputLimits
 from control_plane.dataplane.responses import DONE, StreamWriter, full_response, usage
 from control_plane.dataplane.transport import ResponseOut
 from worker.protocol import TokenChunk
@@ -34,6 +36,9 @@ log = logging.getLogger("tokenmill.dataplane")
 # Scope key: True when every middleware on the route passes a 2xx response through unchanged
 # (set by `server.direct_routes`), so a streamed answer may be written past the send chain.
 DIRECT_WRITES = "tokenmill.direct_writes"
+# Scope key: True when the server started the handler with the whole body already read
+# (`server.GatewayHttpProtocol`), so reading it cannot wait.
+BODY_IN = "tokenmill.body_in"
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -50,8 +55,10 @@ class Completion:
         self.headers.append((b"x-request-id", relay.dispatch.request_id.encode()))
 
 
-# Reads the request (authorization header, body) and dispatches it; raises OpenAIError.
-Prepare = Callable[[str | None, bytes], Awaitable[Completion]]
+# Parses the body of an authorized caller's request and dispatches it; raises OpenAIError.
+Prepare = Callable[[Caller, bytes], Awaitable[Completion]]
+# The caller named by the Authorization header (None: none); raises OpenAIError.
+Authorize = Callable[[str | None], Caller]
 
 
 def relay_error(exc: BaseException, model: str) -> errors.OpenAIError | None:
@@ -70,25 +77,45 @@ def relay_error(exc: BaseException, model: str) -> errors.OpenAIError | None:
     return None
 
 
-async def serve_completion(prepare: Prepare, scope: Scope, receive: Receive, send: Send) -> None:
-    """One /v1 completion request, start to finish. Never raises."""
+async def serve_completion(
+    authorize: Authorize,
+    prepare: Prepare,
+    limits: InputLimits,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+) -> None:
+    """One /v1 completion request, start to finish. Never raises.
+
+    Everything that can be refused from the head is refused before the body is read (method,
+    key, declared length); the body is read up to `limits.max_body_bytes` and within
+    `limits.read_timeout_s`. A refusal that leaves part of the body unread closes the
+    connection (the server discards the rest while the client sends it)."""
     completion: Completion | None = None
     watcher: asyncio.Task[None] | None = None
+    body_read = bool(scope.get(BODY_IN))
     try:
         if scope.get("method") != "POST":
             raise errors.OpenAIError(405, "Use POST for this endpoint.", code="method_not_allowed")
-        body = await _read_body(receive)
-        authorization = next(
-            (v.decode() for k, v in scope["headers"] if k == b"authorization"), None
-        )
-        completion = await prepare(authorization, body)
+        authorization = None
+        for k, v in scope["headers"]:
+            if k == b"authorization":
+                # latin-1, as Litestar decodes headers: it cannot fail on any byte.
+                authorization = v.decode("latin-1")
+            elif k == b"content-length" and (not v.isdigit() or int(v) > limits.max_body_bytes):
+                # Checked before the key too: nothing of such a body will be read.
+                raise errors.body_too_large(limits.max_body_bytes)
+        caller = authorize(authorization)
+        body = await _read_body(receive, limits, body_read)
+        body_read = True
+        completion = await prepare(caller, body)
         watcher = asyncio.create_task(_interrupt_on_disconnect(receive, completion.relay))
         if completion.stream:
             await _stream(completion, scope, send, receive)
         else:
             await _whole(completion, send, receive)
     except errors.OpenAIError as exc:
-        await _send_error(send, exc)
+        await _send_error(send, exc, close=not body_read)
     except ClientGone:
         pass
     except Exception as exc:  # a bug: an OpenAI error for the client, the trace for us
@@ -98,6 +125,7 @@ async def serve_completion(prepare: Prepare, scope: Scope, receive: Receive, sen
             errors.OpenAIError(
                 502, f"Internal error in the gateway: {type(exc).__name__}", type="server_error"
             ),
+            close=not body_read,
         )
     finally:
         if watcher is not None:
@@ -106,15 +134,36 @@ async def serve_completion(prepare: Prepare, scope: Scope, receive: Receive, sen
             completion.relay.release()
 
 
-async def _read_body(receive: Receive) -> bytes:
-    parts: list[bytes] = []
-    while True:
+async def _read_body(receive: Receive, limits: InputLimits, body_in: bool) -> bytes:
+    if body_in:  # the common case: one message, no timer
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientGone()
-        parts.append(cast(bytes, message.get("body", b"")))
-        if not message.get("more_body"):
-            return b"".join(parts)
+        body = cast(bytes, message.get("body", b""))
+        if len(body) > limits.max_body_bytes:
+            raise errors.body_too_large(limits.max_body_bytes)
+        return body
+    parts: list[bytes] = []
+    size = 0
+    if asyncio.current_task() is None:
+        # Stepped by hand (`server.start_eagerly` on 3.11): a timeout needs a task, and the
+        # task takes over at the first suspension.
+        await asyncio.sleep(0)
+    try:
+        async with asyncio.timeout(limits.read_timeout_s):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone()
+                part = cast(bytes, message.get("body", b""))
+                size += len(part)
+                if size > limits.max_body_bytes:
+                    raise errors.body_too_large(limits.max_body_bytes)
+                parts.append(part)
+                if not message.get("more_body"):
+                    return b"".join(parts)
+    except TimeoutError:
+        raise errors.read_timeout(limits.read_timeout_s) from None
 
 
 async def _interrupt_on_disconnect(receive: Receive, relay: Relay) -> None:
@@ -123,8 +172,10 @@ async def _interrupt_on_disconnect(receive: Receive, relay: Relay) -> None:
     relay.interrupt()
 
 
-async def _send_error(send: Send, exc: errors.OpenAIError) -> None:
+async def _send_error(send: Send, exc: errors.OpenAIError, close: bool = False) -> None:
     headers = [*JSON_HEADERS, *((k.encode(), v.encode()) for k, v in exc.headers.items())]
+    if close:  # the rest of the body is not read: this connection cannot carry another request
+        headers.append((b"connection", b"close"))
     try:
         await send({"type": "http.response.start", "status": exc.status, "headers": headers})
         await send({"type": "http.response.body", "body": exc.to_json(), "more_body": False})

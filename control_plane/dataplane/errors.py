@@ -93,3 +93,44 @@ def worker_failed(detail: str) -> OpenAIError:
         type="server_error",
         code="worker_error",
     )
+
+
+def body_too_large(limit: int) -> OpenAIError:
+    return OpenAIError(
+        413,
+        f"The request body is larger than this server accepts ({limit} bytes).",
+        code="request_too_large",
+    )
+
+
+def read_timeout(seconds: float) -> OpenAIError:
+    return OpenAIError(
+        408, f"The request body did not arrive within {seconds:g} s.", code="request_timeout"
+    )
+
+
+def not_found(method: str, path: str) -> OpenAIError:
+    return OpenAIError(404, f"Invalid URL ({method} {path}).", code="not_found")
+
+
+def method_not_allowed(method: str, path: str, allowed: str) -> OpenAIError:
+    return OpenAIError(
+        405,
+        f"{method} is not allowed on {path}; use {allowed}.",
+        code="method_not_allowed",
+        headers={"allow": allowed},
+    )
+
+
+def header_too_large(limit: int) -> OpenAIError:
+    return OpenAIError(
+        431,
+        f"The request's headers are larger than this server accepts ({limit} bytes).",
+        code="request_header_fields_too_large",
+    )
+
+
+def head_timeout(seconds: float) -> OpenAIError:
+    return OpenAIError(
+        408, f"The request's headers did not arrive within {seconds:g} s.", code="request_timeout"
+    )

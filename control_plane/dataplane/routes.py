@@ -9,11 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 import msgspec
 import nats
 from litestar import Request, Response, Router, asgi, get
+from litestar.config.app import AppConfig
 from litestar.exceptions import HTTPException
+from litestar.plugins import InitPlugin
 from litestar.types import ASGIApp, Receive, Scope, Send
 from nats.aio.client import Client as NATS
 
@@ -21,6 +24,7 @@ from control_plane.dataplane import errors
 from control_plane.dataplane.asgi import Completion, serve_completion
 from control_plane.dataplane.auth import Authorizer, Caller
 from control_plane.dataplane.gateway import Gateway, GatewaySettings, NoWorker, OutcomeListener
+from control_plane.dataplane.limits import InputLimits
 from control_plane.dataplane.requests import (
     ChatCompletionBody,
     CompletionBody,
@@ -55,14 +59,29 @@ def _openai_error_handler(_: Request, exc: Exception) -> Response[bytes]:
     return _error_response(exc)
 
 
-def _http_error_handler(_: Request, exc: Exception) -> Response[bytes]:
-    """Litestar's own refusals (405, bad content type...) as OpenAI error objects too."""
+def _http_error_handler(request: Request, exc: Exception) -> Response[bytes]:
+    """Litestar's own refusals (404, 405, bad content type...) as OpenAI error objects too."""
+    if isinstance(exc, errors.OpenAIError):
+        return _error_response(exc)
     status = exc.status_code if isinstance(exc, HTTPException) else 500
     if status >= 500:
         log.error("unhandled error under /v1", exc_info=exc)
         return _error_response(
             errors.OpenAIError(502, "Internal error in the gateway.", type="server_error")
         )
+    method, path = request.scope.get("method", "GET"), request.scope["path"]
+    if status == 404:
+        err = errors.not_found(method, path)
+        if path.startswith("/v1/responses"):
+            err = errors.OpenAIError(
+                404,
+                "The Responses API is not offered by this server; use /v1/chat/completions.",
+                code="not_found",
+            )
+        return _error_response(err)
+    if status == 405:
+        allowed = (exc.headers or {}).get("allow", "") if isinstance(exc, HTTPException) else ""
+        return _error_response(errors.method_not_allowed(method, path, allowed))
     detail = exc.detail if isinstance(exc, HTTPException) else str(exc)
     return _error_response(errors.OpenAIError(status, detail))
 
@@ -74,10 +93,12 @@ class DataPlane:
         prefix: str,
         governance: GovernanceView,
         settings: GatewaySettings | None = None,
+        limits: InputLimits | None = None,
     ) -> None:
         self.nats_url, self.prefix = nats_url, prefix
         self.governance = governance
         self.settings = settings or GatewaySettings()
+        self.limits = limits or InputLimits.from_settings()
         self.authorizer = Authorizer(governance)
         # Quotas and rate limits (the governance extension's Admission), when there is one.
         self.admission: Admission | None = None
@@ -124,12 +145,12 @@ class DataPlane:
             data = [_model_card(s) for s in plane.authorizer.models(caller)]
             return Response(_dumps({"object": "list", "data": data}), media_type=JSON)
 
-        @get("/models/{model:str}")
+        # A path: the model a SKU serves may hold a slash ("Qwen/Qwen3.6-27B", or its %2F).
+        @get("/models/{model:path}")
         async def get_model(request: Request, model: str) -> Response[bytes]:
             caller = plane.authorizer.caller(request.headers.get("authorization"))
-            return Response(
-                _dumps(_model_card(plane.authorizer.sku(caller, model))), media_type=JSON
-            )
+            sku = plane.authorizer.sku(caller, model.removeprefix("/"))
+            return Response(_dumps(_model_card(sku)), media_type=JSON)
 
         @asgi("/chat/completions", copy_scope=False)
         async def chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
@@ -150,23 +171,25 @@ class DataPlane:
         )
 
     async def serve_chat(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await serve_completion(self._prepare_chat, scope, receive, send)
+        await serve_completion(
+            self.authorizer.caller, self._prepare_chat, self.limits, scope, receive, send
+        )
 
     async def serve_text(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await serve_completion(self._prepare_text, scope, receive, send)
+        await serve_completion(
+            self.authorizer.caller, self._prepare_text, self.limits, scope, receive, send
+        )
 
     def completion_handlers(self) -> dict[str, ASGIApp]:
         """The completion routes' ASGI functions by full path, for an HTTP server that hands
         these paths to them directly (`server.direct_routes`)."""
         return {"/v1/chat/completions": self.serve_chat, "/v1/completions": self.serve_text}
 
-    async def _prepare_chat(self, authorization: str | None, raw: bytes) -> Completion:
-        caller = self.authorizer.caller(authorization)
+    async def _prepare_chat(self, caller: Caller, raw: bytes) -> Completion:
         body, messages, sampling = parse_chat(raw)
         return await self._dispatch("chat", caller, body, sampling, None, messages)
 
-    async def _prepare_text(self, authorization: str | None, raw: bytes) -> Completion:
-        caller = self.authorizer.caller(authorization)
+    async def _prepare_text(self, caller: Caller, raw: bytes) -> Completion:
         body, prompt, sampling = parse_completion(raw)
         return await self._dispatch("completion", caller, body, sampling, prompt, None)
 
@@ -227,6 +250,30 @@ class DataPlane:
         writer = StreamWriter(kind, request_id, int(gen.admitted_at), sku.name, include_usage)
         headers = ticket.headers if ticket is not None else {}
         return Completion(relay, writer, sku.name, bool(body.stream), headers)
+
+
+class V1Errors(InitPlugin):
+    """The app's own refusals of a /v1 request (no such route, such as endpoints this server
+    does not offer: embeddings, the Responses API; a method the route does not take) as
+    OpenAI error objects; other paths keep the app's handlers (problem details)."""
+
+    def on_app_init(self, app_config: AppConfig) -> AppConfig:
+        handlers = dict(app_config.exception_handlers)
+        fallback = handlers.get(HTTPException) or handlers.get(Exception)
+        for key, handler in [*handlers.items(), (HTTPException, fallback)]:
+            if handler is not None:
+                handlers[key] = _v1_first(handler)
+        app_config.exception_handlers = handlers
+        return app_config
+
+
+def _v1_first(handler: Any) -> Any:
+    def handle(request: Request, exc: Exception) -> Response[Any]:
+        if request.scope["path"] == "/v1" or request.scope["path"].startswith("/v1/"):
+            return _http_error_handler(request, exc)
+        return handler(request, exc)  # type: ignore[no-any-return]
+
+    return handle
 
 
 def _model_card(sku: Sku) -> dict[str, object]:

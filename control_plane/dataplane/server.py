@@ -23,56 +23,249 @@ from typing import Any, cast
 from litestar import Litestar
 from litestar.routes import ASGIRoute
 from litestar.types import ASGIApp, Receive, Scope, Send
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
-from control_plane.dataplane.asgi import DIRECT_WRITES
+from control_plane.dataplane import errors
+from control_plane.dataplane.asgi import BODY_IN, DIRECT_WRITES
+from control_plane.dataplane.limits import InputLimits
 from control_plane.dataplane.transport import resume_stepped
 
 log = logging.getLogger("tokenmill.dataplane")
 
 
+# A direct request whose body is not all in this long after its head starts anyway: it is
+# refused from its head (key, declared length) without waiting for the body, and reads the
+# rest itself, under the body's size and time limits. Most bodies arrive well before this.
+BODY_WAIT_S = 0.05
+# After a refusal that leaves part of the request unread, what still arrives is discarded for
+# at most this long before the connection is closed: closing it with unread data would reset
+# it, and a client still sending (as most do before reading) would never see the refusal.
+LINGER_S = 5.0
+
+
 class GatewayHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol; a request for a path in `direct_routes` goes to that
     ASGI app instead of the server's app, started in the callback that read the last of its
-    body (see `_run_now`)."""
+    body (see `_run_now`). Every request's head is held to `limits` (size, time)."""
 
     direct_routes: Mapping[str, ASGIApp] = {}
-    # A direct request whose body is still arriving: started by `on_message_complete`.
+    limits: InputLimits = InputLimits()
+    # A direct request whose body is still arriving: started by `on_message_complete`, or
+    # sooner (`_start_pending`).
     _body_pending: tuple[RequestResponseCycle, ASGIApp] | None = None
+    _body_timer: asyncio.TimerHandle | None = None
+    # The request head being read: its size (from the parser's callbacks, and every read
+    # after the one it began in) and its deadline.
+    _in_head = False
+    _head_bytes = 0
+    _head_reads = 0
+    _head_timer: asyncio.TimerHandle | None = None
+    _refusal: errors.OpenAIError | None = None
+    _linger_timer: asyncio.TimerHandle | None = None
+    _lingering = False
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # what follows a refusal is discarded
+        continuing = self._in_head
+        super().data_received(data)
+        if self._lingering:
+            return
+        if self._in_head:
+            # Parsed headers are counted by the callbacks, but the parser keeps a header that
+            # is still arriving to itself: count the reads too (after the first, which may
+            # hold the end of the request before).
+            if continuing:
+                self._head_reads += len(data)
+            if self._head_reads > self.limits.max_header_bytes:
+                self._refuse(errors.header_too_large(self.limits.max_header_bytes))
+                return
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(
+                    self.limits.read_timeout_s, self._head_timed_out
+                )
+        if self._body_pending is not None and self._body_timer is None:
+            self._body_timer = self.loop.call_later(BODY_WAIT_S, self._start_pending)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head, self._head_bytes, self._head_reads = True, 0, 0
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)  # with ": " and the line's end
+        super().on_header(name, value)
+
+    def _count_head(self, n: int) -> None:
+        self._head_bytes += n
+        if self._head_bytes > self.limits.max_header_bytes:
+            self._refusal = errors.header_too_large(self.limits.max_header_bytes)
+            raise _Refused()  # stops the parser; uvicorn answers through `send_400_response`
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        refusal, self._refusal = self._refusal, None
+        if refusal is None:
+            super().send_400_response(msg)
+        else:
+            self._refuse(refusal)
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._in_head and not self._lingering:
+            self._refuse(errors.head_timeout(self.limits.read_timeout_s))
+
+    def _refuse(self, exc: errors.OpenAIError) -> None:
+        """Answers `exc` from here (no request cycle: its head was refused) and closes."""
+        body = exc.to_json()
+        head = [STATUS_LINE[exc.status]]
+        for name, value in self.server_state.default_headers:
+            head += (name, b": ", value, b"\r\n")
+        head.append(
+            b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            % len(body)
+        )
+        self.transport.write(b"".join(head) + body)
+        self._linger()
+
+    def _linger(self) -> None:
+        """No more requests on this connection: discard what arrives, close when the client
+        does or after LINGER_S."""
+        if self._lingering:
+            return
+        self._lingering = True
+        self._cancel_timers()
+        self._body_pending = None
+        self.flow.resume_reading()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._head_timer, self._body_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._body_timer = None
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         # Called for each request once its head is parsed (or, pipelined, once the one before
         # it has been answered), with the app to run it with: the server's, or uvicorn's 503
         # when `limit_concurrency` is exceeded (kept).
+        cycle.transport = _LingeringTransport(self, cycle, self.transport)  # type: ignore[assignment]
         route = self.direct_routes.get(cycle.scope["path"])
         if route is None or app is not self.app:
             super()._start_asgi_task(cycle, app)
-        elif cycle.more_body:
-            self._body_pending = (cycle, route)
+        elif not cycle.more_body:
+            self._run_now(cycle, route, body_in=True)
+        elif _declared_length(cycle) > HIGH_WATER_LIMIT:
+            # uvicorn stops reading past its high-water mark until the app asks for more: a
+            # body this long is never all in before the handler starts reading it.
+            self._run_now(cycle, route, body_in=False)
         else:
-            self._run_now(cycle, route)
+            self._body_pending = (cycle, route)
+
+    def on_body(self, body: bytes) -> None:
+        super().on_body(body)
+        pending = self._body_pending
+        if pending is not None and len(pending[0].body) > HIGH_WATER_LIMIT:
+            self._start_pending()  # uvicorn paused reading: the handler has to read the rest
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
         pending = self._body_pending
         if pending is not None and pending[0] is self.cycle:
             self._body_pending = None
-            self._run_now(*pending)
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
+            self._run_now(*pending, body_in=True)
+
+    def _start_pending(self) -> None:
+        pending, self._body_pending = self._body_pending, None
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        if pending is not None:
+            self._run_now(*pending, body_in=False)
+
+    def shutdown(self) -> None:
+        cycle = self.cycle
+        if cycle is not None and cycle.more_body and not cycle.response_started:
+            # Its body is still arriving: nothing was dispatched, and waiting for it would
+            # hold the server's stop for up to the read timeout.
+            self.transport.close()
+            return
+        super().shutdown()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._body_pending = None  # never started: nothing was dispatched
+        self._cancel_timers()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         super().connection_lost(exc)
 
-    def _run_now(self, cycle: RequestResponseCycle, route: ASGIApp) -> None:
+    def _run_now(self, cycle: RequestResponseCycle, route: ASGIApp, body_in: bool) -> None:
         """Runs the request's first step here, in the event-loop callback that parsed it, up
         to its first wait (by then auth, admission and the request's write to NATS are done);
         the rest runs as uvicorn's task would. A task would first wait its turn behind every
         callback the loop has ready (under load: other streams' tokens), which put ~0.1 ms
         between reading a request and dispatching it on a 2-core machine."""
+        if body_in:
+            cycle.scope[BODY_IN] = True  # type: ignore[literal-required]
         task = start_eagerly(self.loop, cycle.run_asgi(cast(Any, route)))
         if task is not None:
             task.add_done_callback(self.tasks.discard)
             self.tasks.add(task)
+
+
+class _Refused(Exception):
+    """Raised in a parser callback to stop reading a request (`GatewayHttpProtocol._refusal`
+    says why)."""
+
+
+def _declared_length(cycle: RequestResponseCycle) -> int:
+    for name, value in cycle.scope["headers"]:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else 0
+    return 0
+
+
+class _LingeringTransport:
+    """A request cycle's view of the connection's transport: a close while the request's
+    body is still arriving (a refusal sent `connection: close`) lingers instead (see
+    `GatewayHttpProtocol._linger`)."""
+
+    def __init__(
+        self, protocol: GatewayHttpProtocol, cycle: RequestResponseCycle, transport: Any
+    ) -> None:
+        self._protocol, self._cycle, self._transport = protocol, cycle, transport
+        self.write = transport.write  # the token path: no indirection
+        self.get_write_buffer_size = transport.get_write_buffer_size
+        self.is_closing = transport.is_closing
+
+    def close(self) -> None:
+        p = self._protocol
+        if p.cycle is self._cycle and self._cycle.more_body and not self._transport.is_closing():
+            p._linger()
+        else:
+            self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def start_eagerly(
@@ -95,9 +288,16 @@ def start_eagerly(
     return loop.create_task(resume_stepped(coro, waiting_on), context=context)
 
 
-def gateway_protocol(direct_routes: Mapping[str, ASGIApp]) -> type[GatewayHttpProtocol]:
-    """The protocol class for `uvicorn.Config(http=...)`, serving `direct_routes` directly."""
-    return type("GatewayHttpProtocol", (GatewayHttpProtocol,), {"direct_routes": direct_routes})
+def gateway_protocol(
+    direct_routes: Mapping[str, ASGIApp], limits: InputLimits | None = None
+) -> type[GatewayHttpProtocol]:
+    """The protocol class for `uvicorn.Config(http=...)`, serving `direct_routes` directly,
+    holding request heads to `limits` (default: from the environment's settings)."""
+    return type(
+        "GatewayHttpProtocol",
+        (GatewayHttpProtocol,),
+        {"direct_routes": direct_routes, "limits": limits or InputLimits.from_settings()},
+    )
 
 
 def direct_routes(app: Litestar, handlers: Mapping[str, ASGIApp]) -> dict[str, ASGIApp]:
