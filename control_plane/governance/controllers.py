@@ -25,6 +25,7 @@ from litestar.params import Parameter
 from control_plane.admin.controllers import ETAG
 from control_plane.admin.services import parse_if_match
 from control_plane.auth import admin_guard
+from control_plane.dataplane import errors
 from control_plane.governance.admission import Admission
 from control_plane.governance.events import LimitsSet, QuotaMetric
 from control_plane.problems import PROBLEM_HANDLERS, ProblemError, not_found, problem_responses
@@ -173,6 +174,9 @@ def usage_router(services: Services, admission: Admission) -> Router:
         key = services.view.key_by_hash(hashlib.sha256(token.strip().encode()).hexdigest())
         if key is None or not key.active:
             return _openai_401()
+        tenant = services.view.tenant(key.tenant_id)
+        if tenant is None or not tenant.active:  # as the completion routes refuse it
+            return Response(msgspec.to_builtins(errors.tenant_suspended().body), status_code=403)
         return Response(admission.usage_report(key.tenant_id, key.key_id))
 
     return Router(path="/v1", route_handlers=[my_usage])
