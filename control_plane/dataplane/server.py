@@ -126,8 +126,16 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self._in_head and not self._lingering:
-            self._refuse(errors.head_timeout(self.limits.read_timeout_s))
+        if not self._in_head or self._lingering:
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A pipelined head while the answer before it is still going out: that answer
+            # may take long (a stream); the head's clock starts once it is done.
+            self._head_timer = self.loop.call_later(
+                self.limits.read_timeout_s, self._head_timed_out
+            )
+            return
+        self._refuse(errors.head_timeout(self.limits.read_timeout_s))
 
     def _refuse(self, exc: errors.OpenAIError) -> None:
         """Answers `exc` from here (no request cycle: its head was refused) and closes."""
@@ -171,9 +179,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             super()._start_asgi_task(cycle, app)
         elif not cycle.more_body:
             self._run_now(cycle, route, body_in=True)
-        elif _declared_length(cycle) > HIGH_WATER_LIMIT:
-            # uvicorn stops reading past its high-water mark until the app asks for more: a
-            # body this long is never all in before the handler starts reading it.
+        elif cycle.waiting_for_100_continue or _declared_length(cycle) > HIGH_WATER_LIMIT:
+            # The client sends its body only once asked (uvicorn's `receive` asks); and uvicorn
+            # stops reading past its high-water mark until the app asks for more: a body this
+            # long is never all in before the handler starts reading it.
             self._run_now(cycle, route, body_in=False)
         else:
             self._body_pending = (cycle, route)

@@ -335,6 +335,29 @@ async def test_a_body_sent_slowly_in_pieces_is_served(
     METERED.append(json.loads(answer.body)["id"].removeprefix("cmpl-"))
 
 
+async def test_a_client_that_waits_for_100_continue_is_asked_at_once(
+    stack: Stack, sku: dict[str, Any], key: dict[str, Any]
+) -> None:
+    """curl and others send a large body only after `100 Continue` (or a 1 s wait)."""
+    body = text(model=sku["name"], max_tokens=2)
+    head = request(TEXT, b"", key["key"], extra=b"expect: 100-continue\r\n", length=len(body))
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", port_of(stack)))
+        await loop.sock_sendall(sock, head)
+        async with asyncio.timeout(0.5):
+            assert (await loop.sock_recv(sock, 4096)).startswith(b"HTTP/1.1 100 Continue")
+        await loop.sock_sendall(sock, body)
+        async with asyncio.timeout(5):
+            answer = await loop.sock_recv(sock, 65536)
+    finally:
+        sock.close()
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    METERED.append(answer.split(b'"id":"cmpl-', 1)[1].split(b'"', 1)[0].decode())
+
+
 @pytest.mark.parametrize("stalls_in", ["head", "body"])
 async def test_a_stalled_request_is_a_408(
     stack: Stack, sku: dict[str, Any], key: dict[str, Any], stalls_in: str
