@@ -31,7 +31,8 @@ def env_float(name: str, default: float) -> float:
 class Settings:
     # TOKENMILL_DATA_DIR: where the embedded servers, admin token and model cache live.
     data_dir: Path = field(default_factory=lambda: Path(env("TOKENMILL_DATA_DIR", ".tokenmill")))
-    # TOKENMILL_NATS_URL: an external NATS (JetStream enabled). Unset: start an embedded one.
+    # TOKENMILL_NATS_URL: an external NATS (JetStream enabled): one URL, or several
+    # comma-separated (seeds of one cluster; see `nats_servers`). Unset: an embedded one.
     nats_url: str | None = field(default_factory=lambda: env("TOKENMILL_NATS_URL"))
     # TOKENMILL_DATABASE_URL: an external PostgreSQL (postgresql://...). Unset: embedded.
     database_url: str | None = field(default_factory=lambda: env("TOKENMILL_DATABASE_URL"))
@@ -60,6 +61,15 @@ class Settings:
     max_header_bytes: int = field(
         default_factory=lambda: int(env("TOKENMILL_MAX_HEADER_BYTES", str(32 * 1024)))
     )
+
+    @property
+    def nats_servers(self) -> list[str]:
+        """TOKENMILL_NATS_URL as nats-py's `servers=` list (empty when unset)."""
+        if not self.nats_url:
+            return []
+        from control_plane.nats_cluster import nats_servers
+
+        return nats_servers(self.nats_url)
 
     def with_overrides(self, **changes: object) -> Settings:
         from dataclasses import replace

@@ -108,3 +108,12 @@ async def test_replicas_beyond_a_single_server_are_an_explicit_error(
         assert info.config.num_replicas == 1
     finally:
         await nc.close()
+
+
+def test_settings_give_the_server_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    from control_plane.settings import Settings
+
+    monkeypatch.setenv("TOKENMILL_NATS_URL", "nats://a:4222,nats://b:4222")
+    assert Settings().nats_servers == ["nats://a:4222", "nats://b:4222"]
+    monkeypatch.delenv("TOKENMILL_NATS_URL")
+    assert Settings().nats_servers == []
