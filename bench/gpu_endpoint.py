@@ -253,12 +253,21 @@ def start_worker(b: Bench, a: argparse.Namespace) -> dict[str, Any]:
         time.sleep(1.0)
 
 
-def slow_steps(worker_log: str) -> list[str]:
-    """The worker's slow-step warnings after its warm-up finished (all of them if it logged no
-    warm-up)."""
-    lines = worker_log.splitlines()
-    start = max((i for i, line in enumerate(lines) if "warmed up" in line), default=-1)
-    return [line.strip() for line in lines[start + 1 :] if "slow engine step" in line]
+def slow_steps(worker_log: str, since: datetime) -> list[str]:
+    """The worker's slow-step warnings logged after `since` (local time, as the worker's log
+    lines are stamped): the worker announced itself only after its warm-up, so these are the
+    steps a user waited on."""
+    found = []
+    for line in worker_log.splitlines():
+        if "slow engine step" not in line:
+            continue
+        try:
+            stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+        except ValueError:
+            stamp = since  # unstamped: count it
+        if stamp >= since:
+            found.append(line.strip())
+    return found
 
 
 def concurrency_sweep(b: Any, sku: dict[str, Any], a: argparse.Namespace) -> list[dict[str, Any]]:
@@ -323,6 +332,7 @@ def main() -> int:
         t0 = time.perf_counter()
         sku = start_worker(b, a)
         load_s = time.perf_counter() - t0
+        ready_at = datetime.now()
         print(f"worker ready in {load_s:.0f} s", flush=True)
 
         def one_round(mode: str) -> tuple[list[dict[str, Any]], float]:
@@ -376,7 +386,7 @@ def main() -> int:
         },
     }
     result["sweep"] = sweep_rows
-    result["slow_steps_after_warm_up"] = slow_steps(worker_log)
+    result["slow_steps_after_warm_up"] = slow_steps(worker_log, ready_at)
     if a.device == "cuda":
         import torch
 

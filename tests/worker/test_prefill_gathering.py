@@ -112,8 +112,30 @@ def test_the_async_engine_prefills_spread_arrivals_together():
     assert asyncio.run(first_prefill(0.0)) == 1
 
 
-def test_the_worker_default_gathers_three_milliseconds(monkeypatch):
+def test_a_gap_with_no_arrival_ends_the_hold():
+    clock = Clock()
+    sched = Scheduler(BlockManager(64, 4), StateSlotPool(8), 8, 256, 0.025, clock, 0.003)
+    sched.add(seq(0, 10, clock.now))
+    for i in range(1, 4):  # arrivals every 2 ms keep the hold going
+        clock.now += 0.002
+        assert sched.schedule().is_empty
+        sched.add(seq(i, 10, clock.now))
+    clock.now += 0.002
+    assert sched.schedule().is_empty and abs(sched.admission_hold_s - 0.001) < 1e-9
+    clock.now += 0.0011  # 3 ms since the last arrival: the four go together
+    assert [e.seq.seq_id for e in sched.schedule().prefills] == [0, 1, 2, 3]
+    sched2 = Scheduler(BlockManager(64, 4), StateSlotPool(8), 8, 256, 0.005, clock, 0.003)
+    sched2.add(seq(9, 10, clock.now))
+    for _ in range(3):  # steady arrivals cannot hold the first past the bound
+        clock.now += 0.002
+        sched2.add(seq(10 + _, 2, clock.now))
+        batch = sched2.schedule()
+    assert len(batch.prefills) == 4
+
+
+def test_the_worker_default_gathers_within_25_ms_with_3_ms_gaps(monkeypatch):
     assert EngineConfig().prefill_gather_s == 0.0
-    assert EngineConfig.from_env().prefill_gather_s == 0.003
+    assert EngineConfig.from_env().prefill_gather_s == 0.025
+    assert EngineConfig.from_env().prefill_gather_gap_s == 0.003
     monkeypatch.setenv("TOKENMILL_ENGINE_PREFILL_GATHER_MS", "0")
     assert EngineConfig.from_env().prefill_gather_s == 0.0

@@ -11,10 +11,11 @@ Policy (one step = one forward pass, at most `max_num_batched_tokens` tokens and
    head of the queue is never skipped (no starvation of long prompts).
 
 Prefill gathering (`prefill_gather_s` > 0): when a step would run nothing but new arrivals (no
-decodes, no running prefill chunks), admission waits until the oldest arrival has waited
-`prefill_gather_s`, or the waiting prompts fill the token budget or the free sequence room:
-requests that arrive a few milliseconds apart (spread by HTTP) are then prefilled in one step,
-as requests arriving together are. Running sequences are never held; `admission_hold_s` says
+decodes, no running prefill chunks), admission waits while arrivals keep coming: until
+`prefill_gather_gap_s` passes with no new arrival, the oldest arrival has waited
+`prefill_gather_s`, or the waiting prompts fill the token budget or the free sequence room.
+Requests that arrive a few milliseconds apart (a wave of clients through HTTP) are then
+prefilled in as few steps as requests arriving together are. Running sequences are never held; `admission_hold_s` says
 how long the engine may sleep before scheduling again.
 
 A chunk is as long as the remaining budget allows, so long prompts are split across steps
@@ -88,12 +89,16 @@ class Scheduler:
         max_num_batched_tokens: int,
         prefill_gather_s: float = 0.0,
         clock: Callable[[], float] = time.perf_counter,
+        prefill_gather_gap_s: float | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if prefill_gather_s < 0:
             raise ValueError("prefill_gather_s must be >= 0")
         self.prefill_gather_s = prefill_gather_s
+        self.prefill_gather_gap_s = (
+            prefill_gather_s if prefill_gather_gap_s is None else (prefill_gather_gap_s)
+        )
         self.clock = clock  # the clock of Sequence.arrival_time
         # > 0 after a schedule() that held arrivals: seconds until they are admitted anyway
         self.admission_hold_s = 0.0
@@ -166,7 +171,12 @@ class Scheduler:
         pending = sum(s.num_uncomputed_tokens for s in self.waiting)
         if pending >= budget or len(self.running) + len(self.waiting) >= self.max_num_seqs:
             return False
-        left = oldest.arrival_time + self.prefill_gather_s - self.clock()
+        newest = self.waiting[-1]
+        until = min(
+            oldest.arrival_time + self.prefill_gather_s,
+            newest.arrival_time + self.prefill_gather_gap_s,
+        )
+        left = until - self.clock()
         if left <= 0:
             return False
         self.admission_hold_s = left

@@ -156,7 +156,9 @@ def _load(data: dict[str, Any], path: Path) -> None:
         entries = data.get(name) or {}
         cls = tables[name][1]
         parsed[name] = {
-            _shape(key, path): _tiling(cls, fields, f"{path}: {name}[{key}]")
+            _shape(key, path): None
+            if fields is None
+            else _tiling(cls, fields, f"{path}: {name}[{key}]")
             for key, fields in entries.items()
         }
     silu = {}
@@ -196,8 +198,9 @@ def snapshot(gpu_name: str, measured_by: str = "") -> dict[str, Any]:
         "pdl": bool(pdl_state["on"]),
     }
     for name, (table, _) in _tables().items():
-        data[name] = {
-            "x".join(map(str, key)): dataclasses.asdict(t) for key, t in sorted(table.items())
+        data[name] = {  # None: the shape runs another path (e.g. two launches)
+            "x".join(map(str, key)): None if t is None else dataclasses.asdict(t)
+            for key, t in sorted(table.items())
         }
     data["fp8_silu_mul_tilings"] = {
         f"{two_f}x{k}": None if t is None else dataclasses.asdict(t)
