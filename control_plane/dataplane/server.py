@@ -59,12 +59,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     # sooner (`_start_pending`).
     _body_pending: tuple[RequestResponseCycle, ASGIApp] | None = None
     _body_timer: asyncio.TimerHandle | None = None
-    # The request head being read: its size (from the parser's callbacks, and every read
-    # after the one it began in) and its deadline.
+    # The request head being read: what arrived after the read it began in, and its deadline.
     _in_head = False
-    _head_bytes = 0
     _head_reads = 0
     _head_timer: asyncio.TimerHandle | None = None
+    _declared = 0  # the content-length of the request whose head was read last
     _refusal: errors.OpenAIError | None = None
     _linger_timer: asyncio.TimerHandle | None = None
     _lingering = False
@@ -77,9 +76,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self._lingering:
             return
         if self._in_head:
-            # Parsed headers are counted by the callbacks, but the parser keeps a header that
-            # is still arriving to itself: count the reads too (after the first, which may
-            # hold the end of the request before).
+            # The parser keeps a head that is still arriving to itself: count the reads
+            # after the one it began in (which may hold the end of the request before it);
+            # a complete head is measured in `on_headers_complete`.
             if continuing:
                 self._head_reads += len(data)
             if self._head_reads > self.limits.max_header_bytes:
@@ -89,32 +88,32 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 self._head_timer = self.loop.call_later(
                     self.limits.read_timeout_s, self._head_timed_out
                 )
-        if self._body_pending is not None and self._body_timer is None:
-            self._body_timer = self.loop.call_later(BODY_WAIT_S, self._start_pending)
+        pending = self._body_pending
+        if pending is not None:
+            if len(pending[0].body) > HIGH_WATER_LIMIT:
+                self._start_pending()  # uvicorn paused reading: the handler reads the rest
+            elif self._body_timer is None:
+                self._body_timer = self.loop.call_later(BODY_WAIT_S, self._start_pending)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._in_head, self._head_bytes, self._head_reads = True, 0, 0
-
-    def on_url(self, url: bytes) -> None:
-        self._count_head(len(url))
-        super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_head(len(name) + len(value) + 4)  # with ": " and the line's end
-        super().on_header(name, value)
-
-    def _count_head(self, n: int) -> None:
-        self._head_bytes += n
-        if self._head_bytes > self.limits.max_header_bytes:
-            self._refusal = errors.header_too_large(self.limits.max_header_bytes)
-            raise _Refused()  # stops the parser; uvicorn answers through `send_400_response`
+        self._in_head, self._head_reads = True, 0
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+        # Measured once here, not per header (the hot path): one read is at most 256 KiB.
+        size, declared = len(self.url), b""
+        for name, value in self.headers:
+            size += len(name) + len(value) + 4
+            if name == b"content-length":
+                declared = value
+        self._declared = int(declared) if declared.isdigit() else 0
+        if size > self.limits.max_header_bytes:
+            self._refusal = errors.header_too_large(self.limits.max_header_bytes)
+            raise _Refused()  # stops the parser; uvicorn answers through `send_400_response`
         super().on_headers_complete()
 
     def send_400_response(self, msg: str) -> None:
@@ -179,19 +178,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             super()._start_asgi_task(cycle, app)
         elif not cycle.more_body:
             self._run_now(cycle, route, body_in=True)
-        elif cycle.waiting_for_100_continue or _declared_length(cycle) > HIGH_WATER_LIMIT:
+        elif cycle.waiting_for_100_continue or self._declared > HIGH_WATER_LIMIT:
             # The client sends its body only once asked (uvicorn's `receive` asks); and uvicorn
             # stops reading past its high-water mark until the app asks for more: a body this
             # long is never all in before the handler starts reading it.
             self._run_now(cycle, route, body_in=False)
         else:
             self._body_pending = (cycle, route)
-
-    def on_body(self, body: bytes) -> None:
-        super().on_body(body)
-        pending = self._body_pending
-        if pending is not None and len(pending[0].body) > HIGH_WATER_LIMIT:
-            self._start_pending()  # uvicorn paused reading: the handler has to read the rest
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -244,13 +237,6 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 class _Refused(Exception):
     """Raised in a parser callback to stop reading a request (`GatewayHttpProtocol._refusal`
     says why)."""
-
-
-def _declared_length(cycle: RequestResponseCycle) -> int:
-    for name, value in cycle.scope["headers"]:
-        if name == b"content-length":
-            return int(value) if value.isdigit() else 0
-    return 0
 
 
 class _LingeringTransport:
