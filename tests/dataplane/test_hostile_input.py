@@ -271,24 +271,30 @@ async def test_a_bad_head_is_refused_before_the_body(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a traceback logged"
 
 
-async def test_an_unauthenticated_body_is_not_read(stack: Stack) -> None:
+# The fast path, and the same handler through the app (a trailing slash).
+PATHS = pytest.mark.parametrize("path", [TEXT, CHAT + "/"], ids=["direct", "through the app"])
+
+
+@PATHS
+async def test_an_unauthenticated_body_is_not_read(stack: Stack, path: str) -> None:
     # The head promises 1 MB that never comes: the 401 cannot have waited for it.
-    head = request(TEXT, b"", "tm_nope", length=1_000_000)
+    head = request(path, b"", "tm_nope", length=1_000_000)
     answer = await exchange(port_of(stack), [head], within=2.0)
     assert answer is not None and answer.status == 401 and answer.closed
     assert answer.error()["code"] == "invalid_api_key"
 
 
+@PATHS
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
 async def test_an_oversized_body_is_a_413_while_reading(
-    stack: Stack, sku: dict[str, Any], key: dict[str, Any], chunked: bool
+    stack: Stack, sku: dict[str, Any], key: dict[str, Any], chunked: bool, path: str
 ) -> None:
     assert stack.server is not None
     baseline = len(stack.server.server_state.connections)
     prompt = b"a" * (MAX_BODY + 1024)
     body = b'{"model": "' + sku["name"].encode() + b'", "prompt": "' + prompt + b'"}'
     if chunked:  # no length up front: refused once what was read passes the limit
-        head = request(TEXT, b"", key["key"]).replace(
+        head = request(path, b"", key["key"]).replace(
             b"content-length: 0\r\n", b"transfer-encoding: chunked\r\n"
         )
         pieces = [head] + [
@@ -297,7 +303,7 @@ async def test_an_oversized_body_is_a_413_while_reading(
         ]
         pieces.append(b"0\r\n\r\n")
     else:  # the declared length is refused at once, and what is sent anyway discarded
-        pieces = [request(TEXT, body, key["key"])]
+        pieces = [request(path, body, key["key"])]
     answer = await exchange(port_of(stack), pieces)
     assert answer is not None and answer.status == 413, answer
     assert answer.error()["code"] == "request_too_large" and answer.closed
