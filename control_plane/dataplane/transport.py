@@ -54,6 +54,9 @@ class _Cycle(Protocol):
 
 
 def uvicorn_cycle(receive: Receive) -> _Cycle | None:
+    # A middleware's `receive` that wraps another says so with `__wrapped__`.
+    while (inner := getattr(receive, "__wrapped__", None)) is not None:
+        receive = inner
     cycle = getattr(receive, "__self__", None)
     if cycle is None or not type(cycle).__module__.startswith("uvicorn.protocols.http."):
         return None

@@ -264,6 +264,9 @@ class RefusalCounter(InitPluginProtocol):
                     request.append(cast(bytes, message.get("body", b"")))
                 return message
 
+            # The data plane looks through it to uvicorn's connection (`uvicorn_cycle`).
+            reading.__wrapped__ = receive  # type: ignore[attr-defined]
+
             async def watching(message: Message) -> None:
                 nonlocal status
                 if message["type"] == "http.response.start":
