@@ -6,14 +6,20 @@ gateway serves as before and stops promptly."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 import tracemalloc
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import httpx
@@ -25,11 +31,12 @@ from control_plane.dataplane.errors import OpenAIError
 from control_plane.dataplane.limits import InputLimits
 from control_plane.dataplane.routes import DataPlane
 from control_plane.dataplane.server import LINGER_S, direct_routes, gateway_protocol
-from control_plane.embedded import EmbeddedNats
+from control_plane.embedded import EmbeddedNats, EmbeddedPostgres, free_port
 from events.governance import GovernanceView
 from events.store import StreamLayout
 from tests.control_plane.serving import serving
-from tests.dataplane.harness import Stack, running_stack
+from tests.databases import fresh_database
+from tests.dataplane.harness import ADMIN_TOKEN, Stack, running_stack
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -570,3 +577,67 @@ async def test_the_openapi_document_describes_v1(stack: Stack) -> None:
     for ref in refs:
         name = ref.split('"', 1)[0]
         assert name.startswith("#/components/schemas/") and name.rsplit("/", 1)[1] in schemas
+
+
+@pytest.mark.slow
+def test_tokenmill_serve_stops_on_sigterm_with_requests_half_sent(
+    nats_server: EmbeddedNats, postgres_server: EmbeddedPostgres, tmp_path: Path
+) -> None:
+    """`tokenmill serve` as deployed: after hostile traffic, with requests still half sent
+    (bodies over and under 64 KiB, a head), it serves as usual and SIGTERM stops it in 10 s."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with fresh_database(postgres_server, "sigterm_") as database_url:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
+        env |= {
+            "TOKENMILL_NATS_URL": nats_server.url,
+            "TOKENMILL_DATABASE_URL": database_url,
+            "TOKENMILL_ADMIN_TOKEN": ADMIN_TOKEN,
+            "TOKENMILL_STREAM_PREFIX": "G" + uuid.uuid4().hex[:10].upper(),
+        }
+        cmd = [sys.executable, "-m", "control_plane.cli", "serve", "--port", str(port)]
+        cmd += ["--data-dir", str(tmp_path)]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        socks: list[socket.socket] = []
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                assert proc.poll() is None and time.monotonic() < deadline, "did not start"
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                        break
+                time.sleep(0.2)
+            admin = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+            t = httpx.post(f"{base}/admin/v1/tenants", json={"name": "sig"}, headers=admin)
+            k = httpx.post(
+                f"{base}/admin/v1/tenants/{t.json()['tenant_id']}/keys", headers=admin, json={}
+            )
+            key = k.json()["key"]
+            auth = {"authorization": f"Bearer {key}"}
+            deadline = time.monotonic() + 5
+            while httpx.get(f"{base}/v1/models", headers=auth).status_code != 200:
+                assert time.monotonic() < deadline, "the key never became valid"
+                time.sleep(0.05)
+            for raw in (
+                request(TEXT, b"x" * 1_000_000, key),
+                request(CHAT, b"x" * 1000, key),
+                request(CHAT, b"", key)[:30],
+            ):
+                sock = socket.create_connection(("127.0.0.1", port))
+                sock.sendall(raw[: max(30, len(raw) // 2)])
+                socks.append(sock)
+            big = request(CHAT, b"x" * (MAX_BODY + 1), key)
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(big)
+                assert sock.recv(65536).startswith(b"HTTP/1.1 413")
+            assert httpx.get(f"{base}/v1/models", headers=auth).status_code == 200
+            proc.send_signal(signal.SIGTERM)
+            started = time.monotonic()
+            proc.wait(timeout=10)
+            assert time.monotonic() - started < 10
+        finally:
+            for sock in socks:
+                sock.close()
+            if proc.poll() is None:
+                proc.kill()
+                print(proc.communicate()[0].decode()[-3000:])
