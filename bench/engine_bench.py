@@ -1,6 +1,6 @@
 """Drive the engine directly at the load point and report throughput and latency.
 
-The load point (docs: /work/shared/design/performance.md): 32 requests, 8 in flight, ~512
+The load point (docs/performance.md): 32 requests, 8 in flight, ~512
 prompt tokens, up to 256 output tokens; one warm-up round, then 5 timed repeats. Aggregate
 output tok/s = completion tokens / wall time of a repeat.
 
