@@ -117,7 +117,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def send_400_response(self, msg: str) -> None:
+        # uvicorn's answer to what its parser refused (malformed HTTP), or ours.
         refusal, self._refusal = self._refusal, None
+        if refusal is None and getattr(self, "url", b"").startswith(b"/v1/"):
+            refusal = errors.invalid_request(msg)  # /v1 answers OpenAI error objects only
         if refusal is None:
             super().send_400_response(msg)
         else:

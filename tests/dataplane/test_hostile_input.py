@@ -255,13 +255,15 @@ LATIN1_KEY = (
     b"\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
 )
 # Requests refused from their head: (case, request bytes, status, code).
-BAD_HEADS: list[tuple[str, bytes, int, str]] = [
+BAD_HEADS: list[tuple[str, bytes, int, str | None]] = [
     ("non-UTF-8 key", LATIN1_KEY, 401, "invalid_api_key"),
     ("key over 256 characters", request(TEXT, b"{}", "tm_" + "a" * 300), 401, "invalid_api_key"),
     ("1 MB key", request(CHAT, b"{}", "tm_" + "a" * 1_000_000), 431, "request_header_fields_too_large"),
     ("40 KiB of headers", request(CHAT, b"{}", None, extra=b"x-pad: " + b"a" * 40_000 + b"\r\n"), 431, "request_header_fields_too_large"),
     ("many small headers", request(CHAT, b"{}", None, extra=b"x-a: b\r\n" * 6000), 431, "request_header_fields_too_large"),
     ("GET", request(CHAT, b"", None, method=b"GET"), 405, "method_not_allowed"),
+    ("malformed content-length", request(CHAT, b"{}", None, length=2).replace(b"length: 2", b"length: 2x"), 400, None),
+    ("malformed request line", b"POST /v1/completions HTTP/9\r\n\r\n", 400, None),
     ("declared length over the limit", request(CHAT, b"", "tm_nope", length=MAX_BODY + 1), 413, "request_too_large"),
 ]  # fmt: skip
 
@@ -270,7 +272,7 @@ BAD_HEADS: list[tuple[str, bytes, int, str]] = [
     ("raw", "status", "code"), [c[1:] for c in BAD_HEADS], ids=[c[0] for c in BAD_HEADS]
 )
 async def test_a_bad_head_is_refused_before_the_body(
-    stack: Stack, raw: bytes, status: int, code: str, caplog: pytest.LogCaptureFixture
+    stack: Stack, raw: bytes, status: int, code: str | None, caplog: pytest.LogCaptureFixture
 ) -> None:
     answer = await exchange(port_of(stack), [raw])
     assert answer is not None and answer.status == status, answer
