@@ -680,12 +680,20 @@ TOP_TILINGS: dict[tuple[int, int], list[Any]] = {}
 
 
 def w4_gemv(args: argparse.Namespace, budget: float) -> dict[str, Any]:
-    """The int4 decode GEMV sweep at the 27B shapes (bench/int4_kernels.py): checks each tiling
-    against the reference, times it, stores the winners in INT4_DECODE_TILINGS for the w4 engine
-    section, and reports % of the copy bandwidth measured by the roofline section."""
+    """The int4 decode GEMV sweep at the 27B shapes (bench/int4_kernels.py, its own JSON beside
+    this one): checks each tiling against the reference, times it (% of its own copy-bandwidth
+    reading) and stores the winners in INT4_DECODE_TILINGS for the w4 engine section."""
     from bench import int4_kernels
+    from worker.kernels.triton import int4_gemm
 
-    return int4_kernels.sweep(budget_s=budget, copy_bandwidth=args.copy_bandwidth)
+    out = Path(args.out or os.environ.get("OUT") or "bench/results") / "int4_kernels.json"
+    report = int4_kernels.main(["--budget-s", str(budget), "--out", str(out)])
+    for name, n, k in int4_kernels.SHAPES:  # the winners, for the w4 engine section
+        best = report.get("decode", {}).get(name, {}).get("best")
+        if best:
+            tiling = eval(best["tiling"], {"Int4Tiling": int4_gemm.Int4Tiling})  # noqa: S307
+            int4_gemm.INT4_DECODE_TILINGS[(n, k)] = tiling
+    return {"json": str(out), "paste": report.get("paste"), "copy_gb_s": report.get("copy_gb_s")}
 
 
 def choose_decode_setup(runner: Any, rows: int, fp8: bool) -> dict[str, Any]:
@@ -1013,26 +1021,33 @@ def overlap_check(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, Any]
     }
 
 
-def engine_config(
-    args: argparse.Namespace, config: Any, precision: str, budget: float
-) -> dict[str, Any]:
-    """The engine at the load point with `precision` weights: "bf16", "fp8" (e4m3 per channel)
-    or "w4" (int4 group 128 with the FP8 LM head, `quantize_int4`'s default scheme); fp8 and w4
-    run an fp8 KV cache."""
+def build_model(args: argparse.Namespace, config: Any, precision: str) -> tuple[str, Any, Any]:
+    """(device, dtype, model): random weights at `config`'s shape, in `precision` ("bf16",
+    "fp8" or "w4"), built on the device."""
     from worker.models import build_random
     from worker.models.fp8 import quantize_fp8
 
-    began = time.perf_counter()
     device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     model = build_random(config, device, dtype, seed=args.seed)
-    fp8 = precision == "fp8"
-    if fp8:
+    if precision == "fp8":
         quantize_fp8(model)
     elif precision == "w4":
         from worker.models.int4 import quantize_int4
 
         quantize_int4(model)
     free_gpu()
+    return device, dtype, model
+
+
+def engine_config(
+    args: argparse.Namespace, config: Any, precision: str, budget: float
+) -> dict[str, Any]:
+    """The engine at the load point with `precision` weights: "bf16", "fp8" (e4m3 per channel)
+    or "w4" (int4 group 128 with the FP8 LM head, `quantize_int4`'s default scheme); fp8 and w4
+    run an fp8 KV cache."""
+    began = time.perf_counter()
+    device, dtype, model = build_model(args, config, precision)
+    fp8 = precision == "fp8"
     build_s = time.perf_counter() - began
     max_model_len = args.prompt_len + args.max_tokens
     engine = LLMEngine(
@@ -1141,19 +1156,9 @@ def concurrency_sweep(
     (overlapped decode's launch-to-launch time at the point's batch), preemptions, and the
     kernel compiles each point met after warm-up (should be 0)."""
     from worker.kernels.triton._launch import compiles
-    from worker.models import build_random
-    from worker.models.fp8 import quantize_fp8
 
     began = time.perf_counter()
-    device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
-    model = build_random(config, device, dtype, seed=args.seed)
-    if precision == "fp8":
-        quantize_fp8(model)
-    elif precision == "w4":
-        from worker.models.int4 import quantize_int4
-
-        quantize_int4(model)
-    free_gpu()
+    device, _, model = build_model(args, config, precision)
     top = max(args.sweep)
     max_model_len = args.prompt_len + args.max_tokens
     engine = LLMEngine(
