@@ -481,15 +481,15 @@ async def test_made_up_keys_do_not_grow_the_gateway(stack: Stack, key: dict[str,
     tracemalloc.start()
     try:
         first = tracemalloc.take_snapshot()
-        assert made_up_keys(5000) == 5000
+        assert made_up_keys(2000) == 2000
         grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(first, "filename"))
     finally:
         tracemalloc.stop()
     assert len(authorizer._hashes) == before
-    assert grown < 64 * 1024, f"{grown} bytes kept after 5,000 made-up keys"
-    # Over HTTP too: 20 requests with 1 MB keys are refused from their head.
+    assert grown < 64 * 1024, f"{grown} bytes kept after 2,000 made-up keys"
+    # Over HTTP too: requests with 1 MB keys are refused from their head.
     async with httpx.AsyncClient(base_url=stack.v1) as http:
-        for _ in range(20):
+        for _ in range(10):
             r = await http.get("/models", headers={"authorization": "Bearer " + "k" * 1_000_000})
             assert r.status_code == 431
     assert len(authorizer._hashes) == before

@@ -129,7 +129,7 @@ def _failures(served: _ServedStack, max_examples: int, modes: list[GenerationMod
 
 
 def test_v1_conforms_to_its_openapi(served: _ServedStack) -> None:
-    failures = _failures(served, 10, [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+    failures = _failures(served, 5, [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
     assert not failures, "\n\n".join(failures)
 
 
