@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import http
 import logging
 import sys
 from collections.abc import Coroutine, Mapping
 from typing import Any, cast
 
+import msgspec
 from litestar import Litestar
 from litestar.routes import ASGIRoute
 from litestar.types import ASGIApp, Receive, Scope, Send
@@ -34,6 +36,7 @@ from control_plane.dataplane import errors
 from control_plane.dataplane.asgi import BODY_IN, DIRECT_WRITES
 from control_plane.dataplane.limits import InputLimits
 from control_plane.dataplane.transport import resume_stepped
+from control_plane.problems import PROBLEM_JSON, PROBLEM_TYPE_BASE
 
 log = logging.getLogger("tokenmill.dataplane")
 
@@ -140,14 +143,29 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._refuse(errors.head_timeout(self.limits.read_timeout_s))
 
     def _refuse(self, exc: errors.OpenAIError) -> None:
-        """Answers `exc` from here (no request cycle: its head was refused) and closes."""
-        body = exc.to_json()
+        """Answers `exc` from here (no request cycle: its head was refused) and closes: an
+        OpenAI error object under /v1, problem details (as the admin API answers) elsewhere."""
+        url = getattr(self, "url", b"")
+        if url.startswith(b"/v1/"):
+            body, media = exc.to_json(), b"application/json"
+        else:
+            error = exc.body.error
+            reason = error.code or error.type
+            problem = {
+                "type": PROBLEM_TYPE_BASE + reason,
+                "title": http.HTTPStatus(exc.status).phrase,
+                "status": exc.status,
+                "detail": error.message,
+                "instance": url.partition(b"?")[0].decode("latin-1"),
+                "reason": reason,
+            }
+            body, media = msgspec.json.encode(problem), PROBLEM_JSON.encode()
         head = [STATUS_LINE[exc.status]]
         for name, value in self.server_state.default_headers:
             head += (name, b": ", value, b"\r\n")
         head.append(
-            b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-            % len(body)
+            b"content-type: %b\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            % (media, len(body))
         )
         self.transport.write(b"".join(head) + body)
         self._linger()

@@ -280,6 +280,15 @@ async def test_a_bad_head_is_refused_before_the_body(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a traceback logged"
 
 
+async def test_a_refused_head_elsewhere_is_a_problem_details_answer(stack: Stack) -> None:
+    # The head limits hold on every path; the admin API answers problem details.
+    raw = b"GET /admin/v1/tenants HTTP/1.1\r\nhost: t\r\nx-pad: " + b"a" * 40_000 + b"\r\n\r\n"
+    answer = await exchange(port_of(stack), [raw])
+    assert answer is not None and answer.status == 431 and answer.closed
+    assert answer.headers["content-type"] == "application/problem+json"
+    assert json.loads(answer.body)["reason"] == "request_header_fields_too_large"
+
+
 # The fast path, and the same handler through the app (a trailing slash).
 PATHS = pytest.mark.parametrize("path", [TEXT, CHAT + "/"], ids=["direct", "through the app"])
 
