@@ -2,7 +2,8 @@
 file (docs/performance.md, "Quantization").
 
     tokenmill quantize SRC DST [--scheme w4-g128[-sym|-asym]] [--method rtn|gptq]
-        [--calibration-tokens N] [--lm-head fp8|int4|bf16] [--device cpu|cuda] [--force]
+        [--calibration-tokens N] [--lm-head fp8|int4|bf16] [--[no-]act-order]
+        [--device cpu|cuda] [--force]
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def run_gptq(
     scheme: Scheme,
     tokens: int,
     device: str,
-    act_order: bool = False,
+    act_order: bool = True,
     progress: bool = True,
 ) -> dict[str, Int4Tensors]:
     """GPTQ results for every int4 module of `source` (our module names)."""
@@ -114,7 +115,7 @@ def quantize_checkpoint(
     calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
     force: bool = False,
     device: str = "cpu",
-    act_order: bool = False,
+    act_order: bool = True,
     progress: bool = True,
     shard_bytes: int | None = None,
 ) -> Path:
@@ -174,7 +175,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"GPTQ calibration tokens (default {DEFAULT_CALIBRATION_TOKENS})",
     )
     parser.add_argument("--lm-head", choices=LM_HEAD_MODES, default="fp8")
-    parser.add_argument("--act-order", action="store_true", help="GPTQ columns by H diagonal")
+    parser.add_argument(
+        "--act-order",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="GPTQ quantizes columns in decreasing Hessian diagonal order (default on)",
+    )
     parser.add_argument("--device", default="cpu", help="where to quantize (cpu, cuda)")
     parser.add_argument("--force", action="store_true", help="replace an existing DST")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
