@@ -9,7 +9,12 @@ then the route's own middleware and handler. On the token hot path that was ~85 
 middleware (the refusal counter) Litestar would have run, in uvicorn's own request cycle
 (keep-alive, flow control, chunked encoding, disconnects: unchanged); every other path, and
 any app with app-level behaviour the shortcut would skip (CORS, allowed hosts, CSRF,
-compression, before-send hooks, guards), goes through the app as before."""
+compression, before-send hooks, guards), goes through the app as before.
+
+The protocol also holds every request to the input limits (`limits.InputLimits`: head size
+and time on every path; when a completion handler starts reading its body) and closes a
+connection whose request was refused half read without resetting it (docs/dataplane.md,
+"Input limits")."""
 
 from __future__ import annotations
 
@@ -76,8 +81,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             return  # what follows a refusal is discarded
         continuing = self._in_head
         super().data_received(data)
-        if self._lingering:
-            return
+        if self._lingering or self.transport.is_closing():
+            return  # refused, or uvicorn refused malformed HTTP and is closing
         if self._in_head:
             # The parser keeps a head that is still arriving to itself: count the reads
             # after the one it began in (which may hold the end of the request before it);
