@@ -405,3 +405,44 @@ def test_clip_search_rounds_groups_closer(symmetric: bool) -> None:
     err_searched = ((searched - w) ** 2).sum(dim=1)
     assert (err_searched <= err_plain * (1 + 1e-5) + 1e-9).all()
     assert err_searched.sum() < 0.97 * err_plain.sum()
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@torch.no_grad()
+def test_output_loads_and_runs_as_int4(tmp_path: Path, method: str) -> None:
+    """The written checkpoint through the loaders (Int4Linear, Fp8Linear) gives the logits of
+    the 16-bit model with each weight replaced by its dequantized stored value."""
+    from worker.loading import load_model
+    from worker.loading.safetensors import load_hf_model
+    from worker.models.int4 import Int4Linear
+    from worker.quantize.perplexity import prefill_batch
+
+    src, dst = tmp_path / "src", tmp_path / "w4"
+    write_checkpoint(src, "qwen3_5")
+    argv = ["quantize", str(src), str(dst), "--scheme", "w4-g128-asym", "--method", method]
+    assert tokenmill([*argv, "--calibration-tokens", "512", "--quiet"]) == 0
+
+    int4_model, _ = load_model(dst, "cpu", torch.float32)
+    modules = json.loads((dst / "config.json").read_text())["quantization_config"]["modules"]
+    # MLPs 4 x 3, DeltaNet qkv / z / out 3 x 3, attention q / k / v / o
+    assert list(modules.values()).count("int4") == 25
+    assert sum(isinstance(m, Int4Linear) for m in int4_model.modules()) == 25
+
+    reference = load_hf_model(src, "cpu", torch.float32)
+    out = read_output(dst)
+    params = dict(reference.named_parameters())
+    for prefix, kind in modules.items():
+        if kind == "int4":
+            back = int4_dequantize(
+                out[prefix + ".qweight"], out[prefix + ".scales"], out[prefix + ".mins"], 128
+            )
+        else:
+            back = out[prefix + ".weight"].float() * out[prefix + ".weight_scale"][:, None]
+        params[prefix + ".weight"].copy_(back)
+
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    logits = []
+    for model in (int4_model, reference):
+        flat, meta, cache = prefill_batch(model, [ids[:25], ids[25:]])
+        logits.append(model.compute_logits(model(flat, meta, cache)))
+    assert torch.allclose(logits[0], logits[1], atol=1e-3, rtol=1e-3)

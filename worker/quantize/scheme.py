@@ -14,11 +14,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-QUANT_METHOD = "tokenmill"
-FORMAT = "int4-nibble-v1"
-INT4, FP8, BF16 = "int4", "fp8", "bf16"
+from worker.models.int4 import FP8, INT4, METHODS, QuantizationConfig
+
+__all__ = ["BF16", "FP8", "INT4", "LM_HEAD_MODES", "METHODS", "Scheme"]
+
+BF16 = "bf16"
 LM_HEAD_MODES = (FP8, INT4, BF16)
-METHODS = ("rtn", "gptq")
 
 # Leaves of 2-D weights that stay 16-bit whatever the scheme.
 _KEPT_16BIT = ("embed_tokens", "linear_attn.in_proj_a", "linear_attn.in_proj_b", "conv1d")
@@ -57,11 +58,6 @@ class Scheme:
         return INT4
 
     def quantization_config(self, method: str, modules: dict[str, str]) -> dict[str, Any]:
-        return {
-            "quant_method": QUANT_METHOD,
-            "format": FORMAT,
-            "group_size": self.group_size,
-            "symmetric": self.symmetric,
-            "method": method,
-            "modules": dict(sorted(modules.items())),
-        }
+        """The config.json entry the loaders read (`worker.models.int4.QuantizationConfig`)."""
+        qc = QuantizationConfig(dict(modules), self.group_size, self.symmetric, method)
+        return dict(qc.to_json())
