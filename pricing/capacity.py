@@ -30,7 +30,7 @@ from typing import Any
 from pricing.invoices import LedgerRow
 from pricing.money import TOKENS_PER_PRICING_UNIT, round_to_minor, to_decimal
 from pricing.periods import utc
-from pricing.plans import PricePlan
+from pricing.plans import PricePlan, TokenClass
 
 SECONDS_PER_HOUR = 3600
 HOURS_PER_DAY = 24
@@ -99,7 +99,7 @@ class CapacityInputs:
             cached_input_price=(
                 self.cached_input_price
                 if self.cached_input_price is not None
-                else plan.cached_input_per_mtok
+                else plan.unit_price(TokenClass.cached_input)
             ),
         )
 
@@ -154,10 +154,13 @@ def project(throughput: Throughput, inputs: CapacityInputs) -> CapacityProjectio
         if ratio is None:
             ratio = throughput.input_tokens_per_output_token or Decimal(0)
         cached = ratio * inputs.cached_share_of_input
+        input_price = inputs.input_price or Decimal(0)
+        # As invoices bill it: cached input with no price of its own earns the input price.
+        cached_price = (
+            inputs.cached_input_price if inputs.cached_input_price is not None else input_price
+        )
         revenue_per_million = (
-            inputs.output_price
-            + (ratio - cached) * (inputs.input_price or Decimal(0))
-            + cached * (inputs.cached_input_price or Decimal(0))
+            inputs.output_price + (ratio - cached) * input_price + cached * cached_price
         )
     revenue = margin_million = margin = margin_fraction = breakeven = None
     if revenue_per_million is not None:

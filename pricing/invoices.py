@@ -9,8 +9,10 @@ So every request is billed exactly once, and a request that arrives late for a f
 period lands on the next invoice as an adjustment; a finalized invoice never changes.
 
 Lines are per SKU x token class (input = prompt - cached, cached input, output) x the plan in
-force when the request finished, so a price change mid-period splits a line in two. A line
-amount is its exact cost rounded half-even to the currency's minor unit (pricing.money).
+force when the request finished, so a price change mid-period splits a line in two. Cached
+input is a line of its own at the plan's cached-input price, or at its input price when the
+plan has none. A line amount is its exact cost rounded half-even to the currency's minor unit
+(pricing.money).
 
 The cut is a usage-stream sequence: the ledger commits its stream position with each row, so
 "every row with seq <= S" is a fixed set that a rebuild from the log reproduces exactly.
@@ -315,6 +317,8 @@ def _line(charges: list[Charge], book: PriceBook, currency: str) -> InvoiceLine:
     description = (
         f"{first.row.sku_id} {label} tokens at {plain(unit_price)} {currency}/1M ({plan.plan_id})"
     )
+    if token_class is TokenClass.cached_input and plan.cached_input_per_mtok is None:
+        description += ", the input price: the plan has no cached-input price"
     if first.category == "adjustment":
         description = f"Late usage from {period.label}: {description}"
     return InvoiceLine(

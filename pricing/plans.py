@@ -44,7 +44,9 @@ class PricePlan(msgspec.Struct, frozen=True, kw_only=True):
     sku_id: str
     currency: str
     input_per_mtok: Decimal
-    cached_input_per_mtok: Decimal
+    # None: the plan has no cached-input price, and cached prompt tokens bill at the input
+    # price (a cache hit is never cheaper than the plan says, nor free by omission).
+    cached_input_per_mtok: Decimal | None = None
     output_per_mtok: Decimal
     effective_from: datetime
     # Control-stream sequence that recorded the plan: lets an invoice use the price history
@@ -60,10 +62,13 @@ class PricePlan(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"plan {self.plan_id}: negative {token_class} price {price}")
 
     def unit_price(self, token_class: TokenClass) -> Decimal:
-        """Price per 1M tokens of the class."""
+        """Price per 1M tokens of the class (cached input without a price of its own: the
+        input price)."""
         if token_class is TokenClass.input:
             return self.input_per_mtok
         if token_class is TokenClass.cached_input:
+            if self.cached_input_per_mtok is None:
+                return self.input_per_mtok
             return self.cached_input_per_mtok
         return self.output_per_mtok
 
