@@ -254,6 +254,20 @@ class OpsMetrics:
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Generation tokens produced.", req, registry=r
         )
+        # vLLM's prefix-cache counters, in tokens: queries = prompt tokens looked up in the
+        # cache, hits = those found there; hits / queries is the hit rate.
+        self.prefix_cache_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in prompt tokens.",
+            req,
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in prompt tokens served from the cache.",
+            req,
+            registry=r,
+        )
         self.request_success = Counter(
             "vllm:request_success",
             "Finished requests by finish reason.",
@@ -362,8 +376,12 @@ class OpsMetrics:
     ) -> None:
         """One finished request, as the gateway measured it. `itl_s` holds the gaps between
         consecutive streamed tokens (empty for a non-streamed answer). `model` (the SKU's
-        model id) is for the page; the series' `model_name` is the SKU name."""
+        model id) is for the page; the series' `model_name` is the SKU name. The token counts
+        are the worker's final usage, the same its usage event carries; `cached_tokens` is
+        the part of the prompt served from the prefix cache."""
         labels = (sku, sku)
+        # Clamped as billing clamps it: a cached count above the prompt is a worker bug.
+        hits = min(max(cached_tokens, 0), prompt_tokens)
         if ttft_s is not None:
             self.ttft.labels(*labels).observe(ttft_s)
         if itl_s:
@@ -372,6 +390,8 @@ class OpsMetrics:
             self.e2e.labels(*labels).observe(e2e_s)
         self.prompt_tokens.labels(*labels).inc(prompt_tokens)
         self.generation_tokens.labels(*labels).inc(completion_tokens)
+        self.prefix_cache_queries.labels(*labels).inc(prompt_tokens)
+        self.prefix_cache_hits.labels(*labels).inc(hits)  # 0 too: the rate needs both series
         self.request_success.labels(*labels, finish_reason).inc()
         self.tenant_tokens.labels(tenant, sku, "prompt").inc(prompt_tokens)
         if cached_tokens:
@@ -387,6 +407,7 @@ class OpsMetrics:
                 e2e_s=e2e_s,
                 prompt_tokens=prompt_tokens,
                 generation_tokens=completion_tokens,
+                cached_tokens=hits,
             )
 
     def refuse_admission(self, reason: str, sku: str = "") -> None:
@@ -556,7 +577,9 @@ class OpsMetrics:
 
     def timeseries(self, window_s: float | None = None) -> dict[str, object]:
         """Columns per SKU over the last `window_s` (at most the configured window): one
-        entry per step, oldest first; `t` holds each step's start (epoch seconds)."""
+        entry per step, oldest first; `t` holds each step's start (epoch seconds). Each SKU's
+        `prefix_cache` sums its prompt tokens (`queries`) and cached ones (`hits`) over the
+        window, with `hit_rate` = hits / queries (None without prompt tokens)."""
         self.expire_workers()
         now = self.clock()
         step = self.settings.step_s
@@ -564,10 +587,14 @@ class OpsMetrics:
         end = int(now // step)
         start = end - max(1, round(window / step)) + 1
         with self._lock:
-            skus = {
-                sku: {"model": self._models.get(sku, ""), **series.columns(now, start, end)}
-                for sku, series in sorted(self._series.items())
-            }
+            skus: dict[str, dict[str, object]] = {}
+            for sku, series in sorted(self._series.items()):
+                columns = series.columns(now, start, end)
+                skus[sku] = {
+                    "model": self._models.get(sku, ""),
+                    **columns,
+                    "prefix_cache": prefix_cache_summary(columns),
+                }
         return {
             "now": now,
             "step_s": step,
@@ -581,6 +608,13 @@ class OpsMetrics:
         if series is None:
             series = self._series[sku] = SkuSeries(self.settings.step_s, self.settings.window_s)
         return series
+
+
+def prefix_cache_summary(columns: Mapping[str, Sequence[float | int | None]]) -> dict[str, object]:
+    """Prompt tokens looked up and found in the prefix cache over a window's steps."""
+    queries = sum(int(v or 0) for v in columns["prefix_cache_queries"])
+    hits = sum(int(v or 0) for v in columns["prefix_cache_hits"])
+    return {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else None}
 
 
 def _remove(metric: Gauge | Counter, *labels: str) -> None:

@@ -1,5 +1,5 @@
 """A short in-memory time series per SKU for the operator's page: latency percentiles,
-throughput and load in fixed steps over the last few minutes.
+throughput, prefix-cache hits and load in fixed steps over the last few minutes.
 
 Prometheus keeps the long history; this exists so the page can draw charts with nothing else
 running. The open step keeps raw samples; a step that closes is reduced to its summary, so
@@ -22,11 +22,25 @@ COLUMNS = (
     "requests",
     "prompt_tps",
     "generation_tps",
+    # Prompt tokens looked up in the prefix cache / found there, per step (vLLM's
+    # prefix_cache_queries / prefix_cache_hits), and their ratio (None without prompt tokens).
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "prefix_cache_hit_rate",
     *(f"{kind}_p{round(q * 100)}" for kind in LATENCIES for q in QUANTILES),
     "kv_usage",
     "kv_usage_max",
     "running",
     "waiting",
+)
+
+# Columns an idle step reads as 0 (traffic); the others read as unknown (None).
+ZERO_WHEN_IDLE = (
+    "requests",
+    "prompt_tps",
+    "generation_tps",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
 )
 
 
@@ -45,6 +59,7 @@ class _Step:
     index: int
     requests: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     generation_tokens: int = 0
     samples: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in LATENCIES})
     # Load as the heartbeats last reported it during this step (None: no live worker seen).
@@ -61,6 +76,11 @@ class _Step:
             "requests": self.requests,
             "prompt_tps": self.prompt_tokens / step_s,
             "generation_tps": self.generation_tokens / step_s,
+            "prefix_cache_queries": self.prompt_tokens,
+            "prefix_cache_hits": self.cached_tokens,
+            "prefix_cache_hit_rate": (
+                self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+            ),
         }
         for kind, values in self.samples.items():
             ordered = sorted(values)
@@ -111,10 +131,12 @@ class SkuSeries:
         e2e_s: float | None,
         prompt_tokens: int,
         generation_tokens: int,
+        cached_tokens: int = 0,
     ) -> None:
         step = self._step(now)
         step.requests += 1
         step.prompt_tokens += prompt_tokens
+        step.cached_tokens += cached_tokens
         step.generation_tokens += generation_tokens
         if ttft_s is not None:
             step.samples["ttft"].append(ttft_s)
@@ -147,7 +169,5 @@ class SkuSeries:
                 if row is not None:
                     out[name].append(row[name])
                 else:
-                    out[name].append(
-                        0 if name in ("requests", "prompt_tps", "generation_tps") else None
-                    )
+                    out[name].append(0 if name in ZERO_WHEN_IDLE else None)
         return out

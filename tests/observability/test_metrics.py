@@ -342,3 +342,53 @@ def test_reservation_gauges_are_read_at_scrape_time_for_every_sku(metrics: OpsMe
     assert value(metrics, "tokenmill_reserved_tokens", sku="demo") == 300
     held.clear()
     assert value(metrics, "tokenmill_open_reservations", sku="demo") == 0
+
+
+def test_prefix_cache_queries_and_hits_count_prompt_tokens_per_sku(
+    metrics: OpsMetrics, clock: Clock
+) -> None:
+    def request(sku: str, prompt: int, cached: int) -> None:
+        metrics.observe_request(
+            sku=sku,
+            model="m",
+            tenant="t",
+            ttft_s=0.1,
+            e2e_s=0.2,
+            prompt_tokens=prompt,
+            completion_tokens=5,
+            cached_tokens=cached,
+        )
+
+    clock.now = 1_000_000.0
+    request("qwen", 1000, 0)  # nothing cached: queried, no hit
+    clock.now += 20
+    request("qwen", 1000, 1000)  # a fully cached prompt
+    request("qwen", 500, 125)
+    request("llama", 300, 0)
+    request("llama", 80, 200)  # more cached than prompt: counted as the whole prompt
+    for sku, queries, hits in [("qwen", 2500, 1125), ("llama", 380, 80)]:
+        lbl = {"model_name": sku, "sku": sku}
+        assert value(metrics, "vllm:prefix_cache_queries_total", **lbl) == queries
+        assert value(metrics, "vllm:prefix_cache_hits_total", **lbl) == hits
+        assert value(metrics, "vllm:prompt_tokens_total", **lbl) == queries
+    text = metrics.exposition().decode()
+    assert "# TYPE vllm:prefix_cache_queries_total counter" in text
+    assert "# TYPE vllm:prefix_cache_hits_total counter" in text
+
+    # the page's hit rate, per SKU over its window: the uncached request 20 s ago is in the
+    # 60 s window and out of a 10 s one
+    skus = metrics.timeseries()["skus"]
+    assert skus["qwen"]["prefix_cache"] == {"queries": 2500, "hits": 1125, "hit_rate": 0.45}
+    assert skus["llama"]["prefix_cache"]["hit_rate"] == pytest.approx(80 / 380)
+    recent = metrics.timeseries(10)["skus"]["qwen"]
+    assert recent["prefix_cache"] == {"queries": 1500, "hits": 1125, "hit_rate": 0.75}
+    assert recent["prefix_cache_hit_rate"][-1] == 0.75
+    assert recent["prefix_cache_hit_rate"][0] is None  # a step without prompts: unknown
+
+    clock.now += 60  # the window later: no prompt tokens, no rate (not 0 %)
+    assert metrics.timeseries()["skus"]["qwen"]["prefix_cache"] == {
+        "queries": 0,
+        "hits": 0,
+        "hit_rate": None,
+    }
+    assert value(metrics, "vllm:prefix_cache_hits_total", model_name="qwen", sku="qwen") == 1125

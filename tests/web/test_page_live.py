@@ -146,6 +146,24 @@ async def operator_journey(
     assert f'sku="{sku_name}"' in metrics and "vllm:num_requests_running" in metrics
     completion_tokens = int(float(generated.group(1)))  # one request
 
+    # the prefix cache: prompt tokens looked up and found, on /metrics and on the page
+    def counted(name: str) -> int:
+        found = re.search(
+            rf'vllm:{name}_total{{model_name="{re.escape(sku_name)}",sku="{re.escape(sku_name)}"}} ([0-9.]+)',
+            metrics,
+        )
+        assert found, f"no vllm:{name}_total for {sku_name}"
+        return int(float(found.group(1)))
+
+    queries, hits = counted("prefix_cache_queries"), counted("prefix_cache_hits")
+    assert queries == counted("prompt_tokens") and 0 <= hits <= queries
+    await page.get_by_role("link", name="Overview").click()
+    stat = await charts.locator("[data-stat='prefix-cache']").inner_text()
+    if queries:
+        assert f"{hits * 100 / queries:.1f} %" in stat and f"of {queries:,} prompt tokens" in stat
+    else:
+        assert "no prompt tokens" in stat
+
     await page.get_by_role("link", name="Workers").click()
     await page.get_by_role("row").filter(has_text=sku_name).filter(has_text="live").wait_for()
     await page.screenshot(path=str(artifacts / f"{shots}-workers.png"), full_page=True)
@@ -182,7 +200,10 @@ async def operator_journey(
         output[0]["ListUnitPrice"] == OUTPUT_PER_MTOK
         and output[0]["SubAccountName"] == "production"
     )
-    showback_total = sum(Decimal(x["BilledCost"]) for x in showback)
+    # BilledCost is exact (a few prompt tokens cost millionths); x_InvoicedCost, the rows'
+    # shares of the rounded invoice lines, is what the invoice totals
+    assert sum(Decimal(x["BilledCost"]) for x in showback) > 0
+    showback_total = sum(Decimal(x["x_InvoicedCost"]) for x in showback)
     assert showback_total > 0
 
     # the tenant's invoice for this month: the draft so far, its lines, its exports

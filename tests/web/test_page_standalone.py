@@ -4,6 +4,7 @@ the admin API is absent."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,6 +69,10 @@ async def test_a_request_latency_appears_live_in_the_charts(
     await charts.wait_for()
     ttft = charts.get_by_role("img", name="Time to first token")
     assert "p50 —" in (await ttft.get_attribute("aria-label"))  # nothing measured yet
+    hit_rate = charts.locator("[data-stat='prefix-cache']")
+    assert await hit_rate.inner_text() == (
+        "Prefix-cache hit rate — (no prompt tokens in the last 15 min)"
+    )
 
     metrics.observe_request(
         sku="demo",
@@ -78,6 +83,16 @@ async def test_a_request_latency_appears_live_in_the_charts(
         e2e_s=0.4,
         prompt_tokens=9,
         completion_tokens=9,
+    )
+    metrics.observe_request(  # a prompt mostly served from the prefix cache
+        sku="demo",
+        model="smollm2-135m",
+        tenant="acme",
+        ttft_s=0.123,
+        e2e_s=0.2,
+        prompt_tokens=1991,
+        cached_tokens=1500,
+        completion_tokens=1,
     )
     chart = await ttft.element_handle()
     # the page polls every 2 s: the new latency shows without a reload, patched into the same
@@ -91,6 +106,16 @@ async def test_a_request_latency_appears_live_in_the_charts(
     assert "p50 20.0 ms" in itl
     kv = await charts.get_by_role("img", name="KV-cache pressure").get_attribute("aria-label")
     assert "mean 25.0 %" in kv
+    # 1500 of the 2000 prompt tokens over the window came from the prefix cache
+    await hit_rate.filter(has_text="75.0 %").wait_for()
+    assert await hit_rate.inner_text() == (
+        "Prefix-cache hit rate 75.0 % (1,500 of 2,000 prompt tokens cached, last 15 min)"
+    )
+    # the chart's latest 1 s step: both requests (75.0 %) or the second alone (75.3 %)
+    hits = charts.get_by_role("img", name="Prefix-cache hit rate")
+    assert re.search(r"hits 75\.[03] %", await hits.get_attribute("aria-label"))
+    await page.get_by_label("Window").select_option(label="5 min")
+    await charts.get_by_text("last 5 min").wait_for()
     await page.screenshot(path=str(artifacts / "overview-standalone.png"), full_page=True)
 
     await page.get_by_role("link", name="Workers").click()

@@ -167,8 +167,24 @@ function card(label, value) {
   return h("div", { class: "card" }, h("div", { class: "label" }, label), h("div", { class: "value" }, value));
 }
 
+// Prompt tokens served from the prefix cache over the window, as a share of all prompt tokens.
+function prefixCacheStat(pc, windowLabel) {
+  const { queries = 0, hits = 0, hit_rate: rate = null } = pc || {};
+  return h(
+    "p",
+    { class: "sku-stat", "data-stat": "prefix-cache" },
+    "Prefix-cache hit rate ",
+    h("strong", {}, fmtPercent(rate)),
+    queries
+      ? ` (${fmtNumber(hits)} of ${fmtNumber(queries)} prompt tokens cached, last ${windowLabel})`
+      : ` (no prompt tokens in the last ${windowLabel})`,
+  );
+}
+
 async function loadOverview() {
-  const windowS = document.getElementById("window").value;
+  const select = document.getElementById("window");
+  const windowS = select.value;
+  const windowLabel = select.selectedOptions[0]?.textContent || `${windowS} s`;
   let ts;
   let workers = [];
   try {
@@ -201,6 +217,7 @@ async function loadOverview() {
         "section",
         { class: "sku", "aria-label": `SKU ${sku}`, "data-sku": sku },
         h("h3", {}, sku, " ", h("span", { class: "muted" }, s.model)),
+        prefixCacheStat(s.prefix_cache, windowLabel),
         h(
           "div",
           { class: "charts" },
@@ -225,6 +242,13 @@ async function loadOverview() {
               { name: "output", values: s.generation_tps },
               { name: "prompt", values: s.prompt_tps },
             ],
+          }),
+          lineChart({
+            title: "Prefix-cache hit rate",
+            t: ts.t,
+            max: 1,
+            format: fmtPercent,
+            series: [{ name: "hits", values: s.prefix_cache_hit_rate || [] }],
           }),
           lineChart({
             title: "KV-cache pressure",
