@@ -110,6 +110,9 @@ def create_app(
         dependencies={"services": Provide(lambda: services, sync_to_thread=False)},
         exception_handlers=PROBLEM_HANDLERS,
         lifespan=[lifespan],
+        # /v1 routes that reach the app (a trailing slash, say) keep the /v1 limit; the admin
+        # router sets its own (TOKENMILL_MAX_BODY_BYTES)
+        request_max_body_size=services.settings.v1_max_body_bytes,
         openapi_config=OpenAPIConfig(
             title="tokenmill",
             version="0.1.0",

@@ -51,6 +51,11 @@ class Settings:
     v1_max_body_bytes: int = field(
         default_factory=lambda: int(env("TOKENMILL_V1_MAX_BODY_BYTES", str(8 * 1024 * 1024)))
     )
+    # TOKENMILL_MAX_BODY_BYTES: the largest admin API body (larger: a 413 problem before the
+    # handler). 1 MiB is ample for any admin write.
+    max_body_bytes: int = field(
+        default_factory=lambda: int(env("TOKENMILL_MAX_BODY_BYTES", str(1024 * 1024)))
+    )
     # TOKENMILL_V1_READ_TIMEOUT_S: a /v1 body must be in this long after its head (408 after);
     # so must any request's head after its first byte. 30 s carries 8 MiB at 280 KB/s.
     v1_read_timeout_s: float = field(

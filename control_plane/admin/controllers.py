@@ -270,4 +270,5 @@ def admin_router(services: Services) -> Router:
         guards=[admin_guard(services.admin_token)],
         exception_handlers=PROBLEM_HANDLERS,
         security=[{"bearer": []}],
+        request_max_body_size=services.settings.max_body_bytes,
     )

@@ -259,3 +259,12 @@ async def test_health_and_openapi(api: httpx.AsyncClient) -> None:
     assert (
         "/admin/v1/tenants" in spec["paths"] and "/admin/v1/skus/{sku}/price-plans" in spec["paths"]
     )
+
+
+async def test_an_oversized_admin_body_is_a_413_problem(api: httpx.AsyncClient) -> None:
+    # TOKENMILL_MAX_BODY_BYTES, 1 MiB by default: refused before the handler parses it
+    big = {"name": "big", "labels": {"blob": "x" * (1024 * 1024)}}
+    r = await api.post("/admin/v1/tenants", json=big)
+    assert r.status_code == 413, r.text
+    assert r.headers["content-type"].startswith("application/problem+json")
+    assert (await api.post("/admin/v1/tenants", json={"name": "small"})).status_code == 201
