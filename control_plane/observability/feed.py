@@ -22,7 +22,7 @@ from litestar.plugins import InitPluginProtocol
 from litestar.types import ASGIApp, Message, Receive, ReceiveMessage, Scope, Send
 
 from control_plane.observability.metrics import OpsMetrics
-from events.projections import all_projections, committed_positions
+from events.projections import all_projections, committed_positions, dead_letters
 from worker import protocol as p
 
 if TYPE_CHECKING:
@@ -151,6 +151,10 @@ def projection_lag_reader(metrics: OpsMetrics, services: Services) -> Callable[[
     async def read() -> None:
         for name, (messages, seconds) in (await projection_lag(services)).items():
             metrics.set_projection_lag(name, messages, seconds)
+        # read from Postgres, so every replica reports what the projector processes recorded
+        unresolved = await dead_letters.unresolved_counts(services.pool)
+        for projection in all_projections():
+            metrics.dead_letters.labels(projection.name).set(unresolved.get(projection.name, 0))
 
     return read
 

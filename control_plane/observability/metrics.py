@@ -327,6 +327,13 @@ class OpsMetrics:
             ["projection"],
             registry=r,
         )
+        self.dead_letters = Gauge(
+            "tokenmill_projection_dead_letters",
+            "Unresolved dead letters: events a projection could not apply (see `tokenmill "
+            "projections dead-letters list`).",
+            ["projection"],
+            registry=r,
+        )
         self.append_latency = Histogram(
             "tokenmill_event_append_latency_seconds",
             "Time to append an event to JetStream, until acked.",

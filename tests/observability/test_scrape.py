@@ -54,3 +54,31 @@ async def test_projection_lag_and_reservations_are_read_when_scraped(
         await asyncio.sleep(0.2)
         later = scraped((await http.get("/metrics")).text)
         assert later[("tokenmill_projection_lag_seconds", frozenset(lag.items()))] >= 0.5
+
+
+async def test_unresolved_dead_letters_are_read_when_scraped(
+    services: Services,  # noqa: F811
+) -> None:
+    from events.projections import dead_letters
+
+    app = create_app(
+        services,
+        extensions=load_extensions(services, ["control_plane.observability"]),
+        run_projectors=False,
+    )
+    key = ("tokenmill_projection_dead_letters", frozenset({("projection", "read_models")}))
+    async with served(app) as base_url, httpx.AsyncClient(base_url=base_url) as http:
+        assert scraped((await http.get("/metrics")).text)[key] == 0
+        async with services.pool.acquire() as conn:
+            await dead_letters.unresolved_counts(conn)  # creates the table
+            recorded = await dead_letters.record(
+                conn, "read_models", "TM_CONTROL", 10**9, "x", b"{}", ValueError("bad")
+            )
+        assert recorded
+        try:
+            assert scraped((await http.get("/metrics")).text)[key] == 1
+        finally:
+            async with services.pool.acquire() as conn:
+                await conn.execute(
+                    "DELETE FROM projection_dead_letters WHERE stream_seq = $1", 10**9
+                )
