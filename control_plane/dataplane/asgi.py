@@ -55,8 +55,9 @@ class Completion:
         self.headers.append((b"x-request-id", relay.dispatch.request_id.encode()))
 
 
-# Parses the body of an authorized caller's request and dispatches it; raises OpenAIError.
-Prepare = Callable[[Caller, bytes], Awaitable[Completion]]
+# Parses the body of an authorized caller's request and dispatches it under the given request
+# id; raises OpenAIError.
+Prepare = Callable[[Caller, bytes, str], Awaitable[Completion]]
 # The caller named by the Authorization header (None: none); raises OpenAIError.
 Authorize = Callable[[str | None], Caller]
 
@@ -94,6 +95,8 @@ async def serve_completion(
     completion: Completion | None = None
     watcher: asyncio.Task[None] | None = None
     body_read = bool(scope.get(BODY_IN))
+    # Made before anything can be refused: every answer, refusals included, names it.
+    request_id = errors.new_request_id()
     try:
         if scope.get("method") != "POST":
             raise errors.OpenAIError(405, "Use POST for this endpoint.", code="method_not_allowed")
@@ -108,14 +111,14 @@ async def serve_completion(
         caller = authorize(authorization)
         body = await _read_body(receive, limits, body_read)
         body_read = True
-        completion = await prepare(caller, body)
+        completion = await prepare(caller, body, request_id)
         watcher = asyncio.create_task(_interrupt_on_disconnect(receive, completion.relay))
         if completion.stream:
             await _stream(completion, scope, send, receive)
         else:
             await _whole(completion, send, receive)
     except errors.OpenAIError as exc:
-        await _send_error(send, exc, close=not body_read)
+        await _send_error(send, exc, request_id, close=not body_read)
     except ClientGone:
         pass
     except Exception as exc:  # a bug: an OpenAI error for the client, the trace for us
@@ -125,6 +128,7 @@ async def serve_completion(
             errors.OpenAIError(
                 502, f"Internal error in the gateway: {type(exc).__name__}", type="server_error"
             ),
+            request_id,
             close=not body_read,
         )
     finally:
@@ -172,8 +176,11 @@ async def _interrupt_on_disconnect(receive: Receive, relay: Relay) -> None:
     relay.interrupt()
 
 
-async def _send_error(send: Send, exc: errors.OpenAIError, close: bool = False) -> None:
-    headers = [*JSON_HEADERS, *((k.encode(), v.encode()) for k, v in exc.headers.items())]
+async def _send_error(
+    send: Send, exc: errors.OpenAIError, request_id: str, close: bool = False
+) -> None:
+    items = exc.header_items(request_id).items()
+    headers = [*JSON_HEADERS, *((k.encode(), v.encode()) for k, v in items)]
     if close:  # the rest of the body is not read: this connection cannot carry another request
         headers.append((b"connection", b"close"))
     try:

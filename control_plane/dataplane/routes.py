@@ -7,7 +7,6 @@ Litestar router plus start/stop callables."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -33,6 +32,7 @@ from control_plane.dataplane.requests import (
 )
 from control_plane.dataplane.responses import Kind, StreamWriter
 from control_plane.governance.admission import Admission, Refusal, Ticket
+from control_plane.nats_cluster import nats_servers
 from events.governance import GovernanceView, Sku
 from worker.protocol import ChatMessage, GenerateRequest, SamplingParams
 
@@ -51,7 +51,9 @@ def estimate_prompt_tokens(prompt: str | None, messages: list[ChatMessage] | Non
 
 
 def _error_response(exc: errors.OpenAIError) -> Response[bytes]:
-    return Response(exc.to_json(), status_code=exc.status, media_type=JSON, headers=exc.headers)
+    return Response(
+        exc.to_json(), status_code=exc.status, media_type=JSON, headers=exc.header_items()
+    )
 
 
 def _openai_error_handler(_: Request, exc: Exception) -> Response[bytes]:
@@ -114,7 +116,7 @@ class DataPlane:
 
     async def start(self) -> None:
         self.nc = await nats.connect(
-            self.nats_url,
+            nats_servers(self.nats_url),
             name=f"gateway {self.settings.gateway_id}",
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
@@ -185,13 +187,13 @@ class DataPlane:
         these paths to them directly (`server.direct_routes`)."""
         return {"/v1/chat/completions": self.serve_chat, "/v1/completions": self.serve_text}
 
-    async def _prepare_chat(self, caller: Caller, raw: bytes) -> Completion:
+    async def _prepare_chat(self, caller: Caller, raw: bytes, request_id: str) -> Completion:
         body, messages, sampling = parse_chat(raw)
-        return await self._dispatch("chat", caller, body, sampling, None, messages)
+        return await self._dispatch("chat", caller, body, sampling, None, messages, request_id)
 
-    async def _prepare_text(self, caller: Caller, raw: bytes) -> Completion:
+    async def _prepare_text(self, caller: Caller, raw: bytes, request_id: str) -> Completion:
         body, prompt, sampling = parse_completion(raw)
-        return await self._dispatch("completion", caller, body, sampling, prompt, None)
+        return await self._dispatch("completion", caller, body, sampling, prompt, None, request_id)
 
     async def _dispatch(
         self,
@@ -201,10 +203,10 @@ class DataPlane:
         sampling: SamplingParams,
         prompt: str | None,
         messages: list[ChatMessage] | None,
+        request_id: str,
     ) -> Completion:
         """Authorize the model, admit (quotas, rate limits), dispatch to a worker."""
         sku = self.authorizer.sku(caller, body.model)
-        request_id = os.urandom(16).hex()  # as random as uuid4().hex, a few calls fewer
         ticket: Ticket | None = None
         if self.admission is not None:
             decision = await self.admission.admit(

@@ -168,6 +168,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         head = [STATUS_LINE[exc.status]]
         for name, value in self.server_state.default_headers:
             head += (name, b": ", value, b"\r\n")
+        if url.startswith(b"/v1/"):
+            head.append(b"x-request-id: %b\r\n" % errors.new_request_id().encode())
         head.append(
             b"content-type: %b\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
             % (media, len(body))
