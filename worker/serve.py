@@ -29,6 +29,7 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from control_plane.nats_cluster import nats_servers
 from control_plane.settings import env, env_float
 from events.usage import RequestFinished, dedupe_id, encode_usage, usage_subject
 from worker import protocol as p
@@ -91,7 +92,7 @@ class Worker:
         s = self.settings
         await self.backend.start()
         self.nc = await nats.connect(
-            s.nats_url,
+            nats_servers(s.nats_url),
             name=f"worker {s.worker_id}",
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
