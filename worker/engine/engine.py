@@ -18,7 +18,7 @@ from worker.engine.batch import BatchMetadata
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.runner import ModelRunner, SampledTokens, model_device, model_dtype
-from worker.engine.sampler import stop_by_token
+from worker.engine.sampler import TokenLogprobs, stop_by_token
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import PENDING_TOKEN, FinishReason, SamplingParams, Sequence
 from worker.engine.state_slots import StateSlotPool
@@ -245,6 +245,8 @@ class RequestOutput:
     usage: Usage
     metrics: RequestMetrics
     error: str | None = None
+    # With SamplingParams.logprobs: one entry per token of new_token_ids, in order.
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass
@@ -387,12 +389,29 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         seq = Sequence(next(self._seq_ids), request_id, prompt_ids, params)
+        if params.grammar is not None:  # a format the library cannot compile fails here
+            seq.grammar = self.grammars.state(params.grammar)
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, prompt_ids)
         self._requests[request_id] = _Request(seq, detokenizer)
         self.scheduler.add(seq)
         return request_id
+
+    @property
+    def grammars(self) -> Any:
+        """The compiled-grammar cache for this engine's tokenizer and logits width (made on
+        first use: constrained decoding needs a tokenizer)."""
+        grammars = getattr(self, "_grammars", None)
+        if grammars is None:
+            from worker.structured import Grammars
+
+            if self.tokenizer is None:
+                raise ValueError("constrained decoding needs a tokenizer")
+            config = getattr(self.model, "config", None)
+            width = max(getattr(config, "vocab_size", 0) or 0, self.tokenizer.vocab_size)
+            grammars = self._grammars = Grammars(self.tokenizer, width)
+        return grammars
 
     def abort(self, request_id: str) -> bool:
         """Cancel a waiting or running request; its final output comes from the next step()."""
@@ -633,8 +652,10 @@ class LLMEngine:
                 seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_preemptions
             ),
             error=error,
+            logprobs=seq.pending_logprobs[: len(request.new_token_ids)],
         )
         request.new_token_ids, request.pending_text = [], ""
+        seq.pending_logprobs = []
         return output
 
     # --- convenience ----------------------------------------------------------------------
@@ -658,6 +679,7 @@ class LLMEngine:
                     results[out.request_id] = out
                     continue
                 acc.new_token_ids = acc.new_token_ids + out.new_token_ids
+                acc.logprobs = acc.logprobs + out.logprobs
                 acc.text += out.text
                 acc.finished, acc.finish_reason, acc.error = (
                     out.finished,

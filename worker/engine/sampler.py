@@ -1,10 +1,27 @@
-"""Token selection (greedy, temperature, top-k, top-p, seeded) and the token-level stop rules."""
+"""Token selection (greedy, temperature, top-k, top-p, seeded, grammar-masked), logprobs, and
+the token-level stop rules."""
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
 
 import torch
 
 from worker.engine.sequence import FinishReason, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """A sampled token's logprob and the `params.logprobs` most likely tokens', from the
+    log-softmax of the raw logits: before temperature, top-k/top-p and any grammar mask (what
+    OpenAI and vLLM report: the model's own distribution, not the one sampled from)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 class Sampler:
@@ -13,14 +30,43 @@ class Sampler:
     Every row is processed on its own (sort, filter, draw), so a seeded request gets the same
     tokens whatever else is in the batch. A seeded request draws from its own generator,
     created on first use and kept on the sequence (it survives preemption).
+
+    A constrained sequence (`seq.grammar`) has the tokens its grammar forbids masked to -inf
+    first, whatever its temperature; after the draw its grammar accepts the token and starts
+    filling the next mask in the background (see `worker.structured.grammar`). Sequences that
+    ask for logprobs get `TokenLogprobs` appended to `seq.pending_logprobs`.
     """
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if logits.shape[0] != len(seqs):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(seqs)} sequences")
+        logprob_rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        raw_logprobs = None
+        if logprob_rows:  # before masking: the mask below writes the logits in place
+            rows = torch.tensor(logprob_rows, device=logits.device)
+            raw_logprobs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
+        grammar_rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        if grammar_rows:
+            from worker.structured import apply_masks
+
+            apply_masks(logits, grammar_rows, [seqs[i].grammar.next_mask() for i in grammar_rows])
+
+        tokens = self._pick(logits, seqs)
+        if raw_logprobs is not None:
+            self._record_logprobs(raw_logprobs, logprob_rows, seqs, tokens)
+        for i in grammar_rows:
+            if not seqs[i].grammar.accept(tokens[i]):
+                log.error(
+                    "sequence %d: the grammar refused its sampled token %d",
+                    seqs[i].seq_id,
+                    tokens[i],
+                )
+        return tokens
+
+    def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         # One argmax over all rows and one device-to-host copy; sampled rows are overwritten.
         tokens: list[int] = torch.argmax(logits, dim=-1).tolist()
-        sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+        sampled_rows = [i for i, seq in enumerate(seqs) if seq.params.temperature != 0]
         if not sampled_rows:
             return tokens
 
@@ -51,6 +97,23 @@ class Sampler:
             pick = torch.multinomial(probs[j], 1, generator=generator)
             tokens[i] = int(sorted_ids[j, pick])
         return tokens
+
+    @staticmethod
+    def _record_logprobs(
+        raw: torch.Tensor, rows: list[int], seqs: list[Sequence], tokens: list[int]
+    ) -> None:
+        chosen = torch.tensor([tokens[i] for i in rows], device=raw.device)
+        picked = raw.gather(1, chosen[:, None])[:, 0].tolist()
+        k = max(seqs[i].params.logprobs or 0 for i in rows)
+        top_values: list[list[float]] = [[] for _ in rows]
+        top_ids: list[list[int]] = [[] for _ in rows]
+        if k:
+            values, ids = torch.topk(raw, k, dim=-1)  # one top-k for the widest request
+            top_values, top_ids = values.tolist(), ids.tolist()
+        for j, i in enumerate(rows):
+            want = seqs[i].params.logprobs or 0
+            top = list(zip(top_ids[j][:want], top_values[j][:want], strict=True))
+            seqs[i].pending_logprobs.append(TokenLogprobs(tokens[i], picked[j], top))
 
 
 def stop_by_token(

@@ -5,10 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+# OpenAI's ceiling for top_logprobs.
+MAX_TOP_LOGPROBS = 20
 
 
 # Stands in for a token sampled by a decode step the host has launched but not yet read back
@@ -41,6 +44,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
     stop_token_ids: list[int] = field(default_factory=list)  # in addition to the EOS tokens
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
+    # Logprobs of each sampled token and of the `logprobs` most likely ones (0..20); None: off.
+    logprobs: int | None = None
+    # Grammar-constrained decoding (`worker.structured.GrammarSpec`): only tokens the grammar
+    # allows are sampled. The engine compiles it in add_request (an error before any token).
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -51,10 +59,15 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """The device's argmax is all the host needs: temperature 0 and nothing to do per token
+        on the host (a grammar mask, logprobs). Only such sequences run overlapped decode,
+        whose tokens never pass through the Sampler."""
+        return self.temperature == 0 and self.grammar is None and self.logprobs is None
 
 
 class Sequence:
@@ -88,6 +101,10 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None  # seeded sampling, made on first use
+        # worker.structured.GrammarState of a constrained sequence (set by the engine)
+        self.grammar: Any = None
+        # Logprobs the sampler recorded since the engine last took them (TokenLogprobs)
+        self.pending_logprobs: list[Any] = []
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

@@ -1,0 +1,262 @@
+"""Grammar-constrained decoding through the engine: a model whose logits are noise over a real
+byte-level BPE vocabulary writes JSON that validates against the schema only because of the
+masks; schemas the library cannot compile fail in add_request; compiled grammars are cached."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import jsonschema
+import pytest
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from tests.worker.engine_fakes import FakeCache
+from worker.engine.engine import EngineConfig, LLMEngine
+from worker.engine.sequence import SamplingParams
+from worker.structured import (
+    GrammarError,
+    response_format_grammar,
+    tool_calls_grammar,
+)
+from worker.tokenizer import Tokenizer
+from worker.tokenizer.tool_calls import parse_tool_calls
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% endif %}"
+)
+CORPUS = [
+    '{"city": "Paris", "n": 12, "ok": true, "tags": ["a", "b"]}',
+    "The capital of France is Paris. Rome, Berlin and Madrid are capitals too.",
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}\n</tool_call>',
+    'the quick brown fox jumps over the lazy dog 0123456789 [] {} , : " true false null',
+]
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome", "Berlin"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+        "where": {
+            "type": "object",
+            "properties": {"lat": {"type": "integer", "minimum": -90, "maximum": 90}},
+            "required": ["lat"],
+            "additionalProperties": False,
+        },
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["city", "n", "ok", "where", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """A byte-level BPE (every byte is a token, so any text can be written) trained here."""
+    bpe = HFTokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(CORPUS * 30, trainer)
+    path: Path = tmp_path_factory.mktemp("tok")
+    bpe.save(str(path / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return Tokenizer.from_pretrained(path)
+
+
+class NoiseLM(torch.nn.Module):
+    """Logits are noise seeded by (position, last token): deterministic per context, and with
+    no idea of JSON. `eos_bias` pushes the end token (a model eager to stop)."""
+
+    def __init__(self, vocab_size: int, eos_id: int | None = None, eos_bias: float = 0.0):
+        super().__init__()
+        self.config = SimpleNamespace(vocab_size=vocab_size)
+        self.eos_id, self.eos_bias = eos_id, eos_bias
+
+    def allocate_cache(self, num_blocks, block_size, num_state_slots, kv_dtype, device, **kw):
+        return FakeCache(num_blocks, block_size, num_state_slots, device)
+
+    def forward(self, input_ids, meta, cache):
+        return torch.stack([meta.positions.float(), input_ids.float()], dim=1)
+
+    def compute_logits(self, hidden):
+        rows = []
+        for pos, token in hidden.long().tolist():
+            g = torch.Generator().manual_seed(pos * 1_000_003 + token)
+            row = torch.randn(self.config.vocab_size, generator=g) * 4
+            if self.eos_id is not None:
+                row[self.eos_id] += self.eos_bias
+            rows.append(row)
+        return torch.stack(rows)
+
+
+def make_engine(tokenizer: Tokenizer, eos_bias: float = 0.0, vocab_pad: int = 8):
+    eos = next(iter(tokenizer.eos_token_ids))
+    # the logits are wider than the tokenizer (padded vocabularies are common): padding ids
+    # must never be sampled under a grammar
+    model = NoiseLM(tokenizer.vocab_size + vocab_pad, eos, eos_bias)
+    config = EngineConfig(
+        block_size=4, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512
+    )
+    return LLMEngine(model, tokenizer, config)
+
+
+def run(engine: LLMEngine, params: list[SamplingParams], prompt: str = "Give me JSON:"):
+    return engine.generate([prompt] * len(params), params)
+
+
+def test_json_schema_output_validates_where_free_output_does_not(tokenizer: Tokenizer) -> None:
+    engine = make_engine(tokenizer)
+    spec = response_format_grammar("json_schema", json.dumps(SCHEMA), strict=True)
+    free, greedy, sampled, hot = run(
+        engine,
+        [
+            SamplingParams(temperature=0, max_tokens=120),
+            SamplingParams(temperature=0, max_tokens=120, grammar=spec),
+            SamplingParams(temperature=1.0, seed=1, max_tokens=120, grammar=spec),
+            SamplingParams(temperature=1.8, top_p=0.95, seed=2, max_tokens=120, grammar=spec),
+        ],
+    )
+    with pytest.raises(ValueError):
+        json.loads(free.text)
+    for out in (greedy, sampled, hot):
+        assert out.finish_reason == "stop", out.text  # the grammar ends in the end token
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+        assert out.new_token_ids[-1] in tokenizer.eos_token_ids
+        assert max(out.new_token_ids) < tokenizer.vocab_size  # never a padding id
+    assert sampled.text != hot.text
+
+
+def test_json_object_is_an_object_and_a_model_eager_to_stop_cannot(tokenizer: Tokenizer) -> None:
+    engine = make_engine(tokenizer, eos_bias=30.0)
+    spec = response_format_grammar("json_object")
+    free, constrained = run(
+        engine,
+        [
+            SamplingParams(temperature=0, max_tokens=60),
+            SamplingParams(temperature=0, max_tokens=200, grammar=spec),
+        ],
+    )
+    assert free.new_token_ids == [next(iter(tokenizer.eos_token_ids))]  # stops at once
+    assert isinstance(json.loads(constrained.text), dict)
+
+
+def test_unconstrained_neighbours_are_untouched(tokenizer: Tokenizer) -> None:
+    engine = make_engine(tokenizer)
+    spec = response_format_grammar("json_schema", json.dumps(SCHEMA))
+    plain = SamplingParams(temperature=0.8, seed=5, max_tokens=30)
+    alone = run(engine, [plain])[0]
+    mixed = run(engine, [SamplingParams(temperature=0, max_tokens=120, grammar=spec), plain])
+    assert mixed[1].new_token_ids == alone.new_token_ids
+
+
+def test_a_schema_the_library_cannot_compile_fails_in_add_request(tokenizer: Tokenizer) -> None:
+    engine = make_engine(tokenizer)
+    bad = {"type": "object", "properties": {"id": {"type": "string", "pattern": "(?<=a)b"}}}
+    spec = response_format_grammar("json_schema", json.dumps(bad))
+    with pytest.raises(GrammarError) as info:
+        engine.add_request("x", SamplingParams(max_tokens=4, grammar=spec), "r1")
+    assert info.value.param == "response_format"
+    assert "Lookbehind is not supported" in info.value.message
+    assert "/project/" not in info.value.message  # no library source paths for the client
+    assert engine.num_requests == 0 and not engine.has_unfinished_requests()
+    with pytest.raises(GrammarError, match="not valid JSON"):
+        response_format_grammar("json_schema", "{not json")
+    with pytest.raises(GrammarError, match="range"):
+        engine.grammars.compile(
+            response_format_grammar(
+                "json_schema", '{"type": "integer", "minimum": 5, "maximum": 2}'
+            )
+        )
+
+
+def test_compiled_grammars_are_cached_by_schema(tokenizer: Tokenizer) -> None:
+    engine = make_engine(tokenizer)
+    grammars = engine.grammars
+    a = response_format_grammar("json_schema", json.dumps(SCHEMA))
+    b = response_format_grammar("json_schema", json.dumps(SCHEMA))
+    strict = response_format_grammar("json_schema", json.dumps(SCHEMA), strict=True)
+    assert grammars.compile(a) is grammars.compile(b)
+    assert grammars.compiles == 1
+    grammars.compile(strict)  # strict is another grammar
+    assert grammars.compiles == 2
+    run(engine, [SamplingParams(temperature=0, max_tokens=80, grammar=a)] * 3)
+    assert grammars.compiles == 2
+
+
+def test_strict_forbids_properties_the_schema_does_not_name(tokenizer: Tokenizer) -> None:
+    engine = make_engine(tokenizer)
+    open_schema = json.dumps(
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    )
+    from xgrammar import GrammarMatcher
+
+    loose = GrammarMatcher(
+        engine.grammars.compile(response_format_grammar("json_schema", open_schema))
+    )
+    strict = GrammarMatcher(
+        engine.grammars.compile(response_format_grammar("json_schema", open_schema, strict=True))
+    )
+    extra = '{"a": 1, "b": 2}'
+    assert loose.accept_string(extra)
+    assert not strict.accept_string(extra)
+
+
+TOOLS = [
+    (
+        "get_weather",
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {
+                    "city": {"enum": ["Paris", "Rome"]},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            }
+        ),
+    ),
+    ("get_time", None),
+]
+
+
+def test_forced_tool_calls_parse_into_calls_of_the_named_tools(tokenizer: Tokenizer) -> None:
+    engine = make_engine(tokenizer)
+    required = tool_calls_grammar(TOOLS)
+    named = tool_calls_grammar(TOOLS, only="get_weather", parallel=False)
+    outs = run(
+        engine,
+        [
+            SamplingParams(temperature=1.0, seed=3, max_tokens=200, grammar=required),
+            SamplingParams(temperature=0, max_tokens=200, grammar=named),
+        ],
+    )
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        content, calls = parse_tool_calls(out.text, [name for name, _ in TOOLS])
+        assert content == "" and calls, out.text
+        for call in calls:
+            args = json.loads(call.arguments)
+            if call.name == "get_weather":
+                jsonschema.validate(args, json.loads(TOOLS[0][1] or "{}"))
+            else:
+                assert call.name == "get_time" and args == {}  # no parameters: none
+    _, calls = parse_tool_calls(outs[1].text)
+    assert [c.name for c in calls] == ["get_weather"]  # one call (parallel off), the named one
+    with pytest.raises(GrammarError) as info:
+        tool_calls_grammar(TOOLS, only="nope")
+    assert info.value.param == "tool_choice"
