@@ -7,8 +7,9 @@ A sequence's tokens at positions [i * block_size, (i + 1) * block_size) live in 
 Each block records the engine step of its last write (its page age).
 
 Staged pages (optional, `num_compressed_blocks > 0`): block ids [0, num_blocks) are recent pages
-(FP8 in the attention caches) and ids [num_blocks, num_blocks + num_compressed_blocks) are
-compressed pages (TurboQuant codes). New pages are always recent. `restage` decides, once per
+(FP8 in the attention caches) and ids [first_compressed_block, first_compressed_block +
+num_compressed_blocks) are compressed pages (TurboQuant codes); ids between the two kinds (the
+runner's scratch page) are never handed out. New pages are always recent. `restage` decides, once per
 step, which recent pages aged out: not one of a sequence's first `anchor_pages` (attention
 sinks), not among its last `window_pages`, and not written in the last `min_age` steps. Each one
 moves to a free compressed block (the table entry changes; the recent block is freed) and the
@@ -25,6 +26,19 @@ from worker.engine.sequence import Sequence
 NEVER_WRITTEN = -1
 
 
+def staged_recent_blocks(
+    max_num_seqs: int,
+    block_size: int,
+    max_num_batched_tokens: int,
+    window_pages: int = 8,
+    anchor_pages: int = 1,
+) -> int:
+    """Recent pages that every running sequence's anchors, window and written page take, plus
+    the pages of a step's prefill chunks until they are restaged next step."""
+    chunk_pages = -(-max_num_batched_tokens // block_size) + max_num_seqs
+    return max_num_seqs * (anchor_pages + window_pages + 1) + chunk_pages
+
+
 def staged_pool_blocks(
     budget_bytes: int,
     recent_page_bytes: int,
@@ -38,8 +52,9 @@ def staged_pool_blocks(
     """(recent blocks, compressed blocks) for a byte budget: enough recent pages that every
     running sequence keeps its anchors, window, the page it writes and the pages of a step's
     prefill chunks until they are restaged next step; the rest of the budget compressed."""
-    chunk_pages = -(-max_num_batched_tokens // block_size) + max_num_seqs
-    recent = max_num_seqs * (anchor_pages + window_pages + 1) + chunk_pages
+    recent = staged_recent_blocks(
+        max_num_seqs, block_size, max_num_batched_tokens, window_pages, anchor_pages
+    )
     left = budget_bytes - recent * recent_page_bytes
     if left < 0:
         raise ValueError(
@@ -58,6 +73,7 @@ class BlockManager:
         window_pages: int = 8,
         anchor_pages: int = 1,
         min_age: int = 1,
+        first_compressed_block: int | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("need at least one block of at least one token")
@@ -69,9 +85,14 @@ class BlockManager:
         self.window_pages = window_pages
         self.anchor_pages = anchor_pages
         self.min_age = min_age
-        total = num_blocks + num_compressed_blocks
+        # compressed block ids start where the attention caches' recent pools end
+        first = num_blocks if first_compressed_block is None else first_compressed_block
+        if first < num_blocks:
+            raise ValueError("compressed block ids must come after the recent ones")
+        self.first_compressed_block = first
+        total = first + num_compressed_blocks
         self._free: deque[int] = deque(range(num_blocks))
-        self._free_compressed: deque[int] = deque(range(num_blocks, total))
+        self._free_compressed: deque[int] = deque(range(first, total))
         self._is_free = [True] * total
         self.last_write_step = [NEVER_WRITTEN] * total
 
@@ -122,7 +143,7 @@ class BlockManager:
         return len(self._free_compressed)
 
     def is_compressed(self, block: int) -> bool:
-        return block >= self.num_blocks
+        return block >= self.first_compressed_block
 
     def stale_pages(self, seq: Sequence, step: int) -> list[int]:
         """Indices into `seq.block_table` of its recent pages that aged out at `step`: past the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import sys
 import time
 import uuid
@@ -15,13 +16,14 @@ from typing import Any
 import torch
 
 from worker.engine.batch import BatchMetadata
-from worker.engine.block_manager import BlockManager
+from worker.engine.block_manager import BlockManager, staged_pool_blocks, staged_recent_blocks
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.runner import ModelRunner, SampledTokens, model_device, model_dtype
 from worker.engine.sampler import TokenLogprobs, stop_by_token
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import PENDING_TOKEN, FinishReason, SamplingParams, Sequence
 from worker.engine.state_slots import StateSlotPool
+from worker.models.cache import KVStaging
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,17 @@ def _context_limit(config: EngineConfig, model: Any) -> int:
     return config.max_model_len
 
 
+def kv_staging_bits(setting: str | None) -> tuple[int, int] | None:
+    """(K bits, V bits) of a kv_staging setting such as "k4v3"; None when off ("", "off")."""
+    value = (setting or "").strip().lower()
+    if value in ("", "0", "off", "none", "false"):
+        return None
+    match = re.fullmatch(r"k([1-4])v([1-4])", value)
+    if match is None:
+        raise ValueError(f"kv_staging={setting!r}: expected k<bits>v<bits>, 1-4 bits, e.g. k4v3")
+    return int(match[1]), int(match[2])
+
+
 class ContextLengthExceeded(ValueError):
     """A request that can never run: its prompt alone reaches the context limit."""
 
@@ -143,6 +156,16 @@ class EngineConfig:
     # An operator may lower it, never raise it past the model's positions.
     max_model_len: int = 0
     kv_dtype: torch.dtype | None = None  # default: the model's dtype
+    # Staged KV (TOKENMILL_ENGINE_KV_STAGING=k4v3; default off): full-attention pages past a
+    # sequence's first kv_staging_anchor_pages and last kv_staging_window_pages
+    # (TOKENMILL_ENGINE_KV_STAGING_ANCHOR_PAGES / _WINDOW_PAGES) are re-encoded, a step after
+    # their last write, from kv_dtype pages to TurboQuant codes of K and V bits ("k4v3": 4 and 3
+    # bits per coordinate, 1-4 each; worker/kvcache/), ~2.2x fewer bytes per token than FP8 KV.
+    # Off by default until its GPU speed is measured in the engine: the Triton decode over
+    # mixed pages ran 34x slower than FP8 KV decode on an H200 (docs/performance.md).
+    kv_staging: str | None = None
+    kv_staging_window_pages: int = 8
+    kv_staging_anchor_pages: int = 1
     # DeltaNet recurrent state in the slot pool (TOKENMILL_ENGINE_STATE_DTYPE=float32|bfloat16|
     # float16; default: the model's dtype, as vLLM's mamba_ssm_cache_dtype=auto). Kernels compute
     # in fp32 either way; a 16-bit pool halves the 2 x 3 MiB per layer and sequence a 27B decode
@@ -202,6 +225,9 @@ class EngineConfig:
             )
             / 1e3,
             "state_dtype": _env_dtype("TOKENMILL_ENGINE_STATE_DTYPE"),
+            "kv_staging": os.environ.get("TOKENMILL_ENGINE_KV_STAGING") or None,
+            "kv_staging_window_pages": _env_int("TOKENMILL_ENGINE_KV_STAGING_WINDOW_PAGES", None),
+            "kv_staging_anchor_pages": _env_int("TOKENMILL_ENGINE_KV_STAGING_ANCHOR_PAGES", None),
         }
         return cls(**{k: v for k, v in env.items() if v is not None}, **overrides)
 
@@ -275,7 +301,11 @@ class LLMEngine:
         if config.fuse_projections and hasattr(model, "fuse_projections"):
             model.fuse_projections()
         config.max_model_len = _context_limit(config, model)
-        num_blocks = self._num_kv_blocks()
+        self.kv_staging_bits = kv_staging_bits(config.kv_staging)
+        num_blocks, num_compressed = self._kv_pool()
+        staging = None
+        if self.kv_staging_bits is not None:
+            staging = KVStaging(num_compressed, *self.kv_staging_bits)
         self.runner = ModelRunner(
             model,
             num_blocks=num_blocks,
@@ -287,6 +317,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             cuda_graphs=config.cuda_graphs,
             pad_decode=config.pad_decode,
+            staging=staging,
         )
         if self.runner.device.type == "cuda":  # the GPU's measured kernel settings, if any
             from worker.kernels import tuning
@@ -295,7 +326,14 @@ class LLMEngine:
         self.runner.capture_graphs()  # no-op off CUDA
         if config.warm_up is None:  # resolved in place: the caller decides on warm_up() by it
             config.warm_up = self.runner.device.type == "cuda"
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            num_blocks,
+            config.block_size,
+            num_compressed_blocks=num_compressed if staging is not None else 0,
+            window_pages=config.kv_staging_window_pages,
+            anchor_pages=config.kv_staging_anchor_pages,
+            first_compressed_block=self.runner.first_compressed_block,
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             StateSlotPool(config.max_num_seqs),
@@ -312,6 +350,56 @@ class LLMEngine:
         )
         self._in_flight: _InFlight | None = None
         self._last_batch: ScheduledBatch | None = None  # for the slow-step warning
+
+    def _kv_pool(self) -> tuple[int, int]:
+        """(recent blocks, compressed blocks): the whole pool recent without staging. With
+        staging, the recent pages that max_num_seqs sequences need (`staged_pool_blocks`: their
+        anchors, windows, written pages and a step's chunks), the rest of the pool compressed:
+        num_kv_blocks counts both kinds, a byte budget is split by page sizes, and on a CPU the
+        compressed pool holds max_num_seqs full-length sequences."""
+        cfg = self.config
+        if self.kv_staging_bits is None:
+            return self._num_kv_blocks(), 0
+        need = staged_recent_blocks(
+            cfg.max_num_seqs,
+            cfg.block_size,
+            cfg.max_num_batched_tokens,
+            cfg.kv_staging_window_pages,
+            cfg.kv_staging_anchor_pages,
+        )
+        full = -(-cfg.max_num_seqs * cfg.max_model_len // cfg.block_size)
+        if cfg.num_kv_blocks is not None:
+            total, source = cfg.num_kv_blocks, f"num_kv_blocks={cfg.num_kv_blocks}"
+            recent = min(need, total)
+            compressed = total - recent
+        else:
+            probe = self._probe_cache(KVStaging(1, *self.kv_staging_bits))
+            recent_page = probe.kv_bytes_per_token() * cfg.block_size
+            compressed_page = probe.compressed_kv_bytes_per_token() * cfg.block_size
+            device = torch.device(cfg.device) if cfg.device else model_device(self.model)
+            if recent_page == 0:  # no attention layers
+                return full, 0
+            if cfg.kv_cache_bytes is not None:
+                budget, source = cfg.kv_cache_bytes, f"kv_cache_bytes={cfg.kv_cache_bytes}"
+            elif device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+                state = cfg.max_num_seqs * probe.state_bytes_per_sequence()
+                budget = kv_budget_bytes(free, cfg.gpu_memory_fraction, state)
+                source = f"gpu_memory_fraction={cfg.gpu_memory_fraction} of {_size(free)} free"
+            else:
+                return need, full
+            recent, compressed = staged_pool_blocks(
+                budget,
+                recent_page,
+                compressed_page,
+                cfg.max_num_seqs,
+                cfg.block_size,
+                cfg.max_num_batched_tokens,
+                cfg.kv_staging_window_pages,
+                cfg.kv_staging_anchor_pages,
+            )
+        check_kv_pool(recent + compressed, cfg.block_size, cfg.max_model_len, 0, source)
+        return recent, compressed
 
     def _num_kv_blocks(self) -> int:
         """The KV pool's block count, by EngineConfig's order (a count, a byte budget, the GPU's
@@ -342,7 +430,7 @@ class LLMEngine:
         check_kv_pool(blocks, cfg.block_size, cfg.max_model_len, self.kv_bytes_per_token(), source)
         return blocks
 
-    def _probe_cache(self) -> Any:
+    def _probe_cache(self, staging: KVStaging | None = None) -> Any:
         """A one-block, one-slot cache of the model's layout (for its per-token sizes)."""
         dtype = model_dtype(self.model)
         return self.model.allocate_cache(
@@ -352,6 +440,7 @@ class LLMEngine:
             self.config.kv_dtype or dtype,
             self.config.device or "cpu",
             state_dtype=self.config.state_dtype or dtype,
+            **({} if staging is None else {"staging": staging}),
         )
 
     def kv_bytes_per_token(self) -> int:
@@ -519,6 +608,8 @@ class LLMEngine:
         outputs, self._finished_outside_step = self._finished_outside_step, []
         if self._in_flight is not None and not self._can_launch_ahead():
             outputs += self._settle()
+        # staged KV: pages that aged out move before the schedule, so its growth can reuse them
+        self.runner.restage(self.block_manager, self.scheduler.running, self.scheduler.step + 1)
         batch = self._last_batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs + self._settle()

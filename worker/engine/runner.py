@@ -6,6 +6,11 @@ block tables padded to `max_model_len / block_size` blocks, and on a GPU that st
 replay of forward + logits. Padded rows point at a scratch KV block and a scratch state slot that
 the cache holds beyond what the engine hands out, so they never touch a real sequence. Prefill
 and mixed steps run eagerly with exactly sized metadata.
+
+With staged KV (`staging`), every full-attention layer holds recent pages and TurboQuant-coded
+pages (worker/kvcache/): the scratch block is the recent pool's last, compressed block ids start
+right after it (`first_compressed_block`), and `restage` re-encodes the pages the block manager
+moved, for all layers in one batch, before the step that reads them.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ from typing import Any
 import torch
 
 from worker.engine.batch import BatchMetadata
+from worker.engine.block_manager import BlockManager
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler import ScheduledBatch
-from worker.engine.sequence import PENDING_TOKEN
+from worker.engine.sequence import PENDING_TOKEN, Sequence
 from worker.kernels.pdl import pdl_enabled, set_pdl
+from worker.kvcache import staged as staged_kv
+from worker.models.cache import KVStaging
 
 log = logging.getLogger(__name__)
 
@@ -227,12 +235,14 @@ class ModelRunner:
         state_dtype: torch.dtype | None = None,
         cuda_graphs: bool = False,
         pad_decode: bool | None = None,
+        staging: KVStaging | None = None,
     ) -> None:
         self.model = model
         self.device = torch.device(device) if device is not None else model_device(model)
         self.block_size = block_size
         self.kv_dtype = kv_dtype or model_dtype(model)
         self.state_dtype = state_dtype or model_dtype(model)
+        self.staging = staging
         self.cache = model.allocate_cache(
             num_blocks + 1,
             block_size,
@@ -240,7 +250,13 @@ class ModelRunner:
             self.kv_dtype,
             self.device,
             state_dtype=self.state_dtype,
+            **({} if staging is None else {"staging": staging}),
         )
+        # block ids past the recent pool (scratch included) name compressed pages
+        self.first_compressed_block = num_blocks + 1
+        # a cache without staged layers (or a test double without `staged`): restage is a no-op
+        self.staged_caches = self.cache.staged() if staging is not None else []
+        self.restaged_pages = 0  # pages re-encoded so far (all layers count once)
         self.sampler = Sampler()
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         pad = self.cuda_graphs if pad_decode is None else (pad_decode or self.cuda_graphs)
@@ -264,6 +280,23 @@ class ModelRunner:
             torch.zeros(self.sizes[-1], dtype=torch.int64, pin_memory=pin) for _ in range(2)
         ]
         self._last_buffer = 1
+
+    # --- staged KV --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def restage(
+        self, block_manager: BlockManager, seqs: list[Sequence], step: int
+    ) -> list[tuple[int, int]]:
+        """Ask the block manager which recent pages of `seqs` went stale at `step` (it moves
+        them to compressed blocks) and re-encode them in every staged layer, one launch per
+        layer; call before `step` is scheduled so its growth may reuse the freed pages (their
+        new writes run after the re-encode, in stream order). The moves made, if any."""
+        if not self.staged_caches:
+            return []
+        moves = block_manager.restage(seqs, step)
+        staged_kv.restage(self.staged_caches, moves, self.device)
+        self.restaged_pages += len(moves)
+        return moves
 
     # --- eager steps ----------------------------------------------------------------------
 

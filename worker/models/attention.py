@@ -1,5 +1,6 @@
 """Full (softmax) attention over the paged KV cache: Llama, Qwen3 (q/k norm) and Qwen3.5 gated
-attention (q/k norm with (1 + w), partial rotary, sigmoid output gate from q_proj)."""
+attention (q/k norm with (1 + w), partial rotary, sigmoid output gate from q_proj). A staged
+cache (recent + TurboQuant-coded pages) is read through `worker.kvcache.staged`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from torch import nn
 
 from worker.engine.batch import BatchMetadata
 from worker.kernels import ops
-from worker.models.cache import AttentionCache
+from worker.kvcache import staged as staged_kv
+from worker.models.cache import AttentionCache, StagedAttentionCache
 from worker.models.config import ModelConfig
 from worker.models.layers import Linear, RMSNorm, RotaryTables, fusable, fuse_linears
 
@@ -60,7 +62,7 @@ class Attention(nn.Module):
         self,
         hidden: torch.Tensor,
         meta: BatchMetadata,
-        cache: AttentionCache,
+        cache: AttentionCache | StagedAttentionCache,
         rotary: RotaryTables,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
@@ -77,10 +79,14 @@ class Attention(nn.Module):
         q = ops.apply_rotary(q, meta.positions, rotary.cos_sin(), rotary.rotary_dim)
         k = ops.apply_rotary(k, meta.positions, rotary.cos_sin(), rotary.rotary_dim)
 
-        ops.write_kv_cache(
-            k, v, cache.k_cache, cache.v_cache, meta.slot_mapping, cache.k_scale, cache.v_scale
-        )
-        out = self._attend(q, meta, cache).reshape(tokens, -1)
+        if isinstance(cache, StagedAttentionCache):
+            out = staged_kv.staged_attention(q, k, v, meta, cache, self.scale)
+        else:
+            ops.write_kv_cache(
+                k, v, cache.k_cache, cache.v_cache, meta.slot_mapping, cache.k_scale, cache.v_scale
+            )
+            out = self._attend(q, meta, cache)
+        out = out.reshape(tokens, -1)
         if gate is not None:
             out = ops.sigmoid_mul(out, gate)
         return self.o_proj(out)

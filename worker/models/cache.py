@@ -1,5 +1,6 @@
 """ModelCache: the per-layer device memory a model reads and writes across steps — paged KV for
-full-attention layers, slot pools of recurrent and conv state for DeltaNet layers."""
+full-attention layers (plain, or staged: recent pages + TurboQuant-coded pages), slot pools of
+recurrent and conv state for DeltaNet layers."""
 
 from __future__ import annotations
 
@@ -14,6 +15,16 @@ class AttentionCache:
     v_cache: torch.Tensor
     k_scale: float = 1.0  # FP8 caches hold value / scale
     v_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class KVStaging:
+    """How a model allocates staged full-attention KV (worker/kvcache/): a compressed pool of
+    `num_compressed_blocks` pages beside the recent pool, K and V codes of these bit widths."""
+
+    num_compressed_blocks: int
+    k_bits: int = 4
+    v_bits: int = 3
 
 
 @dataclass
@@ -110,7 +121,7 @@ class ModelCache:
     block_size: int
     num_blocks: int
     num_state_slots: int
-    layers: list[AttentionCache | DeltaNetState]  # indexed by layer
+    layers: list[AttentionCache | StagedAttentionCache | DeltaNetState]  # indexed by layer
 
     def attention(self, layer: int) -> AttentionCache:
         entry = self.layers[layer]
@@ -122,13 +133,22 @@ class ModelCache:
         assert isinstance(entry, DeltaNetState), f"layer {layer} is not a DeltaNet layer"
         return entry
 
+    def staged(self) -> list[StagedAttentionCache]:
+        """The staged full-attention layers (empty unless the cache was allocated staged)."""
+        return [e for e in self.layers if isinstance(e, StagedAttentionCache)]
+
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V one token occupies across all full-attention layers."""
+        """Bytes of K and V one token occupies across all full-attention layers (in a recent
+        page, for staged layers)."""
         return sum(
             2 * e.k_cache[0, 0].numel() * e.k_cache.element_size()
             for e in self.layers
-            if isinstance(e, AttentionCache)
+            if isinstance(e, AttentionCache | StagedAttentionCache)
         )
+
+    def compressed_kv_bytes_per_token(self) -> int:
+        """Bytes one token occupies across all staged layers in a compressed page."""
+        return sum(e.compressed_bytes_per_token() for e in self.staged())
 
     def state_bytes_per_sequence(self) -> int:
         """Bytes of DeltaNet recurrent and conv state one sequence holds across all layers."""
@@ -144,6 +164,8 @@ class ModelCache:
         for e in self.layers:
             if isinstance(e, AttentionCache):
                 tensors += [e.k_cache, e.v_cache]
+            elif isinstance(e, StagedAttentionCache):
+                tensors += [e.k_cache, e.v_cache, e.k_codes, e.k_norms, e.v_codes, e.v_norms]
             else:
                 tensors += [e.recurrent_state, e.conv_state]
         return sum(t.numel() * t.element_size() for t in tensors)

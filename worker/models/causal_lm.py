@@ -13,7 +13,13 @@ from torch import nn
 
 from worker.engine.batch import BatchMetadata
 from worker.models.attention import Attention
-from worker.models.cache import AttentionCache, DeltaNetState, ModelCache
+from worker.models.cache import (
+    AttentionCache,
+    DeltaNetState,
+    KVStaging,
+    ModelCache,
+    StagedAttentionCache,
+)
 from worker.models.config import FULL_ATTENTION, ModelConfig
 from worker.models.deltanet import GatedDeltaNet
 from worker.models.int4 import QuantizationConfig
@@ -45,7 +51,7 @@ class DecoderLayer(nn.Module):
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         meta: BatchMetadata,
-        cache: AttentionCache | DeltaNetState,
+        cache: AttentionCache | StagedAttentionCache | DeltaNetState,
         rotary: RotaryTables,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it). The residual add of each
@@ -55,10 +61,10 @@ class DecoderLayer(nn.Module):
             residual, mixed = hidden, self.input_layernorm(hidden)
         else:
             mixed, residual = self.input_layernorm.add_forward(hidden, residual)
-        if isinstance(cache, AttentionCache):
-            mixed = self.self_attn(mixed, meta, cache, rotary)
-        else:
+        if isinstance(cache, DeltaNetState):
             mixed = self.linear_attn(mixed, meta, cache)
+        else:
+            mixed = self.self_attn(mixed, meta, cache, rotary)
         mixed, residual = self.post_attention_layernorm.add_forward(mixed, residual)
         return self.mlp(mixed), residual
 
@@ -114,11 +120,28 @@ class CausalLM(nn.Module):
         kv_dtype: torch.dtype,
         device: torch.device | str,
         state_dtype: torch.dtype = torch.float32,
+        staging: KVStaging | None = None,
     ) -> ModelCache:
+        """`num_blocks` KV pages per full-attention layer; with `staging`, these are the recent
+        pool of a StagedAttentionCache beside its compressed pool."""
         c = self.config
-        layers: list[AttentionCache | DeltaNetState] = []
+        layers: list[AttentionCache | StagedAttentionCache | DeltaNetState] = []
         for kind in c.layer_types:
-            if kind == FULL_ATTENTION:
+            if kind == FULL_ATTENTION and staging is not None:
+                layers.append(
+                    StagedAttentionCache.allocate(
+                        num_blocks,
+                        staging.num_compressed_blocks,
+                        block_size,
+                        c.num_key_value_heads,
+                        c.head_dim,
+                        staging.k_bits,
+                        staging.v_bits,
+                        kv_dtype,
+                        device,
+                    )
+                )
+            elif kind == FULL_ATTENTION:
                 shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
                 layers.append(
                     AttentionCache(
