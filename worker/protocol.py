@@ -5,6 +5,8 @@ Subjects (``prefix`` is the install's stream prefix, ``sku`` a SKU id):
 - ``{prefix}.work.{sku}``: GenerateRequest, to the queue group ``{prefix}.workers.{sku}``, so
   NATS hands each request to exactly one live worker of the SKU. The request carries a reply
   inbox; a publish with no worker in the group is answered by NATS with a 503 status there.
+- ``{prefix}.work.{sku}.to.{hash of worker id}``: GenerateRequest for that worker alone (the
+  gateway's routing, see `direct_work_subject`); workers that announce `direct` listen there.
 - ``{prefix}.cancel.{sku}``: Cancel, to every worker of the SKU (the one holding the request
   acts, the others ignore it): cheaper than tracking which worker took it before it says so.
 - the request's inbox: Accepted, then TokenChunk..., then Finished (or Rejected).
@@ -22,16 +24,57 @@ Evolve only by adding fields with defaults, so mixed versions keep talking.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Literal
 
 import msgspec
 
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+# "tool_calls": the choice ended after the model called tools (chat with `tools` only).
+FinishReason = Literal["stop", "length", "cancelled", "error", "tool_calls"]
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """A function call the assistant made earlier in the chat (OpenAI `tool_calls[]`)."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI carries it
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str
+    # assistant: the calls it made; tool: which call this answers (and the function's name).
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True):
+    """OpenAI `response_format`. json_object: any JSON object; json_schema: `schema`, the
+    `json_schema.schema` object as JSON text (kept as text: its key order is the order the
+    model writes properties in, and the worker hashes it to cache the compiled grammar)."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    schema: str | None = None
+    name: str | None = None
+    # OpenAI `json_schema.strict`: no properties or items beyond those the schema names.
+    strict: bool = False
+
+
+class Tool(msgspec.Struct, frozen=True, kw_only=True):
+    """One entry of OpenAI `tools` (type "function"), `parameters` as JSON Schema text."""
+
+    name: str
+    description: str | None = None
+    parameters: str | None = None  # None: takes no parameters
+    strict: bool = False
+
+
+class ToolChoiceFunction(msgspec.Struct, frozen=True, kw_only=True):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: call this one."""
+
+    name: str
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -70,6 +113,21 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     reply_to: str
     # Epoch seconds when the gateway admitted it: the worker's TTFT/e2e clock starts here.
     admitted_at: float
+    # Structured output: the text is constrained to the format by a grammar (a schema the
+    # worker cannot compile is Rejected, param "response_format").
+    response_format: ResponseFormat | None = None
+    # Chat only: tools rendered into the prompt by the model's chat template, and tool calls
+    # parsed out of the reply (TokenChunk.tool_calls). "required" or a named function
+    # constrains the reply to tool calls (a grammar); "auto" lets the model choose; "none"
+    # leaves the tools out of the prompt and the reply is plain text.
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction = "auto"
+    parallel_tool_calls: bool = True
+    # Per generated token: its logprob, and the top_logprobs (0..20) most likely tokens.
+    logprobs: bool = False
+    top_logprobs: int = 0
+    # Choices: n sequences of the one prompt; TokenChunk.index says whose text a chunk is.
+    n: int = 1
 
     @property
     def chat(self) -> bool:
@@ -87,13 +145,45 @@ class Accepted(msgspec.Struct, frozen=True, kw_only=True, tag="accepted"):
     worker_id: str
 
 
+class TopLogprob(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # UTF-8 bytes of `token`
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One generated token (OpenAI `logprobs.content[]`): log-softmax of the model's raw logits
+    (before temperature, top-p and any grammar mask), as vLLM reports them."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = []
+
+
+class ToolCallDelta(msgspec.Struct, frozen=True, kw_only=True):
+    """A piece of a tool call, as OpenAI streams them: the first delta of call `index` has its
+    id (`call_<hex>`) and name, the later ones append to `arguments` (JSON text)."""
+
+    index: int  # the call's position within its choice
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
 class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, tag="chunk"):
     request_id: str
     seq: int  # 0, 1, 2, ... per request; a gap means a chunk was lost
     text: str  # new text since the previous chunk (may be "" while a multibyte char is pending)
-    completion_tokens: int  # tokens generated so far, including this chunk's
+    completion_tokens: int  # tokens generated so far, including this chunk's (all choices)
     prompt_tokens: int
     cached_tokens: int = 0
+    index: int = 0  # the choice this chunk belongs to (n > 1)
+    # One entry per token this chunk covers, when the request asked for logprobs.
+    logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+    # Set on the last chunk of each choice (the request's Finished comes after the last one).
+    finish_reason: FinishReason | None = None
 
 
 class Finished(msgspec.Struct, frozen=True, kw_only=True, tag="finished"):
@@ -104,8 +194,9 @@ class Finished(msgspec.Struct, frozen=True, kw_only=True, tag="finished"):
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    finish_reason: FinishReason
+    finish_reason: FinishReason  # choice 0's
     error: str | None = None
+    finish_reasons: list[FinishReason] = []  # every choice's, by index (n > 1)
 
 
 class Rejected(msgspec.Struct, frozen=True, kw_only=True, tag="rejected"):
@@ -124,6 +215,9 @@ class WorkerAnnounce(msgspec.Struct, frozen=True, kw_only=True, tag="announce"):
     backend: str
     capacity: int  # concurrent sequences it runs at full speed
     max_context: int | None = None
+    # It also takes requests on `direct_work_subject` (for it alone): the gateway routes to it
+    # by load and prefix affinity. False (older workers): only through the SKU's queue group.
+    direct: bool = False
 
 
 class WorkerHeartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat"):
@@ -174,6 +268,13 @@ def decode_presence(data: bytes) -> Presence:
 
 def work_subject(prefix: str, sku_id: str) -> str:
     return f"{prefix}.work.{sku_id}"
+
+
+def direct_work_subject(prefix: str, sku_id: str, worker_id: str) -> str:
+    """Requests routed to one worker. Its id is hashed into one safe subject token (a host name
+    holds dots, which NATS reads as token separators)."""
+    token = hashlib.sha256(worker_id.encode()).hexdigest()[:20]
+    return f"{prefix}.work.{sku_id}.to.{token}"
 
 
 def work_queue(prefix: str, sku_id: str) -> str:

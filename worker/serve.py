@@ -238,7 +238,8 @@ class Worker:
             prompt_tokens=state.prompt_tokens,
             cached_tokens=state.cached_tokens,
             completion_tokens=state.completion_tokens,
-            finish_reason=state.finish_reason,
+            # the bill knows no "tool_calls": the model stopped by itself
+            finish_reason="stop" if state.finish_reason == "tool_calls" else state.finish_reason,
             ttft_ms=None
             if state.first_token_at is None
             else (state.first_token_at - t0 + admitted_lag) * 1000,
@@ -255,6 +256,7 @@ class Worker:
             completion_tokens=state.completion_tokens,
             finish_reason=state.finish_reason,
             error=state.error,
+            finish_reasons=[state.finish_reasons[i] for i in sorted(state.finish_reasons)],
         )
         with contextlib.suppress(Exception):
             await nc.publish(reply, p.encode(finished))
@@ -275,12 +277,18 @@ class Worker:
                 completion_tokens=progress.completion_tokens,
                 prompt_tokens=progress.prompt_tokens,
                 cached_tokens=progress.cached_tokens,
+                index=progress.index,
+                logprobs=progress.logprobs,
+                tool_calls=progress.tool_calls,
+                finish_reason=progress.finish_reason,
             )
             state.seq += 1
             await nc.publish(reply, p.encode(chunk))
-            if progress.finish_reason is not None:
-                state.finish_reason = progress.finish_reason
-                return
+            if progress.finish_reason is not None:  # one choice done; the request when all are
+                state.finish_reasons[progress.index] = progress.finish_reason
+                if len(state.finish_reasons) >= request.n:
+                    state.finish_reason = state.finish_reasons.get(0, progress.finish_reason)
+                    return
 
     async def _publish_usage(self, event: RequestFinished) -> None:
         """Until JetStream acks it: the event is the bill. A duplicate ack means the gateway
@@ -311,6 +319,7 @@ class _Generation:
     first_token_at: float | None = None
     finish_reason: p.FinishReason | None = None
     error: str | None = None
+    finish_reasons: dict[int, p.FinishReason] = field(default_factory=dict)  # by choice
 
 
 def _parse_args(argv: list[str] | None) -> WorkerSettings:

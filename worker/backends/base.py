@@ -12,24 +12,29 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from worker.protocol import GenerateRequest
+from worker.protocol import GenerateRequest, TokenLogprob, ToolCallDelta
 
 
 @dataclass(slots=True)
 class Progress:
-    text: str  # new text since the previous Progress (may be "")
-    completion_tokens: int  # generated so far
+    text: str  # new content since the previous Progress of this choice (may be "")
+    completion_tokens: int  # generated so far, all choices together
     prompt_tokens: int
     cached_tokens: int = 0
-    # Set on the last one only.
-    finish_reason: Literal["stop", "length"] | None = None
+    # Set on the last one of each choice: with n > 1 the request ends once every choice has.
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    index: int = 0  # the choice (request.n > 1)
+    logprobs: list[TokenLogprob] | None = None  # per token, when the request asked for them
+    tool_calls: list[ToolCallDelta] | None = None  # parsed out of the text (request.tools)
 
 
 @dataclass(slots=True)
 class Load:
-    running: int = 0
-    waiting: int = 0
-    kv_pressure: float = 0.0
+    """What the worker heartbeats and the gateway routes by (docs/dataplane.md, Routing)."""
+
+    running: int = 0  # sequences being generated
+    waiting: int = 0  # accepted, not yet scheduled (the queue)
+    kv_pressure: float = 0.0  # 0..1: share of the KV blocks in use
 
 
 class InvalidRequest(Exception):

@@ -1,13 +1,15 @@
 """Our runtime: a model loaded by `worker.loading` (GGUF or a Hugging Face checkpoint) served by
 the engine (`worker.engine`: scheduler, paged KV cache, continuous batching) on its own thread.
 
-The tokenizer renders chats with the model's own template and counts prompt tokens; the
-engine applies stop strings, sampling and max_tokens, and aborts a request whose iterator is
-left (a client that hung up)."""
+The tokenizer renders chats (tools included) with the model's own template and counts prompt
+tokens; the engine applies stop strings, sampling, grammars (response_format, forced tool calls)
+and max_tokens, and aborts a request whose iterator is left (a client that hung up). Tool calls
+are parsed out of each choice's text here; n > 1 runs n sequences of the prompt."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,7 +17,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.backends.base import InvalidRequest, Load, Progress
-from worker.protocol import GenerateRequest
+from worker.protocol import (
+    ChatMessage,
+    GenerateRequest,
+    TokenLogprob,
+    Tool,
+    ToolCallDelta,
+    ToolChoiceFunction,
+    TopLogprob,
+)
 
 log = logging.getLogger("tokenmill.worker.torch")
 
@@ -154,14 +164,46 @@ class TorchRuntimeBackend:
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         if request.messages is not None:
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            messages = [_message(m) for m in request.messages]
+            if request.tools and request.tool_choice != "none":
+                tools = [_tool(t) for t in request.tools]
+                return list(self.tokenizer.encode_chat(messages, tools=tools))
             return list(self.tokenizer.encode_chat(messages))
         return list(self.tokenizer.encode(request.prompt or ""))
 
+    def grammar(self, request: GenerateRequest) -> Any:
+        """The GrammarSpec the request's reply must follow (None: free text): tool calls when
+        tool_choice forces them, else the response_format."""
+        from worker.structured import GrammarError, response_format_grammar, tool_calls_grammar
+
+        choice = request.tool_choice
+        forced = choice == "required" or isinstance(choice, ToolChoiceFunction)
+        try:
+            if forced:
+                if not request.tools:
+                    raise GrammarError("tool_choice needs tools", "tool_choice")
+                only = choice.name if isinstance(choice, ToolChoiceFunction) else None
+                tools = [(t.name, t.parameters) for t in request.tools]
+                return tool_calls_grammar(tools, only, request.parallel_tool_calls)
+            if request.response_format is not None:
+                f = request.response_format
+                return response_format_grammar(f.type, f.schema, f.strict)
+        except GrammarError as exc:
+            raise InvalidRequest(exc.message, param=exc.param) from None
+        return None
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Progress]:
-        from worker.engine.sequence import SamplingParams
+        from worker.engine.sequence import MAX_TOP_LOGPROBS, SamplingParams
+        from worker.structured import GrammarError
+        from worker.tokenizer.tool_calls import ToolCallParser
 
         assert self.engine is not None, "the backend is not started"
+        if request.n < 1:
+            raise InvalidRequest("n must be at least 1.", param="n")
+        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(
+                f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}.", param="top_logprobs"
+            )
         ids = self.prompt_ids(request)
         param = "messages" if request.chat else "prompt"
         if not ids:
@@ -174,27 +216,146 @@ class TorchRuntimeBackend:
                 f"{len(ids)} tokens and asks for {s.max_tokens or 'at least 1'} more.",
                 param=param,
             )
+        spec = self.grammar(request)
+        if spec is not None:  # compiled off the engine thread; the engine then hits the cache
+            try:
+                await asyncio.to_thread(self.engine.engine.grammars.compile, spec)
+            except GrammarError as exc:
+                raise InvalidRequest(exc.message, param=exc.param) from None
         max_new = s.max_new_tokens(room) or 0
         if max_new == 0:
-            yield Progress("", 0, len(ids), finish_reason="length")
+            for i in range(request.n):
+                yield Progress("", 0, len(ids), finish_reason="length", index=i)
             return
-        params = SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
-            seed=s.seed,
-            max_tokens=max_new,
-            stop=list(s.stop),
-        )
-        async for out in self.engine.generate(ids, params, request.request_id):
+        params = [
+            SamplingParams(
+                temperature=s.temperature,
+                top_p=s.top_p,
+                # choices of a seeded request differ from each other, and repeat as a whole
+                seed=None if s.seed is None else s.seed + i,
+                max_tokens=max_new,
+                stop=list(s.stop),
+                logprobs=request.top_logprobs if request.logprobs else None,
+                grammar=spec,
+            )
+            for i in range(request.n)
+        ]
+        parse_tools = bool(request.chat and request.tools and request.tool_choice != "none")
+        names = [t.name for t in request.tools or []]
+        parsers = [ToolCallParser(names) if parse_tools else None for _ in params]
+        generated = [0] * request.n
+        async for i, out in self._choices(ids, params, request.request_id):
             finish = None
             if out.finished:
                 if out.finish_reason not in ("stop", "length"):
                     raise RuntimeError(out.error or f"generation ended: {out.finish_reason}")
                 finish = str(out.finish_reason)
+            generated[i] = out.usage.completion_tokens
+            text, calls = out.text, None
+            parser = parsers[i]
+            if parser is not None:
+                parsed = parser.feed(text)
+                if out.finished:
+                    rest = parser.finish()
+                    parsed.content += rest.content
+                    parsed.tool_calls += rest.tool_calls
+                    if finish == "stop" and parser.calls:
+                        finish = "tool_calls"
+                text = parsed.content
+                calls = [
+                    ToolCallDelta(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
+                    for d in parsed.tool_calls
+                ] or None
             yield Progress(
-                out.text,
-                out.usage.completion_tokens,
+                text,
+                sum(generated),
                 out.usage.prompt_tokens,
                 out.usage.cached_tokens,
                 finish_reason=finish,  # type: ignore[arg-type]
+                index=i,
+                logprobs=self._logprobs(out.logprobs) if request.logprobs else None,
+                tool_calls=calls,
             )
+
+    async def _choices(
+        self, ids: list[int], params: list[Any], request_id: str
+    ) -> AsyncIterator[tuple[int, Any]]:
+        """Each choice's engine outputs, tagged with its index, as they come. Choices are
+        separate sequences of the same prompt (each prefills it: there is no prefix cache to
+        share it through yet), added to the engine together so they batch."""
+        assert self.engine is not None
+        if len(params) == 1:
+            async for out in self.engine.generate(ids, params[0], request_id):
+                yield 0, out
+            return
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def pump(i: int, p: Any) -> None:
+            try:
+                async for out in self.engine.generate(ids, p, f"{request_id}/{i}"):
+                    await queue.put((i, out))
+            except Exception as exc:  # the request fails as a whole
+                await queue.put((i, exc))
+
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(params)]
+        try:
+            left = len(params)
+            while left:
+                i, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield i, item
+                left -= item.finished
+        finally:  # cancelling a pump leaves its engine stream, which aborts that choice
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _logprobs(self, entries: list[Any]) -> list[TokenLogprob]:
+        eos = self.tokenizer.eos_token_ids
+        out = []
+        for e in entries:
+            if e.token_id in eos:  # the end token is not part of the text
+                continue
+            token = self._token_text(e.token_id)
+            top = [
+                TopLogprob(token=(t := self._token_text(i)), logprob=lp, bytes=list(t.encode()))
+                for i, lp in e.top
+            ]
+            out.append(
+                TokenLogprob(
+                    token=token, logprob=e.logprob, bytes=list(token.encode()), top_logprobs=top
+                )
+            )
+        return out
+
+    def _token_text(self, token_id: int) -> str:
+        cache: dict[int, str] = self.__dict__.setdefault("_token_texts", {})
+        text = cache.get(token_id)
+        if text is None:
+            text = cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+def _message(m: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+def _tool(t: Tool) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": t.name}
+    if t.description is not None:
+        function["description"] = t.description
+    function["parameters"] = (
+        json.loads(t.parameters) if t.parameters else {"type": "object", "properties": {}}
+    )
+    return {"type": "function", "function": function}
