@@ -234,7 +234,8 @@ BILLING_COMMANDS = {
 # The data plane's commands parse their own arguments (control_plane.reconcile, worker.serve).
 DATAPLANE_COMMANDS = {
     "reconcile": "compare the usage ledger with the gateway's deliveries, request by request",
-    "worker": "serve one SKU from a worker backend (torch_runtime, openai_proxy, fixed_rate)",
+    "worker": "serve one SKU from a worker backend (torch_runtime, openai_proxy, fixed_rate); "
+    "--gpu N: on GPU N alone (one worker process per GPU)",
 }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ import signal
 import socket
 import time
 import uuid
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -104,6 +106,12 @@ class Worker:
             cb=self._on_request,
             pending_msgs_limit=1_000_000,
         )
+        # Requests the gateway routed to this worker (by load, by prefix affinity).
+        direct = await self.nc.subscribe(
+            p.direct_work_subject(self.prefix, s.sku_id, s.worker_id),
+            cb=self._on_request,
+            pending_msgs_limit=1_000_000,
+        )
         await self.nc.subscribe(p.cancel_subject(self.prefix, s.sku_id), cb=self._on_cancel)
         await self.nc.subscribe(p.discover_subject(self.prefix), cb=self._on_discover)
         await self._announce()
@@ -114,6 +122,7 @@ class Worker:
         finally:
             # No new work; give in-flight requests their drain time, then cancel (they still meter).
             await work.unsubscribe()
+            await direct.unsubscribe()
             if self._handlers:
                 _, pending = await asyncio.wait(set(self._handlers), timeout=s.drain_s)
                 if pending:
@@ -141,6 +150,7 @@ class Worker:
             backend=self.backend.name,
             capacity=self.backend.capacity,
             max_context=self.backend.max_context,
+            direct=True,
         )
         await self.nc.publish(p.announce_subject(self.prefix), p.encode(msg))
         await self._heartbeat()
@@ -322,7 +332,37 @@ class _Generation:
     finish_reasons: dict[int, p.FinishReason] = field(default_factory=dict)  # by choice
 
 
-def _parse_args(argv: list[str] | None) -> WorkerSettings:
+def use_gpu(
+    settings: WorkerSettings, gpu: int, environ: MutableMapping[str, str]
+) -> WorkerSettings:
+    """Pins this worker process to the `gpu`-th visible GPU: CUDA_VISIBLE_DEVICES names that
+    one GPU alone (an index into an existing CUDA_VISIBLE_DEVICES, else the host's GPU
+    number), so the backend's device is `cuda:0`, and the worker id ends `-gpu{N}`. Run one
+    such process per GPU of a host. Must run before the backend first touches CUDA."""
+    if gpu < 0:
+        raise SystemExit(f"--gpu {gpu}: a GPU number is 0 or more")
+    visible = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if visible:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if gpu >= len(ids):
+            raise SystemExit(f"--gpu {gpu}: CUDA_VISIBLE_DEVICES={visible} shows {len(ids)}")
+        environ["CUDA_VISIBLE_DEVICES"] = ids[gpu]
+    else:
+        environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    config = dict(settings.backend_config)
+    if settings.backend == "torch_runtime":
+        device = str(config.get("device", "cuda"))
+        if not device.startswith("cuda"):
+            raise SystemExit(f"--gpu {gpu} with device {device!r}: drop one of them")
+        config["device"] = "cuda:0"  # the only GPU the process sees
+    return dataclasses.replace(
+        settings, backend_config=config, worker_id=f"{settings.worker_id}-gpu{gpu}"
+    )
+
+
+def _parse_args(
+    argv: list[str] | None, environ: MutableMapping[str, str] = os.environ
+) -> WorkerSettings:
     base = WorkerSettings()
     ap = argparse.ArgumentParser(
         prog="tokenmill worker", description="Serve one SKU from one backend over NATS."
@@ -338,8 +378,14 @@ def _parse_args(argv: list[str] | None) -> WorkerSettings:
     ap.add_argument("--worker-id", default=base.worker_id)
     ap.add_argument("--heartbeat-s", type=float, default=base.heartbeat_s)
     ap.add_argument("--drain-s", type=float, default=base.drain_s)
+    ap.add_argument(
+        "--gpu",
+        type=int,
+        default=None,
+        help="serve on this visible GPU alone (one worker process per GPU)",
+    )
     a = ap.parse_args(argv)
-    return WorkerSettings(
+    settings = WorkerSettings(
         nats_url=a.nats_url,
         stream_prefix=a.prefix,
         sku_id=a.sku_id,
@@ -350,6 +396,7 @@ def _parse_args(argv: list[str] | None) -> WorkerSettings:
         heartbeat_s=a.heartbeat_s,
         drain_s=a.drain_s,
     )
+    return settings if a.gpu is None else use_gpu(settings, a.gpu, environ)
 
 
 async def serve(settings: WorkerSettings) -> None:

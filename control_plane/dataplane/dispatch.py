@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import re
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, cast
@@ -23,6 +24,7 @@ from nats.protocol.parser import AWAITING_CONTROL_LINE as _AWAITING_CONTROL_LINE
 from nats.protocol.parser import MAX_CONTROL_LINE_SIZE as _MAX_CONTROL_LINE_SIZE
 from nats.protocol.parser import Parser
 
+from control_plane.settings import env, env_float
 from worker import protocol as p
 
 log = logging.getLogger("tokenmill.dispatch")
@@ -62,6 +64,17 @@ class WorkerInfo:
     running: int = 0
     waiting: int = 0
     kv_pressure: float = 0.0
+    direct: bool = False  # it listens on its own subject (so it can be routed to)
+    # This gateway's requests in flight on it, now and when its last heartbeat came: the
+    # difference is what the heartbeat cannot show yet (see `WorkerRegistry.score`).
+    local: int = 0
+    local_at_beat: int = 0
+    # NATS found no subscriber on its own subject (it died or is draining): not routed to
+    # before this (monotonic).
+    unreachable_until: float = 0.0
+
+
+Score = tuple[int, float]  # (queue depth, KV pressure): lower is less loaded
 
 
 class WorkerRegistry:
@@ -103,8 +116,10 @@ class WorkerRegistry:
                 m.capacity,
                 m.max_context,
             )
+            info.direct, info.unreachable_until = m.direct, 0.0
         else:
             info.running, info.waiting, info.kv_pressure = m.running, m.waiting, m.kv_pressure
+            info.local_at_beat = info.local
 
     def alive(self, worker_id: str) -> bool:
         info = self.workers.get(worker_id)
@@ -125,6 +140,129 @@ class WorkerRegistry:
             for w in self.workers.values()
             if w.sku_id == sku_id and now - w.last_seen < self.dead_after_s
         ]
+
+    def routable(self, sku_id: str) -> list[WorkerInfo]:
+        """The live workers of `sku_id` a request can be sent to by id."""
+        now = time.monotonic()
+        return [
+            w
+            for w in self.workers.values()
+            if w.sku_id == sku_id
+            and w.direct
+            and now - w.last_seen < self.dead_after_s
+            and now >= w.unreachable_until
+        ]
+
+    @staticmethod
+    def score(w: WorkerInfo) -> Score:
+        """(queue depth, KV pressure), compared in that order: a queued request waits for a
+        whole sequence to end, while KV pressure only predicts that. The last heartbeat's
+        figures, corrected by this gateway's requests sent to or finished on the worker since
+        (so a burst between two heartbeats does not all land on one worker): past `capacity`
+        in flight, the surplus queues; each request is taken to hold the KV share that the
+        running ones hold on average (1 / capacity when none runs)."""
+        delta = w.local - w.local_at_beat
+        queue = max(0, w.waiting + min(delta, 0))
+        if w.capacity > 0:
+            queue = max(queue, w.running + w.waiting + delta - w.capacity)
+        per_request = w.kv_pressure / w.running if w.running else 1 / max(w.capacity, 1)
+        return queue, max(0.0, w.kv_pressure + delta * per_request)
+
+
+def _env_flag(name: str) -> bool:
+    return (env(name, "") or "").lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class RoutingSettings:
+    # TOKENMILL_GATEWAY_AFFINITY_ENTRIES: prefix hashes remembered (LRU), each with the worker
+    # that last served it; ~100 bytes each.
+    affinity_entries: int = field(
+        default_factory=lambda: int(env_float("TOKENMILL_GATEWAY_AFFINITY_ENTRIES", 100_000))
+    )
+    # TOKENMILL_GATEWAY_AFFINITY_PREFIX_CHARS: characters of the prompt's prefix hashed (the
+    # gateway has no tokenizer): ~512 tokens, a few KV blocks' worth.
+    affinity_prefix_chars: int = field(
+        default_factory=lambda: int(env_float("TOKENMILL_GATEWAY_AFFINITY_PREFIX_CHARS", 2048))
+    )
+    # TOKENMILL_GATEWAY_AFFINITY_QUEUE_MARGIN / _KV_MARGIN: how much more loaded than the least
+    # loaded worker the prefix's worker may be and still get the request.
+    affinity_queue_margin: int = field(
+        default_factory=lambda: int(env_float("TOKENMILL_GATEWAY_AFFINITY_QUEUE_MARGIN", 1))
+    )
+    affinity_kv_margin: float = field(
+        default_factory=lambda: env_float("TOKENMILL_GATEWAY_AFFINITY_KV_MARGIN", 0.2)
+    )
+    # TOKENMILL_GATEWAY_AFFINITY_CROSS_TENANT: one tenant's prefix hash matches another's. Off:
+    # a tenant that could steer its requests onto the worker holding another tenant's prompt
+    # could tell from the first-token time whether that prompt is cached (a timing side
+    # channel on other tenants' prompts).
+    affinity_cross_tenant: bool = field(
+        default_factory=lambda: _env_flag("TOKENMILL_GATEWAY_AFFINITY_CROSS_TENANT")
+    )
+
+
+class Router:
+    """Picks the worker of a request among the live workers of its SKU: the one that last
+    served the request's prompt prefix (its KV cache may hold it) unless it is overloaded,
+    else the least loaded by `WorkerRegistry.score`, equals taken in turn."""
+
+    def __init__(self, registry: WorkerRegistry, settings: RoutingSettings | None = None) -> None:
+        self.registry = registry
+        self.settings = settings or RoutingSettings()
+        self._affinity: OrderedDict[bytes, str] = OrderedDict()
+        self._turn = 0
+
+    def prefix_key(self, request: p.GenerateRequest) -> bytes | None:
+        """A hash of the prompt's stable prefix, salted with the tenant: for a chat, the
+        leading system messages and the first user message (what every later turn of the
+        conversation starts with); for a completion, the prompt. Text, not tokens: the same text
+        renders to the same tokens on every worker of a SKU. None: no prompt."""
+        if request.messages is not None:
+            parts = []
+            for m in request.messages:
+                if m.role not in ("system", "user"):
+                    break
+                parts.append(f"\x1e{m.role}\x1f{m.content}")
+                if m.role == "user":
+                    break
+            text = "".join(parts)
+        else:
+            text = request.prompt or ""
+        if not text:
+            return None
+        salt = "" if self.settings.affinity_cross_tenant else request.tenant_id
+        data = f"{salt}\x00{text[: self.settings.affinity_prefix_chars]}".encode()
+        return hashlib.blake2b(data, digest_size=16).digest()
+
+    def pick(self, sku_id: str, key: bytes | None) -> WorkerInfo | None:
+        """None: no worker to route to by id (send to the SKU's queue group)."""
+        candidates = self.registry.routable(sku_id)
+        if not candidates:
+            return None
+        scored = [(self.registry.score(w), w) for w in candidates]
+        best = min(sc for sc, _ in scored)
+        held = None if key is None else self._affinity.get(key)
+        if held is not None:
+            s = self.settings
+            for (queue, kv), w in scored:
+                if w.worker_id == held:
+                    if (
+                        queue <= best[0] + s.affinity_queue_margin
+                        and kv <= best[1] + s.affinity_kv_margin
+                    ):
+                        return w
+                    break
+        ties = [w for sc, w in scored if sc == best]
+        self._turn += 1
+        return ties[self._turn % len(ties)]
+
+    def served(self, key: bytes, worker_id: str) -> None:
+        """`worker_id` took a request with this prefix: the next one goes there too."""
+        self._affinity[key] = worker_id
+        self._affinity.move_to_end(key)
+        while len(self._affinity) > self.settings.affinity_entries:
+            self._affinity.popitem(last=False)
 
 
 class _NoResponders:
@@ -158,6 +296,9 @@ class Dispatch:
     sent_at: float = field(default_factory=time.monotonic)
     heard_at: float = field(default_factory=time.monotonic)  # the worker's last reply
     worker_id: str | None = None
+    routed_to: str | None = None  # the worker it was sent to by id (None: the queue group)
+    affinity_key: bytes | None = None  # its prompt prefix's hash (`Router.prefix_key`)
+    counted_on: str | None = None  # the worker whose `local` count holds it
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -441,8 +582,10 @@ class WorkerClient:
         registry: WorkerRegistry,
         accept_timeout_s: float = 5.0,
         silence_timeout_s: float = 300.0,
+        router: Router | None = None,
     ) -> None:
         self.nc, self.prefix, self.registry = nc, prefix, registry
+        self.router = router or Router(registry)
         self.accept_timeout_s = accept_timeout_s
         # A live worker silent this long on one request lost its replies (say, our NATS
         # connection dropped and came back): fail it rather than wait forever.
@@ -471,7 +614,15 @@ class WorkerClient:
         request = msgspec.structs.replace(request, reply_to=f"{self._inbox}.{request.request_id}")
         d = Dispatch(request, self)
         self._in_flight[request.request_id] = d
-        subject, data = p.work_subject(self.prefix, request.sku_id), p.encode(request)
+        d.affinity_key = self.router.prefix_key(request)
+        target = self.router.pick(request.sku_id, d.affinity_key)
+        if target is None:
+            subject = p.work_subject(self.prefix, request.sku_id)
+        else:
+            subject = p.direct_work_subject(self.prefix, request.sku_id, target.worker_id)
+            d.routed_to = d.counted_on = target.worker_id
+            target.local += 1
+        data = p.encode(request)
         if not publish_now(self.nc, subject, data, request.reply_to):
             await self.nc.publish(subject, data, reply=request.reply_to)
             write_pending_now(self.nc)
@@ -480,13 +631,39 @@ class WorkerClient:
     def _forget(self, d: Dispatch) -> None:
         if self._in_flight.get(d.request_id) is d:
             del self._in_flight[d.request_id]
+            self._uncount(d)
+
+    def _uncount(self, d: Dispatch) -> None:
+        info = None if d.counted_on is None else self.registry.workers.get(d.counted_on)
+        if info is not None and info.local > 0:
+            info.local -= 1
+        d.counted_on = None
+
+    def _reroute(self, d: Dispatch) -> None:
+        """Nobody listens on the subject of the worker it was routed to (killed, or draining,
+        before its heartbeat stops): off to the SKU's queue group instead, where NATS picks a
+        worker that is there (or answers 503 when none is: NoWorker)."""
+        assert d.routed_to is not None
+        info = self.registry.workers.get(d.routed_to)
+        if info is not None:
+            info.unreachable_until = time.monotonic() + self.registry.dead_after_s
+        self._uncount(d)
+        d.routed_to = None
+        req = d.request
+        subject, data = p.work_subject(self.prefix, req.sku_id), p.encode(req)
+        if not publish_now(self.nc, subject, data, req.reply_to):
+            task = asyncio.ensure_future(self.nc.publish(subject, data, reply=req.reply_to))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     def _on_reply(self, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
         d = self._in_flight.get(subject[len(self._inbox) + 1 :])
         if d is None:
             return
         if not data and headers and headers.get("Status") == "503":
-            d._put(_NoResponders())
+            if d.routed_to is not None and d.worker_id is None:
+                self._reroute(d)
+            else:
+                d._put(_NoResponders())
             return
         try:
             reply = p.decode_reply(data)
@@ -497,6 +674,11 @@ class WorkerClient:
             # The reaper watches this worker from now on; nothing for the consumer to do, so
             # it is not woken (the first token follows at once on a quick worker).
             d.worker_id = reply.worker_id
+            if d.counted_on is None and (info := self.registry.workers.get(d.worker_id)):
+                info.local += 1
+                d.counted_on = d.worker_id
+            if d.affinity_key is not None:
+                self.router.served(d.affinity_key, d.worker_id)
             return
         d._put(reply)
 

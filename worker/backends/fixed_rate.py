@@ -35,8 +35,12 @@ class FixedRateBackend:
         return None
 
     def load(self) -> Load:
+        # No KV cache: a request in flight holds one of `capacity` slots, which stands in for
+        # its share of the KV blocks (so routing sees the same signal as from the engine).
         return Load(
-            running=min(self._running, self.capacity), waiting=max(0, self._running - self.capacity)
+            running=min(self._running, self.capacity),
+            waiting=max(0, self._running - self.capacity),
+            kv_pressure=min(1.0, self._running / self.capacity) if self.capacity else 0.0,
         )
 
     @staticmethod
