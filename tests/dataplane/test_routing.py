@@ -367,3 +367,84 @@ async def test_tokenmill_worker_gpu_announces_its_suffixed_id(
     finally:
         stop_process(proc)
         await registry.close()
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+async def test_two_gpu_workers_of_one_host_share_a_skus_load(stack: Stack, tmp_path: Any) -> None:
+    """The 2-GPU benchmark: `tokenmill worker --gpu 0` and `--gpu 1` with our runtime, one SKU,
+    concurrent chats through the gateway. Needs two CUDA GPUs; the model is
+    TOKENMILL_ROUTING_BENCH_MODEL (default: random weights at the 27B's shape)."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    model = os.environ.get("TOKENMILL_ROUTING_BENCH_MODEL", "random:qwen3.6-27b")
+    sku = await stack.publish_sku("gpus-" + uuid.uuid4().hex[:6])
+    config = f'{{"model_path": "{model}", "dtype": "bfloat16", "max_num_seqs": 16}}'
+    env = {
+        **os.environ,
+        "TOKENMILL_NATS_URL": stack.nats_url,
+        "TOKENMILL_STREAM_PREFIX": stack.prefix,
+        "TOKENMILL_LOG_LEVEL": "WARNING",
+    }
+    procs = [
+        await asyncio.to_thread(
+            subprocess.Popen,
+            [
+                sys.executable,
+                "-m",
+                "control_plane.cli",
+                "--data-dir",
+                str(tmp_path),
+                "worker",
+                "--sku-id",
+                sku["sku_id"],
+                "--model",
+                model,
+                "--backend",
+                "torch_runtime",
+                "--config",
+                config,
+                "--worker-id",
+                "bench",
+                "--gpu",
+                str(gpu),
+                "--heartbeat-s",
+                "0.1",
+            ],
+            cwd=ROOT,
+            env=env,
+        )  # fmt: skip
+        for gpu in (0, 1)
+    ]
+    try:
+        await stack.wait_served(sku["sku_id"], count=2, within=600)
+        _, key = await stack.tenant_with_key()
+        client = async_client(stack, key["key"])
+        ids: list[str] = []
+        tokens = 0
+
+        async def user(n: int) -> None:
+            nonlocal tokens
+            for turn in range(4):
+                messages = [{"role": "user", "content": f"Tell story {n}.{turn} {uuid.uuid4()}"}]
+                r = await client.chat.completions.create(
+                    model=sku["name"],
+                    messages=messages,  # type: ignore[arg-type]
+                    max_tokens=128,
+                    temperature=0,
+                )
+                ids.append(r.id)
+                tokens += r.usage.completion_tokens if r.usage else 0
+
+        began = time.monotonic()
+        await asyncio.gather(*(user(n) for n in range(32)))
+        elapsed = time.monotonic() - began
+        counts = Counter(await served_by(stack, ids))
+        print(f"2 GPUs: {tokens / elapsed:.0f} output tokens/s over {elapsed:.1f} s; {counts}")
+        assert set(counts) == {"bench-gpu0", "bench-gpu1"}
+        assert min(counts.values()) >= 0.3 * len(ids), counts
+    finally:
+        for proc in procs:
+            stop_process(proc)
