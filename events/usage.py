@@ -1,5 +1,6 @@
-"""Usage events: one per finished request from the worker that served it, and one from the
-gateway recording what it delivered to the client. Reconciliation compares the two.
+"""Usage events, three independent records per dispatched request: what the worker generated
+(WorkerGenerated), what the gateway wrote to the client (GatewayDelivered), and the bill
+(RequestFinished, from the gateway: what was delivered). Reconciliation compares them.
 
 Evolve only by adding fields with defaults (msgspec decodes old messages unchanged)."""
 
@@ -14,7 +15,8 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
 class RequestFinished(msgspec.Struct, tag="request.finished", kw_only=True, frozen=True):
-    """Published by the worker; the billing source of truth. Dedupe id: `req:<request_id>`."""
+    """The bill: the tokens delivered to the client. Published by the gateway that answered
+    the request (older workers published it themselves). Dedupe id: `req:<request_id>`."""
 
     schema_version: int = 1
     request_id: str
@@ -27,6 +29,32 @@ class RequestFinished(msgspec.Struct, tag="request.finished", kw_only=True, froz
     cached_tokens: int = 0
     completion_tokens: int
     finish_reason: FinishReason
+    ttft_ms: float | None = None
+    e2e_ms: float
+    started_at: datetime
+    finished_at: datetime
+    # Completion tokens the worker generated that never reached the client (it hung up, the
+    # stream failed): not billed, counted here and in tokenmill_unbilled_waste_tokens_total.
+    unbilled_waste_tokens: int = 0
+
+
+class WorkerGenerated(msgspec.Struct, tag="worker.generated", kw_only=True, frozen=True):
+    """Published by the worker: the tokens it generated for a request, whoever received them.
+    Not a bill. Dedupe id: `wk:<request_id>`."""
+
+    schema_version: int = 1
+    request_id: str
+    tenant_id: str
+    key_id: str
+    sku_id: str
+    model: str
+    worker_id: str
+    prompt_tokens: int
+    cached_tokens: int = 0
+    completion_tokens: int
+    finish_reason: FinishReason
+    # The worker stopped because the request's gateway went silent (see worker.serve).
+    gateway_lost: bool = False
     ttft_ms: float | None = None
     e2e_ms: float
     started_at: datetime
@@ -47,9 +75,12 @@ class GatewayDelivered(msgspec.Struct, tag="gateway.delivered", kw_only=True, fr
     finish_reason: FinishReason
     client_disconnected: bool = False
     finished_at: datetime
+    # The worker stopped answering (the gateway billed what it had delivered, and has no
+    # worker count to compare with).
+    worker_lost: bool = False
 
 
-UsageEvent = RequestFinished | GatewayDelivered
+UsageEvent = RequestFinished | GatewayDelivered | WorkerGenerated
 
 
 def usage_subject(prefix: str, kind: Literal["worker", "gateway"], sku_id: str) -> str:
@@ -61,7 +92,11 @@ def usage_stream_name(prefix: str) -> str:
 
 
 def dedupe_id(event: UsageEvent) -> str:
-    return ("req:" if isinstance(event, RequestFinished) else "gw:") + event.request_id
+    if isinstance(event, RequestFinished):
+        return "req:" + event.request_id
+    if isinstance(event, WorkerGenerated):
+        return "wk:" + event.request_id
+    return "gw:" + event.request_id
 
 
 _encoder = msgspec.json.Encoder()

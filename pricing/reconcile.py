@@ -1,8 +1,9 @@
 """Reconciliation: does what was billed equal what was served, and do invoices still rebuild?
 
 Three checks:
-1. metering: the ledger (what workers billed) against the gateway's deliveries, request by
-   request: `control_plane.reconcile` (also `tokenmill reconcile`); this report embeds it.
+1. metering: what workers generated, what the gateway delivered and what the ledger billed,
+   request by request (billed = delivered, generated = delivered + unbilled waste):
+   `control_plane.reconcile` (also `tokenmill reconcile`); this report embeds it.
 2. billing: every ledger row up to the latest invoice cut appears on exactly one invoice
    (billed tokens per tenant = ledger tokens per tenant, priced rows only).
 3. rebuild: each finalized invoice, recomputed from the ledger and price history as of its
@@ -129,6 +130,8 @@ class ReconciliationReport:
                 "match_percent": f"{m.match_rate * 100:.2f}",
                 "billed_completion_tokens": m.billed_completion_tokens,
                 "delivered_completion_tokens": m.delivered_completion_tokens,
+                "generated_completion_tokens": m.generated_completion_tokens,
+                "unbilled_waste_tokens": m.unbilled_waste_tokens,
                 "mismatches": [x.__dict__ for x in m.mismatches[:50]],
             },
             "billing": [

@@ -4,9 +4,10 @@
 
 It announces itself, heartbeats its load, takes requests from the SKU's queue group and serves
 them concurrently, streaming chunks to each request's inbox; a Cancel (the client hung up)
-stops generation. Every request it accepted ends with exactly one usage event (RequestFinished)
-on JetStream, with the dedupe id `req:<request_id>`, retried until acked; only then does it send
-Finished, so a request the client saw finish is always metered.
+stops generation. Every request it accepted ends with exactly one usage event (WorkerGenerated:
+what it generated) on JetStream, dedupe id `wk:<request_id>`, retried until acked. It sends
+Finished first: the bill is the gateway's (what it delivered), so a stream's end need not wait
+on JetStream, and this record is the one reconciliation compares the bill with.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from nats.aio.msg import Msg
 
 from control_plane.nats_cluster import nats_servers
 from control_plane.settings import env, env_float
-from events.usage import RequestFinished, dedupe_id, encode_usage, usage_subject
+from events.usage import WorkerGenerated, dedupe_id, encode_usage, usage_subject
 from worker import protocol as p
 from worker.backends import Backend, InvalidRequest, make_backend
 
@@ -238,7 +239,7 @@ class Worker:
             state.finish_reason, state.error = "error", "the backend ended without a finish reason"
 
         e2e = time.monotonic() - t0 + admitted_lag
-        event = RequestFinished(
+        event = WorkerGenerated(
             request_id=rid,
             tenant_id=request.tenant_id,
             key_id=request.key_id,
@@ -257,7 +258,8 @@ class Worker:
             started_at=started_at,
             finished_at=datetime.now(UTC),
         )
-        await self._publish_usage(event)
+        # In flight while Finished goes out; awaited below, so a drain still waits for the ack.
+        usage = asyncio.create_task(self._publish_usage(event))
         finished = p.Finished(
             request_id=rid,
             seq=state.seq,
@@ -270,6 +272,7 @@ class Worker:
         )
         with contextlib.suppress(Exception):
             await nc.publish(reply, p.encode(finished))
+        await usage
 
     async def _generate(self, request: p.GenerateRequest, state: _Generation) -> None:
         assert self.nc is not None
@@ -300,19 +303,14 @@ class Worker:
                     state.finish_reason = state.finish_reasons.get(0, progress.finish_reason)
                     return
 
-    async def _publish_usage(self, event: RequestFinished) -> None:
-        """Until JetStream acks it: the event is the bill. A duplicate ack means the gateway
-        already metered this request on our behalf (it thought we were dead)."""
+    async def _publish_usage(self, event: WorkerGenerated) -> None:
+        """Until JetStream acks it (a duplicate ack: an earlier try of ours was stored)."""
         subject = usage_subject(self.prefix, "worker", event.sku_id)
         data, headers = encode_usage(event), {"Nats-Msg-Id": dedupe_id(event)}
         delay = 0.05
         while True:
             try:
-                ack = await self._js.publish(subject, data, headers=headers, timeout=5)
-                if ack.duplicate:
-                    log.warning(
-                        "usage of %s was already recorded (gateway metered it)", event.request_id
-                    )
+                await self._js.publish(subject, data, headers=headers, timeout=5)
                 return
             except Exception as exc:  # no stream yet, NATS reconnecting, timeout: keep trying
                 log.warning("usage of %s not acked (%s); retrying", event.request_id, exc)

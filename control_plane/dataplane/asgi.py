@@ -53,6 +53,7 @@ class Completion:
         self.relay, self.writer, self.model, self.stream = relay, writer, model, stream
         self.headers = [(k.encode(), v.encode()) for k, v in headers.items()]
         self.headers.append((b"x-request-id", relay.dispatch.request_id.encode()))
+        self.out: ResponseOut | None = None
 
 
 # Parses the body of an authorized caller's request and dispatches it under the given request
@@ -135,6 +136,8 @@ async def serve_completion(
         if watcher is not None:
             watcher.cancel()
         if completion is not None:
+            if completion.out is not None:  # what reached the client is what is billed
+                completion.relay.delivered_completion_tokens = completion.out.delivered_tokens
             completion.relay.release()
 
 
@@ -215,7 +218,9 @@ async def _whole(c: Completion, send: Send, receive: Receive) -> None:
         "status": 200,
         "headers": [*JSON_HEADERS, *c.headers],
     }
-    await ResponseOut(send, receive, start).write(content, more_body=False)
+    c.out = ResponseOut(send, receive, start)
+    await c.out.write(content, more_body=False, tokens=fin.completion_tokens)
+    c.relay.answered = not c.out.client_gone
 
 
 async def _stream(c: Completion, scope: Scope, send: Send, receive: Receive) -> None:
@@ -225,7 +230,7 @@ async def _stream(c: Completion, scope: Scope, send: Send, receive: Receive) -> 
         "status": 200,
         "headers": [*SSE_HEADERS, *c.headers],
     }
-    out = ResponseOut(send, receive, start, direct=bool(scope.get(DIRECT_WRITES)))
+    out = c.out = ResponseOut(send, receive, start, direct=bool(scope.get(DIRECT_WRITES)))
 
     # Nothing is sent before the first chunk: a worker's refusal, or no worker at all, still
     # gets its own status instead of an error inside a 200 stream. Chunks are written from the
@@ -237,22 +242,24 @@ async def _stream(c: Completion, scope: Scope, send: Send, receive: Receive) -> 
 
     def write(chunk: TokenChunk) -> None:
         if not out.started:
-            out.write_now(w.delta(chunk.text) if chunk.text else b"")
+            out.write_now(w.delta(chunk.text) if chunk.text else b"", chunk.completion_tokens)
         elif chunk.text:
-            out.write_soon(w.delta(chunk.text))
+            out.write_soon(w.delta(chunk.text), chunk.completion_tokens)
 
     relay.relay_chunks_with(write, ready)
     body = b""
+    tokens: int | None = None
     try:
         while True:
             chunks = await relay.batch()
             # Every chunk that is in goes out in one write (several arrive together when the
             # event loop was busy or the connection was backed up).
             body = b"".join([w.delta(chunk.text) for chunk in chunks if chunk.text])
+            tokens = chunks[-1].completion_tokens if chunks else None
             if relay.finished is not None:
                 break
             if body or not out.started:
-                await out.write(body)
+                await out.write(body, tokens=tokens)
     except (NoWorker, RequestRejected, WorkerLost, ChunkLost) as exc:
         relay.relay_chunks_with(None)  # nothing more from the read loop before the error
         err = relay_error(exc, c.model)
@@ -271,4 +278,6 @@ async def _stream(c: Completion, scope: Scope, send: Send, receive: Receive) -> 
         if w.include_usage:
             body += w.usage(usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens))
         body += DONE
-    await out.write(body, more_body=False)
+        tokens = fin.completion_tokens
+    await out.write(body, more_body=False, tokens=tokens)
+    relay.answered = fin.finish_reason != "error" and not out.client_gone

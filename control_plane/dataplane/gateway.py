@@ -1,29 +1,29 @@
-"""The gateway's side of a request: dispatch to a worker, relay its chunks, and make sure the
-request is metered exactly once whatever happens to the client or the worker.
+"""The gateway's side of a request: dispatch to a worker, relay its chunks, and bill what
+reached the client, exactly once, whatever happens to the client or the worker.
 
-Exactly-once metering
----------------------
-The bill is the usage stream's `RequestFinished` for the request, dedupe id `req:<request_id>`;
-the projector writes one ledger row per request id (unique), so the ledger is exactly once if
-every dispatched request gets at least one RequestFinished and all of them agree.
+Billing follows delivery
+------------------------
+Each dispatched request leaves three independent records on the usage stream:
 
-- Normal end, or a client that hangs up: the worker publishes RequestFinished (retrying until
-  JetStream acks) and only then sends Finished. After a client disconnect the gateway sends
-  Cancel and keeps draining the worker's chunks until that Finished, so what it records equals
-  what the worker billed, token for token.
-- A worker that dies mid-stream (its heartbeat stops, or no worker accepts the request within
-  `accept_timeout_s`): the gateway publishes RequestFinished on its behalf, finish reason
-  "error", with the tokens it relayed (chunk counts are cumulative, so a lost chunk does not
-  change them) and the same dedupe id, and sends Cancel in case the worker was only slow.
-  Whichever of the two RequestFinished reaches JetStream first is the bill; the other is
-  dropped by the dedupe window (`StreamLayout.usage_dedupe_window_s`, 2 h, far longer than any
-  retry) and, past the window, by the ledger's unique request id. If the worker was alive and
-  its event won, it may bill a few tokens the gateway never relayed (chunks in flight when the
-  gateway gave up); `tokenmill reconcile` reports exactly those requests.
-- Requests refused before dispatch (auth, bad input, no worker, a worker's Rejected) ran
-  nothing and are not metered.
-- Every dispatched request also gets one GatewayDelivered (`gw:<request_id>`): the tokens the
-  gateway received from the worker for it. Reconciliation compares the two streams.
+- `WorkerGenerated` (`wk:<request_id>`, from the worker): the tokens it generated;
+- `GatewayDelivered` (`gw:<request_id>`, from this gateway): the tokens written to the
+  client's connection (a stream's chunks handed to the socket; a whole answer's body; 0 for an
+  error answer), reported in batches (see `_report_ended`);
+- `RequestFinished` (`req:<request_id>`, from this gateway, published at once): the bill, the
+  delivered tokens, with the completion tokens generated but not delivered as
+  `unbilled_waste_tokens`. Prompt tokens are billed when anything was delivered (a token, or a
+  whole answer); a request answered with an error before any token bills nothing.
+
+Only the gateway bills, once per request id: JetStream's dedupe window
+(`StreamLayout.usage_dedupe_window_s`, 2 h) drops retries and the ledger's unique request id
+anything later, so the bill is exactly once in any order of arrival. A client that hangs up
+makes the gateway send Cancel and drain the worker's chunks until its Finished, so the waste is
+exact. A worker that dies mid-stream (its heartbeat stops, or no worker accepts within
+`accept_timeout_s`) is billed for what was delivered and reported `worker_lost`. A gateway that
+dies before billing leaves the request unbilled (nothing shows it reached the client); its
+workers stop generating for it within the gateway lease (see `worker.serve`), and
+`tokenmill reconcile` lists it. Requests refused before dispatch ran nothing and are not
+metered.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from events.usage import (
     GatewayDelivered,
     RequestFinished,
     UsageEvent,
+    WorkerGenerated,
     dedupe_id,
     encode_usage,
     usage_subject,
@@ -111,6 +112,9 @@ class Outcome:
     ttft_s: float | None
     e2e_s: float
     itl_s: list[float]
+    # Delivered to the client (what was billed), and generated but never delivered.
+    delivered_completion_tokens: int = 0
+    unbilled_waste_tokens: int = 0
 
 
 # Called once per dispatched request when it ends (metrics, ...).
@@ -192,33 +196,39 @@ class Gateway:
     def _conclude(
         self,
         relay: Relay,
-        finish_reason: FinishReason,
+        finish_reason: p.FinishReason,
         client_disconnected: bool,
         *,
         worker_lost: bool,
     ) -> None:
         d = relay.dispatch
         now = time.monotonic()
+        reason: FinishReason = "stop" if finish_reason == "tool_calls" else finish_reason
+        # Generated: the worker's final count (its Finished, or the last chunk received from a
+        # worker that was lost); delivered: what reached the client's connection.
+        delivered = min(relay.delivered_completion_tokens, d.completion_tokens)
+        billed_any = delivered > 0 or relay.answered
+        prompt = d.prompt_tokens if billed_any else 0
+        cached = d.cached_tokens if billed_any else 0
+        waste = d.completion_tokens - delivered
         outcome = Outcome(
             request=d.request,
             worker_id=d.worker_id,
             prompt_tokens=d.prompt_tokens,
             cached_tokens=d.cached_tokens,
             completion_tokens=d.completion_tokens,
-            finish_reason=finish_reason,
+            finish_reason=reason,
             client_disconnected=client_disconnected,
             ttft_s=None if relay.first_token_at is None else relay.first_token_at - relay.started,
             e2e_s=now - relay.started,
             itl_s=relay.itl_s,
+            delivered_completion_tokens=delivered,
+            unbilled_waste_tokens=waste,
         )
         finished_at = datetime.now(UTC)
         if relay.reservation is not None:
-            if worker_lost:
-                relay.reservation.abandon()
-            else:
-                relay.reservation.finish(d.prompt_tokens, d.cached_tokens, d.completion_tokens)
-        if worker_lost:
-            self._publish(self._on_behalf_of_worker(outcome, relay.started_at, finished_at))
+            relay.reservation.finish(prompt, cached, delivered)
+        self._publish(self._bill(outcome, prompt, cached, relay.started_at, finished_at))
         self._after(
             outcome,
             GatewayDelivered(
@@ -227,11 +237,12 @@ class Gateway:
                 key_id=d.request.key_id,
                 sku_id=d.request.sku_id,
                 gateway_id=self.gateway_id,
-                prompt_tokens=d.prompt_tokens,
-                completion_tokens=d.completion_tokens,
-                finish_reason=finish_reason,
+                prompt_tokens=prompt,
+                completion_tokens=delivered,
+                finish_reason=reason,
                 client_disconnected=client_disconnected,
                 finished_at=finished_at,
+                worker_lost=worker_lost,
             ),
         )
 
@@ -267,8 +278,8 @@ class Gateway:
                     log.exception("outcome listener failed")
 
     @staticmethod
-    def _on_behalf_of_worker(
-        o: Outcome, started_at: datetime, finished_at: datetime
+    def _bill(
+        o: Outcome, prompt: int, cached: int, started_at: datetime, finished_at: datetime
     ) -> RequestFinished:
         r = o.request
         return RequestFinished(
@@ -278,19 +289,20 @@ class Gateway:
             sku_id=r.sku_id,
             model=r.model,
             worker_id=o.worker_id or "",
-            prompt_tokens=o.prompt_tokens,
-            cached_tokens=o.cached_tokens,
-            completion_tokens=o.completion_tokens,
-            finish_reason="error",
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            completion_tokens=o.delivered_completion_tokens,
+            finish_reason=o.finish_reason,
             ttft_ms=None if o.ttft_s is None else o.ttft_s * 1000,
             e2e_ms=o.e2e_s * 1000,
             started_at=started_at,
             finished_at=finished_at,
+            unbilled_waste_tokens=o.unbilled_waste_tokens,
         )
 
     def _publish(self, event: UsageEvent) -> None:
         kind: Literal["worker", "gateway"] = (
-            "worker" if isinstance(event, RequestFinished) else "gateway"
+            "worker" if isinstance(event, RequestFinished | WorkerGenerated) else "gateway"
         )
         self._spawn(
             self._publish_until_acked(usage_subject(self.prefix, kind, event.sku_id), event)
@@ -332,6 +344,11 @@ class Relay:
         self._last_token_at = 0.0
         self._concluded = False
         self._chunk_lost = False
+        self._worker_lost = False
+        # Set by the HTTP layer: the completion tokens written to the client's connection,
+        # and whether the whole answer (a body, or a stream's end) was.
+        self.delivered_completion_tokens = 0
+        self.answered = False
 
     @property
     def finished(self) -> p.Finished | None:
@@ -351,8 +368,8 @@ class Relay:
                 self.reservation.release()
             raise
         except WorkerLost:
-            self._concluded = True
-            self.gateway._conclude(self, "error", False, worker_lost=True)
+            # Billed at `release`, once the HTTP layer has said what reached the client.
+            self._worker_lost = True
             raise
         if d.gaps:
             self._chunk_lost = True
@@ -389,7 +406,7 @@ class Relay:
 
     def interrupt(self) -> None:
         """The client hung up: whoever waits in `batch()` gets ClientGone."""
-        if not self._concluded:
+        if not self._concluded and not self._worker_lost:
             self.dispatch.interrupt()
 
     def release(self) -> None:
@@ -399,6 +416,9 @@ class Relay:
             return
         self._concluded = True
         d = self.dispatch
+        if self._worker_lost:
+            self.gateway._conclude(self, "error", False, worker_lost=True)
+            return
         if d.finished is not None and not self._chunk_lost:
             self.gateway._conclude(self, d.finished.finish_reason, False, worker_lost=False)
             return

@@ -128,6 +128,10 @@ class ResponseOut:
         # Chunks taken in the read loop (`write_soon`), not yet written.
         self._soon: list[bytes] = []
         self._writing = False  # the HTTP task is inside a write that may wait
+        # The cumulative token count of the last body handed to the connection (what was
+        # delivered: billing follows it), and that of the bodies taken by `write_soon`.
+        self.delivered_tokens = 0
+        self._soon_tokens = 0
         # Looked up once: on Python 3.11 each lookup of the running loop is a getpid() call,
         # which per token was ~8% of the gateway's busy time.
         self._loop = asyncio.get_running_loop()
@@ -136,12 +140,15 @@ class ResponseOut:
     def direct(self) -> bool:
         return self._direct is not None
 
-    async def write(self, body: bytes, more_body: bool = True) -> None:
-        """From the handler's task."""
+    async def write(self, body: bytes, more_body: bool = True, tokens: int | None = None) -> None:
+        """From the handler's task. `tokens`: the cumulative token count once `body` is out
+        (None: no new tokens)."""
         await self._settle()
         if self._soon:
             body = self._take_soon() + body
+            tokens = max(tokens or 0, self._soon_tokens)
         if more_body and self._write_direct(body):
+            self._delivered(tokens)
             return
         message: Message = {"type": "http.response.body", "body": body, "more_body": more_body}
         self._writing = True
@@ -153,6 +160,17 @@ class ResponseOut:
                 await self._start_with(message)
         finally:
             self._writing = False
+        self._delivered(tokens)
+
+    def _delivered(self, tokens: int | None) -> None:
+        # A gone client's connection drops what is written to it: not delivered.
+        c = self._cycle
+        if tokens is not None and not (c is not None and c.disconnected):
+            self.delivered_tokens = max(self.delivered_tokens, tokens)
+
+    @property
+    def client_gone(self) -> bool:
+        return self._cycle is not None and self._cycle.disconnected
 
     def can_write_soon(self) -> bool:
         """Whether `write_soon` may take a body now: the response is written directly, has
@@ -168,7 +186,7 @@ class ResponseOut:
             or c.response_complete
         )
 
-    def write_soon(self, body: bytes) -> None:
+    def write_soon(self, body: bytes, tokens: int = 0) -> None:
         """From the NATS read loop, when `can_write_soon()`: `body` is written on the event
         loop's next turn, with every other response's (so the bodies of one read go out after
         that read's first tokens of new responses, which are written at once), or before the
@@ -176,6 +194,7 @@ class ResponseOut:
         if not self._soon:
             _SOON.add(self, self._loop)
         self._soon.append(body)
+        self._soon_tokens = max(self._soon_tokens, tokens)
 
     def _take_soon(self) -> bytes:
         body = b"".join(self._soon)
@@ -188,6 +207,7 @@ class ResponseOut:
             if self._soon and c is not None and not c.disconnected and not c.response_complete:
                 body = self._take_soon()
                 c.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+                self._delivered(self._soon_tokens)
         except Exception:  # a connection's failure surfaces at its HTTP task's next write
             log.exception("a response's write failed")
         self._soon.clear()
@@ -204,21 +224,24 @@ class ResponseOut:
             or c.transport.get_write_buffer_size() > READ_LOOP_WRITE_LIMIT
         )
 
-    def write_now(self, body: bytes) -> None:
+    def write_now(self, body: bytes, tokens: int = 0) -> None:
         """From the NATS read loop (synchronous), when `can_write_now()`: starts the response
         with `body`. A failure, or a send that had to wait, surfaces at the next `write`."""
         if self._write_direct(body):
+            self._delivered(tokens)
             return
         self.started = True
         coro = self._start_with({"type": "http.response.body", "body": body, "more_body": True})
         try:
             waiting_on = coro.send(None)
         except StopIteration:
+            self._delivered(tokens)
             return
         except BaseException as exc:
             self._failed = exc
             return
         self._unfinished = resume_stepped(coro, waiting_on)
+        self._delivered(tokens)  # it finishes before anything after it is written
 
     def _write_direct(self, body: bytes) -> bool:
         """Writes `body` (not the last) to the transport, with the head if the response has

@@ -1,5 +1,6 @@
-"""The usage ledger: one row per request (from the worker's RequestFinished, the billing
-source of truth) and one per gateway delivery (GatewayDelivered, for reconciliation).
+"""The usage ledger: one row per request (from RequestFinished, the bill: what was delivered),
+one per gateway delivery (GatewayDelivered) and one per worker generation (WorkerGenerated),
+the last two for reconciliation.
 
 Ingest is the hot path of the projections: a batch is COPYed into an unlogged-per-session
 staging table and moved with one INSERT ... ON CONFLICT DO NOTHING, so a request id that
@@ -15,7 +16,13 @@ import msgspec
 
 from events.projections.runner import Entry
 from events.store import StreamLayout
-from events.usage import GatewayDelivered, RequestFinished, UsageEvent, usage_stream_name
+from events.usage import (
+    GatewayDelivered,
+    RequestFinished,
+    UsageEvent,
+    WorkerGenerated,
+    usage_stream_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +42,7 @@ LEDGER_COLUMNS = (
     "started_at",
     "finished_at",
     "stream_seq",
+    "unbilled_waste_tokens",
 )
 DELIVERY_COLUMNS = (
     "request_id",
@@ -46,6 +54,20 @@ DELIVERY_COLUMNS = (
     "completion_tokens",
     "finish_reason",
     "client_disconnected",
+    "finished_at",
+    "stream_seq",
+    "worker_lost",
+)
+GENERATION_COLUMNS = (
+    "request_id",
+    "tenant_id",
+    "sku_id",
+    "worker_id",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "finish_reason",
+    "gateway_lost",
     "finished_at",
     "stream_seq",
 )
@@ -82,6 +104,21 @@ CREATE TABLE IF NOT EXISTS gateway_deliveries (
     finished_at timestamptz NOT NULL,
     stream_seq bigint NOT NULL
 );
+CREATE TABLE IF NOT EXISTS worker_generations (
+    request_id text PRIMARY KEY,
+    tenant_id text NOT NULL,
+    sku_id text NOT NULL,
+    worker_id text NOT NULL,
+    prompt_tokens integer NOT NULL,
+    cached_tokens integer NOT NULL,
+    completion_tokens integer NOT NULL,
+    finish_reason text NOT NULL,
+    gateway_lost boolean NOT NULL,
+    finished_at timestamptz NOT NULL,
+    stream_seq bigint NOT NULL
+);
+ALTER TABLE usage_ledger ADD COLUMN IF NOT EXISTS unbilled_waste_tokens integer NOT NULL DEFAULT 0;
+ALTER TABLE gateway_deliveries ADD COLUMN IF NOT EXISTS worker_lost boolean NOT NULL DEFAULT false;
 """
 
 _decoder = msgspec.json.Decoder(UsageEvent)
@@ -89,7 +126,7 @@ _decoder = msgspec.json.Decoder(UsageEvent)
 
 class UsageLedgerProjection:
     name = "usage_ledger"
-    tables: tuple[str, ...] = ("usage_ledger", "gateway_deliveries")
+    tables: tuple[str, ...] = ("usage_ledger", "gateway_deliveries", "worker_generations")
     ddl = DDL
 
     def stream(self, layout: StreamLayout) -> str:
@@ -98,6 +135,7 @@ class UsageLedgerProjection:
     async def apply(self, conn: asyncpg.Connection, batch: Sequence[Entry]) -> None:
         ledger: list[tuple[object, ...]] = []
         deliveries: list[tuple[object, ...]] = []
+        generations: list[tuple[object, ...]] = []
         decode = _decoder.decode
         for seq, data in batch:
             try:
@@ -123,6 +161,7 @@ class UsageLedgerProjection:
                         e.started_at,
                         e.finished_at,
                         seq,
+                        e.unbilled_waste_tokens,
                     )
                 )
             elif isinstance(e, GatewayDelivered):
@@ -139,12 +178,31 @@ class UsageLedgerProjection:
                         e.client_disconnected,
                         e.finished_at,
                         seq,
+                        e.worker_lost,
+                    )
+                )
+            elif isinstance(e, WorkerGenerated):
+                generations.append(
+                    (
+                        e.request_id,
+                        e.tenant_id,
+                        e.sku_id,
+                        e.worker_id,
+                        e.prompt_tokens,
+                        e.cached_tokens,
+                        e.completion_tokens,
+                        e.finish_reason,
+                        e.gateway_lost,
+                        e.finished_at,
+                        seq,
                     )
                 )
         if ledger:
             await _insert_new(conn, "usage_ledger", LEDGER_COLUMNS, ledger)
         if deliveries:
             await _insert_new(conn, "gateway_deliveries", DELIVERY_COLUMNS, deliveries)
+        if generations:
+            await _insert_new(conn, "worker_generations", GENERATION_COLUMNS, generations)
 
 
 async def _insert_new(

@@ -1,0 +1,160 @@
+"""Billing follows delivery: the bill is what reached the client, the worker's record is what it
+generated, and the difference is recorded as unbilled waste; reconciliation ties the three."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+from typing import Any
+
+import openai
+import pytest
+
+from control_plane.reconcile import reconcile
+from tests.dataplane.harness import Stack
+from tests.dataplane.test_openai_api import MESSAGES, async_client, expected_text
+
+pytestmark = pytest.mark.timeout(90)
+
+
+async def generation_rows(
+    stack: Stack, request_ids: list[str], within: float = 10.0
+) -> dict[str, dict[str, Any]]:
+    deadline = time.monotonic() + within
+    while True:
+        rows = await stack.services.pool.fetch(
+            "SELECT * FROM worker_generations WHERE request_id = ANY($1)", request_ids
+        )
+        if len(rows) == len(set(request_ids)) or time.monotonic() > deadline:
+            return {r["request_id"]: dict(r) for r in rows}
+        await asyncio.sleep(0.05)
+
+
+async def records(stack: Stack, request_id: str) -> tuple[dict[str, Any], ...]:
+    billed = await stack.ledger_row(request_id)
+    delivered = (await stack.delivery_rows([request_id]))[request_id]
+    generated = (await generation_rows(stack, [request_id])).get(request_id)
+    return billed, delivered, generated  # type: ignore[return-value]
+
+
+async def test_a_hang_up_bills_what_was_delivered_and_records_the_rest_as_waste(
+    stack: Stack,
+) -> None:
+    # Fast enough that tokens are generated between the hang-up and the worker's cancel.
+    sku = await stack.publish_sku("fast-" + uuid.uuid4().hex[:6])
+    stack.start_worker(sku["sku_id"], tokens_per_s=2000, output_tokens=5000)
+    await stack.wait_served(sku["sku_id"])
+    _, key = await stack.tenant_with_key()
+    stream = await async_client(stack, key["key"]).chat.completions.create(
+        model=sku["name"], messages=MESSAGES, stream=True
+    )
+    received = 0
+    request_id = ""
+    async for chunk in stream:
+        request_id = chunk.id.removeprefix("chatcmpl-")
+        received += 1
+        if received == 50:
+            # Stop reading for a while: the gateway keeps writing into the socket buffers.
+            await asyncio.sleep(0.3)
+            break
+    await stream.close()
+    billed, delivered, generated = await records(stack, request_id)
+    assert generated is not None and generated["finish_reason"] == "cancelled"
+    assert billed["finish_reason"] == "cancelled" and delivered["client_disconnected"]
+    # What was billed is exactly what the gateway wrote to the client, at least what it read.
+    assert billed["completion_tokens"] == delivered["completion_tokens"] >= received
+    assert billed["prompt_tokens"] == delivered["prompt_tokens"] > 0
+    # The rest of what the worker generated is waste, and it stopped well short of 5000.
+    assert (
+        billed["unbilled_waste_tokens"]
+        == generated["completion_tokens"] - billed["completion_tokens"]
+    )
+    assert billed["completion_tokens"] < generated["completion_tokens"] < 5000
+
+
+async def test_a_worker_dying_mid_stream_bills_the_delivered_tokens(stack: Stack) -> None:
+    sku = await stack.publish_sku("dying-" + uuid.uuid4().hex[:6])
+    worker = stack.start_worker(sku["sku_id"], tokens_per_s=20, output_tokens=100)
+    await stack.wait_served(sku["sku_id"])
+    _, key = await stack.tenant_with_key()
+    streamed = await async_client(stack, key["key"]).chat.completions.create(
+        model=sku["name"], messages=MESSAGES, stream=True
+    )
+    received: list[str] = []
+    request_id = ""
+    with pytest.raises(openai.APIError) as e:  # the stream ends with an error chunk
+        async for chunk in streamed:
+            request_id = chunk.id.removeprefix("chatcmpl-")
+            received.append(chunk.choices[0].delta.content or "")
+            if len(received) == 4:
+                worker.send_signal(signal.SIGKILL)
+    assert "worker" in str(e.value.message)
+    assert "".join(received) == expected_text(len(received))
+    billed, delivered, generated = await records(stack, request_id)
+    assert generated is None  # killed: it never said what it generated
+    assert (billed["completion_tokens"], billed["finish_reason"]) == (len(received), "error")
+    assert delivered["completion_tokens"] == len(received) and delivered["worker_lost"]
+    assert billed["unbilled_waste_tokens"] == 0 and billed["prompt_tokens"] > 0
+
+
+async def test_a_502_before_any_token_bills_nothing(stack: Stack) -> None:
+    sku = await stack.publish_sku("late-" + uuid.uuid4().hex[:6])
+    # A non-streamed answer is delivered whole or not at all: tokens arrive at the gateway,
+    # then the worker dies before the body is written.
+    worker = stack.start_worker(sku["sku_id"], tokens_per_s=20, output_tokens=100)
+    await stack.wait_served(sku["sku_id"])
+    _, key = await stack.tenant_with_key()
+    client = async_client(stack, key["key"])
+    whole = asyncio.create_task(
+        client.with_options(max_retries=0).chat.completions.create(
+            model=sku["name"], messages=MESSAGES
+        )
+    )
+    await asyncio.sleep(0.6)
+    worker.send_signal(signal.SIGKILL)
+    with pytest.raises(openai.InternalServerError) as e:
+        await whole
+    assert e.value.status_code == 502
+    request_id = e.value.response.headers["x-request-id"]
+    billed, delivered, _ = await records(stack, request_id)
+    assert (billed["prompt_tokens"], billed["cached_tokens"], billed["completion_tokens"]) == (
+        0,
+        0,
+        0,
+    )
+    assert delivered["completion_tokens"] == 0 and delivered["prompt_tokens"] == 0
+    # What the gateway had received (about 0.6 s at 20 tokens/s) is waste.
+    assert billed["unbilled_waste_tokens"] >= 5
+
+
+async def test_reconciliation_ties_generated_delivered_and_billed(
+    stack: Stack, sku: dict[str, Any]
+) -> None:
+    _, key = await stack.tenant_with_key()
+    client = async_client(stack, key["key"])
+
+    async def hang_up_after(n: int) -> str:
+        stream = await client.chat.completions.create(
+            model=sku["name"], messages=MESSAGES, stream=True
+        )
+        got, request_id = 0, ""
+        async for chunk in stream:
+            got, request_id = got + 1, chunk.id.removeprefix("chatcmpl-")
+            if got == n:
+                break
+        await stream.close()
+        return request_id
+
+    ids = await asyncio.gather(*(hang_up_after(n) for n in (2, 5, 40, 40)))
+    await stack.ledger_rows(ids)
+    await stack.delivery_rows(ids)
+    await generation_rows(stack, ids)
+    report = await reconcile(stack.services.pool)
+    assert report.mismatches == [], report.lines()
+    assert (
+        report.generated_completion_tokens
+        == report.delivered_completion_tokens + report.unbilled_waste_tokens
+    )
+    assert report.billed_completion_tokens == report.delivered_completion_tokens
