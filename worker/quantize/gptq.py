@@ -247,8 +247,19 @@ def gptq_model(
                 progress(name)
 
     rotary = model.model.rotary
+    last = max(
+        (
+            i
+            for i in range(len(model.model.layers))
+            for t in targets
+            if t.startswith(f"model.layers.{i}.")
+        ),
+        default=-1,
+    )
     for index, layer in enumerate(model.model.layers):
         assert isinstance(layer, DecoderLayer)
+        if index > last and "lm_head" not in targets:
+            break  # nothing above to calibrate: skip the forward passes
         prefix = f"model.layers.{index}."
         modules = {
             prefix + name: m
