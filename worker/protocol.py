@@ -128,6 +128,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     top_logprobs: int = 0
     # Choices: n sequences of the one prompt; TokenChunk.index says whose text a chunk is.
     n: int = 1
+    # The gateway that holds the client: the worker stops the request when that gateway's
+    # lease (gateway_lease_subject) goes silent. "": no lease is watched.
+    gateway_id: str = ""
 
     @property
     def chat(self) -> bool:
@@ -304,3 +307,14 @@ def discover_subject(prefix: str) -> str:
 def presence_wildcard(prefix: str) -> str:
     """Everything a gateway listens to for its registry of live workers."""
     return f"{prefix}.workers.>"
+
+
+def gateway_lease_subject(prefix: str, gateway_id: str) -> str:
+    """A gateway's lease: it publishes here while it lives; a worker stops the requests of a
+    gateway silent too long (see worker.serve). The id is hashed into one subject token."""
+    token = hashlib.sha256(gateway_id.encode()).hexdigest()[:20]
+    return f"{prefix}.gateways.lease.{token}"
+
+
+def gateway_lease_wildcard(prefix: str) -> str:
+    return f"{prefix}.gateways.lease.*"

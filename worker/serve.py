@@ -69,6 +69,11 @@ class WorkerSettings:
     heartbeat_s: float = field(
         default_factory=lambda: env_float("TOKENMILL_WORKER_HEARTBEAT_S", 0.5)
     )
+    # TOKENMILL_WORKER_GATEWAY_SILENT_S: a request whose gateway's lease is silent this long is
+    # stopped (the gateway died: nobody would receive the tokens).
+    gateway_silent_s: float = field(
+        default_factory=lambda: env_float("TOKENMILL_WORKER_GATEWAY_SILENT_S", 3.0)
+    )
     # TOKENMILL_WORKER_DRAIN_S: on SIGTERM, how long in-flight requests may run before cancel.
     drain_s: float = field(default_factory=lambda: env_float("TOKENMILL_WORKER_DRAIN_S", 10.0))
 
@@ -84,6 +89,9 @@ class Worker:
         # Cancels that arrived before their request (different subjects, no ordering between them).
         self._early_cancels: dict[str, float] = {}
         self._handlers: set[asyncio.Task[None]] = set()
+        # Gateway leases: last heard (monotonic) by lease subject; in-flight requests' leases.
+        self._leases: dict[str, float] = {}
+        self._leased: dict[str, tuple[str, _Generation]] = {}
         self._stopping = asyncio.Event()
 
     @property
@@ -115,6 +123,8 @@ class Worker:
         )
         await self.nc.subscribe(p.cancel_subject(self.prefix, s.sku_id), cb=self._on_cancel)
         await self.nc.subscribe(p.discover_subject(self.prefix), cb=self._on_discover)
+        await self.nc.subscribe(p.gateway_lease_wildcard(self.prefix), cb=self._on_lease)
+        watchdog = asyncio.create_task(self._watch_gateways())
         await self._announce()
         heartbeat = asyncio.create_task(self._heartbeat_loop())
         log.info("worker %s serving SKU %s with %s", s.worker_id, s.sku_id, self.backend.name)
@@ -131,6 +141,7 @@ class Worker:
                         gen.cancel()
                     await asyncio.wait(pending, timeout=30)
             heartbeat.cancel()
+            watchdog.cancel()
             await self.nc.publish(
                 p.gone_subject(self.prefix),
                 p.encode(p.WorkerGone(worker_id=s.worker_id, sku_id=s.sku_id)),
@@ -204,6 +215,25 @@ class Worker:
             return
         gen.cancel()
 
+    async def _on_lease(self, msg: Msg) -> None:
+        self._leases[msg.subject] = time.monotonic()
+
+    async def _watch_gateways(self) -> None:
+        """Stops the requests whose gateway went silent: it died, or lost NATS, and nobody
+        would receive what is generated. What was generated is still recorded (the waste)."""
+        silent_s = self.settings.gateway_silent_s
+        while True:
+            await asyncio.sleep(min(0.5, silent_s / 4))
+            now = time.monotonic()
+            for rid, (lease, state) in list(self._leased.items()):
+                if now - self._leases.get(lease, now) > silent_s and rid in self._in_flight:
+                    log.warning("the gateway of %s went silent; stopping it", rid)
+                    state.gateway_lost = True
+                    self._in_flight[rid].cancel()
+            for lease, heard in list(self._leases.items()):
+                if now - heard > 60 and all(lease != sub for sub, _ in self._leased.values()):
+                    del self._leases[lease]
+
     async def _serve(self, request: p.GenerateRequest) -> None:
         """One request, start to metered finish. Never raises."""
         assert self.nc is not None
@@ -218,12 +248,17 @@ class Worker:
 
         gen = asyncio.create_task(self._generate(request, state))
         self._in_flight[rid] = gen
+        if request.gateway_id:
+            lease = p.gateway_lease_subject(self.prefix, request.gateway_id)
+            self._leases.setdefault(lease, time.monotonic())  # its clock starts now
+            self._leased[rid] = (lease, state)
         if self._early_cancels.pop(rid, None) is not None:
             gen.cancel()
         try:
             await asyncio.wait({gen})
         finally:
             del self._in_flight[rid]
+            self._leased.pop(rid, None)
         if gen.cancelled():
             state.finish_reason = "cancelled"
         elif (exc := gen.exception()) is not None:
@@ -251,6 +286,7 @@ class Worker:
             completion_tokens=state.completion_tokens,
             # the bill knows no "tool_calls": the model stopped by itself
             finish_reason="stop" if state.finish_reason == "tool_calls" else state.finish_reason,
+            gateway_lost=state.gateway_lost,
             ttft_ms=None
             if state.first_token_at is None
             else (state.first_token_at - t0 + admitted_lag) * 1000,
@@ -327,6 +363,7 @@ class _Generation:
     first_token_at: float | None = None
     finish_reason: p.FinishReason | None = None
     error: str | None = None
+    gateway_lost: bool = False  # stopped because its gateway went silent
     finish_reasons: dict[int, p.FinishReason] = field(default_factory=dict)  # by choice
 
 

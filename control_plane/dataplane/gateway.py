@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
@@ -88,6 +89,11 @@ class GatewaySettings:
     # outcome listeners) together this often (see `Gateway._report_ended`); 0: each at once.
     report_every_s: float = field(
         default_factory=lambda: env_float("TOKENMILL_GATEWAY_REPORT_EVERY_S", 0.05)
+    )
+    # TOKENMILL_GATEWAY_LEASE_EVERY_S: how often this gateway publishes its lease; workers stop
+    # the requests of a gateway silent for TOKENMILL_WORKER_GATEWAY_SILENT_S (3 s).
+    lease_every_s: float = field(
+        default_factory=lambda: env_float("TOKENMILL_GATEWAY_LEASE_EVERY_S", 0.5)
     )
     # TOKENMILL_GATEWAY_ID: this replica's id in GatewayDelivered; default host-pid-random.
     gateway_id: str = field(
@@ -154,6 +160,7 @@ class Gateway:
         # Ended requests not yet reported (see `_report_ended`).
         self._ended: list[tuple[Outcome, GatewayDelivered]] = []
         self._reporting: asyncio.Task[None] | None = None
+        self._leasing: asyncio.Task[None] | None = None
 
     @property
     def gateway_id(self) -> str:
@@ -162,6 +169,7 @@ class Gateway:
     async def start(self) -> None:
         await self.registry.start()
         await self.client.start()
+        self._leasing = asyncio.create_task(self._lease())
         if self.settings.report_every_s > 0:
             self._reporting = asyncio.create_task(self._report_ended())
 
@@ -171,8 +179,11 @@ class Gateway:
         if self._reporting is not None:
             self._reporting.cancel()
         self._report_now()
+        # The lease holds while in-flight requests drain; a gateway that dies just stops.
         if self._background:
             await asyncio.wait(set(self._background), timeout=within)
+        if self._leasing is not None:
+            self._leasing.cancel()
         await self.client.close()
         await self.registry.close()
 
@@ -189,7 +200,18 @@ class Gateway:
         The relay ends `reservation` when the request ends."""
         if not self.serves(request.sku_id):
             raise NoWorker(request.sku_id)
+        request = msgspec.structs.replace(request, gateway_id=self.gateway_id)
         return Relay(self, await self.client.dispatch(request), reservation)
+
+    async def _lease(self) -> None:
+        """This gateway's lease: while workers hear it, they keep generating for its requests."""
+        subject = p.gateway_lease_subject(self.prefix, self.gateway_id)
+        while True:
+            try:
+                await self.nc.publish(subject, b"")
+            except Exception:  # reconnecting: the next beat goes out once it is back
+                log.debug("lease not published", exc_info=True)
+            await asyncio.sleep(self.settings.lease_every_s)
 
     # -- metering ------------------------------------------------------------------------------
 
@@ -247,7 +269,10 @@ class Gateway:
         )
 
     def _after(self, outcome: Outcome, delivered: GatewayDelivered) -> None:
-        if self._reporting is None or self._reporting.done():
+        # Batching pays off only for an answer whose client goes on to its next request; any
+        # other end (a hang-up, an error) is reported at once, so a kill loses less.
+        quiet = delivered.client_disconnected or delivered.finish_reason in ("cancelled", "error")
+        if quiet or self._reporting is None or self._reporting.done():
             self._report([(outcome, delivered)])
         else:
             self._ended.append((outcome, delivered))
