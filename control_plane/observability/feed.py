@@ -75,6 +75,7 @@ def outcome_listener(metrics: OpsMetrics, view: SkuNames) -> Callable[[OutcomeLi
             cached_tokens=outcome.cached_tokens,
             finish_reason=outcome.finish_reason,
         )
+        metrics.unbilled_waste.labels(r.tenant_id, sku_label(view, r.sku_id)).inc(getattr(outcome, "unbilled_waste_tokens", 0))  # fmt: skip
 
     return observe
 

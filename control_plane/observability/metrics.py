@@ -291,6 +291,7 @@ class OpsMetrics:
             ["tenant", "sku", "token_class"],
             registry=r,
         )
+        self.unbilled_waste = Counter("tokenmill_unbilled_waste_tokens", "Completion tokens generated but never delivered to the client (not billed).", ["tenant", "sku"], registry=r)  # fmt: skip
         self.tenant_requests = Counter(
             "tokenmill_requests",
             "Finished requests by tenant, SKU and finish reason.",

@@ -72,6 +72,12 @@ async def test_a_hang_up_bills_what_was_delivered_and_records_the_rest_as_waste(
         == generated["completion_tokens"] - billed["completion_tokens"]
     )
     assert billed["completion_tokens"] < generated["completion_tokens"] < 5000
+    # And counted on /metrics, for the tenant.
+    metrics = stack.services.extra["metrics"]
+    waste = metrics.registry.get_sample_value(
+        "tokenmill_unbilled_waste_tokens_total", {"tenant": billed["tenant_id"], "sku": sku["name"]}
+    )
+    assert waste == billed["unbilled_waste_tokens"]
 
 
 async def test_a_worker_dying_mid_stream_bills_the_delivered_tokens(stack: Stack) -> None:
