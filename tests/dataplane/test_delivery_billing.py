@@ -9,12 +9,19 @@ import time
 import uuid
 from typing import Any
 
+import nats
 import openai
 import pytest
 
+from control_plane.embedded import EmbeddedNats
 from control_plane.reconcile import reconcile
+from events.store import StreamLayout
+from events.usage import WorkerGenerated, decode_usage
 from tests.dataplane.harness import Stack
 from tests.dataplane.test_openai_api import MESSAGES, async_client, expected_text
+from worker import protocol as p
+from worker.backends import make_backend
+from worker.serve import Worker, WorkerSettings
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -164,3 +171,47 @@ async def test_reconciliation_ties_generated_delivered_and_billed(
         == report.delivered_completion_tokens + report.unbilled_waste_tokens
     )
     assert report.billed_completion_tokens == report.delivered_completion_tokens
+
+
+async def test_the_worker_finishes_before_its_record_is_acked_and_retries_it(
+    nats_server: EmbeddedNats,
+) -> None:
+    # A prefix with no usage stream yet: every publish of the worker's record fails (no
+    # responders) until the stream is made, as when JetStream is down or an ack is lost.
+    prefix = "W" + uuid.uuid4().hex[:10].upper()
+    settings = WorkerSettings(
+        nats_url=nats_server.url, stream_prefix=prefix, sku_id="s1", model="m", heartbeat_s=0.1
+    )
+    worker = Worker(
+        settings, make_backend("fixed_rate", {"tokens_per_s": 1000, "output_tokens": 3})
+    )
+    nc = await nats.connect(nats_server.url)
+    serving = asyncio.create_task(worker.run())
+    try:
+        beats = await nc.subscribe(p.heartbeat_subject(prefix, "s1"))
+        await beats.next_msg(timeout=10)  # serving
+        inbox = nc.new_inbox()
+        replies = await nc.subscribe(inbox)
+        request = p.GenerateRequest(
+            request_id=uuid.uuid4().hex, tenant_id="t", key_id="k", sku_id="s1", model="m",
+            prompt="go", reply_to=inbox, admitted_at=time.time(),
+        )  # fmt: skip
+        await nc.publish(p.work_subject(prefix, "s1"), p.encode(request))
+        finished = None
+        while finished is None:
+            reply = p.decode_reply((await replies.next_msg(timeout=5)).data)
+            if isinstance(reply, p.Finished):
+                finished = reply
+        assert (finished.completion_tokens, finished.finish_reason) == (3, "stop")
+        # Finished came although the record could not be stored; it is still being retried.
+        assert any(not t.done() for t in worker._handlers)
+        js = nc.jetstream()
+        await js.add_stream(StreamLayout(prefix=prefix).usage_config())
+        sub = await js.subscribe(f"{prefix}.usage.>", ordered_consumer=True)
+        event = decode_usage((await sub.next_msg(timeout=10)).data)
+        assert isinstance(event, WorkerGenerated) and event.request_id == request.request_id
+        assert event.completion_tokens == 3
+    finally:
+        worker.stop()
+        await asyncio.wait_for(serving, 30)
+        await nc.close()
