@@ -27,7 +27,7 @@ from control_plane.dataplane.gateway import (
     WorkerLost,
 )
 from control_plane.dataplane.limits import InputLimits
-from control_plane.dataplane.responses import DONE, StreamWriter, full_response, usage
+from control_plane.dataplane.responses import StreamWriter, usage
 from control_plane.dataplane.transport import ResponseOut
 from worker.protocol import TokenChunk
 
@@ -69,8 +69,9 @@ def relay_error(exc: BaseException, model: str) -> errors.OpenAIError | None:
         return errors.no_worker(model)
     if isinstance(exc, RequestRejected):
         r = exc.rejected
+        too_long = r.param in ("messages", "prompt", "input")
         return errors.invalid_request(
-            r.message, param=r.param, code="context_length_exceeded" if r.param else None
+            r.message, param=r.param, code="context_length_exceeded" if too_long else None
         )
     if isinstance(exc, WorkerLost):
         return errors.worker_failed("the worker stopped responding")
@@ -194,25 +195,17 @@ async def _send_error(
 
 
 async def _whole(c: Completion, send: Send, receive: Receive) -> None:
-    text: list[str] = []
+    chunks: list[TokenChunk] = []
     try:
         while c.relay.finished is None:
-            text.extend(chunk.text for chunk in await c.relay.batch())
+            chunks.extend(await c.relay.batch())
     except (NoWorker, RequestRejected, WorkerLost, ChunkLost) as exc:
         raise relay_error(exc, c.model) from None  # type: ignore[misc]
     fin = c.relay.finished
     if fin.finish_reason == "error":
         raise errors.worker_failed(fin.error or "generation failed")
     u = usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens)
-    content = full_response(
-        c.writer.kind,
-        fin.request_id,
-        c.writer.created,
-        c.model,
-        "".join(text),
-        fin.finish_reason,
-        u,
-    )
+    content = c.writer.whole(chunks, fin, u)
     start: Message = {
         "type": "http.response.start",
         "status": 200,
@@ -241,10 +234,11 @@ async def _stream(c: Completion, scope: Scope, send: Send, receive: Receive) -> 
         return out.can_write_soon() if out.started else out.can_write_now()
 
     def write(chunk: TokenChunk) -> None:
+        data = w.chunk(chunk)
         if not out.started:
-            out.write_now(w.delta(chunk.text) if chunk.text else b"", chunk.completion_tokens)
-        elif chunk.text:
-            out.write_soon(w.delta(chunk.text), chunk.completion_tokens)
+            out.write_now(data, chunk.completion_tokens)
+        elif data:
+            out.write_soon(data, chunk.completion_tokens)
 
     relay.relay_chunks_with(write, ready)
     body = b""
@@ -254,7 +248,7 @@ async def _stream(c: Completion, scope: Scope, send: Send, receive: Receive) -> 
             chunks = await relay.batch()
             # Every chunk that is in goes out in one write (several arrive together when the
             # event loop was busy or the connection was backed up).
-            body = b"".join([w.delta(chunk.text) for chunk in chunks if chunk.text])
+            body = b"".join([w.chunk(chunk) for chunk in chunks])
             tokens = chunks[-1].completion_tokens if chunks else None
             if relay.finished is not None:
                 break
@@ -266,18 +260,15 @@ async def _stream(c: Completion, scope: Scope, send: Send, receive: Receive) -> 
         assert err is not None
         if not out.started:
             raise err from None
-        await out.write(StreamWriter.error(err.to_json()), more_body=False)
+        await out.write(w.error(err.to_json()), more_body=False)
         return
     finally:
         relay.relay_chunks_with(None)
     fin = relay.finished
     if fin.finish_reason == "error":
-        body += StreamWriter.error(errors.worker_failed(fin.error or "generation failed").to_json())
+        body += w.error(errors.worker_failed(fin.error or "generation failed").to_json())
     else:
-        body += w.delta("", fin.finish_reason)
-        if w.include_usage:
-            body += w.usage(usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens))
-        body += DONE
+        body += w.end(fin, usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens))
         tokens = fin.completion_tokens
     await out.write(body, more_body=False, tokens=tokens)
     relay.answered = fin.finish_reason != "error" and not out.client_gone

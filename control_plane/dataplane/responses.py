@@ -1,17 +1,23 @@
 """OpenAI response bodies and server-sent events for chat and text completions.
 
-Streamed chunks are written from a per-request byte template (only the text and the finish
-reason change), since one is built per token on the hot path."""
+The worker's chunks (`worker.protocol.TokenChunk`) carry a choice index, text, tool-call
+deltas, logprobs and each choice's finish reason; a writer turns them into OpenAI's shapes,
+streamed (`chunk`, then `end`) or whole (`whole`). Plain text of one choice, the hot path, is
+written from a per-request byte template (only the text and the finish reason change), since
+one is built per token."""
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import msgspec
 
+from worker.protocol import Finished, TokenChunk, TokenLogprob
+
 _json = msgspec.json.encode
 
-Kind = Literal["chat", "completion"]
+Kind = Literal["chat", "completion", "response"]
 
 
 class PromptTokensDetails(msgspec.Struct):
@@ -20,7 +26,7 @@ class PromptTokensDetails(msgspec.Struct):
 
 class Usage(msgspec.Struct):
     prompt_tokens: int
-    completion_tokens: int
+    completion_tokens: int  # all choices together
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
 
@@ -34,16 +40,30 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usa
     )
 
 
+# The shapes below document the answers (openapi.py); they are written from dicts.
+class FunctionOut(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: FunctionOut
+    type: str = "function"
+
+
 class ChatMessageOut(msgspec.Struct):
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
+    refusal: None = None
 
 
 class ChatChoice(msgspec.Struct):
     index: int
     message: ChatMessageOut
     finish_reason: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletion(msgspec.Struct):
@@ -60,7 +80,7 @@ class TextChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class TextCompletion(msgspec.Struct):
@@ -74,29 +94,100 @@ class TextCompletion(msgspec.Struct):
 
 
 def completion_id(kind: Kind, request_id: str) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
+    return {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_"}[kind] + request_id
 
 
-def full_response(
-    kind: Kind, request_id: str, created: int, model: str, text: str, finish_reason: str, u: Usage
-) -> bytes:
-    rid = completion_id(kind, request_id)
-    if kind == "chat":
-        choice = ChatChoice(0, ChatMessageOut("assistant", text), finish_reason)
-        return _json(ChatCompletion(rid, created, model, [choice], u))
-    return _json(TextCompletion(rid, created, model, [TextChoice(0, text, finish_reason)], u))
+def _top(entries: list[Any]) -> list[dict[str, Any]]:
+    return [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in entries]
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """`choices[].logprobs.content[]` entries."""
+    return [
+        {
+            "token": e.token,
+            "logprob": e.logprob,
+            "bytes": e.bytes,
+            "top_logprobs": _top(e.top_logprobs),
+        }
+        for e in entries
+    ]
+
+
+@dataclass
+class Choice:
+    """One choice as it accumulates (a whole answer; a stream's bookkeeping)."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    offset: int = 0  # completions' text_offset of the next token
+    started: bool = False  # a stream sent its first delta
+
+    def add(self, c: TokenChunk) -> None:
+        if c.text:
+            self.text.append(c.text)
+        for d in c.tool_calls or ():
+            if d.index >= len(self.calls):
+                self.calls.append(
+                    {
+                        "id": d.id or "",
+                        "type": "function",
+                        "function": {"name": d.name or "", "arguments": ""},
+                    }
+                )
+            self.calls[d.index]["function"]["arguments"] += d.arguments
+        if c.logprobs:
+            self.logprobs.extend(c.logprobs)
+        if c.finish_reason is not None:
+            self.finish_reason = c.finish_reason
+
+
+def completion_logprobs(entries: list[TokenLogprob], offset: int) -> tuple[dict[str, Any], int]:
+    """The legacy shape (tokens, token_logprobs, top_logprobs, text_offset), and the offset
+    after these tokens."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    top = [{t.token: t.logprob for t in e.top_logprobs} for e in entries]
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": top if any(top) else None,
+        "text_offset": offsets,
+    }, offset
+
+
+def _finish(reason: str | None, fin: Finished, index: int) -> str:
+    """A choice's finish reason: its last chunk's, else the worker's Finished."""
+    if reason is not None:
+        return reason
+    if index < len(fin.finish_reasons):
+        return fin.finish_reasons[index]
+    return fin.finish_reason
 
 
 DONE = b"data: [DONE]\n\n"
 
 
 class StreamWriter:
-    """Builds the SSE events of one streamed response."""
+    """Builds one response of chat or text completions: streamed events or the whole body."""
 
     def __init__(
-        self, kind: Kind, request_id: str, created: int, model: str, include_usage: bool
+        self,
+        kind: Kind,
+        request_id: str,
+        created: int,
+        model: str,
+        include_usage: bool,
+        n: int = 1,
+        echo: str | None = None,
     ) -> None:
         self.kind, self.created, self.include_usage = kind, created, include_usage
+        self.request_id, self.model, self.n, self.echo = request_id, model, n, echo
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self._head = (
             b'data: {"id":'
@@ -111,16 +202,23 @@ class StreamWriter:
         )
         self._tail = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
         self._usage_head = self._head + b'],"usage":'
-        self._first = True
+        self._choices = [Choice(i) for i in range(n)]
 
-    def delta(self, text: str, finish_reason: str | None = None) -> bytes:
+    # -- streamed ------------------------------------------------------------------------
+
+    def delta(self, text: str, finish_reason: str | None = None, index: int = 0) -> bytes:
+        """A plain-text delta of one choice (the hot path)."""
         fin = b"null" if finish_reason is None else b'"' + finish_reason.encode() + b'"'
+        choice = self._choices[index]
+        first, choice.started = not choice.started, True
         if self.kind == "chat":
             # The first delta carries the role (and whatever text there is); a last one may be {}.
-            role = b'"role":"assistant",' if self._first else b""
-            content = b'"content":' + _json(text) if text or self._first else b""
-            choice = (
-                b'{"index":0,"delta":{'
+            role = b'"role":"assistant",' if first else b""
+            content = b'"content":' + _json(text) if text or first else b""
+            body = (
+                b'{"index":'
+                + str(index).encode()
+                + b',"delta":{'
                 + role
                 + content
                 + b'},"logprobs":null,"finish_reason":'
@@ -128,19 +226,155 @@ class StreamWriter:
                 + b"}"
             )
         else:
-            choice = (
-                b'{"index":0,"text":'
+            if first and self.echo:
+                text = self.echo + text
+            body = (
+                b'{"index":'
+                + str(index).encode()
+                + b',"text":'
                 + _json(text)
                 + b',"logprobs":null,"finish_reason":'
                 + fin
                 + b"}"
             )
-        self._first = False
-        return self._head + choice + self._tail
+        return self._head + body + self._tail
+
+    def chunk(self, c: TokenChunk) -> bytes:
+        """The events of one worker chunk (b"" when it says nothing to the client)."""
+        if c.index >= len(self._choices):  # not a choice this request asked for
+            return b""
+        choice = self._choices[c.index]
+        if c.tool_calls or c.logprobs:
+            out = self._rich(choice, c)
+        elif c.text or (not choice.started and (self.kind == "chat" or self.echo)):
+            out = self.delta(c.text, index=c.index)
+        else:
+            out = b""
+        if c.finish_reason is not None and choice.finish_reason is None:
+            choice.finish_reason = c.finish_reason
+            out += self.delta("", c.finish_reason, c.index)
+        return out
+
+    def _rich(self, choice: Choice, c: TokenChunk) -> bytes:
+        first, choice.started = not choice.started, True
+        entry: dict[str, Any] = {"index": c.index}
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if c.text or (first and not c.tool_calls):
+                delta["content"] = c.text
+            if c.tool_calls:
+                calls = []
+                for d in c.tool_calls:
+                    call: dict[str, Any] = {"index": d.index}
+                    fn: dict[str, Any] = {"arguments": d.arguments}
+                    if d.id is not None:
+                        call["id"], call["type"] = d.id, "function"
+                        fn["name"] = d.name or ""
+                    call["function"] = fn
+                    calls.append(call)
+                delta["tool_calls"] = calls
+            entry["delta"] = delta
+            entry["logprobs"] = (
+                {"content": chat_logprobs(c.logprobs), "refusal": None} if c.logprobs else None
+            )
+        else:
+            text = (self.echo or "") + c.text if first else c.text
+            if first and self.echo:
+                choice.offset = len(self.echo)
+            entry["text"] = text
+            lp = None
+            if c.logprobs:
+                lp, choice.offset = completion_logprobs(c.logprobs, choice.offset)
+            entry["logprobs"] = lp
+        entry["finish_reason"] = None
+        return self._head + _json(entry) + self._tail
+
+    def end(self, fin: Finished, u: Usage) -> bytes:
+        """What closes a stream that ended well: finish reasons not yet sent, usage, [DONE]."""
+        out = b""
+        for choice in self._choices:
+            if choice.finish_reason is None:
+                choice.finish_reason = _finish(None, fin, choice.index)
+                out += self.delta("", choice.finish_reason, choice.index)
+        if self.include_usage:
+            out += self.usage(u)
+        return out + DONE
 
     def usage(self, u: Usage) -> bytes:
         return self._usage_head + _json(u) + b"}\n\n"
 
-    @staticmethod
-    def error(body: bytes) -> bytes:
+    def error(self, body: bytes) -> bytes:
+        """An error after the stream started: the OpenAI error object as an event."""
         return b"data: " + body + b"\n\n"
+
+    # -- whole ---------------------------------------------------------------------------
+
+    def whole(self, chunks: list[TokenChunk], fin: Finished, u: Usage) -> bytes:
+        choices = [Choice(i) for i in range(self.n)]
+        for c in chunks:
+            if c.index < self.n:
+                choices[c.index].add(c)
+        rid = completion_id(self.kind, self.request_id)
+        out: list[dict[str, Any]] = []
+        for ch in choices:
+            text = "".join(ch.text)
+            reason = _finish(ch.finish_reason, fin, ch.index)
+            if self.kind == "chat":
+                message: dict[str, Any] = {
+                    "role": "assistant",
+                    # OpenAI's null content beside tool calls
+                    "content": None if ch.calls and not text else text,
+                    "refusal": None,
+                }
+                if ch.calls:
+                    message["tool_calls"] = ch.calls
+                lp = (
+                    {"content": chat_logprobs(ch.logprobs), "refusal": None}
+                    if ch.logprobs or self._wants_logprobs(chunks)
+                    else None
+                )
+                out.append(
+                    {"index": ch.index, "message": message, "logprobs": lp, "finish_reason": reason}
+                )
+            else:
+                offset = len(self.echo or "")
+                lp = completion_logprobs(ch.logprobs, offset)[0] if ch.logprobs else None
+                out.append(
+                    {
+                        "index": ch.index,
+                        "text": (self.echo or "") + text,
+                        "logprobs": lp,
+                        "finish_reason": reason,
+                    }
+                )
+        return _json(
+            {
+                "id": rid,
+                "object": "chat.completion" if self.kind == "chat" else "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "system_fingerprint": None,
+                "choices": out,
+                "usage": u,
+            }
+        )
+
+    @staticmethod
+    def _wants_logprobs(chunks: list[TokenChunk]) -> bool:
+        return any(c.logprobs is not None for c in chunks)
+
+
+def full_response(
+    kind: Kind, request_id: str, created: int, model: str, text: str, finish_reason: str, u: Usage
+) -> bytes:
+    """One choice of plain text, whole."""
+    w = StreamWriter(kind, request_id, created, model, False)
+    chunk = TokenChunk(
+        request_id=request_id, seq=0, text=text, completion_tokens=u.completion_tokens,
+        prompt_tokens=u.prompt_tokens, finish_reason=finish_reason,  # type: ignore[arg-type]
+    )  # fmt: skip
+    fin = Finished(
+        request_id=request_id, seq=1, prompt_tokens=u.prompt_tokens, cached_tokens=0,
+        completion_tokens=u.completion_tokens, finish_reason=finish_reason,  # type: ignore[arg-type]
+    )  # fmt: skip
+    return w.whole([chunk], fin, u)

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible data plane: `/v1/models`, `/v1/chat/completions`, `/v1/completions`.
+"""The OpenAI-compatible data plane: `/v1/models`, `/v1/chat/completions`, `/v1/completions`,
+`/v1/responses`.
 
 `DataPlane` owns what the routes need — a NATS connection of its own (the hot path does not
 share one with the admin API), the gateway and the authorizer — and gives the app factory a
@@ -24,29 +25,35 @@ from control_plane.dataplane.asgi import Completion, serve_completion
 from control_plane.dataplane.auth import Authorizer, Caller
 from control_plane.dataplane.gateway import Gateway, GatewaySettings, NoWorker, OutcomeListener
 from control_plane.dataplane.limits import InputLimits
-from control_plane.dataplane.requests import (
-    ChatCompletionBody,
-    CompletionBody,
-    parse_chat,
-    parse_completion,
-)
+from control_plane.dataplane.requests import Parsed, parse_chat, parse_completion
 from control_plane.dataplane.responses import Kind, StreamWriter
+from control_plane.dataplane.responses_api import ResponsesWriter, parse_responses
 from control_plane.governance.admission import Admission, Refusal, Ticket
 from control_plane.nats_cluster import nats_servers
 from events.governance import GovernanceView, Sku
-from worker.protocol import ChatMessage, GenerateRequest, SamplingParams
+from worker.protocol import ChatMessage, GenerateRequest, Tool
 
 log = logging.getLogger("tokenmill.dataplane")
 
 JSON = "application/json"
 
 
-def estimate_prompt_tokens(prompt: str | None, messages: list[ChatMessage] | None) -> int:
+def estimate_prompt_tokens(
+    prompt: str | None, messages: list[ChatMessage] | None, tools: list[Tool] | None = None
+) -> int:
     """What admission reserves for the prompt before the worker has tokenized it: a third of
     its UTF-8 bytes (BPE vocabularies average 3-4 bytes a token on text) plus the chat
-    template's framing. It settles to the worker's count when the request ends."""
+    template's framing (tools and earlier calls are written into the prompt too). It settles
+    to the worker's count when the request ends."""
     if messages is not None:
-        return sum(len(m.content.encode()) // 3 + 8 for m in messages) + 8
+        total = 8
+        for m in messages:
+            total += len(m.content.encode()) // 3 + 8
+            for c in m.tool_calls or ():
+                total += (len(c.name) + len(c.arguments.encode())) // 3 + 8
+        for t in tools or ():
+            total += (len(t.description or "") + len(t.parameters or "")) // 3 + 16
+        return total
     return len((prompt or "").encode()) // 3 + 1
 
 
@@ -73,14 +80,7 @@ def _http_error_handler(request: Request, exc: Exception) -> Response[bytes]:
         )
     method, path = request.scope.get("method", "GET"), request.scope["path"]
     if status == 404:
-        err = errors.not_found(method, path)
-        if path.startswith("/v1/responses"):
-            err = errors.OpenAIError(
-                404,
-                "The Responses API is not offered by this server; use /v1/chat/completions.",
-                code="not_found",
-            )
-        return _error_response(err)
+        return _error_response(errors.not_found(method, path))
     if status == 405:
         allowed = (exc.headers or {}).get("allow", "") if isinstance(exc, HTTPException) else ""
         return _error_response(errors.method_not_allowed(method, path, allowed))
@@ -162,9 +162,13 @@ class DataPlane:
         async def completions(scope: Scope, receive: Receive, send: Send) -> None:
             await plane.serve_text(scope, receive, send)
 
+        @asgi("/responses", copy_scope=False)
+        async def responses(scope: Scope, receive: Receive, send: Send) -> None:
+            await plane.serve_responses(scope, receive, send)
+
         return Router(
             path="/v1",
-            route_handlers=[list_models, get_model, chat_completions, completions],
+            route_handlers=[list_models, get_model, chat_completions, completions, responses],
             exception_handlers={
                 errors.OpenAIError: _openai_error_handler,
                 Exception: _http_error_handler,
@@ -182,30 +186,34 @@ class DataPlane:
             self.authorizer.caller, self._prepare_text, self.limits, scope, receive, send
         )
 
+    async def serve_responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await serve_completion(
+            self.authorizer.caller, self._prepare_responses, self.limits, scope, receive, send
+        )
+
     def completion_handlers(self) -> dict[str, ASGIApp]:
         """The completion routes' ASGI functions by full path, for an HTTP server that hands
         these paths to them directly (`server.direct_routes`)."""
-        return {"/v1/chat/completions": self.serve_chat, "/v1/completions": self.serve_text}
+        return {
+            "/v1/chat/completions": self.serve_chat,
+            "/v1/completions": self.serve_text,
+            "/v1/responses": self.serve_responses,
+        }
 
     async def _prepare_chat(self, caller: Caller, raw: bytes, request_id: str) -> Completion:
-        body, messages, sampling = parse_chat(raw)
-        return await self._dispatch("chat", caller, body, sampling, None, messages, request_id)
+        return await self._dispatch("chat", caller, parse_chat(raw), request_id)
 
     async def _prepare_text(self, caller: Caller, raw: bytes, request_id: str) -> Completion:
-        body, prompt, sampling = parse_completion(raw)
-        return await self._dispatch("completion", caller, body, sampling, prompt, None, request_id)
+        return await self._dispatch("completion", caller, parse_completion(raw), request_id)
+
+    async def _prepare_responses(self, caller: Caller, raw: bytes, request_id: str) -> Completion:
+        return await self._dispatch("response", caller, parse_responses(raw), request_id)
 
     async def _dispatch(
-        self,
-        kind: Kind,
-        caller: Caller,
-        body: ChatCompletionBody | CompletionBody,
-        sampling: SamplingParams,
-        prompt: str | None,
-        messages: list[ChatMessage] | None,
-        request_id: str,
+        self, kind: Kind, caller: Caller, parsed: Parsed, request_id: str
     ) -> Completion:
         """Authorize the model, admit (quotas, rate limits), dispatch to a worker."""
+        body, sampling = parsed.body, parsed.sampling
         sku = self.authorizer.sku(caller, body.model)
         ticket: Ticket | None = None
         if self.admission is not None:
@@ -213,9 +221,10 @@ class DataPlane:
                 caller.tenant.tenant_id,
                 caller.key.key_id,
                 sku.sku_id,
-                estimate_prompt_tokens(prompt, messages),
+                estimate_prompt_tokens(parsed.prompt, parsed.messages, parsed.tools),
                 sampling.max_tokens,
                 request_id,
+                choices=parsed.n,
             )
             if isinstance(decision, Refusal):
                 raise errors.OpenAIError(
@@ -226,19 +235,17 @@ class DataPlane:
                     headers=decision.response_headers(),
                 )
             ticket = decision
-            # The answer can never outgrow what admission reserved.
-            sampling = msgspec.structs.replace(sampling, token_budget=ticket.max_tokens)
+            # The answer can never outgrow what admission reserved (n choices share it).
+            sampling = msgspec.structs.replace(sampling, token_budget=ticket.max_tokens // parsed.n)
         gen = GenerateRequest(
             request_id=request_id,
             tenant_id=caller.tenant.tenant_id,
             key_id=caller.key.key_id,
             sku_id=sku.sku_id,
             model=sku.model,
-            prompt=prompt,
-            messages=messages,
-            sampling=sampling,
             reply_to="",
             admitted_at=time.time(),
+            **{**parsed.generate_fields(), "sampling": sampling},
         )
         try:
             relay = await self.gateway.open(gen, ticket)
@@ -249,14 +256,21 @@ class DataPlane:
                 raise errors.no_worker(sku.name) from None
             raise
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        writer = StreamWriter(kind, request_id, int(gen.admitted_at), sku.name, include_usage)
+        writer: StreamWriter
+        if kind == "response":
+            writer = ResponsesWriter(parsed, request_id, int(gen.admitted_at), sku.name)
+        else:
+            echo = parsed.prompt if parsed.echo else None
+            writer = StreamWriter(
+                kind, request_id, int(gen.admitted_at), sku.name, include_usage, parsed.n, echo
+            )
         headers = ticket.headers if ticket is not None else {}
         return Completion(relay, writer, sku.name, bool(body.stream), headers)
 
 
 class V1Errors(InitPlugin):
     """The app's own refusals of a /v1 request (no such route, such as endpoints this server
-    does not offer: embeddings, the Responses API; a method the route does not take) as
+    does not offer, such as embeddings; a method the route does not take) as
     OpenAI error objects; other paths keep the app's handlers (problem details)."""
 
     def on_app_init(self, app_config: AppConfig) -> AppConfig:

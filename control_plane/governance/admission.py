@@ -213,10 +213,14 @@ class Admission:
         prompt_tokens: int,
         max_tokens: int | None = None,
         request_id: str | None = None,
+        choices: int = 1,
     ) -> Ticket | Refusal:
         """Reserve what the request may use against every policy that applies, or refuse
-        (429) naming the first that cannot take it. No I/O unless a lease runs short."""
+        (429) naming the first that cannot take it. No I/O unless a lease runs short.
+        `choices` (OpenAI `n`) sequences each may write `max_tokens`: all are reserved, and
+        the ticket's `max_tokens` is their total."""
         cap = max_tokens if max_tokens is not None else self.settings.default_max_tokens
+        cap *= max(1, choices)
         ticket = Ticket(
             self,
             request_id or uuid.uuid4().hex,

@@ -224,13 +224,9 @@ async def test_404_for_an_unknown_model(stack: Stack, sku: dict[str, Any]) -> No
 @pytest.mark.parametrize(
     ("extra", "param", "code"),
     [
-        (
-            {"tools": [{"type": "function", "function": {"name": "f"}}]},
-            "tools",
-            "unsupported_parameter",
-        ),
-        ({"n": 2}, "n", "unsupported_parameter"),
-        ({"logprobs": True}, "logprobs", "unsupported_parameter"),
+        ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
+        ({"n": 17}, "n", None),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", None),
         ({"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
         ({"temperature": 3}, "temperature", None),
         ({"top_p": 0}, "top_p", None),
