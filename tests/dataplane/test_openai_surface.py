@@ -166,13 +166,14 @@ async def test_n_choices_have_their_index_and_usage_sums_them(
         model=scripted["name"], messages=user("hi"), n=3, max_tokens=4, stream=True,
         stream_options={"include_usage": True},
     )  # fmt: skip
-    texts, finishes = ["", "", ""], [None, None, None]
+    texts: list[str] = ["", "", ""]
+    finishes: list[str | None] = [None, None, None]
     usage = None
     async for chunk in stream:
         usage = chunk.usage or usage
         for c in chunk.choices:
             texts[c.index] += c.delta.content or ""
-            finishes[c.index] = c.finish_reason or finishes[c.index]  # type: ignore[call-overload]
+            finishes[c.index] = c.finish_reason or finishes[c.index]
     assert texts == ["".join(SCRIPTS["plain"][:4])] * 3 and finishes == ["length"] * 3
     assert usage is not None and usage.completion_tokens == 12
     row = await stack.ledger_row(chunk.id.removeprefix("chatcmpl-"))
@@ -201,7 +202,7 @@ async def test_completions_logprobs_and_echo(stack: Stack, scripted: dict[str, A
 
 async def test_json_mode_passes_through(stack: Stack, scripted: dict[str, Any]) -> None:
     client = await client_for(stack)
-    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}}
+    schema: dict[str, Any] = {"type": "object", "properties": {"answer": {"type": "integer"}}}
     r = await client.chat.completions.create(
         model=scripted["name"], messages=user("script:json"),
         response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}},
