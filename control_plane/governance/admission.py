@@ -59,6 +59,8 @@ class Hold:
     window: Window | None
     metric: str = ""  # for quotas: total_tokens, output_tokens or spend
     policy: LimitsSet | None = None
+    # how far past a quota this request may go as the one that crosses the line (None: any)
+    may_overdraw: int | None = None
 
 
 @dataclass
@@ -233,13 +235,17 @@ class Admission:
             {},
         )
         holds = self._holds(ticket)
+        if choices > 1:  # n choices cross a quota's line by at most one choice's reservation
+            for hold in holds:
+                if hold.kind == "quota":
+                    hold.may_overdraw = hold.units // choices
         taken = [h for h in holds if h.budget.try_take(h.units)]
         if len(taken) < len(holds):  # some lease ran short: take one by one, leasing as needed
             for hold in taken:
                 hold.budget.give_back(hold.units)
             taken = []
             for hold in holds:
-                if not await hold.budget.take(hold.units):
+                if not await hold.budget.take(hold.units, hold.may_overdraw):
                     for got in taken:
                         got.budget.give_back(got.units)
                     return self._refusal(hold, holds)

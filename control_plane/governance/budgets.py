@@ -124,14 +124,16 @@ class SharedBudget:
 
     # -- leasing (one NATS round trip per compare-and-set) ---------------------------------
 
-    async def take(self, units: int) -> bool:
+    async def take(self, units: int, may_overdraw: int | None = None) -> bool:
+        """Take `units`, leasing as needed. An overdraft budget lets the one request that
+        crosses the line overdraw; `may_overdraw` caps by how much (None: any amount)."""
         for _ in range(4):
             if self.try_take(units):
                 return True
             async with self._lock:
                 if self.slack >= units:
                     continue
-                if not await self._grow(units - self.slack, for_request=True):
+                if not await self._grow(units - self.slack, True, may_overdraw):
                     return False
         return False
 
@@ -147,7 +149,7 @@ class SharedBudget:
         cap = max(1, int(self.limit * self.store.lease_fraction))
         return max(0, min(cap, available // 8))
 
-    async def _grow(self, short: int, for_request: bool) -> bool:
+    async def _grow(self, short: int, for_request: bool, may_overdraw: int | None = None) -> bool:
         """Lease `short` more units (plus a chunk when the pool allows), by compare-and-set."""
         for _ in range(16):
             doc, revision = await self.store.read(self.spec.kv_key)
@@ -164,7 +166,12 @@ class SharedBudget:
             available = self.limit - self.settled() - self.others - self.held
             if available >= short and (short or available > 0):
                 grant = short + self._chunk(available - short)
-            elif for_request and self.spec.overdraft and available > 0:
+            elif (
+                for_request
+                and self.spec.overdraft
+                and available > 0
+                and (may_overdraw is None or short - available <= may_overdraw)
+            ):
                 grant = short  # the one request that may cross the line
             else:
                 return False

@@ -249,9 +249,6 @@ async def test_completions_refuse_token_ids_and_echo_with_logprobs(
         assert e.value.code == "unsupported_parameter"
 
 
-@pytest.mark.xfail(
-    strict=True, reason="the n=8 request is admitted though 8 x 50 exceeds the quota"
-)
 async def test_n_times_max_tokens_is_reserved_and_refused_over_quota(
     stack: Stack, scripted: dict[str, Any]
 ) -> None:
