@@ -14,6 +14,7 @@ import pytest
 
 from control_plane.dataplane import transport as transport_module
 from tests.dataplane.harness import Stack
+from tests.dataplane.test_delivery_billing import generation_rows
 from tests.dataplane.test_openai_api import MESSAGES, expected_text
 
 pytestmark = pytest.mark.timeout(120)
@@ -153,9 +154,9 @@ async def test_a_streamed_answer_skips_the_send_chain_and_keeps_uvicorns_framing
     from_read_loop: list[bytes] = []
     write_soon = transport_module.ResponseOut.write_soon
 
-    def recording_soon(self: Any, body: bytes) -> None:
+    def recording_soon(self: Any, body: bytes, tokens: int = 0) -> None:
         from_read_loop.append(body)
-        write_soon(self, body)
+        write_soon(self, body, tokens)
 
     monkeypatch.setattr(transport_module.ResponseOut, "write_soon", recording_soon)
     _, key = await stack.tenant_with_key()
@@ -194,10 +195,11 @@ async def test_a_client_that_stops_reading_is_backed_up_not_buffered_and_metered
             await asyncio.sleep(0.005)
 
     watching = asyncio.create_task(watch())
-    row = await stack.ledger_row(request_id)  # the worker has finished and billed
+    # The worker has finished (its record is in); the bill waits for the delivery.
+    generated = (await generation_rows(stack, [request_id]))[request_id]
     await asyncio.sleep(0.3)  # the gateway has all of it
     watching.cancel()
-    assert row["completion_tokens"] == LONG_ANSWER and row["finish_reason"] == "stop"
+    assert generated["completion_tokens"] == LONG_ANSWER and generated["finish_reason"] == "stop"
     # Flow control held the answer back (~380 KB) instead of queueing it on the socket.
     assert max(buffered) <= UVICORN_HIGH_WATER + 16 * 1024, max(buffered)
 
@@ -209,6 +211,8 @@ async def test_a_client_that_stops_reading_is_backed_up_not_buffered_and_metered
     assert sse_text(data) == expected_text(LONG_ANSWER)
     delivered = (await stack.delivery_rows([request_id]))[request_id]
     assert delivered["completion_tokens"] == LONG_ANSWER and not delivered["client_disconnected"]
+    row = await stack.ledger_row(request_id)
+    assert row["completion_tokens"] == LONG_ANSWER and row["finish_reason"] == "stop"
 
 
 async def test_a_client_that_stops_reading_then_hangs_up_is_metered_exactly(
@@ -219,9 +223,11 @@ async def test_a_client_that_stops_reading_then_hangs_up_is_metered_exactly(
     sock.close()
     row = await stack.ledger_row(request_id)
     delivered = (await stack.delivery_rows([request_id]))[request_id]
-    # What the worker billed is what the gateway received from it, whether or not it was cut.
+    # Billed is what reached the client's socket; the rest the worker generated is waste.
     assert delivered["completion_tokens"] == row["completion_tokens"] > 0
     assert delivered["finish_reason"] == row["finish_reason"]
+    generated = (await generation_rows(stack, [request_id]))[request_id]
+    assert generated["completion_tokens"] == row["completion_tokens"] + row["unbilled_waste_tokens"]
 
 
 async def test_read_loop_writes_go_out_on_the_next_turn_even_after_another_loop() -> None:
