@@ -7,6 +7,7 @@ import asyncio
 import signal
 import time
 import uuid
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import nats
@@ -16,7 +17,15 @@ import pytest
 from control_plane.embedded import EmbeddedNats
 from control_plane.reconcile import reconcile
 from events.store import StreamLayout
-from events.usage import WorkerGenerated, decode_usage
+from events.usage import (
+    GatewayDelivered,
+    RequestFinished,
+    WorkerGenerated,
+    decode_usage,
+    dedupe_id,
+    encode_usage,
+    usage_subject,
+)
 from tests.dataplane.harness import Stack
 from tests.dataplane.test_openai_api import MESSAGES, async_client, expected_text
 from worker import protocol as p
@@ -145,6 +154,7 @@ async def test_a_502_before_any_token_bills_nothing(stack: Stack) -> None:
 async def test_reconciliation_ties_generated_delivered_and_billed(
     stack: Stack, sku: dict[str, Any]
 ) -> None:
+    since = datetime.now(UTC)
     _, key = await stack.tenant_with_key()
     client = async_client(stack, key["key"])
 
@@ -164,7 +174,7 @@ async def test_reconciliation_ties_generated_delivered_and_billed(
     await stack.ledger_rows(ids)
     await stack.delivery_rows(ids)
     await generation_rows(stack, ids)
-    report = await reconcile(stack.services.pool)
+    report = await reconcile(stack.services.pool, since=since)
     assert report.mismatches == [], report.lines()
     assert (
         report.generated_completion_tokens
@@ -215,3 +225,34 @@ async def test_the_worker_finishes_before_its_record_is_acked_and_retries_it(
         worker.stop()
         await asyncio.wait_for(serving, 30)
         await nc.close()
+
+
+async def test_reconciliation_waits_a_grace_period_before_calling_a_mismatch(
+    stack: Stack, sku: dict[str, Any]
+) -> None:
+    # A bill and its delivery whose worker record has not arrived (yet).
+    now = datetime.now(UTC)
+    common: dict[str, Any] = {
+        "request_id": uuid.uuid4().hex, "tenant_id": "ten_g", "key_id": "key_g",
+        "sku_id": sku["sku_id"], "prompt_tokens": 3, "completion_tokens": 4,
+        "finish_reason": "stop", "finished_at": now,
+    }  # fmt: skip
+    bill = RequestFinished(
+        **common, model="m", worker_id="w", e2e_ms=1.0, started_at=now - timedelta(seconds=1)
+    )
+    delivered = GatewayDelivered(**common, gateway_id="gw-g")
+    for kind, event in (("worker", bill), ("gateway", delivered)):
+        await stack.services.js.publish(
+            usage_subject(stack.prefix, kind, sku["sku_id"]),  # type: ignore[arg-type]
+            encode_usage(event),
+            headers={"Nats-Msg-Id": dedupe_id(event)},
+        )
+    rid = bill.request_id
+    await stack.ledger_rows([rid])
+    await stack.delivery_rows([rid])
+    report = await reconcile(stack.services.pool, since=now - timedelta(seconds=1))
+    assert report.pending == 1 and report.mismatches == []
+    report = await reconcile(
+        stack.services.pool, since=now - timedelta(seconds=1), grace=timedelta(0)
+    )
+    assert [(m.request_id, m.problem) for m in report.mismatches] == [(rid, "no worker record")]

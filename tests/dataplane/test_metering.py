@@ -14,6 +14,7 @@ import pytest
 
 from control_plane.reconcile import reconcile
 from tests.dataplane.harness import DEAD_AFTER_S, Stack
+from tests.dataplane.test_delivery_billing import generation_rows
 from tests.dataplane.test_openai_api import MESSAGES, async_client, expected_text, sync_client
 
 pytestmark = pytest.mark.timeout(120)
@@ -166,6 +167,7 @@ async def test_concurrent_streams_with_hang_ups_reconcile_exactly(
     ids = [r[0] for r in results]
     ledger = await stack.ledger_rows(ids)
     await stack.delivery_rows(ids)
+    await generation_rows(stack, ids)  # each worker record too: reconcile compares all three
     for request_id, got, hung_up in results:
         assert ledger[request_id]["completion_tokens"] >= got
         if not hung_up:
