@@ -15,9 +15,9 @@ Subjects (``prefix`` is the install's stream prefix, ``sku`` a SKU id):
 - ``{prefix}.workers.discover``: a gateway that starts asks every worker to announce again.
 
 Token chunks travel on core NATS (at most once); each carries a sequence number so the gateway
-notices a lost one. Billing never depends on them, except when the worker dies mid-stream (see
-docs in control_plane/dataplane/gateway.py): the worker's usage event on JetStream is the
-source of truth.
+notices a lost one. Their cumulative counts are what the gateway bills for the tokens it
+wrote to the client (see control_plane/dataplane/gateway.py); the worker's own record of what
+it generated goes to JetStream.
 
 Evolve only by adding fields with defaults, so mixed versions keep talking.
 """

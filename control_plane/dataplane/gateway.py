@@ -72,7 +72,7 @@ log = logging.getLogger("tokenmill.gateway")
 @dataclass(frozen=True)
 class GatewaySettings:
     # TOKENMILL_GATEWAY_WORKER_DEAD_S: a worker silent this long (no heartbeat) is dead, and
-    # its in-flight requests end with an error (metered with what was relayed).
+    # its in-flight requests end with an error (billed for what was delivered).
     worker_dead_after_s: float = field(
         default_factory=lambda: env_float("TOKENMILL_GATEWAY_WORKER_DEAD_S", 3.0)
     )
@@ -283,8 +283,8 @@ class Gateway:
         client is about to send the next one: work done then (the listeners' metrics, the
         event's JetStream write and ack, the projector's read and Postgres insert, all on the
         same few cores) runs exactly while that next request waits for its first token.
-        Nothing is billed from these (RequestFinished is the bill, and an on-behalf one is
-        published at once); reconciliation reads them seconds later."""
+        Nothing is billed from these (the bill, RequestFinished, is published at once);
+        reconciliation reads them seconds later."""
         while True:
             await asyncio.sleep(self.settings.report_every_s)
             self._report_now()
@@ -355,8 +355,8 @@ class Relay:
     """One dispatched request, for the HTTP layer: take `batch()` until it returns [] (or
     raises), answer the client, then call `release()` however that went: the bookkeeping
     (metering, quotas, metrics) happens there, off the token path, and a request that has not
-    ended (the client hung up, a chunk was lost) is cancelled on the worker and metered once
-    the worker confirms."""
+    ended (the client hung up, a chunk was lost) is cancelled on the worker and billed (for
+    what was delivered) once the worker confirms."""
 
     def __init__(
         self, gateway: Gateway, dispatch: Dispatch, reservation: Reservation | None = None
@@ -382,8 +382,8 @@ class Relay:
     async def batch(self) -> list[p.TokenChunk]:
         """The worker's chunks that arrived since the last call, in order; [] once it finished
         (see `finished`). Raises NoWorker, RequestRejected (nothing metered), WorkerLost
-        (metered with what was relayed), ChunkLost or ClientGone (metered once `release` has
-        cancelled and drained it)."""
+        (billed at `release` for what was delivered), ChunkLost or ClientGone (billed once
+        `release` has cancelled and drained it)."""
         d = self.dispatch
         try:
             chunks = await d.batch()
