@@ -95,6 +95,7 @@ def test_gptq_beats_rtn_on_the_first_layers(smollm2: tuple, single_thread: objec
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # minutes of GPTQ over the whole model on two CPU cores
 def test_gptq_within_15_percent_of_16bit(smollm2: tuple, single_thread: object) -> None:
     ref, rtn_gap, gptq_gap = _gaps(smollm2, eval_tokens=4096, calibration_tokens=16_384)
     assert rtn_gap > 0.2
