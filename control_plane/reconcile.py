@@ -3,8 +3,9 @@ request: what the worker generated (`worker_generations`), what the gateway deli
 client (`gateway_deliveries`) and what was billed (`usage_ledger`).
 
 A request matches when billed = delivered (prompt tokens, completion tokens, finish reason)
-and generated = delivered + the bill's unbilled waste (a request whose worker was lost has no
-worker count to compare, or one that ran on past what the gateway received). A request with
+and generated = delivered + the bill's unbilled waste (a worker that was lost may have run on
+past what the gateway received; a request without a worker record, from a worker that died or
+one older than these records, is counted apart and taken at the gateway's count). A request with
 any problem that finished within the grace period is pending, not a mismatch: its other
 records may still be on their way (a gateway reports deliveries in batches, a worker
 publishes its record after telling the gateway it finished). Prints the totals, the match
@@ -57,6 +58,7 @@ class Report:
     requests: int = 0
     matched: int = 0
     pending: int = 0  # a problem, but within the grace period
+    without_worker_record: int = 0  # billed, but the worker's record is missing
     billed_completion_tokens: int = 0
     delivered_completion_tokens: int = 0
     generated_completion_tokens: int = 0
@@ -71,7 +73,8 @@ class Report:
     def lines(self) -> list[str]:
         out = [
             f"requests {self.requests}, matched {self.matched}, mismatched {len(self.mismatches)}, "
-            f"pending {self.pending}: match rate {self.match_rate * 100:.2f}%",
+            f"pending {self.pending}: match rate {self.match_rate * 100:.2f}%"
+            f" ({self.without_worker_record} without a worker record)",
             f"completion tokens generated {self.generated_completion_tokens}, delivered "
             f"{self.delivered_completion_tokens}, unbilled waste {self.unbilled_waste_tokens}, "
             f"billed {self.billed_completion_tokens}",
@@ -104,8 +107,7 @@ def _problem(r: Any) -> str | None:
             diffs.append(f"{what} billed {billed} vs delivered {delivered}")
     generated = r["generated_completion"]
     if generated is None:
-        if not r["worker_lost"]:
-            diffs.append("no worker record")
+        pass  # a worker that died, or one older than its record: counted, not a mismatch
     elif r["worker_lost"]:
         if generated < r["delivered_completion"]:
             diffs.append(f"generated {generated} < delivered {r['delivered_completion']}")
@@ -130,9 +132,11 @@ async def reconcile(
         report.requests += 1
         report.billed_completion_tokens += r["billed_completion"] or 0
         report.delivered_completion_tokens += r["delivered_completion"] or 0
-        # A lost worker's count is what the gateway received from it (its waste included).
+        # Without a worker record (a lost worker, or one from before workers kept one) the
+        # count is what the gateway received from it, its waste included.
         generated = r["generated_completion"]
-        if generated is None and r["worker_lost"]:
+        if generated is None and r["billed_completion"] is not None:
+            report.without_worker_record += 1
             generated = (r["delivered_completion"] or 0) + (r["waste"] or 0)
         if generated is not None:
             report.generated_completion_tokens += generated

@@ -18,7 +18,6 @@ from control_plane.embedded import EmbeddedNats
 from control_plane.reconcile import reconcile
 from events.store import StreamLayout
 from events.usage import (
-    GatewayDelivered,
     RequestFinished,
     WorkerGenerated,
     decode_usage,
@@ -230,7 +229,7 @@ async def test_the_worker_finishes_before_its_record_is_acked_and_retries_it(
 async def test_reconciliation_waits_a_grace_period_before_calling_a_mismatch(
     stack: Stack, sku: dict[str, Any]
 ) -> None:
-    # A bill and its delivery whose worker record has not arrived (yet).
+    # A bill whose delivery report has not arrived (yet).
     now = datetime.now(UTC)
     common: dict[str, Any] = {
         "request_id": uuid.uuid4().hex, "tenant_id": "ten_g", "key_id": "key_g",
@@ -240,8 +239,10 @@ async def test_reconciliation_waits_a_grace_period_before_calling_a_mismatch(
     bill = RequestFinished(
         **common, model="m", worker_id="w", e2e_ms=1.0, started_at=now - timedelta(seconds=1)
     )
-    delivered = GatewayDelivered(**common, gateway_id="gw-g")
-    for kind, event in (("worker", bill), ("gateway", delivered)):
+    generated = WorkerGenerated(
+        **common, model="m", worker_id="w", e2e_ms=1.0, started_at=now - timedelta(seconds=1)
+    )
+    for kind, event in (("worker", bill), ("worker", generated)):
         await stack.services.js.publish(
             usage_subject(stack.prefix, kind, sku["sku_id"]),  # type: ignore[arg-type]
             encode_usage(event),
@@ -249,10 +250,12 @@ async def test_reconciliation_waits_a_grace_period_before_calling_a_mismatch(
         )
     rid = bill.request_id
     await stack.ledger_rows([rid])
-    await stack.delivery_rows([rid])
+    assert await generation_rows(stack, [rid])
     report = await reconcile(stack.services.pool, since=now - timedelta(seconds=1))
     assert report.pending == 1 and report.mismatches == []
     report = await reconcile(
         stack.services.pool, since=now - timedelta(seconds=1), grace=timedelta(0)
     )
-    assert [(m.request_id, m.problem) for m in report.mismatches] == [(rid, "no worker record")]
+    assert [(m.request_id, m.problem) for m in report.mismatches] == [
+        (rid, "billed but no gateway delivery recorded")
+    ]
