@@ -65,7 +65,7 @@ async def test_completion_routes_skip_the_router_and_keep_the_route_middleware(
 
     handlers = {p: recording(p, h) for p, h in plane.completion_handlers().items()}
     routes = direct_routes(app, handlers)
-    assert set(routes) == {"/v1/chat/completions", "/v1/completions"}
+    assert set(routes) == {"/v1/chat/completions", "/v1/completions", "/v1/responses"}
 
     async with (
         serving(app, http=gateway_protocol(routes)) as (base_url, _),
