@@ -1039,6 +1039,33 @@ def build_model(args: argparse.Namespace, config: Any, precision: str) -> tuple[
     return device, dtype, model
 
 
+def load_point_engine(
+    model: Any,
+    args: argparse.Namespace,
+    precision: str,
+    max_num_seqs: int,
+    batched_tokens: int,
+    pad_decode: bool | None = None,
+) -> LLMEngine:
+    """An engine for the load point's lengths: KV for `max_num_seqs` whole sequences (fp8
+    unless bf16 weights), `batched_tokens` a step."""
+    max_model_len = args.prompt_len + args.max_tokens
+    return LLMEngine(
+        model,
+        None,
+        EngineConfig(
+            block_size=16,
+            num_kv_blocks=-(-max_model_len // 16) * max_num_seqs,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=batched_tokens,
+            max_model_len=max_model_len,
+            kv_dtype=FP8_E4M3 if precision != "bf16" else None,
+            device=args.device,
+            pad_decode=pad_decode,
+        ),
+    )
+
+
 def engine_config(
     args: argparse.Namespace, config: Any, precision: str, budget: float
 ) -> dict[str, Any]:
@@ -1049,20 +1076,9 @@ def engine_config(
     device, dtype, model = build_model(args, config, precision)
     fp8 = precision == "fp8"
     build_s = time.perf_counter() - began
-    max_model_len = args.prompt_len + args.max_tokens
-    engine = LLMEngine(
-        model,
-        None,
-        EngineConfig(
-            block_size=16,
-            num_kv_blocks=-(-max_model_len // 16) * args.concurrency,
-            max_num_seqs=args.concurrency,
-            max_num_batched_tokens=args.prompt_len * args.concurrency,
-            max_model_len=max_model_len,
-            kv_dtype=FP8_E4M3 if precision != "bf16" else None,
-            device=device,
-            pad_decode=True,  # on CPU too, so the plumbing check covers the same path
-        ),
+    # pad_decode on CPU too, so the plumbing check covers the same path
+    engine = load_point_engine(
+        model, args, precision, args.concurrency, args.prompt_len * args.concurrency, True
     )
     result: dict[str, Any] = {
         "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / GIB,
@@ -1159,21 +1175,7 @@ def concurrency_sweep(
 
     began = time.perf_counter()
     device, _, model = build_model(args, config, precision)
-    top = max(args.sweep)
-    max_model_len = args.prompt_len + args.max_tokens
-    engine = LLMEngine(
-        model,
-        None,
-        EngineConfig(
-            block_size=16,
-            num_kv_blocks=-(-max_model_len // 16) * top,
-            max_num_seqs=top,
-            max_num_batched_tokens=args.sweep_batched_tokens,
-            max_model_len=max_model_len,
-            kv_dtype=FP8_E4M3 if precision != "bf16" else None,
-            device=device,
-        ),
-    )
+    engine = load_point_engine(model, args, precision, max(args.sweep), args.sweep_batched_tokens)
     built = time.perf_counter()
     compositions = engine.warm_up()
     result: dict[str, Any] = {
