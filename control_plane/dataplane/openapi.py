@@ -19,6 +19,7 @@ from litestar.plugins import InitPlugin
 from control_plane.dataplane.errors import ErrorEnvelope
 from control_plane.dataplane.requests import ChatCompletionBody, CompletionBody
 from control_plane.dataplane.responses import ChatCompletion, TextCompletion
+from control_plane.dataplane.responses_api import INPUT_ITEMS, Response, ResponsesBody
 
 log = logging.getLogger("tokenmill.dataplane")
 
@@ -36,7 +37,17 @@ class ModelList(msgspec.Struct):
 
 
 _REF = "#/components/schemas/{name}"
-_STRUCTS = [ChatCompletionBody, CompletionBody, ChatCompletion, TextCompletion, Model, ModelList]
+_STRUCTS = [
+    ChatCompletionBody,
+    CompletionBody,
+    ChatCompletion,
+    TextCompletion,
+    ResponsesBody,
+    Response,
+    *INPUT_ITEMS,
+    Model,
+    ModelList,
+]
 
 
 def _json(ref: str) -> dict[str, Any]:
@@ -58,7 +69,12 @@ def _errors(*statuses: int) -> dict[str, Any]:
     return {str(s): {"description": what[s], "content": _json("ErrorEnvelope")} for s in statuses}
 
 
-def _completion(summary: str, body: str, answer: str, tag: str = "completions") -> dict[str, Any]:
+_STREAMED = "The answer; with `stream: true`, server-sent events of chunks ending `data: [DONE]`"
+
+
+def _completion(
+    summary: str, body: str, answer: str, tag: str = "completions", streamed: str = _STREAMED
+) -> dict[str, Any]:
     return {
         "post": {
             "summary": summary,
@@ -68,8 +84,7 @@ def _completion(summary: str, body: str, answer: str, tag: str = "completions") 
             "requestBody": {"required": True, "content": _json(body)},
             "responses": {
                 "200": {
-                    "description": "The answer; with `stream: true`, server-sent events of "
-                    "chunks ending `data: [DONE]`",
+                    "description": streamed,
                     "content": {
                         **_json(answer),
                         "text/event-stream": {"schema": {"type": "string"}},
@@ -84,6 +99,14 @@ def _completion(summary: str, body: str, answer: str, tag: str = "completions") 
 def v1_document() -> tuple[dict[str, Any], dict[str, Any]]:
     """(paths, component schemas) for /v1, as OpenAPI 3.1 (JSON Schema) dictionaries."""
     _, schemas = msgspec.json.schema_components([*_STRUCTS, ErrorEnvelope], ref_template=_REF)
+    # The Responses API's `input` is read item by item (responses_api.input_messages), from
+    # dicts: its items as the shapes that reading accepts. `stream_options` is no field of it.
+    responses_body = schemas["ResponsesBody"]
+    items = {"anyOf": [{"$ref": _REF.format(name=t.__name__)} for t in INPUT_ITEMS]}
+    responses_body["properties"]["input"] = {
+        "anyOf": [{"type": "string"}, {"type": "array", "items": items}]
+    }
+    responses_body["properties"].pop("stream_options", None)
     get_model = {
         "summary": "One model (a SKU name, or the model a SKU serves)",
         "operationId": "retrieveModel",
@@ -100,6 +123,15 @@ def v1_document() -> tuple[dict[str, Any], dict[str, Any]]:
             "Chat completion", "ChatCompletionBody", "ChatCompletion"
         ),
         "/v1/completions": _completion("Text completion", "CompletionBody", "TextCompletion"),
+        "/v1/responses": _completion(
+            "Create a response (stateless: nothing is stored)",
+            "ResponsesBody",
+            "Response",
+            tag="responses",
+            streamed="The Response object; with `stream: true`, server-sent events "
+            "(`response.created`, output items and deltas, `response.completed` or "
+            "`response.incomplete`)",
+        ),
         "/v1/models": {
             "get": {
                 "summary": "The models this key may use",

@@ -141,7 +141,6 @@ class CompletionBody(_Common, kw_only=True, forbid_unknown_fields=True):
 UNSUPPORTED = {
     "functions",
     "function_call",
-    "parallel_tool_calls",
     "logit_bias",
     "audio",
     "modalities",

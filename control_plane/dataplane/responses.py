@@ -41,29 +41,53 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usa
 
 
 # The shapes below document the answers (openapi.py); they are written from dicts.
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
+TextFinishReason = Literal["stop", "length"]
+
+
 class FunctionOut(msgspec.Struct):
     name: str
-    arguments: str
+    arguments: str  # JSON text, as the model wrote it
 
 
 class ToolCallOut(msgspec.Struct):
     id: str
     function: FunctionOut
-    type: str = "function"
+    type: Literal["function"] = "function"
+
+
+class TopLogprobOut(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[TokenLogprobOut] | None
+    refusal: None = None
 
 
 class ChatMessageOut(msgspec.Struct):
-    role: str
-    content: str | None
+    role: Literal["assistant"]
+    content: str | None  # null beside tool calls
     tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
     refusal: None = None
 
 
 class ChatChoice(msgspec.Struct):
+    """`index`: 0..n-1, one per requested choice."""
+
     index: int
     message: ChatMessageOut
-    finish_reason: str
-    logprobs: dict[str, Any] | None = None
+    finish_reason: ChatFinishReason
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct):
@@ -72,15 +96,27 @@ class ChatCompletion(msgspec.Struct):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    object: str = "chat.completion"
+    object: Literal["chat.completion"] = "chat.completion"
     system_fingerprint: None = None
 
 
+class TextLogprobs(msgspec.Struct):
+    """The legacy shape: per generated token, its text, logprob, top alternatives and offset
+    in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class TextChoice(msgspec.Struct):
+    """`index`: 0..n-1, one per requested choice."""
+
     index: int
-    text: str
-    finish_reason: str
-    logprobs: dict[str, Any] | None = None
+    text: str  # with `echo`, the prompt first
+    finish_reason: TextFinishReason
+    logprobs: TextLogprobs | None = None
 
 
 class TextCompletion(msgspec.Struct):
@@ -89,7 +125,7 @@ class TextCompletion(msgspec.Struct):
     model: str
     choices: list[TextChoice]
     usage: Usage
-    object: str = "text_completion"
+    object: Literal["text_completion"] = "text_completion"
     system_fingerprint: None = None
 
 

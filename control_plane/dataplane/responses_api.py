@@ -233,6 +233,129 @@ def parse_responses(raw: bytes) -> Parsed:
     )
 
 
+# The shapes below document `input` and the Response object (openapi.py); the input is read
+# from dicts (`input_messages`) and the answer written from dicts.
+class InputTextPart(msgspec.Struct):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class InputMessage(msgspec.Struct):
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputTextPart]
+    type: Literal["message"] = "message"
+
+
+class InputFunctionCall(msgspec.Struct):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class InputFunctionCallOutput(msgspec.Struct):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputTextPart]
+
+
+class OutputText(msgspec.Struct):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any]
+
+
+class OutputMessage(msgspec.Struct, tag_field="type", tag="message"):
+    id: str
+    status: Literal["in_progress", "completed"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class OutputFunctionCall(msgspec.Struct, tag_field="type", tag="function_call"):
+    id: str
+    status: Literal["in_progress", "completed"]
+    call_id: str
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class InputTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class OutputTokensDetails(msgspec.Struct):
+    reasoning_tokens: int
+
+
+class ResponseUsage(msgspec.Struct):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(msgspec.Struct):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseReasoning(msgspec.Struct):
+    effort: None
+    summary: None
+
+
+class ResponseTextFormat(msgspec.Struct):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | msgspec.UnsetType = msgspec.UNSET
+    schema: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
+    strict: bool | msgspec.UnsetType = msgspec.UNSET
+
+
+class ResponseText(msgspec.Struct):
+    format: ResponseTextFormat
+
+
+class ResponseFunctionTool(msgspec.Struct):
+    type: Literal["function"]
+    name: str
+    description: str | None
+    parameters: dict[str, Any] | None
+    strict: bool
+
+
+class Response(msgspec.Struct):
+    """The Response object: whole, or in the stream's response.* events."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    error: None
+    incomplete_details: IncompleteDetails | None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[OutputMessage | OutputFunctionCall]
+    parallel_tool_calls: bool
+    previous_response_id: None
+    reasoning: ResponseReasoning
+    store: Literal[False]
+    temperature: float
+    text: ResponseText
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction
+    tools: list[ResponseFunctionTool]
+    top_p: float
+    truncation: Literal["disabled"]
+    usage: ResponseUsage | None
+    user: str | None
+    metadata: dict[str, str]
+
+
+INPUT_ITEMS = (InputMessage, InputFunctionCall, InputFunctionCallOutput)
+
+
 _json = msgspec.json.encode
 
 

@@ -582,6 +582,25 @@ async def test_the_openapi_document_describes_v1(stack: Stack) -> None:
         in resolved(doc["paths"]["/v1/models"]["get"]["responses"]["200"]["content"])["properties"]
     )
     assert "/v1/models/{model}" in doc["paths"] and "/v1/usage" in doc["paths"]
+    # Tools, structured output, logprobs and choices, asked for and answered.
+    chat_fields = set(chat_body["properties"])
+    assert {"tools", "tool_choice", "parallel_tool_calls", "response_format"} <= chat_fields
+    assert {"logprobs", "top_logprobs", "n"} <= chat_fields
+    assert {"echo", "logprobs", "n"} <= set(resolved(text["requestBody"]["content"])["properties"])
+    assert "tool_calls" in schemas["ChatMessageOut"]["properties"]
+    assert set(schemas["ChatChoice"]["properties"]["finish_reason"]["enum"]) == {
+        "stop", "length", "tool_calls",
+    }  # fmt: skip
+    assert "top_logprobs" in schemas["TokenLogprobOut"]["required"]
+    assert "text_offset" in schemas["TextLogprobs"]["required"]
+    responses = doc["paths"]["/v1/responses"]["post"]
+    responses_body = resolved(responses["requestBody"]["content"])
+    assert {"model", "input"} <= set(responses_body["required"])
+    assert "stream_options" not in responses_body["properties"]
+    response = resolved(responses["responses"]["200"]["content"])
+    assert {"output", "usage", "status"} <= set(response["properties"])
+    assert "text/event-stream" in responses["responses"]["200"]["content"]
+    assert "429" in responses["responses"]
     # Every reference resolves.
     refs = {m for m in json.dumps(doc).split('"$ref": "')[1:]}
     for ref in refs:

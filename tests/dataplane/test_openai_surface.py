@@ -216,6 +216,8 @@ BAD = [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"n": 17}, "n"),
+    # A supported parameter beside an invalid one: the invalid one is named.
+    ({"parallel_tool_calls": False, "n": 17}, "n"),
     ({"n": 0}, "n"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),

@@ -1,5 +1,5 @@
-"""/v1 against its own OpenAPI document (schemathesis): generated requests to the completion
-and models routes, valid and invalid, are never answered with a 5xx, and every answer has a
+"""/v1 against its own OpenAPI document (schemathesis): generated requests to the completion,
+responses and models routes, valid and invalid, are never answered with a 5xx, and every answer has a
 documented status and content type. Served by the test harness (the fast path, real NATS,
 Postgres and a fixed-rate worker) from its own thread, since schemathesis calls it
 synchronously."""
@@ -27,6 +27,7 @@ CHECKS = [
     st_checks.not_a_server_error,
     st_checks.status_code_conformance,
     st_checks.content_type_conformance,
+    st_checks.response_schema_conformance,
 ]
 
 
@@ -112,9 +113,9 @@ def _failures(served: _ServedStack, max_examples: int, modes: list[GenerationMod
     config = schemathesis.Config.from_dict({"seed": 20261201, "headers": auth})
     schema = schemathesis.openapi.from_url(
         served.stack.base_url + "/schema/openapi.json", config=config
-    ).include(path_regex=r"^/v1/(chat/completions|completions|models)")
+    ).include(path_regex=r"^/v1/(chat/completions|completions|responses|models)")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 4, [op.label for op in operations]
+    assert len(operations) == 5, [op.label for op in operations]
     failures = []
     for operation in operations:
         for mode in modes:
