@@ -25,6 +25,10 @@ from events.store import EventStore, StreamLayout
 from events.usage import RequestFinished, usage_stream_name
 from tests.governance.conftest import Clock, World, fast_settings
 
+# Real NATS restarts with second-scale waits; on a loaded 2-core machine a restart round once
+# outlasted its bounds and the fixture's teardown then hung: run with -m slow.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture()
 def own_nats(tmp_path: Path) -> Iterator[EmbeddedNats]:
