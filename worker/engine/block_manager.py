@@ -15,15 +15,33 @@ sinks), not among its last `window_pages`, and not written in the last `min_age`
 moves to a free compressed block (the table entry changes; the recent block is freed) and the
 (recent, compressed) pairs are what the executor re-encodes before the step's forward. A
 compressed page is never written again: only a sequence's last page takes new tokens.
+
+Prefix caching (optional, `prefix_caching=True`; not combined with staging): a block whose
+tokens are all computed is registered under a hash of its tokens chained with its prefix's hash
+and the sequence's cache salt, so a later sequence with the same salt and the same leading
+blocks takes the same block ids instead of computing them again. Blocks are reference-counted;
+a registered block nobody holds stays cached in an LRU and is evicted (its registration
+dropped) only when growth finds no free block, so the cache never fails a request that the pool
+could hold without it.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Hashable
 
-from worker.engine.sequence import Sequence
+from worker.engine.sequence import PENDING_TOKEN, Sequence
 
 NEVER_WRITTEN = -1
+
+# The chain hash before a sequence's first block.
+ROOT_HASH = 0
+
+
+def block_key(parent: int, salt: Hashable, tokens: tuple[int, ...]) -> tuple[int, Hashable, tuple]:
+    """What a full block is registered by: its prefix's chain hash, the salt, its tokens (the
+    key is compared in full on a hit, so a hash collision can never share a wrong block)."""
+    return (parent, salt, tokens)
 
 
 def staged_recent_blocks(
@@ -74,6 +92,7 @@ class BlockManager:
         anchor_pages: int = 1,
         min_age: int = 1,
         first_compressed_block: int | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("need at least one block of at least one token")
@@ -95,14 +114,28 @@ class BlockManager:
         self._free_compressed: deque[int] = deque(range(first, total))
         self._is_free = [True] * total
         self.last_write_step = [NEVER_WRITTEN] * total
+        if prefix_caching and num_compressed_blocks:
+            raise ValueError("prefix caching does not combine with staged KV")
+        self.prefix_caching = prefix_caching
+        self._ref = [0] * total  # sequences holding each block (prefix caching)
+        self._key: dict[int, tuple] = {}  # registered block -> its block_key
+        self._hash: dict[int, int] = {}  # registered block -> its chain hash
+        self._cached: dict[int, int] = {}  # chain hash -> registered block
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unheld: LRU first
+        self.num_evicted = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks growth may take: free ones, and cached ones nobody holds (evicted on use)."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -112,23 +145,107 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.num_new_blocks(seq, num_tokens) <= len(self._free)
+        return self.num_new_blocks(seq, num_tokens) <= self.num_free_blocks
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Give `seq` blocks for positions [0, num_tokens); raises if there are too few."""
         needed = self.num_new_blocks(seq, num_tokens)
-        if needed > len(self._free):
-            raise RuntimeError(f"{needed} KV blocks needed, {len(self._free)} free")
+        if needed > self.num_free_blocks:
+            raise RuntimeError(f"{needed} KV blocks needed, {self.num_free_blocks} free")
         for _ in range(needed):
-            block = self._free.popleft()
+            if self._free:
+                block = self._free.popleft()
+            else:  # under memory pressure: the least recently used cached block
+                block, _ = self._evictable.popitem(last=False)
+                self._unregister(block)
+                self.num_evicted += 1
             self._is_free[block] = False
+            self._ref[block] = 1
             seq.block_table.append(block)
 
     def free(self, seq: Sequence) -> None:
         # Freed blocks go to the back of the free list: the most recently used are reused last.
-        for block in seq.block_table:
+        # Cached blocks go to the back of the LRU, a sequence's last blocks first: its deepest
+        # blocks (the least likely to match again) are evicted before its first ones.
+        for block in reversed(seq.block_table) if self.prefix_caching else seq.block_table:
+            if self.prefix_caching:
+                self._ref[block] -= 1
+                if self._ref[block] > 0:
+                    continue
+                if block in self._key:
+                    self._evictable[block] = None
+                    continue
             self._release(block)
         seq.block_table = []
+        seq.block_hashes = []
+
+    # --- prefix caching ----------------------------------------------------------------------
+
+    def _unregister(self, block: int) -> None:
+        del self._key[block]
+        del self._cached[self._hash.pop(block)]
+
+    def match(self, seq: Sequence, max_tokens: int) -> tuple[list[int], list[int]]:
+        """(blocks, chain hashes) of the longest run of `seq`'s leading full blocks that are
+        cached, covering at most `max_tokens` positions. Holds nothing (see `acquire`)."""
+        if not self.prefix_caching:
+            return [], []
+        n = min(max_tokens, seq.num_tokens) // self.block_size
+        tokens = seq.token_ids(0, n * self.block_size)
+        if PENDING_TOKEN in tokens:
+            return [], []
+        blocks: list[int] = []
+        hashes: list[int] = []
+        parent, salt = ROOT_HASH, seq.params.cache_salt
+        for i in range(n):
+            key = block_key(
+                parent, salt, tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            )
+            h = hash(key)
+            block = self._cached.get(h)
+            if block is None or self._key[block] != key:
+                break
+            blocks.append(block)
+            hashes.append(h)
+            parent = h
+        return blocks, hashes
+
+    def num_unheld(self, blocks: list[int]) -> int:
+        """How many of `blocks` sit in the LRU (taking them uses up free capacity)."""
+        return sum(1 for b in blocks if b in self._evictable)
+
+    def acquire(self, seq: Sequence, blocks: list[int], hashes: list[int]) -> None:
+        """Make `blocks` (from `match`) the start of an empty `seq`'s block table."""
+        if seq.block_table:
+            raise RuntimeError("a sequence takes cached blocks only before it holds any")
+        for block in blocks:
+            self._evictable.pop(block, None)
+            self._ref[block] += 1
+        seq.block_table = list(blocks)
+        seq.block_hashes = list(hashes)
+
+    def register(self, seq: Sequence) -> None:
+        """Register `seq`'s full blocks whose tokens are all computed (and known to the host)."""
+        if not self.prefix_caching:
+            return
+        done = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        first = len(seq.block_hashes)
+        if first >= done:
+            return
+        parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+        salt = seq.params.cache_salt
+        for i in range(first, done):
+            tokens = tuple(seq.token_ids(i * self.block_size, (i + 1) * self.block_size))
+            if PENDING_TOKEN in tokens:
+                return
+            key = block_key(parent, salt, tokens)
+            parent = hash(key)
+            seq.block_hashes.append(parent)
+            block = seq.block_table[i]
+            if parent not in self._cached and block not in self._key:
+                self._cached[parent] = block
+                self._key[block] = key
+                self._hash[block] = parent
 
     def _release(self, block: int) -> None:
         if self._is_free[block]:

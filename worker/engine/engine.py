@@ -22,7 +22,7 @@ from worker.engine.runner import ModelRunner, SampledTokens, model_device, model
 from worker.engine.sampler import TokenLogprobs, stop_by_token
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import PENDING_TOKEN, FinishReason, SamplingParams, Sequence
-from worker.engine.state_slots import StateSlotPool
+from worker.engine.state_slots import StateCheckpoints, StateSlotPool
 from worker.models.cache import KVStaging
 
 log = logging.getLogger(__name__)
@@ -202,6 +202,17 @@ class EngineConfig:
     # 25 ms: a wave of 8 clients through the gateway arrived over ~10-15 ms on the H200 machine.
     prefill_gather_s: float = 0.0
     prefill_gather_gap_s: float | None = None
+    # Prefix caching (TOKENMILL_ENGINE_PREFIX_CACHING=1; default off; not with kv_staging): full
+    # KV blocks are shared by content (chained block hashes, salted by SamplingParams.cache_salt)
+    # and kept in an LRU once unheld, evicted only when the pool runs out. With DeltaNet layers
+    # a prefix resumes only where a state checkpoint exists too: one every
+    # prefix_checkpoint_blocks blocks (TOKENMILL_ENGINE_PREFIX_CHECKPOINT_BLOCKS; 32 = 512
+    # tokens at block_size 16), in a pool of prefix_checkpoint_slots state slots
+    # (TOKENMILL_ENGINE_PREFIX_CHECKPOINT_SLOTS; default max_num_seqs) beside the running ones.
+    # Prefill chunks end at checkpoint positions, so the spacing is also the longest chunk.
+    enable_prefix_caching: bool = False
+    prefix_checkpoint_blocks: int = 32
+    prefix_checkpoint_slots: int | None = None
 
     @classmethod
     def from_env(cls, **overrides: Any) -> EngineConfig:
@@ -228,6 +239,9 @@ class EngineConfig:
             "kv_staging": os.environ.get("TOKENMILL_ENGINE_KV_STAGING") or None,
             "kv_staging_window_pages": _env_int("TOKENMILL_ENGINE_KV_STAGING_WINDOW_PAGES", None),
             "kv_staging_anchor_pages": _env_int("TOKENMILL_ENGINE_KV_STAGING_ANCHOR_PAGES", None),
+            "enable_prefix_caching": _env_bool("TOKENMILL_ENGINE_PREFIX_CACHING"),
+            "prefix_checkpoint_blocks": _env_int("TOKENMILL_ENGINE_PREFIX_CHECKPOINT_BLOCKS", None),
+            "prefix_checkpoint_slots": _env_int("TOKENMILL_ENGINE_PREFIX_CHECKPOINT_SLOTS", None),
         }
         return cls(**{k: v for k, v in env.items() if v is not None}, **overrides)
 
@@ -236,7 +250,7 @@ class EngineConfig:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int = 0  # prompt tokens served from a prefix cache (none until there is one)
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
 
     @property
     def total_tokens(self) -> int:
@@ -302,6 +316,14 @@ class LLMEngine:
             model.fuse_projections()
         config.max_model_len = _context_limit(config, model)
         self.kv_staging_bits = kv_staging_bits(config.kv_staging)
+        if config.enable_prefix_caching and self.kv_staging_bits is not None:
+            raise ValueError("prefix caching does not combine with kv_staging")
+        if config.enable_prefix_caching and config.prefix_checkpoint_blocks < 1:
+            raise ValueError("prefix_checkpoint_blocks must be >= 1")
+        self.num_checkpoint_slots = 0
+        if config.enable_prefix_caching:
+            slots = config.prefix_checkpoint_slots
+            self.num_checkpoint_slots = config.max_num_seqs if slots is None else max(0, slots)
         num_blocks, num_compressed = self._kv_pool()
         staging = None
         if self.kv_staging_bits is not None:
@@ -318,6 +340,7 @@ class LLMEngine:
             cuda_graphs=config.cuda_graphs,
             pad_decode=config.pad_decode,
             staging=staging,
+            num_checkpoint_slots=self.num_checkpoint_slots,
         )
         if self.runner.device.type == "cuda":  # the GPU's measured kernel settings, if any
             from worker.kernels import tuning
@@ -333,7 +356,13 @@ class LLMEngine:
             window_pages=config.kv_staging_window_pages,
             anchor_pages=config.kv_staging_anchor_pages,
             first_compressed_block=self.runner.first_compressed_block,
+            prefix_caching=config.enable_prefix_caching,
         )
+        checkpoints = None
+        if config.enable_prefix_caching and self.runner.has_state and self.runner.can_copy_state:
+            checkpoints = StateCheckpoints(
+                self.runner.first_checkpoint_slot, self.num_checkpoint_slots
+            )
         self.scheduler = Scheduler(
             self.block_manager,
             StateSlotPool(config.max_num_seqs),
@@ -341,6 +370,9 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             prefill_gather_s=config.prefill_gather_s,
             prefill_gather_gap_s=config.prefill_gather_gap_s,
+            checkpoints=checkpoints,
+            checkpoint_blocks=config.prefix_checkpoint_blocks,
+            needs_state=self.runner.has_state,
         )
         self._requests: dict[str, _Request] = {}
         self._finished_outside_step: list[RequestOutput] = []  # aborts, reported by next step()
@@ -418,7 +450,8 @@ class LLMEngine:
                 budget, source = cfg.kv_cache_bytes, f"kv_cache_bytes={cfg.kv_cache_bytes}"
             elif device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(device)
-                state = cfg.max_num_seqs * self._probe_cache().state_bytes_per_sequence()
+                slots = cfg.max_num_seqs + self.num_checkpoint_slots
+                state = slots * self._probe_cache().state_bytes_per_sequence()
                 budget = kv_budget_bytes(free, cfg.gpu_memory_fraction, state)
                 source = (
                     f"gpu_memory_fraction={cfg.gpu_memory_fraction} of {free / GIB:.2f} GiB free, "
@@ -618,11 +651,13 @@ class LLMEngine:
         if self._in_flight is not None:  # _can_launch_ahead promised an overlapping batch
             raise RuntimeError("a step was scheduled on tokens still in flight")
         try:
+            self.runner.copy_states(batch.state_restores)
             next_tokens = self.runner.execute(batch)
         except Exception as exc:  # a failed step ends its sequences, not the engine
             log.exception("engine step %d failed", batch.step)
             return outputs + self._fail(batch, f"{type(exc).__name__}: {exc}")
         self.scheduler.complete(batch, next_tokens)
+        self.runner.copy_states(batch.state_saves)
         for entry, token in zip(batch.entries, next_tokens, strict=True):
             if token is None:
                 continue
@@ -738,7 +773,7 @@ class LLMEngine:
             text=request.pending_text + text,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
-            usage=Usage(seq.num_prompt_tokens, seq.num_sampled_tokens),
+            usage=Usage(seq.num_prompt_tokens, seq.num_sampled_tokens, seq.num_cached_tokens),
             metrics=RequestMetrics(
                 seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_preemptions
             ),

@@ -236,6 +236,7 @@ class ModelRunner:
         cuda_graphs: bool = False,
         pad_decode: bool | None = None,
         staging: KVStaging | None = None,
+        num_checkpoint_slots: int = 0,
     ) -> None:
         self.model = model
         self.device = torch.device(device) if device is not None else model_device(model)
@@ -246,12 +247,19 @@ class ModelRunner:
         self.cache = model.allocate_cache(
             num_blocks + 1,
             block_size,
-            num_state_slots + 1,
+            num_state_slots + 1 + num_checkpoint_slots,
             self.kv_dtype,
             self.device,
             state_dtype=self.state_dtype,
             **({} if staging is None else {"staging": staging}),
         )
+        # prefix caching's state checkpoints: the slots past the scratch slot
+        self.first_checkpoint_slot = num_state_slots + 1
+        self.num_checkpoint_slots = num_checkpoint_slots
+        # a cache without recurrent state (dense) resumes a prefix from KV alone; one whose state
+        # cannot be copied (a test double without `copy_state_slots`) never resumes one
+        self.has_state = bool(getattr(self.cache, "has_recurrent_state", True))
+        self.can_copy_state = hasattr(self.cache, "copy_state_slots")
         # block ids past the recent pool (scratch included) name compressed pages
         self.first_compressed_block = num_blocks + 1
         # a cache without staged layers (or a test double without `staged`): restage is a no-op
@@ -280,6 +288,12 @@ class ModelRunner:
             torch.zeros(self.sizes[-1], dtype=torch.int64, pin_memory=pin) for _ in range(2)
         ]
         self._last_buffer = 1
+
+    @torch.inference_mode()
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy DeltaNet state slots (source, destination), in stream order with the steps."""
+        if pairs:
+            self.cache.copy_state_slots(pairs)
 
     # --- staged KV --------------------------------------------------------------------------
 

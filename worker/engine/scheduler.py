@@ -26,6 +26,15 @@ yet scheduled this step is preempted by recompute: its blocks and state slot are
 goes back to the front of the waiting queue with `num_computed_tokens = 0` (prompt and the
 output so far are prefilled again later). If no other sequence can give way, the sequence
 itself is preempted. No admissions happen in a step that preempted.
+
+Prefix caching (the block manager's `prefix_caching`): a sequence being admitted with nothing
+computed first takes the cached blocks of its longest cached prefix and starts computing after
+them (at least its last token is always computed, for the logits). A model with DeltaNet layers
+(`needs_state`) can only resume where a state checkpoint exists too: checkpoints are taken at
+every `checkpoint_blocks` blocks, so a prefill chunk never crosses such a position without
+ending there (the state after it is then copied into a checkpoint slot after the step,
+`ScheduledBatch.state_saves`), and a hit resumes at the deepest position with both, copying the
+checkpoint into the sequence's slot before the step (`state_restores`).
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from dataclasses import dataclass, field
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.sequence import FinishReason, Sequence, SequenceStatus
-from worker.engine.state_slots import StateSlotPool
+from worker.engine.state_slots import StateCheckpoints, StateSlotPool
 
 
 @dataclass
@@ -65,6 +74,10 @@ class ScheduledBatch:
     prefills: list[ScheduledSeq] = field(default_factory=list)
     decodes: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Prefix caching: (source slot, destination slot) state copies to run before the forward
+    # (checkpoint -> an admitted sequence's slot) and after it (a sequence's slot -> checkpoint)
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def entries(self) -> list[ScheduledSeq]:
@@ -90,6 +103,9 @@ class Scheduler:
         prefill_gather_s: float = 0.0,
         clock: Callable[[], float] = time.perf_counter,
         prefill_gather_gap_s: float | None = None,
+        checkpoints: StateCheckpoints | None = None,
+        checkpoint_blocks: int = 0,
+        needs_state: bool = True,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
@@ -109,6 +125,19 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: oldest first
         self.step = 0
+        self.checkpoints = (
+            checkpoints if checkpoints is not None and checkpoints.num_slots else None
+        )
+        self.checkpoint_blocks = checkpoint_blocks
+        self.needs_state = needs_state
+        if self.checkpoints is not None and checkpoint_blocks < 1:
+            raise ValueError("state checkpoints need a spacing of at least one block")
+        # tokens between checkpoints; 0: chunks are not cut at checkpoint positions
+        self._checkpoint_tokens = (
+            checkpoint_blocks * block_manager.block_size
+            if block_manager.prefix_caching and needs_state and self.checkpoints is not None
+            else 0
+        )
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -132,7 +161,7 @@ class Scheduler:
                 is_decode = seq.num_computed_tokens > 0 and seq.num_uncomputed_tokens == 1
                 if is_decode != want_decodes:
                     continue
-                n = min(seq.num_uncomputed_tokens, budget)
+                n = self._chunk(seq, seq.num_computed_tokens, budget)
                 if not self._make_room(seq, seq.num_computed_tokens + n, scheduled, batch):
                     continue
                 self._schedule(seq, n, batch)
@@ -150,16 +179,54 @@ class Scheduler:
             and self.state_slots.num_free > 0
         ):
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_grow(seq, n):
+            blocks, hashes, checkpoint = self._match(seq)
+            start = len(blocks) * self.block_manager.block_size
+            n = self._chunk(seq, start, budget)
+            bm = self.block_manager
+            need = bm.blocks_for(start + n) - len(blocks) + bm.num_unheld(blocks)
+            if need > bm.num_free_blocks:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             seq.state_slot = self.state_slots.allocate()
+            if blocks:
+                bm.acquire(seq, blocks, hashes)
+                seq.num_computed_tokens = start
+            if checkpoint is not None:
+                batch.state_restores.append((checkpoint, seq.state_slot))
+            if not seq.num_preemptions:
+                seq.num_cached_tokens = min(start, seq.num_prompt_tokens)
             self.running.append(seq)
             self._schedule(seq, n, batch)
             budget -= n
         return batch
+
+    def _match(self, seq: Sequence) -> tuple[list[int], list[int], int | None]:
+        """(cached blocks, their chain hashes, checkpoint slot or None) `seq` resumes after."""
+        if not self.block_manager.prefix_caching or seq.num_computed_tokens:
+            return [], [], None
+        blocks, hashes = self.block_manager.match(seq, seq.num_tokens - 1)
+        if not self.needs_state:
+            return blocks, hashes, None
+        if self.checkpoints is None:
+            return [], [], None
+        for k in range(
+            len(blocks) - len(blocks) % self.checkpoint_blocks, 0, -self.checkpoint_blocks
+        ):
+            slot = self.checkpoints.get(hashes[k - 1])
+            if slot is not None:
+                return blocks[:k], hashes[:k], slot
+        return [], [], None
+
+    def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
+        """Tokens of `seq` to compute from `start` within `budget`; with state checkpoints a
+        chunk ends at the next checkpoint position it would cross."""
+        n = min(seq.num_tokens - start, budget)
+        every = self._checkpoint_tokens
+        if every and n > 1:
+            boundary = (start // every + 1) * every
+            n = min(n, boundary - start)
+        return n
 
     def _gathering(self, budget: int) -> bool:
         """Whether to hold the waiting arrivals for more to come (see the module docstring)."""
@@ -229,6 +296,19 @@ class Scheduler:
                 if token is None:
                     raise ValueError(f"no token sampled for {entry.seq}")
                 entry.seq.append_token(token)
+            if self.block_manager.prefix_caching:
+                self.block_manager.register(entry.seq)
+        every = self._checkpoint_tokens
+        if not every:
+            return
+        for entry in batch.prefills:
+            seq, blocks = entry.seq, entry.end // self.block_manager.block_size
+            if entry.end % every or len(seq.block_hashes) < blocks or seq.state_slot is None:
+                continue
+            assert self.checkpoints is not None
+            slot = self.checkpoints.put(seq.block_hashes[blocks - 1])
+            if slot is not None:
+                batch.state_saves.append((seq.state_slot, slot))
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Stop serving `seq` (done, aborted or failed) and free what it holds."""

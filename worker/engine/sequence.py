@@ -49,6 +49,9 @@ class SamplingParams:
     # Grammar-constrained decoding (`worker.structured.GrammarSpec`): only tokens the grammar
     # allows are sampled. The engine compiles it in add_request (an error before any token).
     grammar: Any = None
+    # Prefix caching: requests share cached prompt blocks only under an equal salt (a tenant id,
+    # say); None is a namespace of its own.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -99,6 +102,10 @@ class Sequence:
         self.block_table: list[int] = []  # KV block ids, in position order
         self.state_slot: int | None = None  # DeltaNet recurrent + conv state slot
         self.num_computed_tokens = 0
+        # Prefix caching: chain hashes of the leading full blocks of block_table, and the prompt
+        # tokens the first admission took from the cache instead of computing them
+        self.block_hashes: list[int] = []
+        self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None  # seeded sampling, made on first use
         # worker.structured.GrammarState of a constrained sequence (set by the engine)

@@ -133,6 +133,23 @@ class ModelCache:
         assert isinstance(entry, DeltaNetState), f"layer {layer} is not a DeltaNet layer"
         return entry
 
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Whether any layer keeps DeltaNet state (a dense model's cache has none)."""
+        return any(isinstance(e, DeltaNetState) for e in self.layers)
+
+    def copy_state_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy every DeltaNet layer's recurrent and conv state of slot `src` into slot `dst`,
+        for each (src, dst) in order (prefix caching's state checkpoints)."""
+        if not pairs:
+            return
+        for e in self.layers:
+            if not isinstance(e, DeltaNetState):
+                continue
+            for src, dst in pairs:
+                e.recurrent_state[dst].copy_(e.recurrent_state[src])
+                e.conv_state[dst].copy_(e.conv_state[src])
+
     def staged(self) -> list[StagedAttentionCache]:
         """The staged full-attention layers (empty unless the cache was allocated staged)."""
         return [e for e in self.layers if isinstance(e, StagedAttentionCache)]
