@@ -4,8 +4,6 @@ a body that matches the documented schema. Served by uvicorn over the real NATS 
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +24,7 @@ from control_plane.settings import Settings
 from tests.control_plane.conftest import ADMIN_TOKEN
 from tests.control_plane.serving import serving
 from tests.databases import fresh_database
+from tests.threaded import ThreadedServer
 
 # What the admin API promises: no 5xx, and only what its document says (status, content type,
 # body). The stateful and data-acceptance checks are left out: a generated write is often a
@@ -39,41 +38,15 @@ CHECKS = [
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
-class _ServedApp:
-    """The app (admin API + limits) served from its own thread and event loop: schemathesis
-    calls it synchronously, so it cannot share the test's loop."""
+class _ServedApp(ThreadedServer):
+    """The app (admin API + limits) served from its own thread and event loop."""
 
     def __init__(self, settings: Settings) -> None:
+        super().__init__()
         self.settings = settings
         self.base_url = ""
-        self._ready = threading.Event()
-        self._stop: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, name="schema-app", daemon=True)
 
-    def __enter__(self) -> _ServedApp:
-        self._thread.start()
-        self._ready.wait(60)
-        if self._error is not None or not self.base_url:
-            raise RuntimeError("the app did not start") from self._error
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        assert self._loop is not None and self._stop is not None
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(60)
-
-    def _main(self) -> None:
-        try:
-            asyncio.run(self._serve())
-        except BaseException as e:
-            self._error = e
-            self._ready.set()
-
-    async def _serve(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
+    async def serve(self) -> None:
         services = await Services.connect(self.settings, ADMIN_TOKEN)
         try:
             extension = tokenmill_extension(services)
@@ -81,8 +54,8 @@ class _ServedApp:
             app = create_app(services, extensions=[extension], run_projectors=True)
             async with serving(app) as (base_url, _server):
                 self.base_url = base_url
-                self._ready.set()
-                await self._stop.wait()
+                self.started()
+                await self.until_stopped()
         finally:
             await services.close()
 

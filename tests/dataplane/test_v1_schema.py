@@ -6,8 +6,6 @@ synchronously."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +20,7 @@ from schemathesis import checks as st_checks
 
 from control_plane.embedded import EmbeddedNats
 from tests.dataplane.harness import Stack, running_stack
+from tests.threaded import ThreadedServer
 
 CHECKS = [
     st_checks.not_a_server_error,
@@ -31,48 +30,25 @@ CHECKS = [
 ]
 
 
-class _ServedStack:
+class _ServedStack(ThreadedServer):
+    start_timeout_s = 90.0
+
     def __init__(self, nats_url: str, database_url: str, data_dir: Path) -> None:
+        super().__init__()
         self.args = (nats_url, database_url, "V" + uuid.uuid4().hex[:10].upper(), data_dir)
         self.stack: Stack | None = None
         self.key = ""
         self.sku = ""
-        self._ready = threading.Event()
-        self._stop: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, name="v1-schema", daemon=True)
 
-    def __enter__(self) -> _ServedStack:
-        self._thread.start()
-        self._ready.wait(90)
-        if self._error is not None or self.stack is None:
-            raise RuntimeError("the stack did not start") from self._error
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        assert self._loop is not None and self._stop is not None
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(60)
-
-    def _main(self) -> None:
-        try:
-            asyncio.run(self._serve())
-        except BaseException as e:
-            self._error = e
-            self._ready.set()
-
-    async def _serve(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
+    async def serve(self) -> None:
         async with running_stack(*self.args) as stack:
             sku = await stack.publish_sku("schema-" + uuid.uuid4().hex[:6])
             stack.start_worker(sku["sku_id"], tokens_per_s=2000.0, output_tokens=4)
             await stack.wait_served(sku["sku_id"])
             _, key = await stack.tenant_with_key()
             self.stack, self.key, self.sku = stack, key["key"], sku["name"]
-            self._ready.set()
-            await self._stop.wait()
+            self.started()
+            await self.until_stopped()
 
 
 @pytest.fixture(scope="module")
