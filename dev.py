@@ -58,11 +58,12 @@ def main() -> int:
         ensure_env("worker")
         os.execve(str(BIN / "tokenmill"), ["tokenmill", "up", *rest], env)
     ensure_env("worker,dev")
-    pkgs = ["control_plane", "events", "worker", "pricing", "tests", "bench"]
+    pkgs = ["tokenmill", "control_plane", "events", "worker", "pricing", "tests", "bench"]
     steps = [
         [str(PY), "-m", "ruff", "check", *pkgs, "dev.py"],
         [str(PY), "-m", "ruff", "format", "--check", *pkgs, "dev.py"],
         [str(PY), "-m", "mypy"],
+        [str(BIN / "lint-imports")],
         [str(PY), "-m", "pytest", *rest],
     ]
     for step in steps:

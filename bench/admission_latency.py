@@ -24,13 +24,13 @@ from typing import Any
 
 import nats
 
+from control_plane.admission.admit import Admission, Ticket
+from control_plane.admission.view import GovernanceView
 from control_plane.embedded import EmbeddedNats
-from control_plane.governance.admission import Admission, Ticket
-from control_plane.governance.events import LimitsSet
-from control_plane.governance.settings import GovernanceSettings
 from events import control
-from events.governance import GovernanceView
+from events.control import LimitsSet
 from events.store import EventStore, StreamLayout
+from tokenmill.settings import AdmissionSettings
 
 
 def window_clock() -> Any:
@@ -80,7 +80,7 @@ async def run(seconds: float) -> dict[str, Any]:
         ),
         None,
     )
-    settings = GovernanceSettings(default_max_tokens=256)
+    settings = AdmissionSettings(default_max_tokens=256)
     clock = window_clock()
     views = [GovernanceView(nc.jetstream(), layout) for nc in conns]
     replicas = [

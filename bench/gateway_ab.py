@@ -81,7 +81,7 @@ def main() -> int:
         port_b = free_port()
         url_b = f"http://127.0.0.1:{port_b}"
         out = open(bench.tmp / "serve-b.log", "ab")  # noqa: SIM115 (the child writes it)
-        cmd_b = [sys.executable, "-m", "control_plane.cli", "serve", "--port", str(port_b)]
+        cmd_b = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port_b)]
         if a.b_cmd:
             cmd_b = shlex.split(a.b_cmd.format(port=port_b))
         serve_b = subprocess.Popen(

@@ -149,15 +149,15 @@ class Bench:
         return r.json()
 
     def start(self) -> None:
-        serve = ["-m", "control_plane.cli", "serve", "--port", str(self.port)]
+        serve = ["-m", "tokenmill.cli", "serve", "--port", str(self.port)]
         if self.a.uvloop:  # what `tokenmill serve` would gain from uvloop's event loop
             serve = [
                 "-c",
-                "import sys, uvloop; uvloop.install(); from control_plane.cli import main; sys.exit(main())",
+                "import sys, uvloop; uvloop.install(); from tokenmill.cli import main; sys.exit(main())",
                 *serve[2:],
             ]
         self.serve = self.spawn(*serve, log="serve.log")
-        self.spawn("-m", "control_plane.cli", "project", log="project.log")
+        self.spawn("-m", "tokenmill.cli", "project", log="project.log")
         wait_http(self.url + "/healthz")
         tenant = self.admin("POST", "/tenants", {"name": "bench"})
         self.key = self.admin("POST", f"/tenants/{tenant['tenant_id']}/keys", {})["key"]
@@ -219,7 +219,7 @@ class Bench:
     async def _reconcile(self, expected: int, since: datetime) -> Any:
         import asyncpg
 
-        from control_plane.reconcile import reconcile
+        from pricing.reconcile import reconcile
 
         conn = await asyncpg.connect(self.database_url)
         try:
@@ -243,7 +243,7 @@ class Bench:
 
 
 def reconciled(report: Any, mismatches_kept: int = 50) -> dict[str, Any]:
-    """A `control_plane.reconcile` report as the benchmarks' JSON gives it."""
+    """A `pricing.reconcile` report as the benchmarks' JSON gives it."""
     return {
         "matched": report.matched,
         "pending": report.pending,

@@ -48,10 +48,10 @@ def serve(argv: list[str]) -> int:
     import msgspec
     from uvicorn.protocols.http import httptools_impl
 
-    from control_plane.cli import main
+    from control_plane.admission import admission
     from control_plane.dataplane import auth, dispatch, gateway, requests, routes
     from control_plane.dataplane import server as srv
-    from control_plane.governance import admission
+    from tokenmill.cli import main
     from worker import protocol as wp
 
     clock = time.perf_counter
@@ -237,7 +237,7 @@ def run(a: argparse.Namespace) -> int:
             self.serve = self.spawn(
                 "-m", "bench.gateway_trace", "serve", "--port", port, log="serve.log"
             )
-            self.spawn("-m", "control_plane.cli", "project", log="project.log")
+            self.spawn("-m", "tokenmill.cli", "project", log="project.log")
             wait_http(self.url + "/healthz")
             tenant = self.admin("POST", "/tenants", {"name": "bench"})
             self.key = self.admin("POST", f"/tenants/{tenant['tenant_id']}/keys", {})["key"]

@@ -27,7 +27,7 @@ from control_plane.admin.controllers import admin_router
 from control_plane.health import healthz, readyz
 from control_plane.problems import PROBLEM_HANDLERS
 from control_plane.services import Services
-from control_plane.settings import Settings
+from tokenmill.settings import Settings
 
 log = logging.getLogger("tokenmill")
 
@@ -37,7 +37,7 @@ ServicesHook = Callable[[Services], AbstractAsyncContextManager[None]]
 # `tokenmill_extension(services: Services) -> Extension | None`.
 EXTENSION_MODULES = (
     "control_plane.dataplane",
-    "control_plane.governance",
+    "control_plane.admission",
     "control_plane.observability",
     "pricing",
 )

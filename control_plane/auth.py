@@ -12,7 +12,7 @@ from litestar.handlers import BaseRouteHandler
 from litestar.types import Guard
 
 from control_plane.problems import ProblemError
-from control_plane.settings import Settings
+from tokenmill.settings import Settings
 
 TOKEN_FILE = "admin-token"
 

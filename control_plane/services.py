@@ -14,12 +14,12 @@ import asyncpg
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from control_plane.nats_cluster import connect as connect_nats
-from control_plane.nats_cluster import ensure_streams
-from control_plane.settings import Settings
-from events.governance import GovernanceView
+from control_plane.admission.view import GovernanceView
+from events.nats_cluster import connect as connect_nats
+from events.nats_cluster import ensure_streams
 from events.projections import Projector, all_projections, committed_positions, ensure_schema
 from events.store import EventStore, StreamLayout
+from tokenmill.settings import Settings
 
 log = logging.getLogger("tokenmill")
 

@@ -105,12 +105,15 @@ class PricePlanSet(ControlEvent, tag="price_plan.set", kw_only=True, frozen=True
     effective_from: datetime
 
 
-# -- limits (one aggregate per tenant; the governance issue grows this) ------------------------
+# -- limits (one aggregate per tenant) --------------------------------------------------------
+
+QuotaMetric = Literal["total_tokens", "output_tokens"]
 
 
 class LimitsSet(ControlEvent, tag="limits.set", kw_only=True, frozen=True):
-    """Rate limits and token quota of a tenant, optionally narrowed to one SKU. `None` means
-    unlimited. Later fields (per key, budgets in money) are added with defaults."""
+    """Every limit of one scope — (tenant, optional key, optional SKU) — so the latest event of
+    a scope is its whole policy. Appended on `{prefix}.ctl.limits.<tenant_id>` (one aggregate
+    per tenant, so conflicting edits of a tenant's limits give a 409). `None` means unlimited."""
 
     tenant_id: str
     sku_id: str | None = None
@@ -118,6 +121,20 @@ class LimitsSet(ControlEvent, tag="limits.set", kw_only=True, frozen=True):
     tokens_per_minute: int | None = None
     token_quota: int | None = None
     quota_period: Literal["day", "month"] = "month"
+    # The key this policy narrows to (a key of `tenant_id`); None: the whole tenant.
+    key_id: str | None = None
+    # What `token_quota` counts: prompt + completion tokens, or completion tokens only.
+    quota_metric: QuotaMetric = "total_tokens"
+    # Spend cap per quota period, a decimal string in `spend_currency` (the price plans').
+    spend_cap: str | None = None
+    spend_currency: str | None = None
+    # Streams (in-flight requests) open at once.
+    max_concurrent_streams: int | None = None
+
+    @property
+    def scope_id(self) -> str:
+        """The id limits are counted against: the key's when narrowed to a key."""
+        return self.key_id or self.tenant_id
 
 
 AnyControlEvent = (
@@ -218,3 +235,11 @@ def sku_id_for(name: str) -> str:
     """SKU ids derive from the name, so two publishes of one name meet on one subject and
     optimistic concurrency, not a race on a uniqueness check, decides."""
     return "sku_" + uuid.uuid5(uuid.NAMESPACE_URL, "tokenmill:sku:" + name).hex[:16]
+
+
+_limits_decoder = msgspec.json.Decoder(LimitsSet)
+
+
+def decode_limits(data: bytes) -> LimitsSet:
+    """Decode a `limits.set` event (raises msgspec.DecodeError for any other type)."""
+    return _limits_decoder.decode(data)

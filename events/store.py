@@ -4,7 +4,6 @@ a message id (dedupe) and the aggregate's expected version (optimistic concurren
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from nats.js import JetStreamContext
 from nats.js.api import PubAck, RetentionPolicy, StorageType, StreamConfig
@@ -17,13 +16,10 @@ from events.control import (
     control_subject,
     encode_control,
 )
+from events.publish import UsagePublisher
 from events.usage import (
-    RequestFinished,
     UsageEvent,
-    dedupe_id,
-    encode_usage,
     usage_stream_name,
-    usage_subject,
 )
 from events.validation import validate_event
 
@@ -131,15 +127,8 @@ class EventStore:
         return int(ack.seq)
 
     async def publish_usage(self, event: UsageEvent) -> PubAck:
-        kind: Literal["worker", "gateway"] = (
-            "worker" if isinstance(event, RequestFinished) else "gateway"
-        )
-        return await self.js.publish(
-            usage_subject(self.layout.prefix, kind, event.sku_id),
-            encode_usage(event),
-            headers={"Nats-Msg-Id": dedupe_id(event)},
-            stream=self.layout.usage_stream,
-        )
+        """One append of a usage event (events.publish.UsagePublisher retries until acked)."""
+        return await UsagePublisher(self.js, self.layout.prefix).publish(event)
 
     async def head(self, stream: str) -> int:
         """The stream's last sequence: what a reader must reach to be caught up."""

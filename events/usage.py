@@ -87,6 +87,15 @@ def usage_subject(prefix: str, kind: Literal["worker", "gateway"], sku_id: str) 
     return f"{prefix}.usage.{kind}.{sku_id}"
 
 
+def subject_of(prefix: str, event: UsageEvent) -> str:
+    """The subject an event is appended on: the gateway's own record on `gateway`, the
+    worker's record and the bill on `worker` (the bill settles the worker's generation)."""
+    kind: Literal["worker", "gateway"] = (
+        "gateway" if isinstance(event, GatewayDelivered) else "worker"
+    )
+    return usage_subject(prefix, kind, event.sku_id)
+
+
 def usage_stream_name(prefix: str) -> str:
     return f"{prefix}_USAGE"
 

@@ -1,4 +1,4 @@
-"""`tokenmill invoices ...` and `tokenmill capacity ...` (wired in control_plane/cli.py).
+"""`tokenmill invoices ...` and `tokenmill capacity ...` (wired in tokenmill/cli.py).
 
     tokenmill invoices list [--tenant T]
     tokenmill invoices show ID | --tenant T --period 2026-03  [--format json|csv]
@@ -28,8 +28,7 @@ from pathlib import Path
 
 import asyncpg
 
-from control_plane.nats_cluster import connect as connect_nats
-from control_plane.settings import env
+from events.nats_cluster import connect as connect_nats
 from events.projections import all_projections, ensure_schema
 from pricing.capacity import CapacityInputs, Throughput, bench_points, choose_points, project
 from pricing.invoices import invoice_csv, invoice_json
@@ -45,6 +44,7 @@ from pricing.money import plain, to_decimal
 from pricing.periods import BillingPeriod, parse_instant
 from pricing.queries import invoice_for, showback_export
 from pricing.store import BillingStore
+from tokenmill.settings import env
 
 
 def _add_connection_args(ap: argparse.ArgumentParser) -> None:

@@ -26,7 +26,6 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from decimal import Decimal
 from typing import Any
 
 import msgspec
@@ -36,9 +35,7 @@ from nats.js.api import KeyValueConfig
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
-from control_plane.nats_cluster import ensure_key_value
-from control_plane.reconcile import reconcile as reconcile_metering
-from control_plane.settings import env, env_float
+from events.nats_cluster import ensure_key_value
 from pricing.capacity import CapacityInputs, Throughput, project, throughput_from_ledger
 from pricing.events import finalized_event, publish_finalized, read_finalized
 from pricing.invoices import (
@@ -52,66 +49,14 @@ from pricing.invoices import (
     invoice_id,
     iso,
 )
-from pricing.money import to_decimal
 from pricing.periods import BillingPeriod, last_closable, utc
 from pricing.plans import PriceBook, PricePlan
 from pricing.reconcile import ReconciliationReport, check_billing, check_rebuild
+from pricing.reconcile import reconcile as reconcile_metering
 from pricing.store import BillingStore
+from tokenmill.settings import BillingSettings
 
 log = logging.getLogger(__name__)
-
-
-def _costs(spec: str) -> dict[str, Decimal]:
-    pairs = (item.split("=", 1) for item in spec.split(",") if "=" in item)
-    return {gpu.strip(): to_decimal(cost.strip()) for gpu, cost in pairs}
-
-
-@dataclass(frozen=True)
-class BillingSettings:
-    # TOKENMILL_BILLING_GRACE_S: a month closes this long after it ends; usage that reaches the
-    # ledger later is an adjustment on the next invoice. Default 6 hours.
-    grace_s: float = field(default_factory=lambda: env_float("TOKENMILL_BILLING_GRACE_S", 21600.0))
-    # TOKENMILL_BILLING_CURRENCY: invoice currency of a tenant none of whose usage is priced.
-    default_currency: str = field(default_factory=lambda: env("TOKENMILL_BILLING_CURRENCY", "USD"))
-    # TOKENMILL_GPU_HOUR_COSTS: cost of one GPU-hour per SKU gpu_type, "H200=3.50,L40S=1.10".
-    gpu_hour_costs: dict[str, Decimal] = field(
-        default_factory=lambda: _costs(env("TOKENMILL_GPU_HOUR_COSTS", ""))
-    )
-    # TOKENMILL_CAPACITY_BUSY_FRACTION: share of the month a GPU is assumed busy.
-    busy_fraction: Decimal = field(
-        default_factory=lambda: to_decimal(env("TOKENMILL_CAPACITY_BUSY_FRACTION", "0.70"))
-    )
-    # TOKENMILL_CAPACITY_WINDOW_S: how much recent ledger measures a SKU's throughput.
-    capacity_window_s: float = field(
-        default_factory=lambda: env_float("TOKENMILL_CAPACITY_WINDOW_S", 86400.0)
-    )
-    # TOKENMILL_RECONCILE_WINDOW_S: how far back each reconciliation report looks.
-    reconcile_window_s: float = field(
-        default_factory=lambda: env_float("TOKENMILL_RECONCILE_WINDOW_S", 86400.0)
-    )
-    # TOKENMILL_SCHEDULER_LOCK_TTL_S: the leader key's TTL; renewed every third of it.
-    lock_ttl_s: float = field(
-        default_factory=lambda: env_float("TOKENMILL_SCHEDULER_LOCK_TTL_S", 15.0)
-    )
-    # TOKENMILL_BILLING_{CLOSE,ROLLUP,CAPACITY,RECONCILE}_INTERVAL_S: how often each job runs.
-    close_interval_s: float = field(
-        default_factory=lambda: env_float("TOKENMILL_BILLING_CLOSE_INTERVAL_S", 300.0)
-    )
-    rollup_interval_s: float = field(
-        default_factory=lambda: env_float("TOKENMILL_BILLING_ROLLUP_INTERVAL_S", 60.0)
-    )
-    capacity_interval_s: float = field(
-        default_factory=lambda: env_float("TOKENMILL_BILLING_CAPACITY_INTERVAL_S", 900.0)
-    )
-    reconcile_interval_s: float = field(
-        default_factory=lambda: env_float("TOKENMILL_BILLING_RECONCILE_INTERVAL_S", 3600.0)
-    )
-    # TOKENMILL_STREAM_REPLICAS: replicas of the leader lock's KV bucket, as for the streams.
-    kv_replicas: int = field(default_factory=lambda: int(env("TOKENMILL_STREAM_REPLICAS", "1")))
-
-    @property
-    def grace(self) -> timedelta:
-        return timedelta(seconds=self.grace_s)
 
 
 def _now() -> datetime:

@@ -19,7 +19,7 @@ from typing import Any
 import asyncpg
 
 from events.control import control_stream_name
-from events.projections.runner import Entry
+from events.projections.runner import Entry, Projection
 from events.store import StreamLayout
 from pricing.events import InvoiceFinalized, decode_invoice_event
 from pricing.invoices import Invoice, InvoiceBasis, LedgerRow, invoice_from_json, invoice_json
@@ -283,3 +283,8 @@ class BillingStore:
             job,
             seq,
         )
+
+
+def tokenmill_projections() -> list[Projection]:
+    """Billing's read models, run with the others (events.projections.all_projections)."""
+    return [InvoicesProjection()]

@@ -20,62 +20,23 @@ import json
 import logging
 import os
 import signal
-import socket
 import time
-import uuid
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from control_plane.nats_cluster import nats_servers
-from control_plane.settings import env, env_float
-from events.usage import WorkerGenerated, dedupe_id, encode_usage, usage_subject
+from events.nats_cluster import nats_servers
+from events.publish import UsagePublisher
+from events.usage import WorkerGenerated
+from tokenmill.settings import WorkerSettings
 from worker import protocol as p
 from worker.backends import Backend, InvalidRequest, make_backend
 
 log = logging.getLogger("tokenmill.worker")
-
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    # TOKENMILL_NATS_URL: the NATS server (JetStream enabled) shared with the control plane.
-    nats_url: str = field(
-        default_factory=lambda: env("TOKENMILL_NATS_URL", "nats://127.0.0.1:4222")
-    )
-    # TOKENMILL_STREAM_PREFIX: the install's subject and stream prefix.
-    stream_prefix: str = field(default_factory=lambda: env("TOKENMILL_STREAM_PREFIX", "TM"))
-    # TOKENMILL_WORKER_SKU: the SKU id this worker serves.
-    sku_id: str = field(default_factory=lambda: env("TOKENMILL_WORKER_SKU", ""))
-    # TOKENMILL_WORKER_MODEL: the model name written into usage events.
-    model: str = field(default_factory=lambda: env("TOKENMILL_WORKER_MODEL", ""))
-    # TOKENMILL_WORKER_BACKEND: torch_runtime | openai_proxy | fixed_rate.
-    backend: str = field(default_factory=lambda: env("TOKENMILL_WORKER_BACKEND", "torch_runtime"))
-    # TOKENMILL_WORKER_CONFIG: the backend's keyword config as JSON.
-    backend_config: dict[str, Any] = field(
-        default_factory=lambda: json.loads(env("TOKENMILL_WORKER_CONFIG", "{}"))
-    )
-    # TOKENMILL_WORKER_ID: stable id in usage events and presence; default host-pid-random.
-    worker_id: str = field(
-        default_factory=lambda: env(
-            "TOKENMILL_WORKER_ID", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        )
-    )
-    # TOKENMILL_WORKER_HEARTBEAT_S: heartbeat period; gateways call a worker dead after a few missed.
-    heartbeat_s: float = field(
-        default_factory=lambda: env_float("TOKENMILL_WORKER_HEARTBEAT_S", 0.5)
-    )
-    # TOKENMILL_WORKER_GATEWAY_SILENT_S: a request whose gateway's lease is silent this long is
-    # stopped (the gateway died: nobody would receive the tokens).
-    gateway_silent_s: float = field(
-        default_factory=lambda: env_float("TOKENMILL_WORKER_GATEWAY_SILENT_S", 3.0)
-    )
-    # TOKENMILL_WORKER_DRAIN_S: on SIGTERM, how long in-flight requests may run before cancel.
-    drain_s: float = field(default_factory=lambda: env_float("TOKENMILL_WORKER_DRAIN_S", 10.0))
 
 
 class Worker:
@@ -108,7 +69,7 @@ class Worker:
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
         )
-        self._js = self.nc.jetstream()
+        self._usage = UsagePublisher(self.nc.jetstream(), self.prefix)
         work = await self.nc.subscribe(
             p.work_subject(self.prefix, s.sku_id),
             queue=p.work_queue(self.prefix, s.sku_id),
@@ -295,7 +256,7 @@ class Worker:
             finished_at=datetime.now(UTC),
         )
         # In flight while Finished goes out; awaited below, so a drain still waits for the ack.
-        usage = asyncio.create_task(self._publish_usage(event))
+        usage = asyncio.create_task(self._usage.publish_until_acked(event))
         finished = p.Finished(
             request_id=rid,
             seq=state.seq,
@@ -338,20 +299,6 @@ class Worker:
                 if len(state.finish_reasons) >= request.n:
                     state.finish_reason = state.finish_reasons.get(0, progress.finish_reason)
                     return
-
-    async def _publish_usage(self, event: WorkerGenerated) -> None:
-        """Until JetStream acks it (a duplicate ack: an earlier try of ours was stored)."""
-        subject = usage_subject(self.prefix, "worker", event.sku_id)
-        data, headers = encode_usage(event), {"Nats-Msg-Id": dedupe_id(event)}
-        delay = 0.05
-        while True:
-            try:
-                await self._js.publish(subject, data, headers=headers, timeout=5)
-                return
-            except Exception as exc:  # no stream yet, NATS reconnecting, timeout: keep trying
-                log.warning("usage of %s not acked (%s); retrying", event.request_id, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
 
 
 @dataclass

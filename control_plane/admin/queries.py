@@ -10,8 +10,8 @@ import asyncpg
 import msgspec
 
 from control_plane.admin import schemas as s
+from control_plane.admission.view import ApiKey, PricePlan, Sku, Tenant
 from control_plane.problems import not_found
-from events.governance import ApiKey, PricePlan, Sku, Tenant
 
 # -- from the view -------------------------------------------------------------------------------
 

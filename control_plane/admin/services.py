@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 
 from control_plane.admin import schemas as s
+from control_plane.admission.view import ApiKey, PricePlan, Sku, Tenant
 from control_plane.problems import ProblemError, not_found
 from control_plane.services import Services
 from events.control import (
@@ -29,7 +30,6 @@ from events.control import (
     sku_id_for,
     tenant_id_for,
 )
-from events.governance import ApiKey, PricePlan, Sku, Tenant
 from events.store import ConcurrencyError
 
 KEY_PREFIX = "tm_"

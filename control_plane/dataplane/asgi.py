@@ -16,8 +16,8 @@ from typing import cast
 
 from litestar.types import Message, Receive, Scope, Send
 
+from control_plane.admission.keys import Caller
 from control_plane.dataplane import errors
-from control_plane.dataplane.auth import Caller
 from control_plane.dataplane.gateway import (
     ChunkLost,
     ClientGone,

@@ -24,7 +24,7 @@ from nats.protocol.parser import AWAITING_CONTROL_LINE as _AWAITING_CONTROL_LINE
 from nats.protocol.parser import MAX_CONTROL_LINE_SIZE as _MAX_CONTROL_LINE_SIZE
 from nats.protocol.parser import Parser
 
-from control_plane.settings import env, env_float
+from tokenmill.settings import RoutingSettings
 from worker import protocol as p
 
 log = logging.getLogger("tokenmill.dispatch")
@@ -167,39 +167,6 @@ class WorkerRegistry:
             queue = max(queue, w.running + w.waiting + delta - w.capacity)
         per_request = w.kv_pressure / w.running if w.running else 1 / max(w.capacity, 1)
         return queue, max(0.0, w.kv_pressure + delta * per_request)
-
-
-def _env_flag(name: str) -> bool:
-    return (env(name, "") or "").lower() in ("1", "true", "yes", "on")
-
-
-@dataclass(frozen=True)
-class RoutingSettings:
-    # TOKENMILL_GATEWAY_AFFINITY_ENTRIES: prefix hashes remembered (LRU), each with the worker
-    # that last served it; ~100 bytes each.
-    affinity_entries: int = field(
-        default_factory=lambda: int(env_float("TOKENMILL_GATEWAY_AFFINITY_ENTRIES", 100_000))
-    )
-    # TOKENMILL_GATEWAY_AFFINITY_PREFIX_CHARS: characters of the prompt's prefix hashed (the
-    # gateway has no tokenizer): ~512 tokens, a few KV blocks' worth.
-    affinity_prefix_chars: int = field(
-        default_factory=lambda: int(env_float("TOKENMILL_GATEWAY_AFFINITY_PREFIX_CHARS", 2048))
-    )
-    # TOKENMILL_GATEWAY_AFFINITY_QUEUE_MARGIN / _KV_MARGIN: how much more loaded than the least
-    # loaded worker the prefix's worker may be and still get the request.
-    affinity_queue_margin: int = field(
-        default_factory=lambda: int(env_float("TOKENMILL_GATEWAY_AFFINITY_QUEUE_MARGIN", 1))
-    )
-    affinity_kv_margin: float = field(
-        default_factory=lambda: env_float("TOKENMILL_GATEWAY_AFFINITY_KV_MARGIN", 0.2)
-    )
-    # TOKENMILL_GATEWAY_AFFINITY_CROSS_TENANT: one tenant's prefix hash matches another's. Off:
-    # a tenant that could steer its requests onto the worker holding another tenant's prompt
-    # could tell from the first-token time whether that prompt is cached (a timing side
-    # channel on other tenants' prompts).
-    affinity_cross_tenant: bool = field(
-        default_factory=lambda: _env_flag("TOKENMILL_GATEWAY_AFFINITY_CROSS_TENANT")
-    )
 
 
 class Router:

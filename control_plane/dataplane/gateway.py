@@ -30,14 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -53,55 +50,17 @@ from control_plane.dataplane.dispatch import (
     WorkerLost,
     WorkerRegistry,
 )
-from control_plane.settings import env_float
+from events.publish import UsagePublisher
 from events.usage import (
     FinishReason,
     GatewayDelivered,
     RequestFinished,
     UsageEvent,
-    WorkerGenerated,
-    dedupe_id,
-    encode_usage,
-    usage_subject,
 )
+from tokenmill.settings import GatewaySettings
 from worker import protocol as p
 
 log = logging.getLogger("tokenmill.gateway")
-
-
-@dataclass(frozen=True)
-class GatewaySettings:
-    # TOKENMILL_GATEWAY_WORKER_DEAD_S: a worker silent this long (no heartbeat) is dead, and
-    # its in-flight requests end with an error (billed for what was delivered).
-    worker_dead_after_s: float = field(
-        default_factory=lambda: env_float("TOKENMILL_GATEWAY_WORKER_DEAD_S", 3.0)
-    )
-    # TOKENMILL_GATEWAY_ACCEPT_TIMEOUT_S: a request no worker accepted by then is failed.
-    accept_timeout_s: float = field(
-        default_factory=lambda: env_float("TOKENMILL_GATEWAY_ACCEPT_TIMEOUT_S", 5.0)
-    )
-    # TOKENMILL_GATEWAY_SILENCE_TIMEOUT_S: a request whose live worker sent nothing for this
-    # long is failed (its replies were lost); longer than any prefill.
-    silence_timeout_s: float = field(
-        default_factory=lambda: env_float("TOKENMILL_GATEWAY_SILENCE_TIMEOUT_S", 300.0)
-    )
-    # TOKENMILL_GATEWAY_REPORT_EVERY_S: ended requests are reported (GatewayDelivered,
-    # outcome listeners) together this often (see `Gateway._report_ended`); 0: each at once.
-    report_every_s: float = field(
-        default_factory=lambda: env_float("TOKENMILL_GATEWAY_REPORT_EVERY_S", 0.05)
-    )
-    # TOKENMILL_GATEWAY_LEASE_EVERY_S: how often this gateway publishes its lease; workers stop
-    # the requests of a gateway silent for TOKENMILL_WORKER_GATEWAY_SILENT_S (3 s).
-    lease_every_s: float = field(
-        default_factory=lambda: env_float("TOKENMILL_GATEWAY_LEASE_EVERY_S", 0.5)
-    )
-    # TOKENMILL_GATEWAY_ID: this replica's id in GatewayDelivered; default host-pid-random.
-    gateway_id: str = field(
-        default_factory=lambda: (
-            os.environ.get("TOKENMILL_GATEWAY_ID")
-            or f"gw-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
-        )
-    )
 
 
 @dataclass(frozen=True)
@@ -147,6 +106,7 @@ class Gateway:
         self.nc, self.prefix = nc, prefix
         self.settings = settings or GatewaySettings()
         self.js: JetStreamContext = nc.jetstream()
+        self._usage = UsagePublisher(self.js, prefix)
         self.registry = WorkerRegistry(nc, prefix, self.settings.worker_dead_after_s)
         self.client = WorkerClient(
             nc,
@@ -156,7 +116,7 @@ class Gateway:
             self.settings.silence_timeout_s,
         )
         self._listeners: list[OutcomeListener] = []
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[object]] = set()
         # Ended requests not yet reported (see `_report_ended`).
         self._ended: list[tuple[Outcome, GatewayDelivered]] = []
         self._reporting: asyncio.Task[None] | None = None
@@ -326,26 +286,9 @@ class Gateway:
         )
 
     def _publish(self, event: UsageEvent) -> None:
-        kind: Literal["worker", "gateway"] = (
-            "worker" if isinstance(event, RequestFinished | WorkerGenerated) else "gateway"
-        )
-        self._spawn(
-            self._publish_until_acked(usage_subject(self.prefix, kind, event.sku_id), event)
-        )
+        self._spawn(self._usage.publish_until_acked(event))
 
-    async def _publish_until_acked(self, subject: str, event: UsageEvent) -> None:
-        data, headers = encode_usage(event), {"Nats-Msg-Id": dedupe_id(event)}
-        delay = 0.05
-        while True:
-            try:
-                await self.js.publish(subject, data, headers=headers, timeout=5)
-                return
-            except Exception as exc:
-                log.warning("usage event %s not acked (%s); retrying", dedupe_id(event), exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)

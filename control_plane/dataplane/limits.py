@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from control_plane.settings import Settings
+from tokenmill.settings import Settings
 
 
 @dataclass(frozen=True)

@@ -20,17 +20,17 @@ from litestar.plugins import InitPlugin
 from litestar.types import ASGIApp, Receive, Scope, Send
 from nats.aio.client import Client as NATS
 
+from control_plane.admission.admit import Admission, Refusal, Ticket
+from control_plane.admission.keys import Authorizer, Caller
+from control_plane.admission.view import GovernanceView, Sku
 from control_plane.dataplane import errors
 from control_plane.dataplane.asgi import Completion, serve_completion
-from control_plane.dataplane.auth import Authorizer, Caller
 from control_plane.dataplane.gateway import Gateway, GatewaySettings, NoWorker, OutcomeListener
 from control_plane.dataplane.limits import InputLimits
 from control_plane.dataplane.requests import Parsed, parse_chat, parse_completion
 from control_plane.dataplane.responses import Kind, StreamWriter
 from control_plane.dataplane.responses_api import ResponsesWriter, parse_responses
-from control_plane.governance.admission import Admission, Refusal, Ticket
-from control_plane.nats_cluster import nats_servers
-from events.governance import GovernanceView, Sku
+from events.nats_cluster import nats_servers
 from worker.protocol import ChatMessage, GenerateRequest, Tool
 
 log = logging.getLogger("tokenmill.dataplane")

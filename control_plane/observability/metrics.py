@@ -28,13 +28,13 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
 from control_plane.observability.series import SkuSeries
-from control_plane.settings import env, env_float
+from tokenmill.settings import ObservabilitySettings
 from worker.protocol import Presence, WorkerAnnounce, WorkerGone, WorkerHeartbeat
 
 __all__ = ["PROMETHEUS_TEXT", "ObservabilitySettings", "OpsMetrics", "WorkerView"]
@@ -44,21 +44,6 @@ log = logging.getLogger("tokenmill.observability")
 # How long a scrape waits for an async reader (Postgres, NATS) before it answers with the last
 # figures it has: Prometheus's default scrape timeout is 10 s.
 SCRAPE_READ_TIMEOUT_S = 2.0
-
-
-@dataclass(frozen=True)
-class ObservabilitySettings:
-    # TOKENMILL_OPS_WINDOW_S: how much history the page's charts keep in memory (seconds).
-    window_s: float = field(default_factory=lambda: env_float("TOKENMILL_OPS_WINDOW_S", 900.0))
-    # TOKENMILL_OPS_STEP_S: one chart point per this many seconds.
-    step_s: float = field(default_factory=lambda: env_float("TOKENMILL_OPS_STEP_S", 5.0))
-    # TOKENMILL_WORKER_STALE_S: a worker silent this long is reported lost and its load dropped.
-    worker_stale_s: float = field(
-        default_factory=lambda: env_float("TOKENMILL_WORKER_STALE_S", 10.0)
-    )
-    # TOKENMILL_METRICS_TOKEN: when set, /metrics answers only `Authorization: Bearer <it>`
-    # (401 otherwise): the exposition names tenant ids with their token counts. Unset: open.
-    metrics_token: str | None = field(default_factory=lambda: env("TOKENMILL_METRICS_TOKEN"))
 
 
 # The classic text format (0.0.4): every Prometheus and Grafana agent in use reads it.

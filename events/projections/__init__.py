@@ -3,6 +3,8 @@ committed together with its stream position. Rebuildable from the log at any tim
 
 from __future__ import annotations
 
+import importlib
+
 from events.projections.read_models import ReadModelsProjection
 from events.projections.runner import (
     Entry,
@@ -14,13 +16,24 @@ from events.projections.runner import (
 )
 from events.projections.usage_ledger import UsageLedgerProjection
 
+# Packages above this one that keep read models of their own, by module name: each defines
+# `tokenmill_projections() -> list[Projection]` (billing's finalized invoices). Named, not
+# imported, so that events imports nothing of the packages built on it, as the app's
+# extensions are (control_plane.app.EXTENSION_MODULES).
+PROJECTION_MODULES = ("pricing.store",)
+
 
 def all_projections() -> list[Projection]:
-    # Billing's finalized invoices are a read model of the control stream too (imported here,
-    # not at the top: pricing builds on this package).
-    from pricing.store import InvoicesProjection
-
-    return [ReadModelsProjection(), UsageLedgerProjection(), InvoicesProjection()]
+    found: list[Projection] = [ReadModelsProjection(), UsageLedgerProjection()]
+    for name in PROJECTION_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:
+                continue
+            raise
+        found.extend(module.tokenmill_projections())
+    return found
 
 
 __all__ = [

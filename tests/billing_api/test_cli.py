@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.cli import RUNTIME_FILE
 from pricing.invoices import invoice_from_json
 from tests.billing_api.conftest import Billing
 from tests.billing_api.test_api import catalogue, september_usage
 from tests.pricing.conftest import finished
+from tokenmill.cli import RUNTIME_FILE
 
 
 def environment(b: Billing, data_dir: Path, urls_from_env: bool = True) -> dict[str, str]:
@@ -42,7 +42,7 @@ def environment(b: Billing, data_dir: Path, urls_from_env: bool = True) -> dict[
     return env
 
 
-TOKENMILL = (sys.executable, "-m", "control_plane.cli")
+TOKENMILL = (sys.executable, "-m", "tokenmill.cli")
 
 
 async def tokenmill(
@@ -125,7 +125,7 @@ async def test_tokenmill_scheduler_runs_the_jobs_and_stops_on_sigterm(
 def test_commands_that_read_state_refuse_to_start_empty_servers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from control_plane.cli import main
+    from tokenmill.cli import main
 
     for name in ("TOKENMILL_DATABASE_URL", "TOKENMILL_NATS_URL", "TOKENMILL_DATA_DIR"):
         monkeypatch.delenv(name, raising=False)
@@ -159,8 +159,8 @@ def _actions(parser: argparse.ArgumentParser, path: str) -> Iterator[tuple[str, 
 
 
 def test_every_option_and_command_has_help() -> None:
-    from control_plane.cli import build_parser
     from pricing.cli import _capacity_parser, _invoices_parser, _scheduler_parser
+    from tokenmill.cli import build_parser
 
     missing = [
         f"{path}: {action.option_strings or action.dest}"

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import pytest
 
-from control_plane.reconcile import reconcile
+from pricing.reconcile import reconcile
 from tests.dataplane.harness import Stack
 from tests.dataplane.test_delivery_billing import generation_rows
 from tests.dataplane.test_openai_api import MESSAGES, async_client

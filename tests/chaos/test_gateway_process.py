@@ -54,7 +54,7 @@ class Install:
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def serve(self) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "control_plane.cli", "serve", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(self.port)]
         cmd += ["--data-dir", str(self.data_dir)]
         proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env)
         self.procs.append(proc)

@@ -13,8 +13,8 @@ import pytest
 from control_plane.app import create_app
 from control_plane.embedded import EmbeddedNats
 from control_plane.services import Services
-from control_plane.settings import Settings
 from tests.control_plane.serving import served
+from tokenmill.settings import Settings
 
 ADMIN_TOKEN = "test-admin-token"
 

@@ -16,15 +16,15 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis import checks as st_checks
 
+from control_plane.admission import tokenmill_extension
 from control_plane.app import create_app
 from control_plane.embedded import EmbeddedNats, EmbeddedPostgres
-from control_plane.governance import tokenmill_extension
 from control_plane.services import Services
-from control_plane.settings import Settings
 from tests.control_plane.conftest import ADMIN_TOKEN
 from tests.control_plane.serving import serving
 from tests.databases import fresh_database
 from tests.threaded import ThreadedServer
+from tokenmill.settings import Settings
 
 # What the admin API promises: no 5xx, and only what its document says (status, content type,
 # body). The stateful and data-acceptance checks are left out: a generated write is often a

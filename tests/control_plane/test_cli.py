@@ -15,7 +15,7 @@ import httpx
 
 from control_plane.embedded import free_port
 
-TOKENMILL = [sys.executable, "-m", "control_plane.cli"]
+TOKENMILL = [sys.executable, "-m", "tokenmill.cli"]
 
 
 @contextlib.contextmanager

@@ -25,8 +25,8 @@ from control_plane.app import create_app, load_extensions
 from control_plane.dataplane.routes import DataPlane
 from control_plane.dataplane.server import direct_routes, gateway_protocol
 from control_plane.services import Services
-from control_plane.settings import Settings
 from tests.control_plane.serving import serving
+from tokenmill.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN_TOKEN = "tmadm_test"

@@ -15,7 +15,6 @@ import openai
 import pytest
 
 from control_plane.embedded import EmbeddedNats
-from control_plane.reconcile import reconcile
 from events.store import StreamLayout
 from events.usage import (
     RequestFinished,
@@ -25,6 +24,7 @@ from events.usage import (
     encode_usage,
     usage_subject,
 )
+from pricing.reconcile import reconcile
 from tests.dataplane.harness import Stack
 from tests.dataplane.test_openai_api import MESSAGES, async_client, expected_text
 from worker import protocol as p

@@ -26,13 +26,13 @@ import httpx
 import pytest
 from litestar import Litestar
 
-from control_plane.dataplane.auth import Caller
+from control_plane.admission.keys import Caller
+from control_plane.admission.view import GovernanceView
 from control_plane.dataplane.errors import OpenAIError
 from control_plane.dataplane.limits import InputLimits
 from control_plane.dataplane.routes import DataPlane
 from control_plane.dataplane.server import LINGER_S, direct_routes, gateway_protocol
 from control_plane.embedded import EmbeddedNats, EmbeddedPostgres, free_port
-from events.governance import GovernanceView
 from events.store import StreamLayout
 from tests.control_plane.serving import serving
 from tests.databases import fresh_database
@@ -624,7 +624,7 @@ def test_tokenmill_serve_stops_on_sigterm_with_requests_half_sent(
             "TOKENMILL_ADMIN_TOKEN": ADMIN_TOKEN,
             "TOKENMILL_STREAM_PREFIX": "G" + uuid.uuid4().hex[:10].upper(),
         }
-        cmd = [sys.executable, "-m", "control_plane.cli", "serve", "--port", str(port)]
+        cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port)]
         cmd += ["--data-dir", str(tmp_path)]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         socks: list[socket.socket] = []

@@ -12,7 +12,7 @@ from typing import Any
 import openai
 import pytest
 
-from control_plane.reconcile import reconcile
+from pricing.reconcile import reconcile
 from tests.dataplane.harness import DEAD_AFTER_S, Stack
 from tests.dataplane.test_delivery_billing import generation_rows
 from tests.dataplane.test_openai_api import MESSAGES, async_client, expected_text, sync_client

@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import pytest
 
-from control_plane.reconcile import reconcile
+from pricing.reconcile import reconcile
 from tests.dataplane.harness import Stack
 from tests.dataplane.scripted import PLAIN_TOKENS, SCRIPTS, start_scripted_worker
 

@@ -26,7 +26,7 @@ async def reconcile_cli(stack: Stack) -> subprocess.CompletedProcess[str]:
         "TOKENMILL_DATABASE_URL": stack.services.database_url,
         "TOKENMILL_STREAM_PREFIX": stack.prefix,
     }
-    cmd = [sys.executable, "-m", "control_plane.cli", "reconcile", "--grace-s", "0"]
+    cmd = [sys.executable, "-m", "tokenmill.cli", "reconcile", "--grace-s", "0"]
     return await asyncio.to_thread(
         subprocess.run, cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
     )

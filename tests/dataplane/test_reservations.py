@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
+from control_plane.admission.admit import Ticket
 from control_plane.dataplane.reservations import ReservationsReporter
-from control_plane.governance.admission import Ticket
-from control_plane.governance.events import LimitsSet
 from control_plane.observability.metrics import OpsMetrics
-from tests.governance.conftest import World, world  # noqa: F401 (the fixture)
+from events.control import LimitsSet
+from tests.admission.conftest import World, world  # noqa: F401 (the fixture)
 
 
 def gauges(metrics: OpsMetrics, sku: str) -> tuple[float, float]:

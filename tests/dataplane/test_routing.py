@@ -351,7 +351,7 @@ async def test_tokenmill_worker_gpu_announces_its_suffixed_id(
     proc = await asyncio.to_thread(
         subprocess.Popen,
         [
-            sys.executable, "-m", "control_plane.cli", "--data-dir", str(tmp_path), "worker",
+            sys.executable, "-m", "tokenmill.cli", "--data-dir", str(tmp_path), "worker",
             "--sku-id", "sku_gpu", "--backend", "fixed_rate", "--worker-id", "box", "--gpu", "3",
             "--heartbeat-s", "0.1",
         ],
@@ -394,7 +394,7 @@ async def test_two_gpu_workers_of_one_host_share_a_skus_load(stack: Stack, tmp_p
             [
                 sys.executable,
                 "-m",
-                "control_plane.cli",
+                "tokenmill.cli",
                 "--data-dir",
                 str(tmp_path),
                 "worker",

@@ -11,11 +11,11 @@ from litestar import Litestar, get
 from litestar.config.cors import CORSConfig
 from litestar.types import ASGIApp, Receive, Scope, Send
 
+from control_plane.admission.view import GovernanceView
 from control_plane.dataplane.routes import DataPlane
 from control_plane.dataplane.server import GatewayHttpProtocol, direct_routes, gateway_protocol
 from control_plane.observability.feed import RefusalCounter
 from control_plane.observability.metrics import OpsMetrics
-from events.governance import GovernanceView
 from events.store import StreamLayout
 from tests.dataplane.harness import serving
 from tests.observability.test_metrics import value

@@ -16,11 +16,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from control_plane.cli import build_parser
-from control_plane.nats_cluster import nats_servers
 from control_plane.observability.routes import web_dir
 from events.control import sku_id_for
+from events.nats_cluster import nats_servers
 from tests.deploy.gotemplate import Chart, TemplateError
+from tokenmill.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -10,12 +10,12 @@ from pathlib import Path
 import nats
 import pytest
 
+from control_plane.admission.budgets import BudgetStore, budget_bucket_configs
 from control_plane.embedded import EmbeddedNats, free_port
-from control_plane.governance.budgets import BudgetStore, budget_bucket_configs
-from control_plane.governance.settings import GovernanceSettings
-from control_plane.nats_cluster import connect, ensure_streams, nats_servers
+from events.nats_cluster import connect, ensure_streams, nats_servers
 from events.store import EventStore, StreamLayout
 from pricing.jobs import BillingSettings, LeaderLock
+from tokenmill.settings import AdmissionSettings
 
 
 @pytest.mark.parametrize(
@@ -80,10 +80,10 @@ def test_every_bucket_carries_the_replica_count(monkeypatch: pytest.MonkeyPatch)
     assert lock.bucket_config().replicas == 3 and lock.bucket_config().ttl == 15.0
     # the same variable as the streams' sets them
     monkeypatch.setenv("TOKENMILL_STREAM_REPLICAS", "3")
-    assert GovernanceSettings().kv_replicas == 3
+    assert AdmissionSettings().kv_replicas == 3
     assert BillingSettings().kv_replicas == 3
     monkeypatch.delenv("TOKENMILL_STREAM_REPLICAS")
-    assert GovernanceSettings().kv_replicas == 1
+    assert AdmissionSettings().kv_replicas == 1
 
 
 async def test_replicas_beyond_a_single_server_are_an_explicit_error(
@@ -111,7 +111,7 @@ async def test_replicas_beyond_a_single_server_are_an_explicit_error(
 
 
 def test_settings_give_the_server_list(monkeypatch: pytest.MonkeyPatch) -> None:
-    from control_plane.settings import Settings
+    from tokenmill.settings import Settings
 
     monkeypatch.setenv("TOKENMILL_NATS_URL", "nats://a:4222,nats://b:4222")
     assert Settings().nats_servers == ["nats://a:4222", "nats://b:4222"]

@@ -12,10 +12,10 @@ import pytest
 from nats.aio.client import Client as NATS
 from prometheus_client import REGISTRY
 
-from control_plane.cli import main
 from events.control import ApiKeyIssued, TenantCreated, control_subject, encode_control
 from events.projections import Projector, ReadModelsProjection, all_projections, dead_letters
 from events.store import EventStore, StreamLayout
+from tokenmill.cli import main
 
 
 def _dead_letter_count() -> float:

@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 
 from nats.aio.client import Client as NATS
 
+from control_plane.admission.view import GovernanceView
 from events.control import (
     ApiKeyIssued,
     ApiKeyRevoked,
@@ -15,7 +16,6 @@ from events.control import (
     TenantSuspended,
     sku_id_for,
 )
-from events.governance import GovernanceView
 from events.store import EventStore
 
 

@@ -195,7 +195,7 @@ def _tokenmill(
     env = {**os.environ, "TOKENMILL_NATS_URL": nats_url, "TOKENMILL_DATABASE_URL": database_url,
            "TOKENMILL_STREAM_PREFIX": prefix, "TOKENMILL_DATA_DIR": str(tmp)}  # fmt: skip
     return subprocess.Popen(
-        [sys.executable, "-m", "control_plane.cli", *args],
+        [sys.executable, "-m", "tokenmill.cli", *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -11,10 +11,10 @@ import pytest
 from litestar import Litestar, get
 from litestar.testing import AsyncTestClient
 
+from control_plane.admission.view import GovernanceView
 from control_plane.dataplane.routes import DataPlane
 from control_plane.observability.feed import RefusalCounter, refusal_reason
 from control_plane.observability.metrics import OpsMetrics
-from events.governance import GovernanceView
 from events.store import StreamLayout
 from tests.observability.test_metrics import value
 

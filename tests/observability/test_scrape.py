@@ -35,7 +35,7 @@ async def test_projection_lag_and_reservations_are_read_when_scraped(
         )
     )
     extensions = load_extensions(
-        services, ["control_plane.governance", "control_plane.observability"]
+        services, ["control_plane.admission", "control_plane.observability"]
     )
     # No projectors run: what is appended stays unprojected, so the lag grows.
     app = create_app(services, extensions=extensions, run_projectors=False)

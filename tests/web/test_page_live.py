@@ -416,7 +416,7 @@ def start_tokenmill_up(env: dict[str, str], tmp_path: Path, port: int) -> subpro
     """`tokenmill up` as an operator runs it, its output in tmp_path/up.log."""
     with open(tmp_path / "up.log", "wb") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "control_plane.cli", "up", "--data-dir", str(tmp_path / "data"), "--port", str(port)],
+            [sys.executable, "-m", "tokenmill.cli", "up", "--data-dir", str(tmp_path / "data"), "--port", str(port)],
             env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
 

@@ -14,8 +14,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from control_plane.cli import main as tokenmill
 from tests.worker.model_driver import ModelDriver
+from tokenmill.cli import main as tokenmill
 from worker.kernels.reference import int4_dequantize
 from worker.models import build_random
 from worker.models.config import ModelConfig

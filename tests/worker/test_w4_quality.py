@@ -109,7 +109,7 @@ def test_quantized_gguf_checkpoint(gguf_path: Path, tmp_path: Path) -> None:
     16-bit."""
     from safetensors import safe_open
 
-    from control_plane.cli import main as tokenmill
+    from tokenmill.cli import main as tokenmill
     from worker.loading.config import load_hf_config
 
     dst = tmp_path / "smollm2-w4"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import re
 import sys
 import time
@@ -15,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.settings import env, env_bool, env_float, env_int
 from worker.engine.batch import BatchMetadata
 from worker.engine.block_manager import BlockManager, staged_pool_blocks, staged_recent_blocks
 from worker.engine.detokenizer import IncrementalDetokenizer
@@ -28,29 +28,26 @@ from worker.models.cache import KVStaging
 log = logging.getLogger(__name__)
 
 # Seconds past which one engine step is logged as slow (TOKENMILL_ENGINE_SLOW_STEP_S).
-SLOW_STEP_S = float(os.environ.get("TOKENMILL_ENGINE_SLOW_STEP_S", "1.0"))
+SLOW_STEP_S = env_float("TOKENMILL_ENGINE_SLOW_STEP_S", 1.0)
 
 
-def _env_int(name: str, default: int | None) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value else default
+def _env_int(name: str) -> int | None:
+    return env_int(name, 0) if env(name) is not None else None
 
 
 def _env_float(name: str) -> float | None:
-    value = os.environ.get(name)
-    return float(value) if value else None
+    return env_float(name, 0.0) if env(name) is not None else None
 
 
 def _env_bool(name: str) -> bool | None:
-    value = os.environ.get(name, "").strip().lower()
-    return None if not value else value not in ("0", "false", "no", "off")
+    return env_bool(name) if env(name) is not None else None
 
 
 _STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _env_dtype(name: str) -> torch.dtype | None:
-    value = os.environ.get(name, "").strip().lower()
+    value = (env(name) or "").strip().lower()
     if not value:
         return None
     if value not in _STATE_DTYPES:
@@ -216,34 +213,30 @@ class EngineConfig:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> EngineConfig:
-        env: dict[str, Any] = {
-            "block_size": _env_int("TOKENMILL_ENGINE_BLOCK_SIZE", None),
-            "num_kv_blocks": _env_int("TOKENMILL_ENGINE_NUM_KV_BLOCKS", None),
-            "kv_cache_bytes": _env_int("TOKENMILL_ENGINE_KV_CACHE_BYTES", None),
+        given: dict[str, Any] = {
+            "block_size": _env_int("TOKENMILL_ENGINE_BLOCK_SIZE"),
+            "num_kv_blocks": _env_int("TOKENMILL_ENGINE_NUM_KV_BLOCKS"),
+            "kv_cache_bytes": _env_int("TOKENMILL_ENGINE_KV_CACHE_BYTES"),
             "gpu_memory_fraction": _env_float("TOKENMILL_ENGINE_GPU_MEMORY_FRACTION"),
-            "max_num_seqs": _env_int("TOKENMILL_ENGINE_MAX_NUM_SEQS", None),
-            "max_num_batched_tokens": _env_int("TOKENMILL_ENGINE_MAX_NUM_BATCHED_TOKENS", None),
-            "max_model_len": _env_int("TOKENMILL_ENGINE_MAX_MODEL_LEN", None),
+            "max_num_seqs": _env_int("TOKENMILL_ENGINE_MAX_NUM_SEQS"),
+            "max_num_batched_tokens": _env_int("TOKENMILL_ENGINE_MAX_NUM_BATCHED_TOKENS"),
+            "max_model_len": _env_int("TOKENMILL_ENGINE_MAX_MODEL_LEN"),
             "cuda_graphs": _env_bool("TOKENMILL_ENGINE_CUDA_GRAPHS"),
             "fuse_projections": _env_bool("TOKENMILL_ENGINE_FUSE_PROJECTIONS"),
             "overlap_decode": _env_bool("TOKENMILL_ENGINE_OVERLAP_DECODE"),
             "warm_up": _env_bool("TOKENMILL_ENGINE_WARM_UP"),
-            "warm_up_max_len": _env_int("TOKENMILL_ENGINE_WARM_UP_MAX_LEN", None),
-            "prefill_gather_s": float(os.environ.get("TOKENMILL_ENGINE_PREFILL_GATHER_MS") or 25)
-            / 1e3,
-            "prefill_gather_gap_s": float(
-                os.environ.get("TOKENMILL_ENGINE_PREFILL_GATHER_GAP_MS") or 3
-            )
-            / 1e3,
+            "warm_up_max_len": _env_int("TOKENMILL_ENGINE_WARM_UP_MAX_LEN"),
+            "prefill_gather_s": env_float("TOKENMILL_ENGINE_PREFILL_GATHER_MS", 25) / 1e3,
+            "prefill_gather_gap_s": env_float("TOKENMILL_ENGINE_PREFILL_GATHER_GAP_MS", 3) / 1e3,
             "state_dtype": _env_dtype("TOKENMILL_ENGINE_STATE_DTYPE"),
-            "kv_staging": os.environ.get("TOKENMILL_ENGINE_KV_STAGING") or None,
-            "kv_staging_window_pages": _env_int("TOKENMILL_ENGINE_KV_STAGING_WINDOW_PAGES", None),
-            "kv_staging_anchor_pages": _env_int("TOKENMILL_ENGINE_KV_STAGING_ANCHOR_PAGES", None),
+            "kv_staging": env("TOKENMILL_ENGINE_KV_STAGING"),
+            "kv_staging_window_pages": _env_int("TOKENMILL_ENGINE_KV_STAGING_WINDOW_PAGES"),
+            "kv_staging_anchor_pages": _env_int("TOKENMILL_ENGINE_KV_STAGING_ANCHOR_PAGES"),
             "enable_prefix_caching": _env_bool("TOKENMILL_ENGINE_PREFIX_CACHING"),
-            "prefix_checkpoint_blocks": _env_int("TOKENMILL_ENGINE_PREFIX_CHECKPOINT_BLOCKS", None),
-            "prefix_checkpoint_slots": _env_int("TOKENMILL_ENGINE_PREFIX_CHECKPOINT_SLOTS", None),
+            "prefix_checkpoint_blocks": _env_int("TOKENMILL_ENGINE_PREFIX_CHECKPOINT_BLOCKS"),
+            "prefix_checkpoint_slots": _env_int("TOKENMILL_ENGINE_PREFIX_CHECKPOINT_SLOTS"),
         }
-        return cls(**{k: v for k, v in env.items() if v is not None}, **overrides)
+        return cls(**{k: v for k, v in given.items() if v is not None}, **overrides)
 
 
 @dataclass

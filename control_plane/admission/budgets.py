@@ -35,7 +35,7 @@ from nats.js.api import KeyValueConfig
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from control_plane.nats_cluster import ensure_key_value
+from events.nats_cluster import ensure_key_value
 
 Clock = Callable[[], float]
 

@@ -1,6 +1,6 @@
 """Admission: who may send this request now, and what it reserves.
 
-The gateway calls, per /v1 request, after its own key lookup (dataplane.auth.Authorizer):
+The gateway calls, per /v1 request, after its own key lookup (admission.keys.Authorizer):
 
     decision = await admission.admit(tenant_id, key_id, sku_id, prompt_tokens, max_tokens,
                                      request_id)
@@ -34,14 +34,14 @@ from typing import Literal
 
 from nats.js import JetStreamContext
 
-from control_plane.governance.budgets import BudgetSpec, BudgetStore, Clock, SharedBudget
-from control_plane.governance.events import LimitsSet
-from control_plane.governance.ledger import UsageLedger
-from control_plane.governance.limits import LimitsBook, cost_micros
-from control_plane.governance.settings import GovernanceSettings
-from control_plane.governance.windows import Window, go_duration, quota_window, rate_window
-from events.governance import GovernanceView
+from control_plane.admission.budgets import BudgetSpec, BudgetStore, Clock, SharedBudget
+from control_plane.admission.limits import LimitsBook, cost_micros
+from control_plane.admission.settled_usage import SettledUsage
+from control_plane.admission.view import GovernanceView
+from control_plane.admission.windows import Window, go_duration, quota_window, rate_window
+from events.control import LimitsSet
 from events.usage import RequestFinished
+from tokenmill.settings import AdmissionSettings
 
 log = logging.getLogger(__name__)
 BudgetKind = Literal["streams", "rpm", "tpm", "quota"]
@@ -149,15 +149,15 @@ class Admission:
         view: GovernanceView,
         *,
         replica_id: str | None = None,
-        settings: GovernanceSettings | None = None,
+        settings: AdmissionSettings | None = None,
         clock: Clock = time.time,
     ) -> None:
-        self.settings = settings or GovernanceSettings()
+        self.settings = settings or AdmissionSettings()
         self.replica_id = replica_id or "gw-" + uuid.uuid4().hex[:12]
         self.clock = clock
         self.view = view  # the backbone's: prices (its owner starts and stops it)
         self.limits = LimitsBook(js, prefix)
-        self.ledger = UsageLedger(
+        self.ledger = SettledUsage(
             js,
             prefix,
             self.view,

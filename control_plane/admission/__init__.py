@@ -1,6 +1,7 @@
-"""Governance: quotas, rate limits and tenant policy, exact under concurrency and across
-gateway replicas (see `budgets` for the shared-state design, `admission` for the API the
-gateway calls, `controllers` for the HTTP endpoints).
+"""Admission: who is calling (`keys`, against the in-memory governance view in `view`) and
+whether they may send this request now (`admit`: quotas, rate limits and tenant policy, exact
+under concurrency and across gateway replicas; see `budgets` for the shared-state design,
+`settled_usage` for what the usage stream settles, `controllers` for the HTTP endpoints).
 
 As an app Extension it starts one `Admission` per process, mounts the admin limits routes and
 `GET /v1/usage`, and offers the Admission to the data plane as `extra["admission"]`."""
@@ -11,9 +12,9 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from control_plane.governance.admission import Admission, Refusal, Ticket, rate_limit_headers
-from control_plane.governance.events import LimitsSet
-from control_plane.governance.settings import GovernanceSettings
+from control_plane.admission.admit import Admission, Refusal, Ticket, rate_limit_headers
+from events.control import LimitsSet
+from tokenmill.settings import AdmissionSettings
 
 if TYPE_CHECKING:
     from control_plane.app import Extension
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Admission",
-    "GovernanceSettings",
+    "AdmissionSettings",
     "LimitsSet",
     "Refusal",
     "Ticket",
@@ -31,8 +32,8 @@ __all__ = [
 
 
 def tokenmill_extension(services: Services) -> Extension:
+    from control_plane.admission.controllers import governance_admin_router, usage_router
     from control_plane.app import Extension
-    from control_plane.governance.controllers import governance_admin_router, usage_router
 
     admission = Admission(services.js, services.layout.prefix, services.view)
 

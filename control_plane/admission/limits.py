@@ -1,7 +1,7 @@
-"""The limits in force, in memory, from the control stream's `limits` subjects (decoded with
-the governance LimitsSet, whose extra fields the backbone's view does not keep). A limit
-change applies the moment its event arrives: milliseconds after the append, on every
-replica. Identity (keys, tenants, SKUs) and prices come from the backbone's GovernanceView."""
+"""The limits in force, in memory, from the control stream's `limits` subjects, for admission
+(every field of `events.control.LimitsSet`, per scope). A limit change applies the moment its
+event arrives: milliseconds after the append, on every replica. Identity (keys, tenants,
+SKUs) and prices come from the governance view (`view.GovernanceView`)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 
-from control_plane.governance.events import LimitsSet, decode_limits
-from control_plane.governance.position import StreamPosition
+from control_plane.admission.position import StreamPosition
+from control_plane.admission.view import PricePlan
 from events import control
-from events.governance import PricePlan
+from events.control import LimitsSet, decode_limits
 
 # A limit scope: (tenant, key or None, SKU or None).
 ScopeKey = tuple[str, str | None, str | None]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from control_plane.governance.admission import UNLIMITED, Refusal, Ticket
-from control_plane.governance.events import LimitsSet
-from tests.governance.conftest import World
+from control_plane.admission.admit import UNLIMITED, Refusal, Ticket
+from events.control import LimitsSet
+from tests.admission.conftest import World
 
 
 async def test_rpm_is_shared_exactly_by_two_replicas(world: World) -> None:

@@ -1,4 +1,4 @@
-"""HTTP for governance: admin endpoints that set and read limits (problem details on errors),
+"""HTTP for limits: admin endpoints that set and read limits (problem details on errors),
 and the tenant-facing `GET /v1/usage` (OpenAI error objects on errors).
 
 Admin (bearer admin token), under /admin/v1:
@@ -24,12 +24,12 @@ from litestar.params import Parameter
 
 from control_plane.admin.controllers import ETAG
 from control_plane.admin.services import parse_if_match
+from control_plane.admission.admit import Admission
 from control_plane.auth import admin_guard
 from control_plane.dataplane import errors
-from control_plane.governance.admission import Admission
-from control_plane.governance.events import LimitsSet, QuotaMetric
 from control_plane.problems import PROBLEM_HANDLERS, ProblemError, not_found, problem_responses
 from control_plane.services import Services
+from events.control import LimitsSet, QuotaMetric
 from events.store import ConcurrencyError
 from events.validation import INT64_MAX
 

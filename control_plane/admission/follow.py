@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from control_plane.governance.position import StreamPosition
+from control_plane.admission.position import StreamPosition
 
 log = logging.getLogger(__name__)
 

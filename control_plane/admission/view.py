@@ -1,4 +1,5 @@
-"""The governance view: tenants, API keys, SKUs, price plans and limits held in memory, built
+"""The governance view: tenants, API keys, SKUs and price plans held in memory (and every
+aggregate's version, limits included: admission keeps the limits themselves), built
 by replaying the control stream and then following it live (an ordered consumer).
 
 The data plane authorizes every request against it, so the hot path never waits on
@@ -104,16 +105,6 @@ class PricePlan(msgspec.Struct, frozen=True, kw_only=True):
     seq: int
 
 
-class Limits(msgspec.Struct, frozen=True, kw_only=True):
-    tenant_id: str
-    sku_id: str | None
-    requests_per_minute: int | None
-    tokens_per_minute: int | None
-    token_quota: int | None
-    quota_period: Literal["day", "month"]
-    version: int
-
-
 Listener = Callable[[AnyControlEvent, int], None]
 
 
@@ -128,7 +119,6 @@ class GovernanceView:
         self._skus: dict[str, Sku] = {}
         self._skus_by_name: dict[str, Sku] = {}
         self._plans: dict[str, list[PricePlan]] = {}  # per SKU, ordered by effective_from
-        self._limits: dict[str, dict[str | None, Limits]] = {}
         self._versions: dict[tuple[str, str], int] = {}
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._listeners: list[Listener] = []
@@ -239,11 +229,6 @@ class GovernanceView:
         i = bisect.bisect_right([p.effective_from for p in plans], at)
         return plans[i - 1] if i else None
 
-    def limits(self, tenant_id: str, sku_id: str | None = None) -> Limits | None:
-        """The tenant's limits for the SKU, else its tenant-wide limits."""
-        per_tenant = self._limits.get(tenant_id, {})
-        return per_tenant.get(sku_id) or per_tenant.get(None)
-
     def version(self, aggregate: Aggregate, aggregate_id: str) -> int:
         """Sequence of the aggregate's last event; 0 if it has none."""
         return self._versions.get((aggregate, aggregate_id), 0)
@@ -321,15 +306,7 @@ class GovernanceView:
                 i = bisect.bisect_right([p.effective_from for p in plans], plan.effective_from)
                 plans.insert(i, plan)
             case LimitsSet():
-                self._limits.setdefault(event.tenant_id, {})[event.sku_id] = Limits(
-                    tenant_id=event.tenant_id,
-                    sku_id=event.sku_id,
-                    requests_per_minute=event.requests_per_minute,
-                    tokens_per_minute=event.tokens_per_minute,
-                    token_quota=event.token_quota,
-                    quota_period=event.quota_period,
-                    version=seq,
-                )
+                pass  # admission keeps the limits in force (admission.limits); here: version
         self._versions[aggregate_of(event)] = seq
         self._advance(seq)
         for listener in self._listeners:

@@ -3,7 +3,7 @@
 Three checks:
 1. metering: what workers generated, what the gateway delivered and what the ledger billed,
    request by request (billed = delivered, generated = delivered + unbilled waste):
-   `control_plane.reconcile` (also `tokenmill reconcile`); this report embeds it.
+   `pricing.reconcile.metering` (also `tokenmill reconcile`); this report embeds it.
 2. billing: every ledger row up to the latest invoice cut appears on exactly one invoice
    (billed tokens per tenant = ledger tokens per tenant, priced rows only).
 3. rebuild: each finalized invoice, recomputed from the ledger and price history as of its
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import ROUND_HALF_EVEN, Decimal
 
-from control_plane.reconcile import Report as MeteringReport
 from pricing.invoices import Invoice, LedgerRow, build_invoice, dedupe
 from pricing.plans import TOKEN_CLASSES, PriceBook
+from pricing.reconcile.metering import Report as MeteringReport
 
 
 def _percent(part: int, whole: int) -> Decimal:

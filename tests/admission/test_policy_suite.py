@@ -13,10 +13,10 @@ from decimal import Decimal
 
 import pytest
 
-from control_plane.governance.admission import Refusal, Ticket
-from control_plane.governance.events import LimitsSet
+from control_plane.admission.admit import Refusal, Ticket
 from events import control
-from tests.governance.conftest import World
+from events.control import LimitsSet
+from tests.admission.conftest import World
 
 KINDS = (
     "revoke",

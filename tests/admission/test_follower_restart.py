@@ -15,15 +15,15 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
+from control_plane.admission.admit import Admission, Refusal, Ticket
+from control_plane.admission.follow import StreamFollower
+from control_plane.admission.position import StreamPosition
+from control_plane.admission.view import GovernanceView
 from control_plane.embedded import EmbeddedNats
-from control_plane.governance.admission import Admission, Refusal, Ticket
-from control_plane.governance.events import LimitsSet
-from control_plane.governance.follow import StreamFollower
-from control_plane.governance.position import StreamPosition
-from events.governance import GovernanceView
+from events.control import LimitsSet
 from events.store import EventStore, StreamLayout
 from events.usage import RequestFinished, usage_stream_name
-from tests.governance.conftest import Clock, World, fast_settings
+from tests.admission.conftest import Clock, World, fast_settings
 
 # Real NATS restarts with second-scale waits; on a loaded 2-core machine a restart round once
 # outlasted its bounds and the fixture's teardown then hung: run with -m slow.
@@ -209,6 +209,6 @@ async def test_first_consumer_by_time_then_by_sequence(
 
 
 def _month(world: World) -> str:
-    from control_plane.governance.windows import quota_window
+    from control_plane.admission.windows import quota_window
 
     return quota_window("month", world.clock.now).label

@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from control_plane.governance.position import StreamPosition
-from control_plane.governance.windows import quota_window
+from control_plane.admission.position import StreamPosition
+from control_plane.admission.windows import quota_window
 
 
 def ts(*args: int) -> float:

@@ -41,9 +41,9 @@ from control_plane.auth import resolve_admin_token
 from control_plane.dataplane.server import direct_routes, gateway_protocol
 from control_plane.embedded import EmbeddedNats, EmbeddedPostgres
 from control_plane.services import Services
-from control_plane.settings import Settings
 from events.projections import ProjectionLocked, Projector, all_projections, dead_letters
 from pricing.cli import capacity_main, invoices_main, scheduler_main
+from tokenmill.settings import Settings
 
 log = logging.getLogger("tokenmill")
 
@@ -231,7 +231,7 @@ BILLING_COMMANDS = {
 }
 
 
-# The data plane's commands parse their own arguments (control_plane.reconcile, worker.serve).
+# The data plane's commands parse their own arguments (pricing.reconcile, worker.serve).
 DATAPLANE_COMMANDS = {
     "reconcile": "compare the usage ledger with the gateway's deliveries, request by request",
     "worker": "serve one SKU from a worker backend (torch_runtime, openai_proxy, fixed_rate); "
@@ -241,7 +241,7 @@ DATAPLANE_COMMANDS = {
 
 def _dataplane(command: str, argv: list[str], settings: Settings) -> int:
     if command == "reconcile":
-        from control_plane.reconcile import main as reconcile_main
+        from pricing.reconcile import main as reconcile_main
 
         return reconcile_main(["--database-url", str(settings.database_url), *argv])
     from worker.serve import main as worker_main

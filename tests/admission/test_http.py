@@ -9,8 +9,8 @@ from datetime import UTC, datetime
 import httpx
 import pytest
 
+from control_plane.admission import tokenmill_extension
 from control_plane.app import create_app
-from control_plane.governance import tokenmill_extension
 from control_plane.services import Services
 from events import control
 from events.usage import RequestFinished

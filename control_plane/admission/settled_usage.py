@@ -12,11 +12,11 @@ from datetime import UTC, datetime
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from control_plane.governance.follow import StreamFollower
-from control_plane.governance.limits import cost_micros
-from control_plane.governance.position import StreamPosition
-from control_plane.governance.windows import quota_window
-from events.governance import GovernanceView
+from control_plane.admission.follow import StreamFollower
+from control_plane.admission.limits import cost_micros
+from control_plane.admission.position import StreamPosition
+from control_plane.admission.view import GovernanceView
+from control_plane.admission.windows import quota_window
 from events.usage import RequestFinished, decode_usage, usage_stream_name
 
 # (scope id: tenant or key, SKU id or None for all SKUs, quota window label)
@@ -42,7 +42,7 @@ def usage_keys(event: RequestFinished) -> list[UsageKey]:
     ]
 
 
-class UsageLedger:
+class SettledUsage:
     """Follows the usage stream (all of it, so its position is the stream's) from the start
     of the previous month (quota periods are at most a month) and keeps the sums;
     `on_settled` is told of each new request. The follower re-creates its consumer from the

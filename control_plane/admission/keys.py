@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from control_plane.admin.services import hash_key
+from control_plane.admission.view import ApiKey, GovernanceView, Sku, Tenant
 from control_plane.dataplane import errors
-from events.governance import ApiKey, GovernanceView, Sku, Tenant
 
 
 @dataclass(frozen=True, slots=True)

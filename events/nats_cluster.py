@@ -18,6 +18,7 @@ from nats.js.errors import APIError, BucketNotFoundError, ServiceUnavailableErro
 from nats.js.kv import KeyValue
 
 from events.store import EventStore
+from tokenmill.settings import nats_servers
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -29,15 +30,6 @@ REPLICAS_NOT_SUPPORTED = 10074
 # How long start-up keeps retrying: a cluster whose nodes start together elects its meta
 # leader within seconds, and answers JetStream requests with timeouts until then.
 STARTUP_WITHIN_S = 60.0
-
-
-def nats_servers(url: str) -> list[str]:
-    """`TOKENMILL_NATS_URL` as nats-py's `servers=`: one URL, or several comma-separated
-    (seeds of one cluster; the client learns the rest from the server)."""
-    servers = [part.strip() for part in url.split(",") if part.strip()]
-    if not servers:
-        raise ValueError("TOKENMILL_NATS_URL holds no URL")
-    return servers
 
 
 async def retry_startup(

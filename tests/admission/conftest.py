@@ -11,14 +11,14 @@ from datetime import UTC, datetime
 import nats
 import pytest
 
+from control_plane.admission.admit import Admission
+from control_plane.admission.view import GovernanceView
 from control_plane.embedded import EmbeddedNats
-from control_plane.governance.admission import Admission
-from control_plane.governance.events import LimitsSet
-from control_plane.governance.settings import GovernanceSettings
 from events import control
-from events.governance import GovernanceView
+from events.control import LimitsSet
 from events.store import EventStore, StreamLayout
 from events.usage import RequestFinished
+from tokenmill.settings import AdmissionSettings
 
 # Mid-window of a fixed minute, so a test never straddles a rate window or a quota period.
 T0 = 1_899_999_960.0 + 30.0  # 1_899_999_960 is a whole minute
@@ -124,8 +124,8 @@ class World:
             assert await replica.ledger.position.wait_for(ack.seq, 5.0)
 
 
-def fast_settings() -> GovernanceSettings:
-    return GovernanceSettings(
+def fast_settings() -> AdmissionSettings:
+    return AdmissionSettings(
         default_max_tokens=256,
         reservation_ttl_s=30.0,
         stream_slot_ttl_s=10.0,
