@@ -69,6 +69,10 @@ def check_gemv(m: int, n: int, k: int, tiling: DecodeTiling | None, device: str)
         (5, 70, 384, DecodeTiling(16, 128, 1, stream_k=3)),  # 15 steps over 12 programs
         (8, 200, 256, DecodeTiling(16, 64, 1, stream_k=5)),  # more programs than some tiles
         (16, 33, 1024, DecodeTiling(32, 128, 1, stream_k=2)),  # N < 2 tiles, long ranges
+        # past 16 rows (TOKENMILL_FP8_GEMV_MAX_ROWS): a 32- or 64-row tile, split or not
+        (32, 48, 256, DecodeTiling(16, 64, 2)),
+        (40, 70, 512, DecodeTiling(32, 128, 1, stream_k=1)),  # stream-K: the plain form
+        (24, 33, 256, DecodeTiling(16, 64, 2, two_pass=True)),  # two-pass: the plain form
     ],
 )
 def test_w8_gemv_matches_reference(m, n, k, tiling) -> None:

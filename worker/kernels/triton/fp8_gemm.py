@@ -9,12 +9,15 @@ Two paths, picked by the number of rows (tokens) of x:
   (bench/gpu_suite.py sweeps candidates at the real shapes and fills it), else from
   `default_tiling` (measured: 32-channel mma.sync tiles; the LM head on w8a16 in one launch).
   The same kernel serves 16-bit weights (`linear`) where it beats cuBLAS.
-- 17..63 rows: `w8a16`, the same weight streaming with x as the left operand.
-- many rows (prefill): `scaled_mm`, dynamic per-token activation quantization (one triton pass:
+- rows between FP8_GEMV_MAX_ROWS and FP8_SCALED_MM_MIN_ROWS (none by default): `w8a16`, the
+  same weight streaming with x as the left operand.
+- more rows (decode at concurrency > 16, prefill): `scaled_mm`, dynamic per-token activation quantization (one triton pass:
   row amax, scale, e4m3 cast) and `torch._scaled_mm` with rowwise scales on FP8 tensor cores.
 
-`FP8_SCALED_MM_MIN_ROWS` (env TOKENMILL_FP8_SCALED_MM_MIN_ROWS, default 64) is the switch point;
-bench/gpu_suite.py measures both paths at decode and prefill sizes and reports the crossover.
+`FP8_SCALED_MM_MIN_ROWS` (env TOKENMILL_FP8_SCALED_MM_MIN_ROWS, default 17) is the switch point.
+Measured on one H200, the 27B engine at concurrency 32 (32-row decode steps): w8a16 29.5 ms a
+step (960 tok/s), scaled_mm 15.7 ms (1,631 tok/s), w8_gemv with a 32-row tile
+(TOKENMILL_FP8_GEMV_MAX_ROWS=32) 15.9 ms (1,619 tok/s); hence scaled_mm from 17 rows.
 """
 
 from __future__ import annotations
@@ -32,7 +35,10 @@ from worker.kernels.triton._launch import dot_dtype, kernel, pdl_wait
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_MAX_VALUE: tl.constexpr = tl.constexpr(FP8_MAX)  # the same, inside kernels
-FP8_SCALED_MM_MIN_ROWS = int(os.environ.get("TOKENMILL_FP8_SCALED_MM_MIN_ROWS", "64"))
+FP8_SCALED_MM_MIN_ROWS = int(os.environ.get("TOKENMILL_FP8_SCALED_MM_MIN_ROWS", "17"))
+# The most rows `w8_gemv` takes (TOKENMILL_FP8_GEMV_MAX_ROWS, at most 64): past 16 its row tile
+# grows to the next power of two; between this and FP8_SCALED_MM_MIN_ROWS, `w8a16`.
+FP8_GEMV_MAX_ROWS = min(int(os.environ.get("TOKENMILL_FP8_GEMV_MAX_ROWS", "16")), 64)
 
 
 @kernel
@@ -538,16 +544,18 @@ def w8_gemv(
     fp32 scale [N] (widened to fp16 for the dot) or 16-bit like x (scale None)."""
     m, k = x.shape
     n = weight.shape[0]
-    if m > 16:
-        raise ValueError(f"w8_gemv takes at most 16 rows, got {m}")
+    if m > 64:
+        raise ValueError(f"w8_gemv takes at most 64 rows, got {m}")
     fp8 = weight.dtype == torch.float8_e4m3fn
     if fp8 != (scale is not None):
         raise ValueError("fp8 weights take a scale, 16-bit weights none")
     tiling = tiling or DECODE_TILINGS.get((n, k)) or default_tiling(n, k)
-    if tiling.two_pass:
+    # Past 16 rows the row tile grows; the two-pass and stream-K forms keep 16-row slabs.
+    bm = 16 if m <= 16 else triton.next_power_of_2(m)
+    if tiling.two_pass and bm == 16:
         assert scale is not None, "the two-pass kernel is fp8-only"
         return w8a16(x, weight, scale, bias, split_k=tiling.splits)
-    if tiling.stream_k and k % tiling.bk == 0:
+    if tiling.stream_k and k % tiling.bk == 0 and bm == 16:
         return _stream_k_gemv(x, weight, scale, bias, tiling)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -577,7 +585,7 @@ def w8_gemv(
         x.stride(0),
         weight.stride(0),
         out.stride(0),
-        BM=16,
+        BM=bm,
         BN=tiling.bn,
         BK=tiling.bk,
         SPLIT=splits > 1,
@@ -859,12 +867,12 @@ def scaled_mm(
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [..., K] -> [..., N]: w8_gemv up to 16 rows, w8a16 below FP8_SCALED_MM_MIN_ROWS, scaled_mm
-    from there."""
+    """x [..., K] -> [..., N]: w8_gemv up to FP8_GEMV_MAX_ROWS rows, w8a16 below
+    FP8_SCALED_MM_MIN_ROWS, scaled_mm from there."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] >= FP8_SCALED_MM_MIN_ROWS:
         out = scaled_mm(rows, weight, scale, bias)
-    elif rows.shape[0] <= 16:
+    elif rows.shape[0] <= max(16, FP8_GEMV_MAX_ROWS):
         out = w8_gemv(rows, weight, scale, bias)
     else:
         out = w8a16(rows, weight, scale, bias)
