@@ -6,7 +6,7 @@ Two paths, picked by the number of rows (tokens) of x:
   widening to bf16 is not) and accumulates in fp32. Small-N shapes split K; the last program to
   finish a column tile (an arrival counter) sums the fp32 partials, scales and writes the
   output, so there is no second launch. The tiling per (N, K) comes from `DECODE_TILINGS`
-  (bench/gpu_suite.py sweeps candidates at the real shapes and fills it), else from
+  (bench/engine/suite.py sweeps candidates at the real shapes and fills it), else from
   `default_tiling` (measured: 32-channel mma.sync tiles; the LM head on w8a16 in one launch).
   The same kernel serves 16-bit weights (`linear`) where it beats cuBLAS.
 - 17..63 rows: `w8a16`, the same weight streaming with x as the left operand.
@@ -14,7 +14,7 @@ Two paths, picked by the number of rows (tokens) of x:
   row amax, scale, e4m3 cast) and `torch._scaled_mm` with rowwise scales on FP8 tensor cores.
 
 `FP8_SCALED_MM_MIN_ROWS` (env TOKENMILL_FP8_SCALED_MM_MIN_ROWS, default 64) is the switch point;
-bench/gpu_suite.py measures both paths at decode and prefill sizes and reports the crossover.
+bench/engine/suite.py measures both paths at decode and prefill sizes and reports the crossover.
 """
 
 from __future__ import annotations
@@ -449,7 +449,7 @@ class DecodeTiling:
     stream_k: int = 0
 
 
-# Filled by bench/gpu_suite.py's sweep (fastest measured tiling per weight shape); else default.
+# Filled by bench/engine/suite.py's sweep (fastest measured tiling per weight shape); else default.
 DECODE_TILINGS: dict[tuple[int, int], DecodeTiling] = {}
 # 16-bit weights: the GEMV runs only for shapes measured faster than cuBLAS. Preset with the
 # H200 winners at the Qwen3.6-27B shapes (bench/results/gpu_suite_run3.json: 91-96% of copy
@@ -724,7 +724,7 @@ def _gemv_silu_mul_kernel(
     )
 
 
-# The fused gate|up GEMV per (2F, K, fp8 weights): bench/gpu_suite.py's sweep stores the fastest
+# The fused gate|up GEMV per (2F, K, fp8 weights): bench/engine/suite.py's sweep stores the fastest
 # measured tiling, or None where the projection then silu_mul (two launches) measured faster.
 # Preset with the H200 results at the Qwen3.6-27B MLP (bench/results/gpu_suite_run11-15.json):
 # fp8 49.0 us fused against 54.4 for two launches; bf16 88.9 against 88.0, so two launches.

@@ -6,7 +6,7 @@
 2. Two replicas, each offered 1,000 requests/s from its own connection, against one tenant's
    RPM (and, separately, TPM) limit inside one rate window: admitted vs configured.
 
-    python -m bench.admission_latency [--seconds 10] [--out bench/results/admission_latency.json]
+    python -m bench.gateway.admission_latency [--seconds 10] [--out bench/results/admission_latency.json]
 """
 
 from __future__ import annotations

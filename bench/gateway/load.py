@@ -1,4 +1,4 @@
-"""The load generator of bench/gateway_overhead.py, run in its own process.
+"""The load generator of bench/gateway/overhead.py, run in its own process.
 
 It calls a fixed-rate worker with C concurrent streams, either through the gateway (HTTP/1.1
 SSE on keep-alive connections, with a minimal client so that the client's own cost does not
@@ -6,8 +6,8 @@ pass for the gateway's) or directly over NATS (the gateway's own WorkerClient, n
 auth, no metering by the gateway). It prints one JSON object: per-request TTFT, tokens and
 outcome, and the wall time.
 
-    python -m bench.gateway_load --mode gateway --url http://127.0.0.1:8080 --key KEY --model SKU ...
-    python -m bench.gateway_load --mode direct --nats-url nats://... --prefix TM --sku-id SKU ...
+    python -m bench.gateway.load --mode gateway --url http://127.0.0.1:8080 --key KEY --model SKU ...
+    python -m bench.gateway.load --mode direct --nats-url nats://... --prefix TM --sku-id SKU ...
 """
 
 from __future__ import annotations

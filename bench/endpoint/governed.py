@@ -13,8 +13,8 @@ the other goes through the gateway (streamed /v1/completions over HTTP, usage
 included). Then one more gateway round with some clients hanging up mid-stream, reconciled
 request by request against the usage ledger.
 
-    python -m bench.gpu_endpoint                                # on the H200: Qwen3.6-27B shape
-    python -m bench.gpu_endpoint --preset tiny-qwen3.5 --device cpu --dtype float32 \\
+    python -m bench.endpoint.governed                                # on the H200: Qwen3.6-27B shape
+    python -m bench.endpoint.governed --preset tiny-qwen3.5 --device cpu --dtype float32 \\
         --quantize none --kv-dtype none --requests 4 --prompt-tokens 32 --max-tokens 8
 
 `--sweep 1,2,4,8,16,32,64` then measures each concurrency C (2 x C requests, one warm round
@@ -44,7 +44,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from bench.gateway_overhead import Bench, pct, reconciled
+from bench.gateway.overhead import Bench, pct, reconciled
 
 
 def prompt_text(tokens: int, seed: int) -> str:

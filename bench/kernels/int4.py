@@ -1,6 +1,6 @@
 """The int4 weight kernels on one GPU at the Qwen3.6-27B shapes (group 128, symmetric).
 
-    python -m bench.int4_kernels --out results.json          # on a CUDA machine, < 4 minutes
+    python -m bench.kernels.int4 --out results.json          # on a CUDA machine, < 4 minutes
 
 Sections (each guarded: a failing variant or section is recorded and the rest run on; the JSON
 is rewritten after every section, so a killed run keeps what it measured):

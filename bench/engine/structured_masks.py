@@ -8,7 +8,7 @@ share of a step, the figure that must hide behind the forward; `overlapped wait`
 sampler still waits for when the fills run in the background thread while the main thread
 does a 2 ms stand-in for the forward.
 
-    .venv/bin/python bench/structured_masks.py [--vocab smollm2|qwen|both]
+    .venv/bin/python bench/engine/structured_masks.py [--vocab smollm2|qwen|both]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Topology, every part its own process as in production: nats-server and PostgreSQL (embedded,
 unless TOKENMILL_NATS_URL / TOKENMILL_DATABASE_URL are set), `tokenmill serve` (the API with the
 /v1 gateway), `tokenmill project` (projectors into the ledger), one fixed-rate worker
-(`python -m worker.serve --backend fixed_rate`), and the load generator (bench/gateway_load.py).
+(`python -m worker.serve --backend fixed_rate`), and the load generator (bench/gateway/load.py).
 
 1. Overhead: C concurrent streams (default 100) of N-token answers from a worker emitting R
    tokens/s per stream, first directly over NATS (the gateway's own WorkerClient), then
@@ -13,8 +13,8 @@ unless TOKENMILL_NATS_URL / TOKENMILL_DATABASE_URL are set), `tokenmill serve` (
    same concurrency, `--cancel-frac` (6%) of them hung up by the client mid-stream; then the
    usage ledger is reconciled against the gateway's deliveries.
 
-    python -m bench.gateway_overhead                      # the full run, a few minutes
-    python -m bench.gateway_overhead --recon-requests 1000 --requests 200   # a quick one
+    python -m bench.gateway.overhead                      # the full run, a few minutes
+    python -m bench.gateway.overhead --recon-requests 1000 --requests 200   # a quick one
 
 Prints a table and writes JSON (`--out`, default bench/results/gateway_overhead.json).
 """
@@ -202,7 +202,7 @@ class Bench:
         concurrency: int | None = None,
     ) -> dict[str, Any]:
         args = [
-            "-m", "bench.gateway_load", "--mode", mode, "--concurrency", str(concurrency or self.a.concurrency),
+            "-m", "bench.gateway.load", "--mode", mode, "--concurrency", str(concurrency or self.a.concurrency),
             "--requests", str(requests), "--max-tokens", str(max_tokens), "--cancel-frac", str(cancel_frac),
             "--url", self.url, "--key", self.key, "--model", sku["name"],
             "--nats-url", self.nats_url, "--prefix", self.prefix, "--sku-id", sku["sku_id"],

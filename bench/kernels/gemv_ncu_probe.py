@@ -1,6 +1,6 @@
 """Run the FP8 decode GEMV once per layer shape (and the head) for Nsight Compute to profile.
 
-    ncu --kernel-name regex:gemv --launch-skip 6 --set full -o $OUT/gemv python -m bench.gemv_ncu_probe
+    ncu --kernel-name regex:gemv --launch-skip 6 --set full -o $OUT/gemv python -m bench.kernels.gemv_ncu_probe
 
 Each shape runs 3 times (compile, warm, profiled) with the default tiling, so ncu's launch-skip
 can step over the warm-ups; the weights are random fp8 at the Qwen3.6-27B shapes, batch 8.

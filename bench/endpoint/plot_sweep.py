@@ -2,7 +2,7 @@
 and through the governed endpoint, from a gpu_endpoint JSON written with --sweep.
 
     pip install matplotlib   # only this script needs it
-    python -m bench.plot_sweep bench/results/<run>-gpu_endpoint_sweep.json docs/img/sweep.png
+    python -m bench.endpoint.plot_sweep bench/results/<run>-gpu_endpoint_sweep.json docs/img/sweep.png
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ The load point (docs/performance.md): 32 requests, 8 in flight, ~512
 prompt tokens, up to 256 output tokens; one warm-up round, then 5 timed repeats. Aggregate
 output tok/s = completion tokens / wall time of a repeat.
 
-    python -m bench.engine_bench --preset tiny-qwen3_5 --device cpu            # seconds
-    python -m bench.engine_bench --preset qwen3_6-27b --device cuda --out r.json  # random 27B
-    python -m bench.engine_bench --model-dir /models/Qwen3.6-27B --device cuda
+    python -m bench.engine.load_point --preset tiny-qwen3_5 --device cpu            # seconds
+    python -m bench.engine.load_point --preset qwen3_6-27b --device cuda --out r.json  # random 27B
+    python -m bench.engine.load_point --model-dir /models/Qwen3.6-27B --device cuda
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ TurboQuant K/V codes past each sequence's anchor and window pages).
   (restage before each chunk, as the engine's step does), every token's logits kept: what a
   prefill-only pass through the staged engine predicts, not independent windows.
 
-    python -m bench.passkey                          # the full gate (hours on a 2-core CPU)
-    python -m bench.passkey --lengths 2048 --trials 4 --ppl-tokens 2048   # a quick look
+    python -m bench.quality.passkey                          # the full gate (hours on a 2-core CPU)
+    python -m bench.quality.passkey --lengths 2048 --trials 4 --ppl-tokens 2048   # a quick look
 
 Prints the table and writes JSON (default bench/results/passkey.json).
 """

@@ -1,8 +1,8 @@
 """One GPU call, every number of the H200 results table: our engine in BF16 and FP8, Hugging Face
 transformers at the same shape, and the bandwidth roofline, at the load point.
 
-    PYTHONPATH=. python3 bench/gpu_suite.py                 # on the GPU; JSON to $OUT
-    python -m bench.gpu_suite --preset tiny-qwen3_5 --device cpu --budget-s 120   # plumbing check
+    PYTHONPATH=. python3 bench/engine/suite.py                 # on the GPU; JSON to $OUT
+    python -m bench.engine.suite --preset tiny-qwen3_5 --device cpu --budget-s 120   # plumbing check
 
 Sections, in order (each guarded: a failure is recorded and the next one runs; the JSON is
 rewritten after every section, so a killed run still leaves what it measured):
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from bench.engine_bench import percentile, random_prompts, run_round
+from bench.engine.load_point import percentile, random_prompts, run_round
 from worker.engine.engine import EngineConfig, LLMEngine
 from worker.engine.sequence import SamplingParams
 
@@ -680,10 +680,10 @@ TOP_TILINGS: dict[tuple[int, int], list[Any]] = {}
 
 
 def w4_gemv(args: argparse.Namespace, budget: float) -> dict[str, Any]:
-    """The int4 decode GEMV sweep at the 27B shapes (bench/int4_kernels.py, its own JSON beside
+    """The int4 decode GEMV sweep at the 27B shapes (bench/kernels/int4.py, its own JSON beside
     this one): checks each tiling against the reference, times it (% of its own copy-bandwidth
     reading) and stores the winners in INT4_DECODE_TILINGS for the w4 engine section."""
-    from bench import int4_kernels
+    from bench.kernels import int4 as int4_kernels
     from worker.kernels.triton import int4_gemm
 
     out = Path(args.out or os.environ.get("OUT") or "bench/results") / "int4_kernels.json"
@@ -1316,7 +1316,7 @@ def write_tuning(suite: Suite, into_package: bool) -> None:
     from worker.kernels import tuning
 
     gpu = torch.cuda.get_device_name()
-    data = tuning.snapshot(gpu, measured_by="python -m bench.gpu_suite")
+    data = tuning.snapshot(gpu, measured_by="python -m bench.engine.suite")
     tuning.write(suite.out / f"tuning-{tuning.gpu_slug(gpu)}.json", data)
     if into_package:
         tuning.write(tuning.path_for(gpu), data)

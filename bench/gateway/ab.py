@@ -1,13 +1,13 @@
 """Two gateways, one stack: does a change to the data plane move gateway-added TTFT?
 
-Plain runs of bench/gateway_overhead.py spread by ~0.2 ms p50 on a shared 2-core machine, so a
+Plain runs of bench/gateway/overhead.py spread by ~0.2 ms p50 on a shared 2-core machine, so a
 0.1 ms change hides in them. Here the gateway of this tree (A) and the gateway of another
 checkout (B: `--b-dir`, or `--b-rev` checked out into a temporary git worktree) serve the same
 NATS, Postgres, projector and fixed-rate worker, and their rounds are interleaved with direct
 rounds, so all three see the same machine at the same time.
 
-    python -m bench.gateway_ab --b-rev HEAD~1                 # this tree (A) against HEAD~1 (B)
-    python -m bench.gateway_ab --b-dir /tmp/old --rounds 8 --requests 300
+    python -m bench.gateway.ab --b-rev HEAD~1                 # this tree (A) against HEAD~1 (B)
+    python -m bench.gateway.ab --b-dir /tmp/old --rounds 8 --requests 300
 
 Prints each round's gateway-added TTFT p50 for A and B, the pooled p50/p99 and in how many
 rounds A was ahead; writes JSON (`--out`)."""
@@ -26,7 +26,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench.gateway_overhead import ROOT, Bench, free_port, pct, summarize, wait_http
+from bench.gateway.overhead import ROOT, Bench, free_port, pct, summarize, wait_http
 
 
 def checkout(rev: str, stack: ExitStack) -> Path:

@@ -5,9 +5,9 @@ after the dedupe window would), runs the usage projector over the backlog, and m
 sustained events/s until the ledger has caught up. Then checks that nothing was lost or
 doubled: row count and token sums against what was published.
 
-    .venv/bin/python bench/ledger_ingest.py                    # embedded servers, 200,000 events
-    .venv/bin/python bench/ledger_ingest.py --events 50000     # quicker
-    TOKENMILL_NATS_URL=... TOKENMILL_DATABASE_URL=... .venv/bin/python bench/ledger_ingest.py
+    .venv/bin/python bench/ledger/ingest.py                    # embedded servers, 200,000 events
+    .venv/bin/python bench/ledger/ingest.py --events 50000     # quicker
+    TOKENMILL_NATS_URL=... TOKENMILL_DATABASE_URL=... .venv/bin/python bench/ledger/ingest.py
 """
 
 from __future__ import annotations

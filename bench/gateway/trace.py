@@ -1,14 +1,14 @@
 """Where a streamed request's time to first token goes inside the gateway, step by step.
 
-The benchmark's stack (bench/gateway_overhead.py) with the gateway run under this module,
+The benchmark's stack (bench/gateway/overhead.py) with the gateway run under this module,
 which patches `time.perf_counter()` stamps into the first-token path from outside the tree
 (uvicorn's read callback, the request's NATS write, the reply's read and the first chunk's
 write) and, for one request in N, marks inside the request path (auth, body parse, admission,
 dispatch). The load generator's per-request send time and TTFT (same clock: CLOCK_MONOTONIC)
 are joined with the gateway's stamps on the request id.
 
-    python -m bench.gateway_trace                       # 100 streams, 2 x 500 requests a mode
-    python -m bench.gateway_trace --rounds 1 --requests 300
+    python -m bench.gateway.trace                       # 100 streams, 2 x 500 requests a mode
+    python -m bench.gateway.trace --rounds 1 --requests 300
 
 Prints the step table (p50/p90/p99), the request path's marks (offset from the read, p50) and
 a calibration: one fixed JSON body decoded at the start of each request's read callback, then
@@ -225,7 +225,7 @@ def report(results: dict[str, list[dict[str, Any]]], trace: dict[str, Any]) -> d
 
 
 def run(a: argparse.Namespace) -> int:
-    from bench.gateway_overhead import Bench, wait_http
+    from bench.gateway.overhead import Bench, wait_http
 
     trace_out = Path(os.environ.get("TRACE_OUT", "/tmp/tokenmill-gateway-trace.json"))
 
@@ -235,7 +235,7 @@ def run(a: argparse.Namespace) -> int:
             self.env["TRACE_MARK_EVERY"] = str(a.mark_every)
             port = str(self.port)
             self.serve = self.spawn(
-                "-m", "bench.gateway_trace", "serve", "--port", port, log="serve.log"
+                "-m", "bench.gateway.trace", "serve", "--port", port, log="serve.log"
             )
             self.spawn("-m", "control_plane.cli", "project", log="project.log")
             wait_http(self.url + "/healthz")

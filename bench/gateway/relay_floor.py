@@ -4,9 +4,9 @@ Not a gateway: no auth, admission, metering, error handling or flow control. It 
 request with httptools, writes a GenerateRequest to NATS on its own socket and writes each
 reply back as SSE, all inside the event-loop callbacks that read them (no task, no nats-py).
 What it adds to time to first token is what two extra process hops and minimal HTTP cost here;
-a real gateway cannot add less. Run it as gateway B of bench/gateway_ab.py:
+a real gateway cannot add less. Run it as gateway B of bench/gateway/ab.py:
 
-    python -m bench.gateway_ab --b-cmd "python -m bench.relay_floor {port}"
+    python -m bench.gateway.ab --b-cmd "python -m bench.gateway.relay_floor {port}"
 
 It serves the first SKU it hears a worker announce (the benchmark runs one)."""
 
