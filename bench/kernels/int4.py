@@ -20,9 +20,7 @@ worker/kernels/triton/int4_gemm.py) are printed at the end and stored under "pas
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
 import time
 import traceback
@@ -34,6 +32,7 @@ import torch
 import triton
 import triton.testing
 
+from bench.common import copy_bandwidth, err, graph_time, rel_err, result_path, write_result
 from worker.kernels import reference
 from worker.kernels.triton import fp8_gemm
 from worker.kernels.triton import int4_gemm as i4
@@ -70,51 +69,6 @@ class Budget:
 
 def log(*args: Any) -> None:
     print(*args, file=sys.stderr, flush=True)
-
-
-def err(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:400]
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def graph_time(fn: Callable[[int], Any], copies: int, replays: int = 10) -> float:
-    """Seconds per call: one CUDA graph of `copies` calls, each on its own weight copy (the set
-    is larger than L2), replayed `replays` times; the median replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(copies):
-            fn(i)  # compile and allocate outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / 1e3 / copies)
-    del graph
-    return sorted(times)[len(times) // 2]
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a 1 GiB device-to-device copy (read + written)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
-    return 2 * src.numel() / (float(ms) * 1e-3)
 
 
 def int4_weights(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -198,7 +152,7 @@ def time_int4(
         def call(i: int) -> None:
             outs[i] = i4.int4_gemv(x, weights[i][0], weights[i][1], None, GROUP, None, tiling)
 
-        t = graph_time(call, len(weights))
+        t = graph_time(call, len(weights), median_replay=True)
         e = rel_err(outs[-1], ref)
         gbs = int4_bytes(m, n, k) / t
         row.update({"us": t * 1e6, "gb_s": gbs / 1e9, "of_copy": gbs / bandwidth, "rel_err": e})
@@ -287,7 +241,7 @@ def time_dequant_gemm(
         def call(i: int) -> None:
             outs[i] = i4.int4_dequant_linear(x, weights[i][0], weights[i][1], None, GROUP, None)
 
-        t = graph_time(call, len(weights))
+        t = graph_time(call, len(weights), median_replay=True)
         ref = reference.int4_linear(x, weights[-1][0], weights[-1][1], None, GROUP)
         return {"us": t * 1e6, "rel_err": rel_err(outs[-1], ref)}
     except Exception as exc:
@@ -323,7 +277,7 @@ def time_fp8_gemv(m: int, n: int, k: int, bandwidth: float) -> dict[str, Any]:
                 def call(i: int, tiling: Any = tiling) -> None:
                     outs[i] = fp8_gemm.w8_gemv(x, weights[i][0], weights[i][1], None, tiling)
 
-                t = graph_time(call, copies)
+                t = graph_time(call, copies, median_replay=True)
                 gbs = (n * k + 2 * m * k + 2 * m * n) / t
                 result[label] = {"us": t * 1e6, "gb_s": gbs / 1e9, "of_copy": gbs / bandwidth}
             except Exception as exc:
@@ -368,7 +322,7 @@ def silu_mul_section(bandwidth: float, budget: Budget, best: Int4Tiling | None) 
                 gate_up = i4.int4_gemv(x, weights[i][0], weights[i][1], None, GROUP, None, best)
                 outs[i] = silu_mul(gate_up)
 
-            t = graph_time(two, copies)
+            t = graph_time(two, copies, median_replay=True)
             per_m["unfused"] = {"us": t * 1e6, "rel_err": rel_err(outs[-1], ref)}
         except Exception as exc:
             per_m["unfused"] = {"error": err(exc)}
@@ -391,7 +345,7 @@ def silu_mul_section(bandwidth: float, budget: Budget, best: Int4Tiling | None) 
                         x, weights[i][0], weights[i][1], None, GROUP, None, tiling
                     )
 
-                t = graph_time(one, copies)
+                t = graph_time(one, copies, median_replay=True)
                 e = rel_err(outs[-1], ref)
                 gbs = int4_bytes(m, n, k) / t
                 row.update({"us": t * 1e6, "of_copy": gbs / bandwidth, "rel_err": e})
@@ -513,12 +467,13 @@ def print_table(report: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=None, help="JSON path (default $OUT/int4_kernels.json)")
+    parser.add_argument(
+        "--out", default=None, help="JSON path (default $OUT/<date>-<gpu>-<sha>-int4_kernels.json)"
+    )
     parser.add_argument("--budget-s", type=float, default=225.0)
     parser.add_argument("--shapes", default="", help="comma-separated shape names (default all)")
     args = parser.parse_args(argv)
-    out = Path(args.out or Path(os.environ.get("OUT", "bench/results")) / "int4_kernels.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out) if args.out else result_path("int4_kernels")
     budget = Budget(args.budget_s)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
@@ -528,7 +483,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
 
     def write() -> None:
-        out.write_text(json.dumps(report, indent=2, default=str))
+        write_result(out, report)
 
     def section(name: str, fn: Callable[[], Any]) -> Any:
         log(f"== {name} ({budget.left():.0f} s left)")

@@ -18,12 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +29,8 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
+from bench import common
+from bench.common import graph_time, rel_err, result_path, write_result
 from worker.kernels import reference
 from worker.kernels.triton import (
     causal_conv1d_prefill,
@@ -90,13 +90,6 @@ class Result:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    if not torch.isfinite(out).all():
-        return math.inf
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def clone_inputs(inputs: Inputs) -> Inputs:
     return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
@@ -114,28 +107,7 @@ def input_sets(case: Case) -> list[Inputs]:
 
 def time_graph(fn: Callable[[Inputs], Any], sets: list[Inputs], calls: int = 64) -> float:
     """Microseconds per call, from replays of one CUDA graph of `calls` back-to-back calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for s in sets:  # warm up (compile) outside the capture
-            fn(s)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(sets[i % len(sets)])
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return sorted(times)[len(times) // 2]
+    return 1e6 * graph_time(lambda i: fn(sets[i % len(sets)]), calls, median_replay=True)
 
 
 def time_eager(fn: Callable[[Inputs], Any], sets: list[Inputs], rep_ms: int = 200) -> float:
@@ -525,10 +497,7 @@ def prefill_attention_case(
 
 def copy_bandwidth() -> float:
     """GB/s of a large device-to-device copy, bytes read + written (the roofline check)."""
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    return 2 * src.numel() / (float(ms) * 1e-3) / 1e9
+    return common.copy_bandwidth(warmup=25, rep=200) / 1e9
 
 
 def decode_step_budget(results: list[Result]) -> dict[str, float]:
@@ -565,7 +534,7 @@ def decode_step_budget(results: list[Result]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    parser.add_argument("--out", help="folder for the JSON (default $OUT, else bench/results)")
     parser.add_argument(
         "--only", default="", help="run cases whose name contains one of these (comma-separated)"
     )
@@ -617,8 +586,6 @@ def main() -> None:
         print("decode-step kernel budget (64 layers, batch 8):", json.dumps(budget))
     except (StopIteration, ValueError):
         pass
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -630,7 +597,7 @@ def main() -> None:
         "decode_step_budget_us": budget,
         "results": [asdict(r) for r in results],
     }
-    (out_dir / "kernels_bench.json").write_text(json.dumps(report, indent=1))
+    write_result(result_path("kernels_bench", args.out), report, indent=1)
 
 
 if __name__ == "__main__":
