@@ -96,10 +96,11 @@ def percentile(values: Iterable[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def median(values: Iterable[float]) -> float | None:
-    """The median over repeats, None when nothing was measured."""
+def median(values: Iterable[float], scale: float = 1.0) -> float | None:
+    """The median over repeats (times `scale`, e.g. 1e3 for s -> ms), None when nothing was
+    measured."""
     values = list(values)
-    return statistics.median(values) if values else None
+    return scale * statistics.median(values) if values else None
 
 
 def err(exc: BaseException) -> str:
@@ -111,21 +112,21 @@ def err(exc: BaseException) -> str:
 
 
 def print_table(
-    columns: Sequence[str],
-    rows: Iterable[Sequence[Any]],
-    first: int = 24,
-    width: int = 12,
-    fmt: str = ".2f",
+    columns: Sequence[str], rows: Iterable[Sequence[Any]], widths: Sequence[int], fmt: str = ".2f"
 ) -> None:
-    """A label column `first` wide, then right-aligned columns `width` wide (floats as `fmt`)."""
+    """A left-aligned label column, then right-aligned ones, each as wide as `widths` says;
+    floats as `fmt`, anything else as str (format a cell beforehand to show it otherwise)."""
 
-    def cell(value: Any) -> str:
-        return format(value, fmt) if isinstance(value, float) else str(value)
+    def line(cells: Sequence[Any]) -> str:
+        label, *rest = cells  # as many cells as widths
+        text = [format(v, fmt) if isinstance(v, float) else str(v) for v in rest]
+        return f"{label:{widths[0]}}" + "".join(
+            f"{t:>{w}}" for t, w in zip(text, widths[1:], strict=True)
+        )
 
-    head, *rest = columns
-    print(f"{head:{first}}" + "".join(f"{c:>{width}}" for c in rest))
-    for label, *values in rows:
-        print(f"{label:{first}}" + "".join(f"{cell(v):>{width}}" for v in values))
+    print(line(columns))
+    for row in rows:
+        print(line(row))
 
 
 # --- GPU timing --------------------------------------------------------------------------------

@@ -44,7 +44,8 @@ from typing import Any
 import httpx
 import msgspec
 
-from bench.gateway.overhead import Bench, pct, reconciled
+from bench.common import percentile, print_table, result_path, write_result
+from bench.gateway.overhead import Bench, reconciled
 
 
 def prompt_text(tokens: int, seed: int) -> str:
@@ -67,10 +68,10 @@ def summary(results: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in ok) if ok else 0,
         "wall_s": wall_s,
         "output_tokens_per_s": tokens / wall_s if wall_s else float("nan"),
-        "ttft_s_p50": pct(ttft, 50),
-        "ttft_s_p95": pct(ttft, 95),
-        "e2e_s_p50": pct(e2e, 50),
-        "e2e_s_p95": pct(e2e, 95),
+        "ttft_s_p50": percentile(ttft, 50),
+        "ttft_s_p95": percentile(ttft, 95),
+        "e2e_s_p50": percentile(e2e, 50),
+        "e2e_s_p95": percentile(e2e, 95),
     }
 
 
@@ -318,7 +319,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--hang-up", type=int, default=4, help="clients of the last round that hang up")
     ap.add_argument("--load-timeout-s", type=float, default=900)
-    ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_endpoint.json"))
+    ap.add_argument("--out", type=Path, default=result_path("gpu_endpoint"))
     ap.add_argument("--sweep", default="", help="concurrencies to measure after the load point")
     ap.add_argument("--slow-step-s", type=float, default=0.25, help="worker steps logged as slow")
     a = ap.parse_args()
@@ -391,28 +392,33 @@ def main() -> int:
         import torch
 
         result["machine"]["gpu"] = torch.cuda.get_device_name()
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(a.out, result)
     print(
         f"\n{a.preset} ({a.quantize} weights, {a.kv_dtype} KV) on {a.device}: {a.requests} requests, "
         f"{a.concurrency} in flight, ~{a.prompt_tokens} + {a.max_tokens} tokens, {a.rounds} rounds"
     )
-    print(f"{'':22}{'direct (NATS)':>16}{'governed endpoint':>20}")
-    for label, key, f in (
+    rows = (
         ("output tok/s", "output_tokens_per_s", "{:.1f}"),
         ("TTFT p50 (s)", "ttft_s_p50", "{:.3f}"),
         ("TTFT p95 (s)", "ttft_s_p95", "{:.3f}"),
         ("E2E p50 (s)", "e2e_s_p50", "{:.3f}"),
         ("errors", "errors", "{}"),
-    ):
-        d, g = modes["direct"][key], modes["gateway"][key]
-        print(f"{label:22}{f.format(d):>16}{f.format(g):>20}")
+    )
+    print_table(
+        ("", "direct (NATS)", "governed endpoint"),
+        [
+            (label, f.format(modes["direct"][key]), f.format(modes["gateway"][key]))
+            for label, key, f in rows
+        ],
+        (22, 16, 20),
+    )
     slow = [
         r
         for rs, _ in runs["direct"]
         for r in rs
         if r["ok"]
-        and (r["ttft_s"] or 0) > 4 * pct([x["ttft_s"] for x in rs if x["ok"] and x["ttft_s"]], 50)
+        and (r["ttft_s"] or 0)
+        > 4 * percentile([x["ttft_s"] for x in rs if x["ok"] and x["ttft_s"]], 50)
     ]
     if slow:
         print(

@@ -107,7 +107,7 @@ def engine_config(
     if device == "cuda":
         from worker.kernels.triton import fp8_gemm as fp8k
 
-        table = fp8k.DECODE_TILINGS if fp8 else fp8k.BF16_DECODE_TILINGS
+        table: dict[tuple[int, int], Any] = fp8k.DECODE_TILINGS if fp8 else fp8k.BF16_DECODE_TILINGS
         if precision == "w4":
             from worker.kernels.triton import int4_gemm
 

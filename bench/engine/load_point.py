@@ -15,7 +15,6 @@ import argparse
 import json
 import platform
 import random
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from bench.common import median, percentile
 from worker.engine.engine import EngineConfig, LLMEngine
 from worker.engine.sequence import SamplingParams
 
@@ -40,17 +40,6 @@ class RepeatResult:
     ttft_s: list[float] = field(repr=False)
     e2e_s: list[float] = field(repr=False)
     preemptions: int = 0
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 100]."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def build_model(args: argparse.Namespace) -> tuple[Any, str]:
@@ -223,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "num_kv_blocks": engine.block_manager.num_blocks,
             "max_num_batched_tokens": args.max_num_batched_tokens,
         },
-        "output_tok_s": statistics.median(r.output_tok_s for r in repeats) if repeats else None,
+        "output_tok_s": median(r.output_tok_s for r in repeats),
         "output_tok_s_repeats": [r.output_tok_s for r in repeats],
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p95_s": percentile(ttft, 95),

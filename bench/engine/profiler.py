@@ -3,14 +3,13 @@ of the eager step (kernels grouped), the prefill step, and the step log of a loa
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from bench.common import cuda_time, sync
+from bench.common import cuda_time, median, sync
 from worker.engine.engine import LLMEngine
 from worker.engine.sequence import SamplingParams
 
@@ -61,13 +60,11 @@ class StepLog:
         prefill = [s for k, _, s in self.steps if k == "prefill"]
         return {
             "decode_steps": len(decode),
-            "decode_step_wall_ms_p50": 1e3 * statistics.median(decode) if decode else None,
+            "decode_step_wall_ms_p50": median(decode, 1e3),
             "overlapped_decode_steps": len(overlapped),
-            "overlapped_decode_step_wall_ms_p50": (
-                1e3 * statistics.median(overlapped) if overlapped else None
-            ),
+            "overlapped_decode_step_wall_ms_p50": median(overlapped, 1e3),
             "prefill_steps": len(prefill),
-            "prefill_step_wall_ms_p50": 1e3 * statistics.median(prefill) if prefill else None,
+            "prefill_step_wall_ms_p50": median(prefill, 1e3),
             "prefill_tokens_per_step_max": max(
                 (n for k, n, _ in self.steps if k == "prefill"), default=0
             ),

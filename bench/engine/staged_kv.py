@@ -22,16 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.common import result_path, write_result
 from worker.models.cache import StagedAttentionCache
 from worker.models.presets import QWEN3_6_27B
 
@@ -342,10 +341,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="cpu: a plumbing check of the GPU sections under the triton interpreter "
         "(with --sections and a small --context; the default on CPU is the table alone)",
     )
-    p.add_argument("--out", help="folder for staged_kv.json (default $OUT, else bench/results)")
+    p.add_argument(
+        "--out",
+        help="folder for <date>-<gpu>-<sha>-staged_kv.json (default $OUT, else bench/results)",
+    )
     args = p.parse_args(argv)
-    out = Path(args.out or os.environ.get("OUT") or "bench/results")
-    out.mkdir(parents=True, exist_ok=True)
+    path = result_path("staged_kv", args.out, None if args.device == "cuda" else "cpu")
     report: dict[str, Any] = {"torch": torch.__version__, "sections": {}}
     report["memory"] = memory_table(args.k_bits, args.v_bits, args.window, args.anchor)
     print_memory(report["memory"])
@@ -360,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
 
     def save() -> None:
-        (out / "staged_kv.json").write_text(json.dumps(report, indent=2, default=str))
+        write_result(path, report)
 
     save()
     if args.device == "cuda" and not torch.cuda.is_available():

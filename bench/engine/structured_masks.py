@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import percentile
 from worker.structured import Grammars, apply_masks, response_format_grammar
 
 SCHEMA = {
@@ -94,11 +95,6 @@ def tokenizer_for(name: str):
     return Tokenizer.from_gguf(ensure_smollm2(cache / "models"))
 
 
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 def run(name: str) -> dict[str, float]:
     tok = tokenizer_for(name)
     grammars = Grammars(tok, tok.vocab_size)
@@ -149,7 +145,7 @@ def run(name: str) -> dict[str, float]:
         "cache hit us": hit * 1e6,
         "fill/seq p50 us": statistics.median(fills) / BATCH * 1e6,
         "fill/seq mean us": statistics.mean(fills) / BATCH * 1e6,
-        "fill batch8 p99 us": pct(fills, 0.99) * 1e6,
+        "fill batch8 p99 us": percentile(fills, 99) * 1e6,
         "apply batch8 p50 us": statistics.median(applies) * 1e6,
         "overlapped wait p50 us": statistics.median(waits) * 1e6,
         "overlapped wait mean us": statistics.mean(waits) * 1e6,

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 import time
 from typing import Any
 
-from bench.common import percentile
+from bench.common import median, percentile
 from bench.engine.configs import (
     build_model,
     load_point_engine,
@@ -63,7 +62,7 @@ def concurrency_sweep(
                 "output_tok_s": r.output_tok_s,
                 "ttft_p50_s": percentile(r.ttft_s, 50),
                 "ttft_p95_s": percentile(r.ttft_s, 95),
-                "decode_step_ms_p50": 1e3 * statistics.median(full) if full else None,
+                "decode_step_ms_p50": median(full, 1e3),
                 "preemptions": r.preemptions,
                 "compiles_after_warm_up": compiles() - before,
                 "wall_s": r.wall_s,

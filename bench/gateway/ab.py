@@ -15,7 +15,6 @@ rounds A was ahead; writes JSON (`--out`)."""
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import socket
 import subprocess
@@ -26,7 +25,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench.gateway.overhead import ROOT, Bench, free_port, pct, summarize, wait_http
+from bench.common import percentile, print_table, result_path, write_result
+from bench.gateway.overhead import ROOT, Bench, free_port, summarize, wait_http
 
 
 def checkout(rev: str, stack: ExitStack) -> Path:
@@ -70,7 +70,7 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=20.0)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--uvloop", action="store_true")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gateway_ab.json")
+    ap.add_argument("--out", type=Path, default=result_path("gateway_ab", gpu="cpu"))
     a = ap.parse_args()
 
     with ExitStack() as stack:
@@ -135,9 +135,9 @@ def main() -> int:
     ahead = sum(r["A"]["ttft_ms_p50"] < r["B"]["ttft_ms_p50"] for r in rounds)
     summary = {
         mode: {
-            "median_round_p50_ms": pct(values, 50),
-            "median_round_p99_ms": pct([r[mode]["ttft_ms_p99"] for r in rounds], 50),
-            "gateway_cpu_ms_per_1k_tokens": pct(
+            "median_round_p50_ms": percentile(values, 50),
+            "median_round_p99_ms": percentile([r[mode]["ttft_ms_p99"] for r in rounds], 50),
+            "gateway_cpu_ms_per_1k_tokens": percentile(
                 [r[mode]["gateway_cpu_ms_per_1k_tokens"] for r in rounds], 50
             ),
         }
@@ -145,29 +145,32 @@ def main() -> int:
     }
     d50 = summary["direct"]["median_round_p50_ms"]
     d99 = summary["direct"]["median_round_p99_ms"]
-    print(f"\n{'':10}{'added p50':>12}{'added p99':>12}{'CPU ms/1k tok':>16}")
-    for mode in ("A", "B"):
-        s = summary[mode]
-        print(
-            f"{mode:10}{s['median_round_p50_ms'] - d50:>12.3f}{s['median_round_p99_ms'] - d99:>12.3f}"
-            f"{s['gateway_cpu_ms_per_1k_tokens']:>16.1f}"
-        )
+    print()
+    print_table(
+        ("", "added p50", "added p99", "CPU ms/1k tok"),
+        [
+            (
+                mode,
+                f"{summary[mode]['median_round_p50_ms'] - d50:.3f}",
+                f"{summary[mode]['median_round_p99_ms'] - d99:.3f}",
+                f"{summary[mode]['gateway_cpu_ms_per_1k_tokens']:.1f}",
+            )
+            for mode in ("A", "B")
+        ],
+        (10, 12, 12, 16),
+    )
     print(f"A ahead of B in {ahead} of {len(rounds)} rounds (medians over rounds)")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(
-        json.dumps(
-            {
-                "config": {k: str(v) for k, v in vars(a).items()},
-                "summary": summary,
-                "a_ahead_rounds": ahead,
-                "rounds": [
-                    {m: {k: v for k, v in s.items() if k != "first_errors"} for m, s in r.items()}
-                    for r in rounds
-                ],
-            },
-            indent=2,
-        )
-        + "\n"
+    write_result(
+        a.out,
+        {
+            "config": {k: str(v) for k, v in vars(a).items()},
+            "summary": summary,
+            "a_ahead_rounds": ahead,
+            "rounds": [
+                {m: {k: v for k, v in s.items() if k != "first_errors"} for m, s in r.items()}
+                for r in rounds
+            ],
+        },
     )
     return 0
 

@@ -6,7 +6,7 @@
 2. Two replicas, each offered 1,000 requests/s from its own connection, against one tenant's
    RPM (and, separately, TPM) limit inside one rate window: admitted vs configured.
 
-    python -m bench.gateway.admission_latency [--seconds 10] [--out bench/results/admission_latency.json]
+    python -m bench.gateway.admission_latency [--seconds 10] [--out FILE]
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import math
 import statistics
 import tempfile
@@ -24,6 +23,7 @@ from typing import Any
 
 import nats
 
+from bench.common import result_path, write_result
 from control_plane.embedded import EmbeddedNats
 from control_plane.governance.admission import Admission, Ticket
 from control_plane.governance.events import LimitsSet
@@ -170,7 +170,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--out", default="bench/results/admission_latency.json")
+    parser.add_argument("--out", type=Path, default=result_path("admission_latency", gpu="cpu"))
     args = parser.parse_args()
     result = asyncio.run(run(args.seconds))
     lat, rpm, tpm = (
@@ -185,8 +185,7 @@ def main() -> None:
         print(
             f"| {name}, 2 replicas: enforced / configured (offered) | {r['enforced']} / {r['configured']} ({r['offered']}) = {r['error_pct']:+}% |"
         )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_result(args.out, result)
     print(f"wrote {args.out}")
 
 

@@ -16,7 +16,7 @@ unless TOKENMILL_NATS_URL / TOKENMILL_DATABASE_URL are set), `tokenmill serve` (
     python -m bench.gateway.overhead                      # the full run, a few minutes
     python -m bench.gateway.overhead --recon-requests 1000 --requests 200   # a quick one
 
-Prints a table and writes JSON (`--out`, default bench/results/gateway_overhead.json).
+Prints a table and writes JSON (`--out`, default bench/results/<date>-cpu-<sha>-gateway_overhead.json).
 """
 
 from __future__ import annotations
@@ -41,17 +41,9 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT, percentile, result_path, write_result
+
 ADMIN_TOKEN = "tmadm_bench_" + uuid.uuid4().hex[:8]
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -264,9 +256,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "requests": len(results),
         "errors": len(results) - len(ok),
         "first_errors": [r["error"] for r in results if not r["ok"]][:3],
-        "ttft_ms_p50": pct(ttfts, 50),
-        "ttft_ms_p90": pct(ttfts, 90),
-        "ttft_ms_p99": pct(ttfts, 99),
+        "ttft_ms_p50": percentile(ttfts, 50),
+        "ttft_ms_p90": percentile(ttfts, 90),
+        "ttft_ms_p99": percentile(ttfts, 99),
         "ttft_ms_mean": statistics.fmean(ttfts) if ttfts else float("nan"),
         "tokens": tokens,
         "wall_s": wall,
@@ -306,9 +298,7 @@ def main() -> int:
         help="record the gateway process with py-spy (speedscope JSON) during the overhead "
         "rounds; the profiler's own cost shows in that run's numbers",
     )
-    ap.add_argument(
-        "--out", type=Path, default=ROOT / "bench" / "results" / "gateway_overhead.json"
-    )
+    ap.add_argument("--out", type=Path, default=result_path("gateway_overhead", gpu="cpu"))
     a = ap.parse_args()
 
     load_before = os.getloadavg()  # others' work on a shared machine shows in the tails
@@ -387,8 +377,7 @@ def main() -> int:
         "overhead": overhead,
         "reconciliation": recon,
     }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(a.out, result)
 
     print(
         f"\n{a.concurrency} concurrent streams, {a.tokens} tokens at {a.rate:g} tok/s each, {a.rounds} x {a.requests} requests per mode"

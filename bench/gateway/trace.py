@@ -30,6 +30,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from bench.common import percentile, result_path, write_result
+
 STEPS = (
     "client's write -> gateway reads it",
     "head and body parsed (uvicorn)",
@@ -172,17 +174,16 @@ def serve(argv: list[str]) -> int:
     return main(["serve", *argv])
 
 
-def pct(values: list[float], q: float) -> float:
-    v = sorted(values)
-    return v[min(len(v) - 1, int(q / 100 * len(v)))] if v else float("nan")
-
-
 def report(results: dict[str, list[dict[str, Any]]], trace: dict[str, Any]) -> dict[str, Any]:
     direct = [r["ttft_s"] * 1e3 for r in results["direct"] if r["ttft_s"]]
     through = [r["ttft_s"] * 1e3 for r in results["gateway"] if r["ttft_s"]]
-    added = pct(through, 50) - pct(direct, 50)
-    print(f"direct TTFT p50 {pct(direct, 50):.3f} ms, through the gateway {pct(through, 50):.3f}")
-    print(f"added p50 {added:.3f} ms, p99 {pct(through, 99) - pct(direct, 99):.3f} ms\n")
+    added = percentile(through, 50) - percentile(direct, 50)
+    print(
+        f"direct TTFT p50 {percentile(direct, 50):.3f} ms, through the gateway {percentile(through, 50):.3f}"
+    )
+    print(
+        f"added p50 {added:.3f} ms, p99 {percentile(through, 99) - percentile(direct, 99):.3f} ms\n"
+    )
     steps: dict[str, list[float]] = {s: [] for s in STEPS}
     for r in results["gateway"]:
         s = trace["stamps"].get(r["request_id"])
@@ -197,7 +198,7 @@ def report(results: dict[str, list[dict[str, Any]]], trace: dict[str, Any]) -> d
     n = len(steps[STEPS[0]])
     print(f"{'step (us)':40}{'p50':>8}{'p90':>8}{'p99':>8}   n={n}")
     for step, v in steps.items():
-        print(f"{step:40}{pct(v, 50):8.0f}{pct(v, 90):8.0f}{pct(v, 99):8.0f}")
+        print(f"{step:40}{percentile(v, 50):8.0f}{percentile(v, 90):8.0f}{percentile(v, 99):8.0f}")
     offsets: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
     for request_marks in trace["marks"].values():
         count: collections.Counter[str] = collections.Counter()
@@ -205,21 +206,22 @@ def report(results: dict[str, list[dict[str, Any]]], trace: dict[str, Any]) -> d
             count[label] += 1
             offsets[(label, count[label])].append(x * 1e6)
     print("\nrequest path, offset from the read (p50, us):")
-    for (label, _), v in sorted(offsets.items(), key=lambda kv: pct(kv[1], 50)):
-        print(f"  {label:10}{pct(v, 50):8.1f}")
+    for (label, _), v in sorted(offsets.items(), key=lambda kv: percentile(kv[1], 50)):
+        print(f"  {label:10}{percentile(v, 50):8.1f}")
     cold = [c[0] * 1e6 for c in trace["calibration"]]
     warm = [c[1] * 1e6 for c in trace["calibration"]]
     print(
-        f"\ncalibration: one JSON body decoded at the read: {pct(cold, 50):.1f} us, "
-        f"again at once: {pct(warm, 50):.1f} us (p50)"
+        f"\ncalibration: one JSON body decoded at the read: {percentile(cold, 50):.1f} us, "
+        f"again at once: {percentile(warm, 50):.1f} us (p50)"
     )
     return {
         "ttft_added_ms_p50": added,
         "steps_us": {
-            s: {"p50": pct(v, 50), "p90": pct(v, 90), "p99": pct(v, 99)} for s, v in steps.items()
+            s: {"p50": percentile(v, 50), "p90": percentile(v, 90), "p99": percentile(v, 99)}
+            for s, v in steps.items()
         },
-        "marks_us_p50": {f"{label}#{i}": pct(v, 50) for (label, i), v in offsets.items()},
-        "calibration_us_p50": {"cold": pct(cold, 50), "again": pct(warm, 50)},
+        "marks_us_p50": {f"{label}#{i}": percentile(v, 50) for (label, i), v in offsets.items()},
+        "calibration_us_p50": {"cold": percentile(cold, 50), "again": percentile(warm, 50)},
         "direct_mean_ms": statistics.mean(direct) if direct else None,
     }
 
@@ -259,9 +261,8 @@ def run(a: argparse.Namespace) -> int:
         os.kill(b.serve.pid, signal.SIGUSR1)
         time.sleep(1.0)
     summary = report(results, json.loads(trace_out.read_text()))
-    a.out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: str(v) for k, v in vars(a).items()}
-    a.out.write_text(json.dumps({"config": config, **summary}, indent=2) + "\n")
+    write_result(a.out, {"config": config, **summary})
     print(f"JSON: {a.out}")
     return 0
 
@@ -276,9 +277,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--mark-every", type=int, default=1, help="marks for one request in N")
-    ap.add_argument(
-        "--out", type=Path, default=Path(__file__).parent / "results" / "gateway_trace.json"
-    )
+    ap.add_argument("--out", type=Path, default=result_path("gateway_trace", gpu="cpu"))
     return run(ap.parse_args())
 
 

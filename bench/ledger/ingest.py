@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import random
@@ -27,12 +26,11 @@ from pathlib import Path
 import asyncpg
 import nats
 
+from bench.common import result_path, write_result
 from control_plane.embedded import EmbeddedNats, EmbeddedPostgres
 from events.projections import Projector, UsageLedgerProjection
 from events.store import EventStore, StreamLayout
 from events.usage import RequestFinished, encode_usage, usage_subject
-
-RESULTS = Path(__file__).parent / "results" / "ledger_ingest.json"
 
 
 def make_events(n: int, seed: int = 7) -> list[RequestFinished]:
@@ -160,7 +158,7 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=200_000)
     ap.add_argument("--batch-size", type=int, default=5000)
     ap.add_argument("--resend-fraction", type=float, default=0.01)
-    ap.add_argument("--json", type=Path, default=RESULTS)
+    ap.add_argument("--json", type=Path, default=result_path("ledger_ingest", gpu="cpu"))
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="tokenmill-bench-"))
     tmp.chmod(0o755)  # the embedded postgres runs as its own user
@@ -183,8 +181,7 @@ def main() -> None:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.json, result)
     print(f"wrote {args.json}")
     if not result["ok"]:
         raise SystemExit(1)

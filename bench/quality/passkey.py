@@ -17,13 +17,12 @@ TurboQuant K/V codes past each sequence's anchor and window pages).
     python -m bench.quality.passkey                          # the full gate (hours on a 2-core CPU)
     python -m bench.quality.passkey --lengths 2048 --trials 4 --ppl-tokens 2048   # a quick look
 
-Prints the table and writes JSON (default bench/results/passkey.json).
+Prints the table and writes JSON (default bench/results/<date>-<gpu>-<sha>-passkey.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -38,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bench.common import result_path, write_result
 from worker.engine.engine import EngineConfig, LLMEngine
 from worker.engine.scheduler import ScheduledBatch, ScheduledSeq
 from worker.engine.sequence import SamplingParams, Sequence
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=20, help="trials per context length")
     ap.add_argument("--ppl-tokens", type=int, default=8192)
     ap.add_argument("--chunk", type=int, default=512, help="prefill tokens per step")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/passkey.json"))
+    ap.add_argument("--out", type=Path, default=result_path("passkey"))
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args(argv)
     if args.threads:
@@ -282,8 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     result = gate(model, tokenizer, args.lengths, args.trials, args.ppl_tokens, args.chunk, log=log)
     result["torch"] = torch.__version__
     print(table(result))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     return 0 if result["ok"] else 1
 
 

@@ -7,14 +7,13 @@ SmolLM2's weights already sit on a 4-bit grid of groups of 32 (Q4_1); re-quantiz
 groups of 128 is a hard case for round-to-nearest. Evaluated by fake quantization: each weight
 is replaced by its dequantized int4 value, which is what the int4 kernels compute with.
 
-    python -m bench.quality.w4                       # table, bench/results/w4_quality.json
+    python -m bench.quality.w4                       # table, bench/results/<date>-<gpu>-<sha>-w4_quality.json
     python -m bench.quality.w4 --eval-tokens 4096 --calibration-tokens 4096 --no-asym
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 
+from bench.common import result_path, write_result
 from worker.loading import load_model
 from worker.loading.demo_model import ensure_smollm2
 from worker.models.causal_lm import CausalLM
@@ -34,7 +34,6 @@ from worker.quantize.perplexity import calibration_text, held_out_text, perplexi
 from worker.quantize.scheme import INT4, Scheme
 
 CACHE = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
-RESULTS = Path(__file__).parent / "results" / "w4_quality.json"
 WINDOW = 512
 
 
@@ -156,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-asym", action="store_true", help="the symmetric rows only")
     parser.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=result_path("w4_quality"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     gguf = args.gguf or ensure_smollm2(CACHE / "models")
@@ -169,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         log=sys.stderr,
     )
     print(table(result))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     return 0
 
 
