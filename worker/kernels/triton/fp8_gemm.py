@@ -452,8 +452,8 @@ class DecodeTiling:
 # Filled by bench/engine/suite.py's sweep (fastest measured tiling per weight shape); else default.
 DECODE_TILINGS: dict[tuple[int, int], DecodeTiling] = {}
 # 16-bit weights: the GEMV runs only for shapes measured faster than cuBLAS. Preset with the
-# H200 winners at the Qwen3.6-27B shapes (bench/results/gpu_suite_run3.json: 91-96% of copy
-# bandwidth against cuBLAS's 82-94%); the sweep replaces them when it runs.
+# H200 winners at the Qwen3.6-27B shapes (bench/results/2026-11-29-h200-fd36d78-gpu_suite.json:
+# 91-96% of copy bandwidth against cuBLAS's 82-94%); the sweep replaces them when it runs.
 BF16_DECODE_TILINGS: dict[tuple[int, int], DecodeTiling] = {
     (34816, 5120): DecodeTiling(64, 128, 1, 4, 3),  # MLP gate|up
     (5120, 17408): DecodeTiling(64, 128, 7, 4, 3),  # MLP down
@@ -463,18 +463,21 @@ BF16_DECODE_TILINGS: dict[tuple[int, int], DecodeTiling] = {
 
 
 def default_tiling(n: int, k: int) -> DecodeTiling:
-    """The fp8 tiling without a sweep, from the H200 sweep (gpu_suite_run3.json): 32-channel
-    tiles (mma.sync; the 64-channel wgmma tilings, which widen fp8 from shared memory two bytes
-    at a time, ran at 40-60% of copy bandwidth) with ~3 programs per SM. A head-sized N
-    (thousands of column tiles) runs best as W8A8 on 64-channel wgmma tiles, both fp8 operands
-    from shared memory (gpu_suite_run5-7.json: 95.5-95.9% of copy bandwidth, against 90% for
-    the w8a16 kernel). Shapes of <= 20k rows run with 2 warps per program (gpu_suite_run4.json:
-    4-10% faster than 4 warps on all four, e.g. out/o 13.7 vs 14.3 us, q|k|v 22.9 vs 25.2 us)."""
+    """The fp8 tiling without a sweep, from the H200 sweep (bench/results/
+    2026-11-29-h200-fd36d78-gpu_suite.json): 32-channel tiles (mma.sync; the 64-channel wgmma
+    tilings, which widen fp8 from shared memory two bytes at a time, ran at 40-60% of copy
+    bandwidth) with ~3 programs per SM. A head-sized N (thousands of column tiles) runs best as
+    W8A8 on 64-channel wgmma tiles, both fp8 operands from shared memory
+    (2026-11-29-h200-{72aa760,88106d9,c21ec29}-gpu_suite.json: 95.5-95.9% of copy bandwidth,
+    against 90% for the w8a16 kernel). Shapes of <= 20k rows run with 2 warps per program
+    (2026-11-29-h200-20e472a-gpu_suite.json: 4-10% faster than 4 warps on all four, e.g. out/o
+    13.7 vs 14.3 us, q|k|v 22.9 vs 25.2 us)."""
     if triton.cdiv(n, _DECODE_BN) >= 8 * 132:
         return DecodeTiling(64, 128, 1, 4, 6, act_fp8=True)
     if n > 20_000:  # the MLP's gate|up: 64-channel tiles on mma.sync (2 warps), 3 stages:
-        # 86% of copy bandwidth against 75-79% for 32-channel tiles (gpu_suite_run8/9.json;
-        # Nsight Compute: 4 blocks of 49 KB per SM left the shared-memory pipe 73% busy)
+        # 86% of copy bandwidth against 75-79% for 32-channel tiles
+        # (2026-11-29-h200-b3a6e81-gpu_suite_run{8,9}.json; Nsight Compute: 4 blocks of 49 KB
+        # per SM left the shared-memory pipe 73% busy)
         return DecodeTiling(64, 128, 1, 2, 3)
     return channel32_tiling(n, k, 2 if n <= 20_000 else 4)
 
@@ -726,8 +729,9 @@ def _gemv_silu_mul_kernel(
 
 # The fused gate|up GEMV per (2F, K, fp8 weights): bench/engine/suite.py's sweep stores the fastest
 # measured tiling, or None where the projection then silu_mul (two launches) measured faster.
-# Preset with the H200 results at the Qwen3.6-27B MLP (bench/results/gpu_suite_run11-15.json):
-# fp8 49.0 us fused against 54.4 for two launches; bf16 88.9 against 88.0, so two launches.
+# Preset with the H200 results at the Qwen3.6-27B MLP (bench/results/2026-11-29-h200-*-gpu_suite*
+# .json of 7e5e0dd to 2a49ccd): fp8 49.0 us fused against 54.4 for two launches; bf16 88.9
+# against 88.0, so two launches.
 SILU_MUL_TILINGS: dict[tuple[int, int, bool], DecodeTiling | None] = {
     (34816, 5120, True): DecodeTiling(32, 256, 1, 2, 2),
     (34816, 5120, False): None,
