@@ -1,7 +1,8 @@
 """Capacity projection table for a measured throughput or a benchmark's results file.
 
-    python bench/endpoint/capacity_projection.py                      # the reference: 387.6 tok/s, $2.00/GPU-h
-    python bench/endpoint/capacity_projection.py --bench results.json --gpu-hour-cost 3.50 --output-price 3.00
+    python -m bench.endpoint.capacity_projection        # the reference: 387.6 tok/s, $2.00/GPU-h
+    python -m bench.endpoint.capacity_projection --bench results.json --gpu-hour-cost 3.50 \
+        --output-price 3.00
 
 Arguments are those of `tokenmill capacity` (pricing/cli.py); with none, prints the reference
 check at 50/70/90% busy: 387.6 tok/s at 70% -> ~703M tokens / 30 days, 0.717 GPU-h per 1M."""

@@ -13,7 +13,7 @@ the other goes through the gateway (streamed /v1/completions over HTTP, usage
 included). Then one more gateway round with some clients hanging up mid-stream, reconciled
 request by request against the usage ledger.
 
-    python -m bench.endpoint.governed                                # on the H200: Qwen3.6-27B shape
+    python -m bench.endpoint.governed                           # on the H200: Qwen3.6-27B shape
     python -m bench.endpoint.governed --preset tiny-qwen3.5 --device cpu --dtype float32 \\
         --quantize none --kv-dtype none --requests 4 --prompt-tokens 32 --max-tokens 8
 

@@ -2,23 +2,31 @@
 and through the governed endpoint, from a gpu_endpoint JSON written with --sweep.
 
     pip install matplotlib   # only this script needs it
-    python -m bench.endpoint.plot_sweep bench/results/<run>-gpu_endpoint_sweep.json docs/img/sweep.png
+    python -m bench.endpoint.plot_sweep bench/results/<run>-gpu_endpoint_sweep.json \
+        docs/img/sweep.png
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
 
 def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("sweep_json", type=Path, help="a gpu_endpoint JSON written with --sweep")
+    ap.add_argument("png", type=Path, help="where the picture goes")
+    args = ap.parse_args(argv)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    src, dst = Path(argv[0]), Path(argv[1])
+    src, dst = args.sweep_json, args.png
     report = json.loads(src.read_text())
     rows = sorted(report["sweep"], key=lambda r: r["concurrency"])
     load_point = int(report["config"]["concurrency"])

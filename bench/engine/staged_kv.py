@@ -2,8 +2,8 @@
 decode step, the re-encode throughput and the kernels' agreement with the references at the
 Qwen3.6-27B attention shape (24 query / 4 kv heads of 256, 16 full-attention layers).
 
-    python -m bench.engine.staged_kv                       # CPU: the memory table only
-    PYTHONPATH=. python3 bench/engine/staged_kv.py         # GPU: table + timings + checks; JSON to $OUT
+    python -m bench.engine.staged_kv        # CPU: the memory table only
+    python -m bench.engine.staged_kv        # GPU: table + timings + checks; JSON to $OUT
 
 The memory table uses the storage's own accounting (bytes per token of each pool, measured on
 allocated one-block pools, worker/models/cache.py StagedAttentionCache) and the page-age mix of

@@ -3,7 +3,7 @@ transformers at the same shape, and the bandwidth roofline, at the load point.
 
     python -m bench.engine.suite                    # on the GPU; JSON to $OUT
     python -m bench.engine.suite --sections roofline,gemv,fp8,w4 --budget-s 265 --repeats 3
-    python -m bench.engine.suite --preset tiny-qwen3_5 --device cpu --budget-s 120   # plumbing check
+    python -m bench.engine.suite --preset tiny-qwen3_5 --device cpu --budget-s 120  # plumbing
 
 This module is the driver (SECTIONS: name -> function, share of the time left); each section is
 in its own module beside it: roofline, gemm (fp8_gemm), preflight, gemv (gemv, l2_probe), gdn,

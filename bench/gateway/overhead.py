@@ -16,7 +16,8 @@ unless TOKENMILL_NATS_URL / TOKENMILL_DATABASE_URL are set), `tokenmill serve` (
     python -m bench.gateway.overhead                      # the full run, a few minutes
     python -m bench.gateway.overhead --recon-requests 1000 --requests 200   # a quick one
 
-Prints a table and writes JSON (`--out`, default bench/results/<date>-cpu-<sha>-gateway_overhead.json).
+Prints a table and writes JSON (`--out`, default
+bench/results/<date>-cpu-<sha>-gateway_overhead.json).
 """
 
 from __future__ import annotations

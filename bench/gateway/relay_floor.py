@@ -12,10 +12,10 @@ It serves the first SKU it hears a worker announce (the benchmark runs one)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import os
-import sys
 import time
 import uuid
 from typing import Any
@@ -160,4 +160,8 @@ async def main(port: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1])))
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("port", type=int, help="the port it serves HTTP on")
+    asyncio.run(main(ap.parse_args().port))

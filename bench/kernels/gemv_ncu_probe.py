@@ -1,12 +1,15 @@
 """Run the FP8 decode GEMV once per layer shape (and the head) for Nsight Compute to profile.
 
-    ncu --kernel-name regex:gemv --launch-skip 6 --set full -o $OUT/gemv python -m bench.kernels.gemv_ncu_probe
+    ncu --kernel-name regex:gemv --launch-skip 6 --set full -o $OUT/gemv \
+        python -m bench.kernels.gemv_ncu_probe
 
 Each shape runs 3 times (compile, warm, profiled) with the default tiling, so ncu's launch-skip
 can step over the warm-ups; the weights are random fp8 at the Qwen3.6-27B shapes, batch 8.
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -22,6 +25,9 @@ SHAPES = {
 
 
 def main() -> None:
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
     x = torch.randn(8, 5120, device="cuda", dtype=torch.bfloat16)
     for name, (n, k) in SHAPES.items():
         q, s = quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)

@@ -49,7 +49,7 @@ SHAPES = [
     ("attention q|gate,k,v", 14336, 5120),
     ("deltanet out / attention o", 5120, 6144),
 ]
-# H200 FP8 winners (bench/results/gpu_suite_run15.json), the comparison row
+# H200 FP8 winners (bench/results/2026-11-29-h200-2a49ccd-gpu_suite.json), the comparison row
 FP8_TILINGS = {
     (34816, 5120): fp8_gemm.DecodeTiling(64, 256, 1, 2, 2),
     (5120, 17408): fp8_gemm.DecodeTiling(64, 256, 3, 4, 4, two_pass=True),

@@ -10,7 +10,7 @@ lengths on the host, are timed eagerly with `triton.testing.do_bench` (median); 
 attention reads nothing on the host, so its default tiles are timed both ways. Calls rotate over
 several input sets whose total size is several times the L2 cache, so no timing measures L2.
 
-    python -m bench.kernels.triton_kernels            # on a CUDA machine; JSON to $OUT or bench/results/
+    python -m bench.kernels.triton_kernels     # on a CUDA machine; JSON to $OUT or bench/results/
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ SmolLM2's weights already sit on a 4-bit grid of groups of 32 (Q4_1); re-quantiz
 groups of 128 is a hard case for round-to-nearest. Evaluated by fake quantization: each weight
 is replaced by its dequantized int4 value, which is what the int4 kernels compute with.
 
-    python -m bench.quality.w4                       # table, bench/results/<date>-<gpu>-<sha>-w4_quality.json
+    python -m bench.quality.w4        # table, bench/results/<date>-<gpu>-<sha>-w4_quality.json
     python -m bench.quality.w4 --eval-tokens 4096 --calibration-tokens 4096 --no-asym
 """
 
