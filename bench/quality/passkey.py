@@ -17,7 +17,8 @@ TurboQuant K/V codes past each sequence's anchor and window pages).
     python -m bench.quality.passkey                          # the full gate (hours on a 2-core CPU)
     python -m bench.quality.passkey --lengths 2048 --trials 4 --ppl-tokens 2048   # a quick look
 
-Prints the table and writes JSON (default bench/results/<date>-<gpu>-<sha>-passkey.json).
+Prints the table and writes JSON (default
+bench/results/<date>-<gpu>-<sha>-passkey.json).
 """
 
 from __future__ import annotations
