@@ -321,9 +321,9 @@ def bench_points(
     doc: Mapping[str, Any] | str | Path, sku_id: str | None = None
 ) -> list[BenchPoint]:
     """Every load point of a benchmark results file (a path or the parsed document):
-    - bench/gpu_suite.py: `load_point` (concurrency, prompt_len, max_tokens) and one point per
+    - bench/engine/suite.py: `load_point` (concurrency, prompt_len, max_tokens) and one point per
       engine section with `output_tok_s` (fp8, bf16, hf), SKU `<model>-<section>`;
-    - bench/gpu_endpoint.py: `config` (preset, quantize, concurrency, prompt_tokens,
+    - bench/endpoint/governed.py: `config` (preset, quantize, concurrency, prompt_tokens,
       max_tokens) and the `gateway` and `direct` figures, at the load point and at each
       concurrency of its `sweep`, SKU `<preset>-<quantize>`;
     - otherwise one point from the aggregate output tokens/s (one of `_THROUGHPUT_KEYS`, at

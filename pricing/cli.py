@@ -6,7 +6,7 @@
     tokenmill invoices showback --from ISO --to ISO [--tenant T] [--granularity hour|day]
     tokenmill invoices rollups | report             run the rollup / reconciliation job once
     tokenmill scheduler                             run all billing jobs (one leader)
-    tokenmill capacity (--bench bench/results/gpu_endpoint.json ... | --sku S --tok-s 387.6)
+    tokenmill capacity (--bench bench/results/...-gpu_endpoint.json ... | --sku S --tok-s 387.6)
                        [--concurrency 8] [--ttft-p95-max 0.5] [--e2e-p95-max 3]
                        [--gpu-hour-cost 2.00] [--busy 0.5 --busy 0.7 ...] [--output-price 3.00]
                        [--json]
@@ -242,7 +242,8 @@ def _capacity_parser() -> argparse.ArgumentParser:
         type=Path,
         action="append",
         default=[],
-        help="benchmark results JSON (repeatable), e.g. bench/results/gpu_endpoint.json",
+        help="benchmark results JSON (repeatable), e.g. "
+        "bench/results/2026-11-30-h200-b43d07f-gpu_endpoint.json",
     )
     ap.add_argument(
         "--sku",

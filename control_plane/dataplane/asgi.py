@@ -1,7 +1,7 @@
 """The completion routes at the ASGI level: the token hot path.
 
 Going below Litestar's request/response objects here saves a few hundred microseconds of time
-to first token per request (measured in bench/gateway_overhead.py), and gives direct control
+to first token per request (measured in bench/gateway/overhead.py), and gives direct control
 of the two things that matter: the response starts only once the worker produced its first
 chunk (so a refusal still gets its own status), and a client that hangs up is noticed at once
 (a task waits for `http.disconnect` and interrupts the relay, which then cancels generation

@@ -15,7 +15,7 @@ import asyncpg
 import pytest
 from nats.aio.client import Client as NATS
 
-from bench.ledger_ingest import make_events
+from bench.ledger.ingest import make_events
 from events.control import (
     ApiKeyIssued,
     ApiKeyRevoked,

@@ -145,7 +145,10 @@ RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 def test_the_committed_benchmark_results_are_read() -> None:
     from pricing.capacity import bench_points
 
-    endpoint = {(p.sku_id, p.variant): p for p in bench_points(RESULTS / "gpu_endpoint.json")}
+    endpoint = {
+        (p.sku_id, p.variant): p
+        for p in bench_points(RESULTS / "2026-11-30-h200-b43d07f-gpu_endpoint.json")
+    }
     assert set(endpoint) == {("qwen3.6-27b-fp8", "gateway"), ("qwen3.6-27b-fp8", "direct")}
     gateway = endpoint[("qwen3.6-27b-fp8", "gateway")]
     assert gateway.output_tokens_per_second == Decimal("708.5739419097932")
@@ -153,13 +156,13 @@ def test_the_committed_benchmark_results_are_read() -> None:
     assert gateway.ttft_p95_s == Decimal("0.5081623159000017")
     assert gateway.throughput().input_tokens_per_output_token == Decimal(2)
 
-    suite = {p.sku_id: p for p in bench_points(RESULTS / "gpu_suite_run15.json")}
+    suite = {p.sku_id: p for p in bench_points(RESULTS / "2026-11-29-h200-2a49ccd-gpu_suite.json")}
     assert set(suite) == {"qwen3.6-27b-fp8", "qwen3.6-27b-bf16", "qwen3.6-27b-hf"}
     assert suite["qwen3.6-27b-fp8"].output_tokens_per_second == Decimal("804.8499334240253")
     assert suite["qwen3.6-27b-bf16"].concurrency == 8
     assert {p.variant for p in suite.values()} == {"engine"}
 
-    for path in sorted(RESULTS.glob("gpu_*.json")):  # every committed GPU result
+    for path in sorted(RESULTS.glob("*-gpu_*.json")):  # every committed GPU result
         assert bench_points(path), path
 
 
@@ -167,9 +170,9 @@ def test_points_are_chosen_by_concurrency_and_slo() -> None:
     from pricing.capacity import NoPointMeetsTheChoice, bench_points, choose_points
 
     points = [
-        *bench_points(RESULTS / "gpu_endpoint.json"),
-        *bench_points(RESULTS / "gpu_suite_run15.json"),
-        *bench_points(RESULTS / "gpu_suite_run14.json"),
+        *bench_points(RESULTS / "2026-11-30-h200-b43d07f-gpu_endpoint.json"),
+        *bench_points(RESULTS / "2026-11-29-h200-2a49ccd-gpu_suite.json"),
+        *bench_points(RESULTS / "2026-11-29-h200-f4e60f3-gpu_suite_run14.json"),
     ]
     at8 = choose_points(points, concurrency=8)
     assert len(at8) == 5  # fp8 gateway, fp8 direct, and the engine's fp8, bf16, hf
@@ -185,7 +188,7 @@ def test_points_are_chosen_by_concurrency_and_slo() -> None:
 def test_a_concurrency_sweep_gives_a_point_per_concurrency() -> None:
     from pricing.capacity import bench_points, choose_points
 
-    doc = json.loads((RESULTS / "gpu_endpoint.json").read_text())
+    doc = json.loads((RESULTS / "2026-11-30-h200-b43d07f-gpu_endpoint.json").read_text())
     fast = {"output_tokens_per_s": 300.5, "ttft_s_p95": 0.1, "e2e_s_p95": 1.0}
     slow = {"output_tokens_per_s": 1100.0, "ttft_s_p95": 1.9, "e2e_s_p95": 6.0}
     doc["sweep"] = [

@@ -128,12 +128,17 @@ def test_capacity_cli_projects_the_committed_benchmark_results(
     from pathlib import Path
 
     results = Path(__file__).resolve().parents[2] / "bench" / "results"
-    argv = ["--bench", str(results / "gpu_endpoint.json")]
-    argv += ["--bench", str(results / "gpu_suite_run15.json"), "--concurrency", "8"]
+    argv = ["--bench", str(results / "2026-11-30-h200-b43d07f-gpu_endpoint.json")]
+    argv += [
+        "--bench",
+        str(results / "2026-11-29-h200-2a49ccd-gpu_suite.json"),
+        "--concurrency",
+        "8",
+    ]
     assert capacity_main([*argv, "--variant", "gateway", "--json"]) == 0
     (gateway,) = json.loads(capsys.readouterr().out)
     assert gateway["sku_id"] == "qwen3.6-27b-fp8"
-    assert gateway["source"] == "bench:gpu_endpoint.json gateway c=8"
+    assert gateway["source"] == "bench:2026-11-30-h200-b43d07f-gpu_endpoint.json gateway c=8"
     # 708.5739419097932 tok/s x 0.70 busy x 30 days x 86,400 s
     assert gateway["output_tokens_per_period"] == 1_285_636_560
     assert gateway["cost_per_period"] is None and gateway["margin_fraction"] is None

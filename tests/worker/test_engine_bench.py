@@ -8,7 +8,7 @@ import pytest
 import torch
 
 pytest.importorskip("worker.models.presets")
-from bench.engine_bench import main, percentile  # noqa: E402
+from bench.engine.load_point import main, percentile  # noqa: E402
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The staged-KV quality gate (bench/passkey.py): passkey prompts, the chunked prefill-only
+"""The staged-KV quality gate (bench/quality/passkey.py): passkey prompts, the chunked prefill-only
 scorer through the engine's runner and block manager, and the gate itself. The default suite
 runs it on a tiny random Llama with a character tokenizer; the real gate (SmolLM2-135M-Instruct
 at 2K / 4K / 8K) is slow."""
@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from bench import passkey as pk
+from bench.quality import passkey as pk
 from worker.engine.engine import LLMEngine
 from worker.models import build_random, presets
 from worker.quantize.perplexity import negative_log_likelihood
@@ -102,7 +102,7 @@ def test_gate_runs_every_mode_and_applies_its_rules(tiny):
 def sizes() -> tuple[list[int], int, int]:
     """Lengths, trials per length and perplexity tokens of the slow gate: by default what a
     2-core CPU runs in minutes (a 2K trial ~1 min per KV mode, 8K ~4-8x that); the full gate
-    is `python -m bench.passkey` (or TOKENMILL_PASSKEY_TRIALS=20)."""
+    is `python -m bench.quality.passkey` (or TOKENMILL_PASSKEY_TRIALS=20)."""
     lengths = [int(x) for x in os.environ.get("TOKENMILL_PASSKEY_LENGTHS", "2048").split(",")]
     trials = int(os.environ.get("TOKENMILL_PASSKEY_TRIALS", "4"))
     ppl = int(os.environ.get("TOKENMILL_PASSKEY_PPL_TOKENS", "2048"))

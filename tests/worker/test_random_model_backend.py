@@ -1,5 +1,5 @@
 """The benchmark fixture model (`random:<preset>`) and the backend's FP8 options, on CPU: what
-bench/gpu_endpoint.py serves on the GPU, end to end through the worker's backend."""
+bench/endpoint/governed.py serves on the GPU, end to end through the worker's backend."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_the_governed_endpoint_bench_runs_end_to_end_on_cpu(tmp_path: Path) -> N
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
     subprocess.run(
-        [sys.executable, "-m", "bench.gpu_endpoint", *argv], check=True, timeout=600, env=env
+        [sys.executable, "-m", "bench.endpoint.governed", *argv], check=True, timeout=600, env=env
     )
     report = json.loads(out.read_text())
     for mode in ("direct", "gateway"):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.w4_quality import WINDOW, fake_quantize_rtn, int4_targets
+from bench.quality.w4 import WINDOW, fake_quantize_rtn, int4_targets
 from worker.loading import load_model
 from worker.loading.demo_model import ensure_smollm2
 from worker.models.causal_lm import CausalLM

@@ -5,7 +5,7 @@ The library is xgrammar (over llguidance and outlines-core), chosen by measureme
 
 - speed: on the SmolLM2 vocabulary (49,152 tokens) a nested schema's mask takes 30 us at the
   median per sequence against llguidance's 190 us, on Qwen3.6's (248,077) 47 against 191 us
-  (`bench/structured_masks.py`; xgrammar precomputes the context-independent tokens of every
+  (`bench/engine/structured_masks.py`; xgrammar precomputes the context-independent tokens of every
   grammar position when it compiles, llguidance computes each mask lazily). Its compile costs
   more (36 ms / 260 ms for that schema), which the per-schema cache below pays once.
 - CPU and GPU: masks are filled on the host either way; applying them has a CUDA kernel, a

@@ -3,7 +3,8 @@
 Importing this package registers each kernel with `worker.kernels.ops` (the registry imports it
 lazily). Each kernel matches its plain-PyTorch reference in `worker.kernels.reference`; the tests
 in tests/worker/test_triton_kernels.py check that under the triton interpreter on CPU, and at the
-27B shapes on a GPU (`-m gpu`); bench/kernels_bench.py times them against their byte counts.
+27B shapes on a GPU (`-m gpu`); bench/kernels/triton_kernels.py times them against their byte
+counts.
 """
 
 from __future__ import annotations

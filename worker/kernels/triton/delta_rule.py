@@ -33,9 +33,9 @@ L2NORM_EPS = 1e-6
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Launch settings used when a call names none: the H200 winners at the 27B shape on a bf16 pool
-# (bench/results/gpu_suite_run12.json: decode 11.7 us per layer against 14.9 for run 2's
-# 32 x 2 warps; prefill 8 x 512 tokens 488 us per layer against 671 for chunk 32).
-# bench/gpu_suite.py's `gdn` section re-times the alternatives and stores its winners here.
+# (bench/results/2026-11-29-h200-bb766f8-gpu_suite.json: decode 11.7 us per layer against 14.9
+# for the earlier 32 x 2 warps; prefill 8 x 512 tokens 488 us per layer against 671 for chunk 32).
+# bench/engine/suite.py's `gdn` section re-times the alternatives and stores its winners here.
 DECODE_LAUNCH: dict[str, int] = {"block_v": 64, "num_warps": 4}
 PREFILL_LAUNCH: dict[str, int] = {
     "chunk_size": 16,

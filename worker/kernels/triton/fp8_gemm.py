@@ -6,13 +6,13 @@ Two paths, picked by the number of rows (tokens) of x:
   widening to bf16 is not) and accumulates in fp32. Small-N shapes split K; the last program to
   finish a column tile (an arrival counter) sums the fp32 partials, scales and writes the
   output, so there is no second launch. The tiling per (N, K) comes from `DECODE_TILINGS`
-  (bench/gpu_suite.py sweeps candidates at the real shapes and fills it), else from
+  (bench/engine/suite.py sweeps candidates at the real shapes and fills it), else from
   `default_tiling` (measured: 32-channel mma.sync tiles; the LM head on w8a16 in one launch).
   The same kernel serves 16-bit weights (`linear`) where it beats cuBLAS.
 - rows between FP8_GEMV_MAX_ROWS and FP8_SCALED_MM_MIN_ROWS (none by default): `w8a16`, the
   same weight streaming with x as the left operand.
-- more rows (decode at concurrency > 16, prefill): `scaled_mm`, dynamic per-token activation quantization (one triton pass:
-  row amax, scale, e4m3 cast) and `torch._scaled_mm` with rowwise scales on FP8 tensor cores.
+- more rows (decode at concurrency > 16, prefill): `scaled_mm`, dynamic per-token activation
+  quantization (one triton pass: row amax, scale, e4m3 cast) and `torch._scaled_mm` with rowwise scales on FP8 tensor cores.
 
 `FP8_SCALED_MM_MIN_ROWS` (env TOKENMILL_FP8_SCALED_MM_MIN_ROWS, default 17) is the switch point.
 Measured on one H200, the 27B engine at concurrency 32 (32-row decode steps): w8a16 29.5 ms a
@@ -455,11 +455,11 @@ class DecodeTiling:
     stream_k: int = 0
 
 
-# Filled by bench/gpu_suite.py's sweep (fastest measured tiling per weight shape); else default.
+# Filled by bench/engine/suite.py's sweep (fastest measured tiling per weight shape); else default.
 DECODE_TILINGS: dict[tuple[int, int], DecodeTiling] = {}
 # 16-bit weights: the GEMV runs only for shapes measured faster than cuBLAS. Preset with the
-# H200 winners at the Qwen3.6-27B shapes (bench/results/gpu_suite_run3.json: 91-96% of copy
-# bandwidth against cuBLAS's 82-94%); the sweep replaces them when it runs.
+# H200 winners at the Qwen3.6-27B shapes (bench/results/2026-11-29-h200-fd36d78-gpu_suite.json:
+# 91-96% of copy bandwidth against cuBLAS's 82-94%); the sweep replaces them when it runs.
 BF16_DECODE_TILINGS: dict[tuple[int, int], DecodeTiling] = {
     (34816, 5120): DecodeTiling(64, 128, 1, 4, 3),  # MLP gate|up
     (5120, 17408): DecodeTiling(64, 128, 7, 4, 3),  # MLP down
@@ -469,18 +469,21 @@ BF16_DECODE_TILINGS: dict[tuple[int, int], DecodeTiling] = {
 
 
 def default_tiling(n: int, k: int) -> DecodeTiling:
-    """The fp8 tiling without a sweep, from the H200 sweep (gpu_suite_run3.json): 32-channel
-    tiles (mma.sync; the 64-channel wgmma tilings, which widen fp8 from shared memory two bytes
-    at a time, ran at 40-60% of copy bandwidth) with ~3 programs per SM. A head-sized N
-    (thousands of column tiles) runs best as W8A8 on 64-channel wgmma tiles, both fp8 operands
-    from shared memory (gpu_suite_run5-7.json: 95.5-95.9% of copy bandwidth, against 90% for
-    the w8a16 kernel). Shapes of <= 20k rows run with 2 warps per program (gpu_suite_run4.json:
-    4-10% faster than 4 warps on all four, e.g. out/o 13.7 vs 14.3 us, q|k|v 22.9 vs 25.2 us)."""
+    """The fp8 tiling without a sweep, from the H200 sweep (bench/results/
+    2026-11-29-h200-fd36d78-gpu_suite.json): 32-channel tiles (mma.sync; the 64-channel wgmma
+    tilings, which widen fp8 from shared memory two bytes at a time, ran at 40-60% of copy
+    bandwidth) with ~3 programs per SM. A head-sized N (thousands of column tiles) runs best as
+    W8A8 on 64-channel wgmma tiles, both fp8 operands from shared memory
+    (2026-11-29-h200-{72aa760,88106d9,c21ec29}-gpu_suite.json: 95.5-95.9% of copy bandwidth,
+    against 90% for the w8a16 kernel). Shapes of <= 20k rows run with 2 warps per program
+    (2026-11-29-h200-20e472a-gpu_suite.json: 4-10% faster than 4 warps on all four, e.g. out/o
+    13.7 vs 14.3 us, q|k|v 22.9 vs 25.2 us)."""
     if triton.cdiv(n, _DECODE_BN) >= 8 * 132:
         return DecodeTiling(64, 128, 1, 4, 6, act_fp8=True)
     if n > 20_000:  # the MLP's gate|up: 64-channel tiles on mma.sync (2 warps), 3 stages:
-        # 86% of copy bandwidth against 75-79% for 32-channel tiles (gpu_suite_run8/9.json;
-        # Nsight Compute: 4 blocks of 49 KB per SM left the shared-memory pipe 73% busy)
+        # 86% of copy bandwidth against 75-79% for 32-channel tiles
+        # (2026-11-29-h200-b3a6e81-gpu_suite_run{8,9}.json; Nsight Compute: 4 blocks of 49 KB
+        # per SM left the shared-memory pipe 73% busy)
         return DecodeTiling(64, 128, 1, 2, 3)
     return channel32_tiling(n, k, 2 if n <= 20_000 else 4)
 
@@ -732,10 +735,11 @@ def _gemv_silu_mul_kernel(
     )
 
 
-# The fused gate|up GEMV per (2F, K, fp8 weights): bench/gpu_suite.py's sweep stores the fastest
+# The fused gate|up GEMV per (2F, K, fp8 weights): bench/engine/suite.py's sweep stores the fastest
 # measured tiling, or None where the projection then silu_mul (two launches) measured faster.
-# Preset with the H200 results at the Qwen3.6-27B MLP (bench/results/gpu_suite_run11-15.json):
-# fp8 49.0 us fused against 54.4 for two launches; bf16 88.9 against 88.0, so two launches.
+# Preset with the H200 results at the Qwen3.6-27B MLP (bench/results/2026-11-29-h200-*-gpu_suite*
+# .json of 7e5e0dd to 2a49ccd): fp8 49.0 us fused against 54.4 for two launches; bf16 88.9
+# against 88.0, so two launches.
 SILU_MUL_TILINGS: dict[tuple[int, int, bool], DecodeTiling | None] = {
     (34816, 5120, True): DecodeTiling(32, 256, 1, 2, 2),
     (34816, 5120, False): None,

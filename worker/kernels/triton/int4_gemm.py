@@ -9,7 +9,7 @@ Two paths, picked by the number of rows (tokens) of x:
   sum; affine mins add m * sum_k x. K is split across programs (the last program to arrive at a
   column tile sums the fp32 partials: no second launch) or cut into equal stream-K ranges.
   `int4_gemv_silu_mul` is the same GEMV over a fused gate|up weight with the MLP's activation in
-  its epilogue. Tilings per (N, K) come from `INT4_DECODE_TILINGS` (bench/int4_kernels.py sweeps
+  its epilogue. Tilings per (N, K) come from `INT4_DECODE_TILINGS` (bench/kernels/int4.py sweeps
   them at the real shapes and prints entries to paste), else from `default_tiling`.
 - prefill (more rows): `int4_dequantize` writes the 16-bit weight (or e4m3 with per-channel scales,
   `TOKENMILL_INT4_PREFILL=fp8`) into one reusable scratch per device, then cuBLAS (`F.linear`) or
@@ -70,7 +70,7 @@ class Int4Tiling:
     fast_cvt: int = 2
 
 
-# The fastest measured tiling per weight shape (bench/int4_kernels.py prints these entries), at
+# The fastest measured tiling per weight shape (bench/kernels/int4.py prints these entries), at
 # M = 8 on the H200 (run 3; group 128; copy 4.24 TB/s; FP8 w8_gemv at the same shape beside).
 INT4_DECODE_TILINGS: dict[tuple[int, int], Int4Tiling] = {
     (34816, 5120): Int4Tiling(64, 256, 2, 2, 3),  # mlp gate|up: 46.8 us, 47% (fp8 50.2 us)

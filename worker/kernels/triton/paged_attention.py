@@ -344,8 +344,9 @@ def _prefill_kernel(
 def prefill_tiles(dim: int) -> tuple[int, int, int]:
     """(query rows BM, keys per step BN, warps) per head dim. At D = 256 two warpgroups take 64
     rows each (a full m64 wgmma apiece). H200 sweep at 8 x 512, 24 q / 4 kv heads
-    (bench/results/kernels_bench_run6_prefill.json, us per layer, bf16 / fp8 cache): 128 x 64 x 8
-    warps 132 / 181, 64 x 32 x 4 warps 133 / 179, 128 x 32 x 8 warps 161 / 204, the rest slower.
+    (bench/results/2026-11-29-h200-88106d9-kernels_bench_prefill.json, us per layer, bf16 / fp8
+    cache): 128 x 64 x 8 warps 132 / 181, 64 x 32 x 4 warps 133 / 179, 128 x 32 x 8 warps
+    161 / 204, the rest slower.
     128 x 64 is best or within 1% on both."""
     if dim >= 256:
         return 128, 64, 8

@@ -3,7 +3,7 @@ JSON file per GPU model beside this module (`<gpu>.json`, e.g. `nvidia-h200.json
 
 The worker applies the file for its GPU when the engine starts (`apply`), so `tokenmill worker`
 runs the settings the benchmark measured; without a file it logs that it runs the kernels'
-built-in defaults. `python -m bench.gpu_suite --write-tuning` regenerates the file on a new GPU
+built-in defaults. `python -m bench.engine.suite --write-tuning` regenerates the file on a new GPU
 from the sweeps it runs.
 
 What a file holds (every part optional): `pdl` (programmatic dependent launch on/off),
@@ -137,7 +137,7 @@ def apply_file(path: Path, gpu_name: str) -> Applied:
     if data.get("kernels_version") != KERNELS_VERSION:
         reason = (
             f"{path} is for kernels version {data.get('kernels_version')}, these are "
-            f"{KERNELS_VERSION}: ignored (regenerate with python -m bench.gpu_suite --write-tuning)"
+            f"{KERNELS_VERSION}: ignored (regenerate with python -m bench.engine.suite --write-tuning)"
         )
         log.warning("%s", reason)
         return Applied(None, reason)

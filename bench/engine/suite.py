@@ -1,0 +1,235 @@
+"""One GPU call, every number of the H200 results table: our engine in BF16 and FP8, Hugging Face
+transformers at the same shape, and the bandwidth roofline, at the load point.
+
+    python -m bench.engine.suite                    # on the GPU; JSON to $OUT
+    python -m bench.engine.suite --sections roofline,gemv,fp8,w4 --budget-s 265 --repeats 3
+    python -m bench.engine.suite --preset tiny-qwen3_5 --device cpu --budget-s 120  # plumbing
+
+This module is the driver (SECTIONS: name -> function, share of the time left); each section is
+in its own module beside it: roofline, gemm (fp8_gemm), preflight, gemv (gemv, l2_probe), gdn,
+w4 (w4_gemv), configs (bf16, fp8, w4), sweeps (sweep_fp8, sweep_w4), hf; profiler has the
+engine sections' phases, tuning_file writes the GPU's tuning file. The JSON is
+<date>-<gpu>-<short sha>-gpu_suite.json (bench/common.py).
+
+Sections, in order (each guarded: a failure is recorded and the next one runs; the JSON is
+rewritten after every section, so a killed run still leaves what it measured):
+1. roofline: device-to-device copy bandwidth; decode-step floor = bytes a batch-8 step must move
+   (weights + DeltaNet state read and written) / bandwidth.
+2. fp8_gemm: w8a16 (triton) vs torch._scaled_mm (rowwise) vs bf16 F.linear at M=8 and M=4096 for
+   the big projection shapes; sets the w8a16 -> scaled_mm switch for the FP8 engine.
+   gemv: every decode GEMV shape's tilings timed alone (and the MLP's fused gate|up activation
+   against two launches); gdn: the DeltaNet recurrence's decode and chunked-prefill launch
+   settings at the model's shape; each stores its winners where the kernels read them.
+3. bf16, fp8: the engine at the load point (32 requests, 8 in flight, 512 prompt + 256 output
+   tokens; one warm-up round, then up to 5 repeats while the section's time budget lasts), with
+   CUDA-graph decode whose setup (GEMV tilings, PDL on/off) is chosen by timing the captured
+   step itself (`decode_setup`); plus phases: decode step as a graph replay, the same step eager, a
+   per-kernel profile of the eager step (kernels grouped), and the 8 x 512 prefill step.
+4. hf: transformers Qwen3_5ForCausalLM bf16 (sdpa; fla kernels when importable), static batch 8,
+   512 prompt: generate 1 token and 1 + D tokens; decode step = difference / D; the 256-token
+   run is extrapolated as t(1) + 255 x step (method recorded in the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bench.common import free_gpu, result_path, write_result
+from bench.engine.configs import (
+    engine_config,
+)
+from bench.engine.gdn import gdn_sweep
+from bench.engine.gemm import fp8_gemm
+from bench.engine.gemv import (
+    gemv_sweep,
+    l2_probe,
+)
+from bench.engine.hf import hf_baseline
+from bench.engine.preflight import preflight
+from bench.engine.roofline import roofline
+from bench.engine.sweeps import concurrency_sweep
+from bench.engine.tuning_file import write_tuning
+from bench.engine.w4 import w4_gemv
+
+# A section: run(args, model config, its time budget in s) -> its JSON; share = the part of the
+# time left that it gets when it starts. They run in this order, those --sections names.
+Section = tuple[Callable[[argparse.Namespace, Any, float], dict[str, Any]], float]
+SECTIONS: dict[str, Section] = {
+    "roofline": (lambda args, config, budget: roofline(args, config), 0.1),
+    "preflight": (lambda args, config, budget: preflight(args, config), 0.1),
+    "gemv": (gemv_sweep, 0.2),
+    "gdn": (gdn_sweep, 0.1),
+    "l2_probe": (lambda args, config, budget: l2_probe(args, config), 0.1),
+    "fp8_gemm": (lambda args, config, budget: fp8_gemm(args, config), 0.1),
+    "w4_gemv": (lambda args, config, budget: w4_gemv(args, budget), 0.1),
+    "fp8": (lambda args, config, budget: engine_config(args, config, "fp8", budget), 0.35),
+    "w4": (lambda args, config, budget: engine_config(args, config, "w4", budget), 0.5),
+    "bf16": (lambda args, config, budget: engine_config(args, config, "bf16", budget), 0.9),
+    "sweep_fp8": (lambda args, config, budget: concurrency_sweep(args, config, "fp8", budget), 0.5),
+    "sweep_w4": (lambda args, config, budget: concurrency_sweep(args, config, "w4", budget), 0.9),
+    "hf": (hf_baseline, 0.9),
+}
+
+
+class Suite:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.start = time.perf_counter()
+        self.path = result_path("gpu_suite", args.out, None if args.device == "cuda" else "cpu")
+        self.out = self.path.parent
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.report: dict[str, Any] = {
+            "load_point": {
+                "num_requests": args.num_requests,
+                "concurrency": args.concurrency,
+                "prompt_len": args.prompt_len,
+                "max_tokens": args.max_tokens,
+                "max_repeats": args.repeats,
+            },
+            "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "sections": {},
+        }
+
+    def left(self) -> float:
+        return self.args.budget_s - (time.perf_counter() - self.start)
+
+    def section(self, name: str, fn: Callable[[float], dict[str, Any]], share: float) -> None:
+        """Run one section with `share` of the time left (it gets at least what it needs to
+        start; it checks its own budget as it goes)."""
+        budget = self.left() * share
+        print(f"== {name} (budget {budget:.0f} s, {self.left():.0f} s left)", file=sys.stderr)
+        began = time.perf_counter()
+        try:
+            result = fn(budget)
+        except Exception as exc:  # record and go on: the other sections still count
+            traceback.print_exc()
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+        result["section_s"] = time.perf_counter() - began
+        self.report["sections"][name] = result
+        self.write()
+        free_gpu()
+
+    def write(self) -> None:
+        write_result(self.path, self.report)
+
+
+def print_table(report: dict[str, Any]) -> None:
+    s = report["sections"]
+    cols = ("output tok/s", "TTFT p50/p95 s", "E2E p50/p95 s", "weights GiB", "KV GiB@1M",
+            "state MiB/seq", "GPU-h/1M tok", "decode ms (graph/eager)")  # fmt: skip
+    print(" | ".join(["config", *cols]))
+    for name in ("bf16", "fp8", "w4", "hf"):
+        r = s.get(name, {})
+        if "output_tok_s" not in r:
+            print(f"{name} | {r.get('error', 'not run')}")
+            continue
+        ph = r.get("phases", {})
+        decode = (
+            f"{ph.get('decode_step_graph_ms', float('nan')):.2f}/"
+            f"{ph.get('decode_step_eager_ms', float('nan')):.2f}"
+            if ph
+            else f"{r.get('decode_step_ms', float('nan')):.2f} (HF)"
+        )
+        print(
+            " | ".join(
+                [
+                    name,
+                    f"{r['output_tok_s']:.1f}",
+                    f"{r['ttft_p50_s']:.3f}/{r['ttft_p95_s']:.3f}",
+                    f"{r['e2e_p50_s']:.2f}/{r['e2e_p95_s']:.2f}",
+                    f"{r['weights_gib']:.2f}",
+                    f"{r.get('attention_kv_gib_at_1m_tokens', float('nan')):.2f}",
+                    f"{r.get('deltanet_state_mib_per_sequence', float('nan')):.1f}",
+                    f"{r['gpu_hours_per_1m_output_tokens']:.3f}",
+                    decode,
+                ]
+            )
+        )
+    for name in ("sweep_fp8", "sweep_w4"):
+        for point in s.get(name, {}).get("points", []):
+            if "output_tok_s" in point:
+                print(
+                    f"{name} C={point['concurrency']}: {point['output_tok_s']:.1f} tok/s, TTFT "
+                    f"p50/p95 {point['ttft_p50_s']:.3f}/{point['ttft_p95_s']:.3f} s, decode "
+                    f"{point['decode_step_ms_p50'] or float('nan'):.2f} ms, "
+                    f"{point['preemptions']} preemptions, {point['compiles_after_warm_up']} compiles"
+                )
+    w4, fp8 = s.get("w4", {}), s.get("fp8", {})
+    if "output_tok_s" in w4 and "output_tok_s" in fp8:
+        print(f"W4 / FP8 output tok/s: {w4['output_tok_s'] / fp8['output_tok_s']:.3f}")
+    roof = s.get("roofline", {})
+    for name, row in roof.get("configs", {}).items():
+        print(
+            f"roofline {name}: {row['decode_step_ms']:.2f} ms/step, {row['decode_tok_s']:.0f} tok/s "
+            f"(copy {roof['copy_bandwidth_gb_s']:.0f} GB/s)"
+        )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--preset", default="qwen3_6-27b")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--budget-s", type=float, default=500.0, help="the whole suite's time guard")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sections", default="roofline,preflight,gemv,w4_gemv,fp8_gemm,fp8,w4,bf16,hf")
+    p.add_argument(
+        "--out",
+        help="folder for <date>-<gpu>-<sha>-gpu_suite.json (default $OUT, else bench/results)",
+    )
+    p.add_argument(
+        "--sweep", default="1,2,4,8,16,32,64", help="concurrencies of the sweep sections"
+    )
+    p.add_argument("--sweep-batched-tokens", type=int, default=4096)
+    p.add_argument(
+        "--write-tuning",
+        action="store_true",
+        help="write the settings the sweeps chose to worker/kernels/tuning/<gpu>.json "
+        "(a copy always goes to the out folder)",
+    )
+    args = p.parse_args(argv)
+    if unknown := {name for name in args.sections.split(",") if name} - set(SECTIONS):
+        p.error(f"unknown sections {sorted(unknown)}; known: {', '.join(SECTIONS)}")
+    args.sweep = [int(c) for c in args.sweep.split(",") if c]
+    from worker.models.presets import PRESETS
+
+    config = PRESETS[args.preset.replace("_", ".")]
+    suite = Suite(args)
+    suite.report["model"] = f"{config.name} (random weights)"
+    wanted = args.sections.split(",")
+    args.copy_bandwidth = None
+    if {"gemv", "gdn", "w4_gemv"} & set(wanted):
+        from worker.kernels import tuning
+
+        tuning.mark_swept()  # the engine sections run what the sweeps chose, not a file
+    for name, (run, share) in SECTIONS.items():
+        if name in wanted:
+            suite.section(name, functools.partial(run, args, config), share)
+            if name == "roofline":
+                gb_s = suite.report["sections"]["roofline"].get("copy_bandwidth_gb_s")
+                args.copy_bandwidth = gb_s * 1e9 if gb_s else None
+    suite.report["suite_s"] = time.perf_counter() - suite.start
+    suite.write()
+    if args.device == "cuda":
+        write_tuning(suite, args.write_tuning)
+    print_table(suite.report)
+    return suite.report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The sweep_fp8 and sweep_w4 sections: the engine at each concurrency of --sweep."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from typing import Any
+
+from bench.common import median, percentile
+from bench.engine.configs import (
+    build_model,
+    load_point_engine,
+)
+from bench.engine.load_point import random_prompts, run_round
+from bench.engine.profiler import (
+    StepLog,
+)
+from worker.engine.sequence import SamplingParams
+
+
+def concurrency_sweep(
+    args: argparse.Namespace, config: Any, precision: str, budget: float
+) -> dict[str, Any]:
+    """The engine alone at concurrency 1, 2, 4, ... (`--sweep`), 2 x C requests of the load
+    point's lengths per point after one warm round, on one engine sized for the largest C and
+    warmed up first (its ready time is reported): output tok/s, TTFT p50/p95, decode step ms
+    (overlapped decode's launch-to-launch time at the point's batch), preemptions, and the
+    kernel compiles each point met after warm-up (should be 0)."""
+    from worker.kernels.triton._launch import compiles
+
+    began = time.perf_counter()
+    device, _, model = build_model(args, config, precision)
+    engine = load_point_engine(model, args, precision, max(args.sweep), args.sweep_batched_tokens)
+    built = time.perf_counter()
+    compositions = engine.warm_up()
+    result: dict[str, Any] = {
+        "build_and_capture_s": built - began,
+        "warm_up_s": time.perf_counter() - built,
+        "warm_up_compositions": len(compositions),
+        "max_num_batched_tokens": args.sweep_batched_tokens,
+        "points": [],
+    }
+    steps = StepLog(engine.runner)
+    rng = random.Random(args.seed)
+    for c in args.sweep:
+        if time.perf_counter() - began > budget:
+            result["points"].append({"concurrency": c, "skipped": "budget"})
+            continue
+        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        run_round(engine, random_prompts(c, args.prompt_len, config.vocab_size, rng), c, params)
+        steps.steps.clear()
+        before = compiles()
+        r = run_round(
+            engine, random_prompts(2 * c, args.prompt_len, config.vocab_size, rng), c, params
+        )
+        full = [s for kind, n, s in steps.steps if kind in ("decode", "overlapped") and n == c]
+        result["points"].append(
+            {
+                "concurrency": c,
+                "output_tok_s": r.output_tok_s,
+                "ttft_p50_s": percentile(r.ttft_s, 50),
+                "ttft_p95_s": percentile(r.ttft_s, 95),
+                "decode_step_ms_p50": median(full, 1e3),
+                "preemptions": r.preemptions,
+                "compiles_after_warm_up": compiles() - before,
+                "wall_s": r.wall_s,
+            }
+        )
+        print(f"  C={c}: {r.output_tok_s:.1f} tok/s", file=sys.stderr)
+    del engine, model
+    return result

