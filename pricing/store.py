@@ -20,6 +20,15 @@ import asyncpg
 
 from events.control import control_stream_name
 from events.projections.runner import Entry
+from events.projections.tables import (
+    BillingPositionRow,
+    BillingReportRow,
+    CapacityProjectionRow,
+    InvoiceRow,
+    UsageRollupRow,
+    ddl,
+    table_names,
+)
 from events.store import StreamLayout
 from pricing.events import InvoiceFinalized, decode_invoice_event
 from pricing.invoices import Invoice, InvoiceBasis, LedgerRow, invoice_from_json, invoice_json
@@ -30,58 +39,9 @@ from pricing.showback import Attribution
 LEDGER_PROJECTION = "usage_ledger"
 CONTROL_PROJECTION = "read_models"
 
-INVOICES_DDL = """
-CREATE TABLE IF NOT EXISTS invoices (
-    invoice_id text PRIMARY KEY,
-    tenant_id text NOT NULL,
-    period_start timestamptz NOT NULL,
-    period_end timestamptz NOT NULL,
-    currency text NOT NULL,
-    cut_seq bigint NOT NULL,
-    total numeric NOT NULL,
-    status text NOT NULL,
-    finalized_at timestamptz,
-    digest text NOT NULL,
-    document text NOT NULL,  -- the exact JSON bytes that were finalized
-    seq bigint NOT NULL      -- control-stream sequence of InvoiceFinalized
-);
-CREATE INDEX IF NOT EXISTS invoices_tenant_period ON invoices (tenant_id, period_start);
-"""
-
-BILLING_DDL = """
-CREATE TABLE IF NOT EXISTS usage_rollups (
-    bucket_start timestamptz NOT NULL,
-    tenant_id text NOT NULL,
-    key_id text NOT NULL,
-    sku_id text NOT NULL,
-    model text NOT NULL,
-    requests bigint NOT NULL,
-    cancelled bigint NOT NULL,
-    prompt_tokens bigint NOT NULL,
-    cached_tokens bigint NOT NULL,
-    completion_tokens bigint NOT NULL,
-    PRIMARY KEY (bucket_start, tenant_id, key_id, sku_id, model)
-);
-CREATE TABLE IF NOT EXISTS billing_positions (
-    job text PRIMARY KEY,
-    last_seq bigint NOT NULL,
-    updated_at timestamptz NOT NULL
-);
-CREATE TABLE IF NOT EXISTS capacity_projections (
-    sku_id text PRIMARY KEY,
-    computed_at timestamptz NOT NULL,
-    document jsonb NOT NULL
-);
-CREATE TABLE IF NOT EXISTS billing_reports (
-    kind text NOT NULL,
-    window_end timestamptz NOT NULL,
-    window_start timestamptz NOT NULL,
-    generated_at timestamptz NOT NULL,
-    ok boolean NOT NULL,
-    document jsonb NOT NULL,
-    PRIMARY KEY (kind, window_end)
-);
-"""
+# The tables are declared in events/projections/tables.py with the other read models.
+INVOICES_DDL = ddl(InvoiceRow)
+BILLING_DDL = ddl(UsageRollupRow, BillingPositionRow, CapacityProjectionRow, BillingReportRow)
 
 _LEDGER_SELECT = """SELECT request_id, tenant_id, key_id, sku_id, model, worker_id, prompt_tokens,
     cached_tokens, completion_tokens, finish_reason, started_at, finished_at, stream_seq
@@ -92,7 +52,7 @@ class InvoicesProjection:
     """invoices <- InvoiceFinalized events of the control stream (a events.projections Projection)."""
 
     name = "invoices"
-    tables: tuple[str, ...] = ("invoices",)
+    tables = table_names(InvoiceRow)
     ddl = INVOICES_DDL
 
     def stream(self, layout: StreamLayout) -> str:
