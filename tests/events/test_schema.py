@@ -5,8 +5,10 @@ nullability, default) and index, as the hand-written DDL had them."""
 from __future__ import annotations
 
 import asyncpg
+from sqlmodel import select
 
 from events.projections import all_projections, ensure_schema
+from events.projections.tables import TenantRow, compiled, fetch, fetch_one
 from events.projections.usage_ledger import UsageLedgerProjection
 from pricing.store import BillingStore
 
@@ -266,3 +268,23 @@ async def test_an_older_database_catches_up(database_url: str) -> None:
         await conn.close()
     assert columns == EXPECTED_COLUMNS
     assert indexes == EXPECTED_INDEXES
+
+
+async def test_typed_reads(database_url: str) -> None:
+    """select(...) over a table class answers validated instances (jsonb decoded)."""
+    await _create_everything(database_url)
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute(
+            """INSERT INTO tenants VALUES ('t1', 'acme', 'active', '{"team": "ml"}', NULL, now(), now(), 3),
+                                          ('t2', 'globex', 'suspended', '{}', 'unpaid', now(), now(), 4)"""
+        )
+        query = select(TenantRow).where(TenantRow.status == "active")
+        assert compiled(query)[1] == ["active"]
+        rows = await fetch(conn, TenantRow, query)
+        assert [(r.tenant_id, r.labels, r.version) for r in rows] == [("t1", {"team": "ml"}, 3)]
+        assert (
+            await fetch_one(conn, TenantRow, select(TenantRow).where(TenantRow.name == "x")) is None
+        )
+    finally:
+        await conn.close()
