@@ -5,10 +5,9 @@ the last two for reconciliation.
 Ingest is the hot path of the projections: a batch is COPYed into an unlogged-per-session
 staging table and moved with one INSERT ... ON CONFLICT DO NOTHING, so a request id that
 arrives twice (a retry beyond the dedupe window) keeps its first row. The tables are declared
-in tables.py, but the writes stay asyncpg's binary COPY of plain tuples, not model instances
-or a compiled INSERT: this path sustains ~38,000 events/s on two cores
-(bench/ledger_ingest.py), and a model built and validated per row would be the larger part
-of its cost."""
+in tables.py, but the writes stay asyncpg's binary COPY of plain tuples, not table-model
+instances or an ORM insert: the whole path costs ~26 us a row (38,000 events/s on two cores,
+bench/ledger_ingest.py), and validating one UsageLedgerRow alone costs ~50 us."""
 
 from __future__ import annotations
 
