@@ -12,10 +12,15 @@ compiled for asyncpg and answered as instances of the class by `fetch()`). The t
 - billing (pricing/store.py): invoices, usage_rollups, billing_positions, capacity_projections,
   billing_reports.
 
-The writes of the projections stay hand-written asyncpg statements: the ledger's ingest is
-COPY into a staging table and one INSERT ... SELECT (see usage_ledger.py), and the control
-events' upserts are one positional statement each. Column order is therefore part of the
-schema: positional INSERTs follow the field order of these classes.
+Where SQLModel is not used: the writes. The ledger's ingest, the hot path, is asyncpg's COPY
+of plain tuples into a staging table and one INSERT ... SELECT (usage_ledger.py says why, with
+numbers); the control events' upserts and billing's job writes are one hand-written statement
+each. Billing's bulk reads of the ledger (pricing/store.py) are hand-written SQL too. Column
+order is therefore part of the schema: positional INSERTs follow the field order of these
+classes.
+
+`ddl()` creates only the tables it is given (each owner passes its own), not everything in
+`SQLModel.metadata`.
 
 A column added to a table after it was first deployed is marked `added` (its `info`): `ddl()`
 also emits `ALTER TABLE ... ADD COLUMN IF NOT EXISTS` for it, so an older database catches up.
