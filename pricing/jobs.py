@@ -302,17 +302,17 @@ async def refresh_capacity(ctx: BillingContext, now: datetime | None = None) -> 
     book = await ctx.store.price_book()
     projections: dict[str, dict] = {}
     for sku in await ctx.store.skus():
-        best = await measured_throughput(ctx.store, sku["sku_id"], start, now)
+        best = await measured_throughput(ctx.store, sku.sku_id, start, now)
         if best is None:
             continue
-        inputs = capacity_inputs(ctx.settings, sku["gpu_type"], book.in_force(sku["sku_id"], now))
-        document = {**project(best, inputs).as_dict(), "gpu_type": sku["gpu_type"]}
-        projections[sku["sku_id"]] = document
+        inputs = capacity_inputs(ctx.settings, sku.gpu_type, book.in_force(sku.sku_id, now))
+        document = {**project(best, inputs).as_dict(), "gpu_type": sku.gpu_type}
+        projections[sku.sku_id] = document
         await ctx.store.pool.execute(
             """INSERT INTO capacity_projections VALUES ($1, $2, $3::jsonb)
                ON CONFLICT (sku_id) DO UPDATE SET computed_at = EXCLUDED.computed_at,
                document = EXCLUDED.document""",
-            sku["sku_id"],
+            sku.sku_id,
             now,
             _json(document),
         )

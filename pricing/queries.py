@@ -3,10 +3,12 @@ showback exports, capacity projections. Thin: the figures come from the pure mod
 
 from __future__ import annotations
 
-import json
 from datetime import datetime, timedelta
 from typing import Any
 
+from sqlmodel import col, select
+
+from events.projections.tables import CapacityProjectionRow, fetch
 from pricing.capacity import CapacityProjection, Throughput, project
 from pricing.invoices import Invoice, invoice_id
 from pricing.jobs import BillingSettings, capacity_inputs, draft_invoice, measured_throughput
@@ -64,12 +66,9 @@ async def showback_export(
 
 async def capacity_projections(store: BillingStore) -> list[dict[str, Any]]:
     """The latest projection per SKU (refreshed by the capacity job)."""
-    records = await store.pool.fetch(
-        "SELECT sku_id, computed_at, document FROM capacity_projections ORDER BY sku_id"
-    )
-    return [
-        {**json.loads(r["document"]), "computed_at": r["computed_at"].isoformat()} for r in records
-    ]
+    query = select(CapacityProjectionRow).order_by(col(CapacityProjectionRow.sku_id))
+    rows = await fetch(store.pool, CapacityProjectionRow, query)
+    return [{**r.document, "computed_at": r.computed_at.isoformat()} for r in rows]
 
 
 class NoThroughput(LookupError):

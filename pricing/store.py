@@ -11,15 +11,29 @@ keys (read models kept by events/), and keeps billing's own tables:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
 
 import asyncpg
+from sqlmodel import col, select
 
 from events.control import control_stream_name
 from events.projections.runner import Entry, Projection
+from events.projections.tables import (
+    ApiKeyRow,
+    BillingPositionRow,
+    BillingReportRow,
+    CapacityProjectionRow,
+    InvoiceRow,
+    PricePlanRow,
+    SkuRow,
+    TenantRow,
+    UsageRollupRow,
+    ddl,
+    fetch,
+    fetch_one,
+    table_names,
+)
 from events.store import StreamLayout
 from pricing.events import InvoiceFinalized, decode_invoice_event
 from pricing.invoices import Invoice, InvoiceBasis, LedgerRow, invoice_from_json, invoice_json
@@ -30,59 +44,14 @@ from pricing.showback import Attribution
 LEDGER_PROJECTION = "usage_ledger"
 CONTROL_PROJECTION = "read_models"
 
-INVOICES_DDL = """
-CREATE TABLE IF NOT EXISTS invoices (
-    invoice_id text PRIMARY KEY,
-    tenant_id text NOT NULL,
-    period_start timestamptz NOT NULL,
-    period_end timestamptz NOT NULL,
-    currency text NOT NULL,
-    cut_seq bigint NOT NULL,
-    total numeric NOT NULL,
-    status text NOT NULL,
-    finalized_at timestamptz,
-    digest text NOT NULL,
-    document text NOT NULL,  -- the exact JSON bytes that were finalized
-    seq bigint NOT NULL      -- control-stream sequence of InvoiceFinalized
-);
-CREATE INDEX IF NOT EXISTS invoices_tenant_period ON invoices (tenant_id, period_start);
-"""
+# The tables are declared in events/projections/tables.py with the other read models.
+INVOICES_DDL = ddl(InvoiceRow)
+BILLING_DDL = ddl(UsageRollupRow, BillingPositionRow, CapacityProjectionRow, BillingReportRow)
 
-BILLING_DDL = """
-CREATE TABLE IF NOT EXISTS usage_rollups (
-    bucket_start timestamptz NOT NULL,
-    tenant_id text NOT NULL,
-    key_id text NOT NULL,
-    sku_id text NOT NULL,
-    model text NOT NULL,
-    requests bigint NOT NULL,
-    cancelled bigint NOT NULL,
-    prompt_tokens bigint NOT NULL,
-    cached_tokens bigint NOT NULL,
-    completion_tokens bigint NOT NULL,
-    PRIMARY KEY (bucket_start, tenant_id, key_id, sku_id, model)
-);
-CREATE TABLE IF NOT EXISTS billing_positions (
-    job text PRIMARY KEY,
-    last_seq bigint NOT NULL,
-    updated_at timestamptz NOT NULL
-);
-CREATE TABLE IF NOT EXISTS capacity_projections (
-    sku_id text PRIMARY KEY,
-    computed_at timestamptz NOT NULL,
-    document jsonb NOT NULL
-);
-CREATE TABLE IF NOT EXISTS billing_reports (
-    kind text NOT NULL,
-    window_end timestamptz NOT NULL,
-    window_start timestamptz NOT NULL,
-    generated_at timestamptz NOT NULL,
-    ok boolean NOT NULL,
-    document jsonb NOT NULL,
-    PRIMARY KEY (kind, window_end)
-);
-"""
-
+# The ledger reads stay hand-written SQL straight into LedgerRow: an invoice or an export
+# reads a whole period of the ledger, and a validated table model per row (~30-50 us) would
+# cost more than the read. The small read models below are typed select(...)s over the table
+# classes.
 _LEDGER_SELECT = """SELECT request_id, tenant_id, key_id, sku_id, model, worker_id, prompt_tokens,
     cached_tokens, completion_tokens, finish_reason, started_at, finished_at, stream_seq
     FROM usage_ledger"""
@@ -92,7 +61,7 @@ class InvoicesProjection:
     """invoices <- InvoiceFinalized events of the control stream (a events.projections Projection)."""
 
     name = "invoices"
-    tables: tuple[str, ...] = ("invoices",)
+    tables = table_names(InvoiceRow)
     ddl = INVOICES_DDL
 
     def stream(self, layout: StreamLayout) -> str:
@@ -130,6 +99,10 @@ async def upsert_invoice(
 
 def _ledger_row(record: asyncpg.Record) -> LedgerRow:
     return LedgerRow(**dict(record))
+
+
+def _invoice(row: InvoiceRow) -> Invoice:
+    return invoice_from_json(row.document.encode())
 
 
 class BillingStore:
@@ -216,53 +189,56 @@ class BillingStore:
     # -- control read models ---------------------------------------------------------------
 
     async def price_book(self) -> PriceBook:
-        records = await self.pool.fetch(
-            """SELECT plan_id, sku_id, currency, input_per_mtok, cached_input_per_mtok,
-                      output_per_mtok, effective_from, seq AS recorded_seq FROM price_plans"""
+        rows = await fetch(self.pool, PricePlanRow, select(PricePlanRow))
+        return PriceBook(
+            PricePlan(
+                plan_id=r.plan_id,
+                sku_id=r.sku_id,
+                currency=r.currency,
+                input_per_mtok=r.input_per_mtok,
+                cached_input_per_mtok=r.cached_input_per_mtok,
+                output_per_mtok=r.output_per_mtok,
+                effective_from=r.effective_from,
+                recorded_seq=r.seq,
+            )
+            for r in rows
         )
-        return PriceBook(PricePlan(**dict(r)) for r in records)
 
     async def attribution(self) -> Attribution:
-        tenants = await self.pool.fetch("SELECT tenant_id, name, labels FROM tenants")
-        keys = await self.pool.fetch("SELECT key_id, name FROM api_keys")
-
-        def labels(value: Any) -> dict[str, str]:
-            return json.loads(value) if isinstance(value, str) else dict(value or {})
-
+        tenants = await fetch(self.pool, TenantRow, select(TenantRow))
+        keys = await fetch(self.pool, ApiKeyRow, select(ApiKeyRow))
         return Attribution(
-            tenant_names={r["tenant_id"]: r["name"] for r in tenants},
-            tenant_labels={r["tenant_id"]: labels(r["labels"]) for r in tenants},
-            key_names={r["key_id"]: r["name"] or "" for r in keys},
+            tenant_names={t.tenant_id: t.name for t in tenants},
+            tenant_labels={t.tenant_id: t.labels for t in tenants},
+            key_names={k.key_id: k.name or "" for k in keys},
         )
 
-    async def skus(self) -> list[asyncpg.Record]:
-        return await self.pool.fetch(
-            "SELECT sku_id, name, model, gpu_type, status FROM skus ORDER BY sku_id"
-        )
+    async def skus(self) -> list[SkuRow]:
+        return await fetch(self.pool, SkuRow, select(SkuRow).order_by(col(SkuRow.sku_id)))
 
     # -- invoices --------------------------------------------------------------------------
 
     async def invoices(self, tenant_id: str | None = None) -> list[Invoice]:
-        records = await self.pool.fetch(
-            """SELECT document FROM invoices WHERE ($1::text IS NULL OR tenant_id = $1)
-               ORDER BY tenant_id, period_start""",
-            tenant_id,
-        )
-        return [invoice_from_json(r["document"].encode()) for r in records]
+        query = select(InvoiceRow)
+        if tenant_id is not None:
+            query = query.where(InvoiceRow.tenant_id == tenant_id)
+        query = query.order_by(col(InvoiceRow.tenant_id), col(InvoiceRow.period_start))
+        return [_invoice(r) for r in await fetch(self.pool, InvoiceRow, query)]
 
     async def invoice(self, invoice_id: str) -> Invoice | None:
-        document = await self.pool.fetchval(
-            "SELECT document FROM invoices WHERE invoice_id = $1", invoice_id
-        )
-        return invoice_from_json(document.encode()) if document is not None else None
+        query = select(InvoiceRow).where(InvoiceRow.invoice_id == invoice_id)
+        row = await fetch_one(self.pool, InvoiceRow, query)
+        return _invoice(row) if row is not None else None
 
     async def latest_invoice(self, tenant_id: str) -> Invoice | None:
-        document = await self.pool.fetchval(
-            """SELECT document FROM invoices WHERE tenant_id = $1
-               ORDER BY period_start DESC LIMIT 1""",
-            tenant_id,
+        query = (
+            select(InvoiceRow)
+            .where(InvoiceRow.tenant_id == tenant_id)
+            .order_by(col(InvoiceRow.period_start).desc())
+            .limit(1)
         )
-        return invoice_from_json(document.encode()) if document is not None else None
+        row = await fetch_one(self.pool, InvoiceRow, query)
+        return _invoice(row) if row is not None else None
 
     async def record_finalized(self, event: InvoiceFinalized, seq: int) -> None:
         await upsert_invoice(self.pool, event, seq)

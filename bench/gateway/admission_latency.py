@@ -24,13 +24,13 @@ from typing import Any
 import nats
 
 from bench.common import result_path, write_result
-from control_plane.embedded import EmbeddedNats
 from control_plane.admission.admit import Admission, Ticket
-from events.control import LimitsSet
-from tokenmill.settings import GovernanceSettings
-from events import control
 from control_plane.admission.view import GovernanceView
+from control_plane.embedded import EmbeddedNats
+from events import control
+from events.control import LimitsSet
 from events.store import EventStore, StreamLayout
+from tokenmill.settings import GovernanceSettings
 
 
 def window_clock() -> Any:

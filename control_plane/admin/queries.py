@@ -3,15 +3,16 @@ states, which answer the writes)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import asyncpg
 import msgspec
+from sqlmodel import col, select
 
 from control_plane.admin import schemas as s
 from control_plane.admission.view import ApiKey, PricePlan, Sku, Tenant
 from control_plane.problems import not_found
+from events.projections.tables import ApiKeyRow, PricePlanRow, SkuRow, TenantRow, fetch, fetch_one
 
 # -- from the view -------------------------------------------------------------------------------
 
@@ -57,25 +58,30 @@ def plan_out(p: PricePlan) -> s.PricePlanOut:
 
 # -- from Postgres -------------------------------------------------------------------------------
 
-
-# Rows hold the view's fields (jsonb as text, prices as numeric), so they convert the same way.
-
-
-def _tenant_row(r: asyncpg.Record) -> s.TenantOut:
-    return msgspec.convert({**r, "labels": json.loads(r["labels"])}, s.TenantOut)
+# Typed reads: select(...) over the read models' table classes, compiled for asyncpg (no second
+# driver, no sync engine). Rows hold the view's fields (prices as numeric), so they convert the
+# same way.
 
 
-def _key_row(r: asyncpg.Record) -> s.ApiKeyOut:
-    return key_out(msgspec.convert(dict(r), ApiKey))
+def _tenant_row(r: TenantRow) -> s.TenantOut:
+    return msgspec.convert(r.model_dump(), s.TenantOut)
 
 
-def _sku_row(r: asyncpg.Record) -> s.SkuOut:
-    return msgspec.convert({**r, "runtime_config": json.loads(r["runtime_config"])}, s.SkuOut)
+def _key_row(r: ApiKeyRow) -> s.ApiKeyOut:
+    return key_out(msgspec.convert(r.model_dump(), ApiKey))
 
 
-def _plan_row(r: asyncpg.Record) -> s.PricePlanOut:
-    prices = ("input_per_mtok", "cached_input_per_mtok", "output_per_mtok")
-    return msgspec.convert({**r, **{k: str(r[k]) for k in prices}}, s.PricePlanOut)
+def _sku_row(r: SkuRow) -> s.SkuOut:
+    return msgspec.convert(r.model_dump(), s.SkuOut)
+
+
+def _plan_row(r: PricePlanRow) -> s.PricePlanOut:
+    prices = {
+        "input_per_mtok": str(r.input_per_mtok),
+        "cached_input_per_mtok": str(r.cached_input_per_mtok),
+        "output_per_mtok": str(r.output_per_mtok),
+    }
+    return msgspec.convert({**r.model_dump(), **prices}, s.PricePlanOut)
 
 
 class AdminQueries:
@@ -83,54 +89,50 @@ class AdminQueries:
         self.pool = pool
 
     async def tenants(self, limit: int, offset: int, status: str | None) -> list[s.TenantOut]:
-        rows = await self.pool.fetch(
-            """SELECT * FROM tenants WHERE ($1::text IS NULL OR status = $1)
-               ORDER BY created_at, tenant_id LIMIT $2 OFFSET $3""",
-            status,
-            limit,
-            offset,
-        )
+        query = select(TenantRow)
+        if status is not None:
+            query = query.where(TenantRow.status == status)
+        query = query.order_by(col(TenantRow.created_at), col(TenantRow.tenant_id))
+        rows = await fetch(self.pool, TenantRow, query.limit(limit).offset(offset))
         return [_tenant_row(r) for r in rows]
 
     async def tenant(self, tenant_id: str) -> s.TenantOut:
-        row = await self.pool.fetchrow("SELECT * FROM tenants WHERE tenant_id = $1", tenant_id)
+        query = select(TenantRow).where(TenantRow.tenant_id == tenant_id)
+        row = await fetch_one(self.pool, TenantRow, query)
         if row is None:
             raise not_found("tenant", tenant_id)
         return _tenant_row(row)
 
     async def keys(self, tenant_id: str, limit: int, offset: int) -> list[s.ApiKeyOut]:
         await self.tenant(tenant_id)
-        rows = await self.pool.fetch(
-            "SELECT * FROM api_keys WHERE tenant_id = $1 ORDER BY created_at, key_id LIMIT $2 OFFSET $3",
-            tenant_id,
-            limit,
-            offset,
+        query = (
+            select(ApiKeyRow)
+            .where(ApiKeyRow.tenant_id == tenant_id)
+            .order_by(col(ApiKeyRow.created_at), col(ApiKeyRow.key_id))
         )
+        rows = await fetch(self.pool, ApiKeyRow, query.limit(limit).offset(offset))
         return [_key_row(r) for r in rows]
 
     async def skus(self, limit: int, offset: int, status: str | None) -> list[s.SkuOut]:
-        rows = await self.pool.fetch(
-            """SELECT * FROM skus WHERE ($1::text IS NULL OR status = $1)
-               ORDER BY name LIMIT $2 OFFSET $3""",
-            status,
-            limit,
-            offset,
-        )
+        query = select(SkuRow)
+        if status is not None:
+            query = query.where(SkuRow.status == status)
+        query = query.order_by(col(SkuRow.name))
+        rows = await fetch(self.pool, SkuRow, query.limit(limit).offset(offset))
         return [_sku_row(r) for r in rows]
 
     async def sku(self, sku_id: str) -> s.SkuOut:
-        row = await self.pool.fetchrow("SELECT * FROM skus WHERE sku_id = $1", sku_id)
+        row = await fetch_one(self.pool, SkuRow, select(SkuRow).where(SkuRow.sku_id == sku_id))
         if row is None:
             raise not_found("sku", sku_id)
         return _sku_row(row)
 
     async def price_plans(self, sku_id: str, limit: int, offset: int) -> list[s.PricePlanOut]:
         await self.sku(sku_id)
-        rows = await self.pool.fetch(
-            """SELECT * FROM price_plans WHERE sku_id = $1
-               ORDER BY effective_from, seq LIMIT $2 OFFSET $3""",
-            sku_id,
-            limit,
-            offset,
+        query = (
+            select(PricePlanRow)
+            .where(PricePlanRow.sku_id == sku_id)
+            .order_by(col(PricePlanRow.effective_from), col(PricePlanRow.seq))
         )
+        rows = await fetch(self.pool, PricePlanRow, query.limit(limit).offset(offset))
         return [_plan_row(r) for r in rows]

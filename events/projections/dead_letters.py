@@ -20,26 +20,14 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 from prometheus_client import Counter
 
+from events.projections.tables import DeadLetterRow, ddl
+
 if TYPE_CHECKING:
     from events.projections.runner import Projection
 
 log = logging.getLogger(__name__)
 
-DEAD_LETTERS_DDL = """
-CREATE TABLE IF NOT EXISTS projection_dead_letters (
-    id bigserial PRIMARY KEY,
-    projection text NOT NULL,
-    stream text NOT NULL,
-    stream_seq bigint NOT NULL,
-    subject text NOT NULL,
-    error text NOT NULL,
-    payload bytea NOT NULL,
-    first_seen timestamptz NOT NULL DEFAULT now(),
-    resolved_at timestamptz,
-    resolution text,
-    UNIQUE (projection, stream_seq)
-);
-"""
+DEAD_LETTERS_DDL = ddl(DeadLetterRow)
 
 # Process-wide (the projectors of one process share it); on prometheus_client's default
 # registry, so a scrape of that registry shows it.

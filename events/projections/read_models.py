@@ -1,6 +1,8 @@
-"""Read models of the control stream: tenants, api_keys, skus, price_plans, tenant_limits.
+"""Read models of the control stream: tenants, api_keys, skus, price_plans (declared in
+tables.py).
 
-Every column comes from an event (no now()), so a rebuild yields identical tables."""
+Every column comes from an event (no now()), so a rebuild yields identical tables. Limits
+(LimitsSet) have no read model here: admission folds them from the stream itself."""
 
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import asyncpg
 from events.control import (
     ApiKeyIssued,
     ApiKeyRevoked,
-    LimitsSet,
     PricePlanSet,
     SkuPublished,
     SkuRetired,
@@ -26,74 +27,26 @@ from events.control import (
     decode_control_or_skip,
 )
 from events.projections.runner import Entry
+from events.projections.tables import (
+    ApiKeyRow,
+    PricePlanRow,
+    SkuRow,
+    TenantRow,
+    ddl,
+    table_names,
+)
 from events.store import StreamLayout
 
 log = logging.getLogger(__name__)
 
-DDL = """
-CREATE TABLE IF NOT EXISTS tenants (
-    tenant_id text PRIMARY KEY,
-    name text NOT NULL,
-    status text NOT NULL,
-    labels jsonb NOT NULL DEFAULT '{}',
-    suspended_reason text,
-    created_at timestamptz NOT NULL,
-    updated_at timestamptz NOT NULL,
-    version bigint NOT NULL
-);
-CREATE TABLE IF NOT EXISTS api_keys (
-    key_id text PRIMARY KEY,
-    tenant_id text NOT NULL,
-    key_hash text NOT NULL UNIQUE,
-    prefix text NOT NULL,
-    name text,
-    scopes text[] NOT NULL DEFAULT '{}',
-    created_at timestamptz NOT NULL,
-    revoked_at timestamptz,
-    version bigint NOT NULL
-);
-CREATE INDEX IF NOT EXISTS api_keys_tenant ON api_keys (tenant_id);
-CREATE TABLE IF NOT EXISTS skus (
-    sku_id text PRIMARY KEY,
-    name text NOT NULL UNIQUE,
-    model text NOT NULL,
-    runtime text NOT NULL,
-    runtime_config jsonb NOT NULL DEFAULT '{}',
-    gpu_type text NOT NULL,
-    status text NOT NULL,
-    published_at timestamptz NOT NULL,
-    retired_at timestamptz,
-    version bigint NOT NULL
-);
-CREATE TABLE IF NOT EXISTS price_plans (
-    plan_id text PRIMARY KEY,
-    sku_id text NOT NULL,
-    input_per_mtok numeric NOT NULL,
-    cached_input_per_mtok numeric NOT NULL,
-    output_per_mtok numeric NOT NULL,
-    currency text NOT NULL,
-    effective_from timestamptz NOT NULL,
-    recorded_at timestamptz NOT NULL,
-    seq bigint NOT NULL
-);
-CREATE INDEX IF NOT EXISTS price_plans_sku ON price_plans (sku_id, effective_from, seq);
-CREATE TABLE IF NOT EXISTS tenant_limits (
-    tenant_id text NOT NULL,
-    sku_id text NOT NULL DEFAULT '',  -- '' = every SKU
-    requests_per_minute bigint,
-    tokens_per_minute bigint,
-    token_quota bigint,
-    quota_period text NOT NULL,
-    version bigint NOT NULL,
-    PRIMARY KEY (tenant_id, sku_id)
-);
-"""
+TABLES = (TenantRow, ApiKeyRow, SkuRow, PricePlanRow)
 
 
 class ReadModelsProjection:
     name = "read_models"
-    tables: tuple[str, ...] = ("tenants", "api_keys", "skus", "price_plans", "tenant_limits")
-    ddl = DDL
+    tables = table_names(*TABLES)
+    # tenant_limits was a read model of LimitsSet that nothing read: an older database drops it.
+    ddl = ddl(*TABLES) + "DROP TABLE IF EXISTS tenant_limits;\n"
 
     def stream(self, layout: StreamLayout) -> str:
         return control_stream_name(layout.prefix)
@@ -198,21 +151,5 @@ class ReadModelsProjection:
                     event.currency,
                     event.effective_from,
                     event.occurred_at,
-                    seq,
-                )
-            case LimitsSet():
-                await conn.execute(
-                    """INSERT INTO tenant_limits VALUES ($1, $2, $3, $4, $5, $6, $7)
-                       ON CONFLICT (tenant_id, sku_id) DO UPDATE SET
-                         requests_per_minute = EXCLUDED.requests_per_minute,
-                         tokens_per_minute = EXCLUDED.tokens_per_minute,
-                         token_quota = EXCLUDED.token_quota,
-                         quota_period = EXCLUDED.quota_period, version = EXCLUDED.version""",
-                    event.tenant_id,
-                    event.sku_id or "",
-                    event.requests_per_minute,
-                    event.tokens_per_minute,
-                    event.token_quota,
-                    event.quota_period,
                     seq,
                 )

@@ -27,19 +27,13 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from events.projections import dead_letters
+from events.projections.tables import ProjectionPositionRow, ddl
 from events.store import StreamLayout
 from events.unavailable import backend_unavailable
 
 log = logging.getLogger(__name__)
 
-POSITIONS_DDL = """
-CREATE TABLE IF NOT EXISTS projection_positions (
-    projection text PRIMARY KEY,
-    stream text NOT NULL,
-    last_seq bigint NOT NULL,
-    updated_at timestamptz NOT NULL DEFAULT now()
-);
-"""
+POSITIONS_DDL = ddl(ProjectionPositionRow)
 
 
 class Entry(NamedTuple):
@@ -52,7 +46,7 @@ class Projection(Protocol):
 
     name: str  # position key and durable consumer name
     tables: tuple[str, ...]  # dropped and re-created by a rebuild
-    ddl: str  # CREATE TABLE IF NOT EXISTS ... for `tables`
+    ddl: str  # CREATE TABLE IF NOT EXISTS ... for `tables` (tables.ddl)
 
     def stream(self, layout: StreamLayout) -> str: ...
 

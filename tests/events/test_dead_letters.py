@@ -14,6 +14,7 @@ from prometheus_client import REGISTRY
 
 from events.control import ApiKeyIssued, TenantCreated, control_subject, encode_control
 from events.projections import Projector, ReadModelsProjection, all_projections, dead_letters
+from events.projections.runner import POSITIONS_DDL
 from events.store import EventStore, StreamLayout
 from tokenmill.cli import main
 
@@ -112,9 +113,7 @@ def test_dead_letters_command(
         conn = await asyncpg.connect(database_url)
         try:
             await conn.execute(dead_letters.DEAD_LETTERS_DDL)
-            await conn.execute(
-                "CREATE TABLE IF NOT EXISTS projection_positions (projection text PRIMARY KEY, stream text NOT NULL, last_seq bigint NOT NULL, updated_at timestamptz NOT NULL DEFAULT now())"
-            )
+            await conn.execute(POSITIONS_DDL)
             payload = encode_control(TenantCreated(tenant_id="ten_x", name="x\x00"))
             await dead_letters.record(
                 conn,

@@ -19,6 +19,7 @@ from bench.ledger.ingest import make_events
 from events.control import (
     ApiKeyIssued,
     ApiKeyRevoked,
+    LimitsSet,
     PricePlanSet,
     SkuPublished,
     SkuRetired,
@@ -139,6 +140,26 @@ async def test_suspension_and_revocation_visible_within_a_second(
                 break
             assert time.monotonic() - t0 < 1.0, "not visible in the read models within 1 s"
             await asyncio.sleep(0.005)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await conn.close()
+
+
+async def test_limits_have_no_read_model(nc: NATS, store: EventStore, database_url: str) -> None:
+    """Admission folds limits from the stream; the read models pass LimitsSet by (no table,
+    no dead letter), a key-scoped one included."""
+    await store.append(TenantCreated(tenant_id="t1", name="acme"), 0)
+    await store.append(LimitsSet(tenant_id="t1", requests_per_minute=10), None)
+    await store.append(LimitsSet(tenant_id="t1", sku_id="s1", token_quota=5), None)
+    projector = Projector(nc, database_url, store.layout, ReadModelsProjection())
+    task = asyncio.create_task(projector.run())
+    conn = await asyncpg.connect(database_url)
+    try:
+        await projector.wait_caught_up(3)
+        assert await conn.fetchval("SELECT count(*) FROM tenants") == 1
+        assert await conn.fetchval("SELECT to_regclass('tenant_limits')") is None
+        assert await conn.fetchval("SELECT count(*) FROM projection_dead_letters") == 0
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
