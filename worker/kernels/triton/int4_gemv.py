@@ -1,0 +1,408 @@
+"""Decode GEMV variants over an int4 weight repacked at load into nibble planes (candidates to
+replace `int4_gemm.int4_gemv`; bench/int4_variants.py measures them against it and FP8).
+
+Why a repack: in the checkpoint layout (uint8 [N, K / 2], two codes per byte) each thread of
+the dot-operand layout needs one or two bytes, so triton reads the packed tile from shared memory
+a byte at a time and the GEMV is bound by instructions, not by HBM. Repacked, each int32 word
+holds 8 codes of one output channel, one per *plane*:
+
+    within each block of `PLANE_BLOCK` (128) consecutive k, word w (0..15) holds k = 16 i + w
+    in bits 4i .. 4i + 3 (i = 0..7, unsigned codes 0..15, as the checkpoint's).
+
+So a block's 16 words times plane i are 16 consecutive k: x's matching columns are one contiguous
+slice, and a word-wise operation on the loaded [BN, 16] int32 tile yields the whole [BN, 16] code
+tile of a plane. Scales and mins stay as they are ([N, K / group], group a multiple of 16).
+
+Variants (`mode`):
+- "dot": per block 8 tensor-core dots of [BN, 16] codes x [16, BM] (x's plane slice), codes
+  formed word-wise from the int32 tile (on a GPU two planes per PTX block: shift, one lop3
+  into the mantissa of 128 / 1024, one packed subtract). Every op after the load is word-wise,
+  so the dot-operand layout reaches back to the int32 load: 4-byte words from shared memory
+  where the checkpoint layout gave single bytes.
+- "fma": no tensor cores (for 1-4 rows): the codes become fp32 1 + q / 16 (the nibble shifted
+  into the top of a mantissa of 1.0: one shift and one lop3 per code, no int -> float
+  conversion), one FMA per code and row into a [BN, BM, 16] accumulator, reduced once at the
+  end; the plane sum then is sum x (q - 8) = 16 sum x c - 24 sum x (affine: q s + m likewise).
+
+Both split K across programs like `int4_gemv` (the last program to arrive at a column tile sums
+the fp32 partials: one launch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from worker.kernels.triton._launch import dot_dtype, kernel, pdl_wait
+from worker.kernels.triton.fp8_gemm import _arrival_counters, _gemv_epilogue
+
+PLANE_BLOCK = 128  # k per block of 16 words
+PLANE_WORDS = PLANE_BLOCK // 8
+MODES = ("dot", "fma")
+
+
+@dataclass(frozen=True)
+class PlaneTiling:
+    """BN output channels x `blocks` plane blocks (128 k each) per loop step, K split in `splits`
+    ranges of whole steps."""
+
+    bn: int = 64
+    blocks: int = 1
+    splits: int = 1
+    num_warps: int = 2
+    num_stages: int = 3
+
+
+def pack_planes(qweight: torch.Tensor) -> torch.Tensor:
+    """Checkpoint layout uint8 [N, K / 2] -> plane words int32 [N, K / 8] (K % 128 == 0)."""
+    n, half = qweight.shape
+    k = 2 * half
+    if k % PLANE_BLOCK:
+        raise ValueError(f"plane packing needs K % {PLANE_BLOCK} == 0, got K = {k}")
+    codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(n, k)
+    # [N, blocks, plane i, word w] -> [N, blocks, w, i]: a word's 8 codes are its planes
+    codes = codes.view(n, k // PLANE_BLOCK, 8, PLANE_WORDS).transpose(2, 3)
+    codes = codes.reshape(n, k // 8, 4, 2)
+    packed = codes[..., 0] | (codes[..., 1] << 4)  # byte b of a word: planes 2b, 2b + 1
+    return packed.contiguous().view(torch.int32)
+
+
+def unpack_planes(words: torch.Tensor) -> torch.Tensor:
+    """plane words int32 [N, K / 8] -> the checkpoint layout uint8 [N, K / 2] (inverse of
+    `pack_planes`)."""
+    n = words.shape[0]
+    b = words.contiguous().view(torch.uint8).view(n, -1, 4)
+    codes = torch.stack((b & 0xF, b >> 4), dim=-1).view(n, -1, PLANE_WORDS, 8)
+    codes = codes.transpose(2, 3).reshape(n, -1)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+
+
+def supports(k: int, group_size: int) -> bool:
+    """K in whole plane blocks; a group covers whole plane slices (16 k) and a block covers
+    whole groups or lies inside one."""
+    if k % PLANE_BLOCK or group_size % PLANE_WORDS:
+        return False
+    return group_size % PLANE_BLOCK == 0 or PLANE_BLOCK % group_size == 0
+
+
+# ---------------------------------------------------------------- device functions
+
+
+def _pair_ptx(shift: int, magic: str, neg: str, ty: str) -> str:
+    """PTX: planes i and i + 4 (bits 4i and 4i + 16) of one word as two 16-bit codes."""
+    return (
+        f"{{\n.reg .b32 t, c;\nmov.b32 c, {neg};\n"
+        f"shr.u32 t, $2, {shift};\n"
+        f"lop3.b32 t, t, 0x000f000f, {magic}, 0xea;\n"
+        f"add.{ty} t, t, c;\n"
+        "mov.b32 {$0, $1}, t;\n}"
+    )
+
+
+def _pair_table() -> dict[tuple[str, bool, int], str]:
+    table = {}
+    for ty, magic, sym, aff in (
+        ("bf16x2", "0x43004300", "0xC308C308", "0xC300C300"),
+        ("f16x2", "0x64006400", "0xE408E408", "0xE400E400"),
+    ):
+        for shift in (0, 4, 8, 12):
+            table[(ty, True, shift)] = _pair_ptx(shift, magic, sym, ty)
+            table[(ty, False, shift)] = _pair_ptx(shift, magic, aff, ty)
+    return table
+
+
+_PAIRS = _pair_table()
+_BF_SYM_0: tl.constexpr = tl.constexpr(_PAIRS[("bf16x2", True, 0)])
+_BF_SYM_4: tl.constexpr = tl.constexpr(_PAIRS[("bf16x2", True, 4)])
+_BF_SYM_8: tl.constexpr = tl.constexpr(_PAIRS[("bf16x2", True, 8)])
+_BF_SYM_12: tl.constexpr = tl.constexpr(_PAIRS[("bf16x2", True, 12)])
+_BF_AFF_0: tl.constexpr = tl.constexpr(_PAIRS[("bf16x2", False, 0)])
+_BF_AFF_4: tl.constexpr = tl.constexpr(_PAIRS[("bf16x2", False, 4)])
+_BF_AFF_8: tl.constexpr = tl.constexpr(_PAIRS[("bf16x2", False, 8)])
+_BF_AFF_12: tl.constexpr = tl.constexpr(_PAIRS[("bf16x2", False, 12)])
+_F16_SYM_0: tl.constexpr = tl.constexpr(_PAIRS[("f16x2", True, 0)])
+_F16_SYM_4: tl.constexpr = tl.constexpr(_PAIRS[("f16x2", True, 4)])
+_F16_SYM_8: tl.constexpr = tl.constexpr(_PAIRS[("f16x2", True, 8)])
+_F16_SYM_12: tl.constexpr = tl.constexpr(_PAIRS[("f16x2", True, 12)])
+_F16_AFF_0: tl.constexpr = tl.constexpr(_PAIRS[("f16x2", False, 0)])
+_F16_AFF_4: tl.constexpr = tl.constexpr(_PAIRS[("f16x2", False, 4)])
+_F16_AFF_8: tl.constexpr = tl.constexpr(_PAIRS[("f16x2", False, 8)])
+_F16_AFF_12: tl.constexpr = tl.constexpr(_PAIRS[("f16x2", False, 12)])
+
+
+@triton.jit
+def _asm_pair(words, asm: tl.constexpr, DOT: tl.constexpr):
+    if DOT == tl.bfloat16:
+        lo, hi = tl.inline_asm_elementwise(asm, "=h,=h,r", [words], (tl.bfloat16,) * 2, True, 1)
+    else:
+        lo, hi = tl.inline_asm_elementwise(asm, "=h,=h,r", [words], (tl.float16,) * 2, True, 1)
+    return lo, hi
+
+
+@triton.jit
+def _plane_pair(words, j: tl.constexpr, DOT: tl.constexpr, SYM: tl.constexpr,
+                FAST: tl.constexpr):  # fmt: skip
+    """Codes (q - 8 when SYM, else q) of planes j and j + 4 of int32 words, in DOT."""
+    if FAST:
+        if DOT == tl.bfloat16:
+            if SYM:
+                if j == 0:
+                    lo, hi = _asm_pair(words, _BF_SYM_0, DOT)
+                elif j == 1:
+                    lo, hi = _asm_pair(words, _BF_SYM_4, DOT)
+                elif j == 2:
+                    lo, hi = _asm_pair(words, _BF_SYM_8, DOT)
+                else:
+                    lo, hi = _asm_pair(words, _BF_SYM_12, DOT)
+            else:
+                if j == 0:
+                    lo, hi = _asm_pair(words, _BF_AFF_0, DOT)
+                elif j == 1:
+                    lo, hi = _asm_pair(words, _BF_AFF_4, DOT)
+                elif j == 2:
+                    lo, hi = _asm_pair(words, _BF_AFF_8, DOT)
+                else:
+                    lo, hi = _asm_pair(words, _BF_AFF_12, DOT)
+        else:
+            if SYM:
+                if j == 0:
+                    lo, hi = _asm_pair(words, _F16_SYM_0, DOT)
+                elif j == 1:
+                    lo, hi = _asm_pair(words, _F16_SYM_4, DOT)
+                elif j == 2:
+                    lo, hi = _asm_pair(words, _F16_SYM_8, DOT)
+                else:
+                    lo, hi = _asm_pair(words, _F16_SYM_12, DOT)
+            else:
+                if j == 0:
+                    lo, hi = _asm_pair(words, _F16_AFF_0, DOT)
+                elif j == 1:
+                    lo, hi = _asm_pair(words, _F16_AFF_4, DOT)
+                elif j == 2:
+                    lo, hi = _asm_pair(words, _F16_AFF_8, DOT)
+                else:
+                    lo, hi = _asm_pair(words, _F16_AFF_12, DOT)
+    else:
+        offset = 8.0 if SYM else 0.0
+        lo = ((words >> (4 * j)) & 0xF).to(tl.float32) - offset
+        hi = ((words >> (4 * j + 16)) & 0xF).to(tl.float32) - offset
+        lo = lo.to(DOT)
+        hi = hi.to(DOT)
+    return lo, hi
+
+
+@triton.jit
+def _plane_unit(words, i: tl.constexpr):
+    """fp32 1 + q / 16 of plane i: the nibble moved to mantissa bits 19..22 of 1.0 (one shift,
+    one and-or: ptxas's lop3)."""
+    if 4 * i <= 19:
+        t = words << (19 - 4 * i)
+    else:
+        t = words >> (4 * i - 19)  # (the sign bits it drags in stay above bit 22)
+    return ((t & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _block_scales(s_rows, m_rows, n_mask, kb, K, GROUP: tl.constexpr, WORDS: tl.constexpr,
+                  HAS_MINS: tl.constexpr):  # fmt: skip
+    """fp32 scales (and mins) [BN, 8] of the 8 plane slices of the block at kb."""
+    kc = kb + tl.arange(0, 8) * WORDS
+    g = kc // GROUP
+    mask = n_mask[:, None] & (kc < K)[None, :]
+    s = tl.load(s_rows[:, None] + g[None, :], mask=mask, other=0.0).to(tl.float32)
+    m = tl.zeros_like(s)
+    if HAS_MINS:
+        m = tl.load(m_rows[:, None] + g[None, :], mask=mask, other=0.0).to(tl.float32)
+    return s, m
+
+
+@triton.jit
+def _col8(t, i: tl.constexpr):
+    return tl.sum(tl.where(tl.arange(0, 8)[None, :] == i, t, 0.0), axis=1)
+
+
+@kernel
+def _plane_gemv_kernel(
+    x, words, scales, mins, bias, out, partial, arrivals,
+    M, N, K, k_per_split, splits, stride_xm, stride_wn, stride_sn, stride_om,
+    BM: tl.constexpr, BN: tl.constexpr, BLOCKS: tl.constexpr, GROUP: tl.constexpr,
+    WORDS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    FMA: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """out^T tile [BN, BM] over one K range (`k_per_split`, whole steps of BLOCKS blocks). A
+    group of >= 128 k has one scale per block; smaller groups one per plane slice."""
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    rw = tl.arange(0, WORDS)
+    n_mask = rn < N
+    n_ok = n_mask[:, None]
+    m_ok = (rm < M)[:, None]
+    w_rows = words + rn[:, None].to(tl.int64) * stride_wn
+    s_rows = scales + rn.to(tl.int64) * stride_sn
+    m_rows = s_rows
+    if HAS_MINS:
+        m_rows = mins + rn.to(tl.int64) * stride_sn
+    x_rows = x + rm[:, None] * stride_xm
+    BLOCK: tl.constexpr = 8 * WORDS
+    PER_BLOCK: tl.constexpr = GROUP >= BLOCK  # one scale per block
+    k_start = split * k_per_split
+    k_stop = tl.minimum(k_start + k_per_split, K)
+    pdl_wait(PDL)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    acc3 = tl.zeros((BN, BM, WORDS), dtype=tl.float32)  # fma: per-word partial sums
+    for k0 in range(k_start, k_stop, BLOCKS * BLOCK):
+        for blk in tl.static_range(BLOCKS):
+            kb = k0 + blk * BLOCK
+            wt = tl.load(w_rows + (kb // 8 + rw)[None, :], mask=n_ok, other=0)
+            if PER_BLOCK:
+                s = tl.load(s_rows + kb // GROUP, mask=n_mask, other=0.0).to(tl.float32)
+                mn = tl.zeros_like(s)
+                if HAS_MINS:
+                    mn = tl.load(m_rows + kb // GROUP, mask=n_mask, other=0.0).to(tl.float32)
+                s8 = tl.zeros((BN, 8), dtype=tl.float32)
+                m8 = s8
+            else:
+                s8, m8 = _block_scales(s_rows, m_rows, n_mask, kb, K, GROUP, WORDS, HAS_MINS)
+                s = tl.zeros((BN,), dtype=tl.float32)
+                mn = s
+            if FMA:
+                part3 = tl.zeros((BN, BM, WORDS), dtype=tl.float32)
+                xs2 = tl.zeros((BM, WORDS), dtype=tl.float32)  # x summed over the planes
+                for i in tl.static_range(8):
+                    xi = tl.load(x_rows + kb + i * WORDS + rw[None, :], mask=m_ok, other=0.0)
+                    xi = xi.to(tl.float32)
+                    ci = _plane_unit(wt, i)
+                    if PER_BLOCK:
+                        part3 += ci[:, None, :] * xi[None, :, :]
+                        xs2 += xi
+                    else:  # per-slice scales: sum x (q - 8) s = s (16 sum x c - 24 sum x)
+                        si = _col8(s8, i)
+                        part3 += (ci * (16.0 * si)[:, None])[:, None, :] * xi[None, :, :]
+                        if HAS_MINS:  # q s + m: s (16 sum x c - 16 sum x) + m sum x
+                            mi = _col8(m8, i) - 16.0 * si
+                        else:
+                            mi = -24.0 * si
+                        part3 += mi[:, None, None] * xi[None, :, :]
+                if PER_BLOCK:  # the x sums stay per word: no cross-lane reduction per step
+                    if HAS_MINS:
+                        mi = mn - 16.0 * s
+                    else:
+                        mi = -24.0 * s
+                    part3 = part3 * (16.0 * s)[:, None, None]
+                    part3 += mi[:, None, None] * xs2[None, :, :]
+                acc3 += part3
+            else:
+                part = tl.zeros((BN, BM), dtype=tl.float32)
+                xs = tl.zeros((BM,), dtype=tl.float32)
+                for j in tl.static_range(4):
+                    lo, hi = _plane_pair(wt, j, DOT, not HAS_MINS, FAST)
+                    xl = tl.load(x_rows + kb + j * WORDS + rw[None, :], mask=m_ok, other=0.0)
+                    xh = tl.load(x_rows + kb + (j + 4) * WORDS + rw[None, :], mask=m_ok, other=0.0)
+                    if PER_BLOCK:
+                        part = tl.dot(lo, tl.trans(xl.to(DOT)), part)
+                        part = tl.dot(hi, tl.trans(xh.to(DOT)), part)
+                        if HAS_MINS:
+                            xs += tl.sum(xl.to(tl.float32), axis=1)
+                            xs += tl.sum(xh.to(tl.float32), axis=1)
+                    else:
+                        pl = tl.dot(lo, tl.trans(xl.to(DOT)))
+                        ph = tl.dot(hi, tl.trans(xh.to(DOT)))
+                        part += pl * _col8(s8, j)[:, None] + ph * _col8(s8, j + 4)[:, None]
+                        if HAS_MINS:
+                            xsl = tl.sum(xl.to(tl.float32), axis=1)
+                            xsh = tl.sum(xh.to(tl.float32), axis=1)
+                            part += _col8(m8, j)[:, None] * xsl[None, :]
+                            part += _col8(m8, j + 4)[:, None] * xsh[None, :]
+                if PER_BLOCK:
+                    acc += part * s[:, None]
+                    if HAS_MINS:
+                        acc += mn[:, None] * xs[None, :]
+                else:
+                    acc += part
+    if FMA:
+        acc += tl.sum(acc3, axis=2)
+    mask = n_ok & (rm < M)[None, :]
+    if not SPLIT:
+        _gemv_epilogue(acc, bias, bias, out, rn, rm, N, stride_om, mask, False, HAS_BIAS)
+    else:
+        slab = (rm[None, :] * N + rn[:, None]).to(tl.int64)
+        tl.store(partial + split * M * N + slab, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+        arrived = tl.atomic_add(arrivals + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            total = tl.zeros((BN, BM), dtype=tl.float32)
+            for sp in range(0, splits):  # .cg: the other SMs' partials, from L2
+                total += tl.load(
+                    partial + sp * M * N + slab, mask=mask, other=0.0, cache_modifier=".cg"
+                )
+            tl.atomic_xchg(arrivals + pid_n, 0)
+            _gemv_epilogue(total, bias, bias, out, rn, rm, N, stride_om, mask, False, HAS_BIAS)
+
+
+def default_plane_tiling(n: int, k: int, mode: str, sms: int = 132) -> PlaneTiling:
+    """64 channels x 128 k per step (the dot form on 2 warps, mma.sync, as the checkpoint-layout
+    GEMV's measured best; the FMA form on 4 warps), K split for ~4 programs per SM over at least
+    4 steps each."""
+    bn, warps = (64, 2) if mode == "dot" else (32, 4)
+    tiles, steps = triton.cdiv(n, bn), k // PLANE_BLOCK
+    splits = max(1, min(triton.cdiv(4 * sms, tiles), steps // 4))
+    return PlaneTiling(bn, 1, splits, warps, 3)
+
+
+def int4_plane_gemv(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    mode: str = "dot",
+    tiling: PlaneTiling | None = None,
+) -> torch.Tensor:
+    """x [M <= 16, K] (16-bit) times an int4 weight in plane words [N, K / 8] (`pack_planes`)."""
+    m, k = x.shape
+    n = words.shape[0]
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} not in {MODES}")
+    if m > 16:
+        raise ValueError(f"int4_plane_gemv takes at most 16 rows, got {m}")
+    if words.dtype != torch.int32 or words.shape[1] * 8 != k or not supports(k, group_size):
+        raise ValueError(f"plane words int32 [N, {k} / 8] with group {group_size} expected")
+    if scales.shape != (n, triton.cdiv(k, group_size)):
+        raise ValueError(f"scales {tuple(scales.shape)} do not match N {n}, K {k}")
+    tiling = tiling or default_plane_tiling(n, k, mode)
+    if k % (tiling.blocks * PLANE_BLOCK):  # steps must not run past K
+        tiling = PlaneTiling(tiling.bn, 1, tiling.splits, tiling.num_warps, tiling.num_stages)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    step = tiling.blocks * PLANE_BLOCK
+    k_per_split = triton.cdiv(triton.cdiv(k, tiling.splits), step) * step
+    splits = triton.cdiv(k, k_per_split)
+    tiles = triton.cdiv(n, tiling.bn)
+    partial = (
+        torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+    )
+    arrivals = _arrival_counters(x.device, tiles) if splits > 1 else out
+    fma = mode == "fma"
+    on_gpu = x.is_cuda
+    bm = triton.next_power_of_2(m) if fma else max(16, triton.next_power_of_2(m))
+    if not on_gpu:
+        dot_args: dict[str, Any] = {"DOT": dot_dtype(x.device), "FAST": False}
+    else:
+        dot_args = {"DOT": tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, "FAST": True}
+    _plane_gemv_kernel[(tiles, splits)](
+        x, words, scales, mins if mins is not None else scales,
+        bias if bias is not None else scales, out, partial, arrivals,
+        m, n, k, k_per_split, splits, x.stride(0), words.stride(0), scales.stride(0),
+        out.stride(0), BM=bm, BN=tiling.bn, BLOCKS=tiling.blocks, GROUP=group_size,
+        WORDS=PLANE_WORDS, HAS_MINS=mins is not None, HAS_BIAS=bias is not None,
+        SPLIT=splits > 1, FMA=fma, num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages if on_gpu else 1, **dot_args,
+    )  # fmt: skip
+    return out
