@@ -6,8 +6,9 @@
 For each Qwen3.6-27B decode weight shape (bench/int4_kernels.py's SHAPES, group 128, symmetric)
 and M in (1, 2, 4, 8, 16) rows:
 - "today": `int4_gemm.int4_gemv` (checkpoint layout, its INT4_DECODE_TILINGS entry);
-- "planes-dot/...", "planes-fma/...": `int4_gemv.int4_plane_gemv` on the weight repacked by
-  `pack_planes` (a few tilings each; the FMA form only up to 4 rows);
+- "planes-dot/...", "planes-pairs/...", "planes-fma/...": `int4_gemv.int4_plane_gemv` on the
+  weight repacked by `pack_planes` (plane or pair layout; a few tilings each; the FMA form only
+  up to 4 rows);
 - "fp8/engine" (`fp8_gemm.w8_gemv` with the tiling the engine picks) and "fp8/run15" (the
   H200 sweep's winner), on an e4m3 weight of the same shape;
 - "copy": a device copy moving the int4 GEMV's bytes (read + write), through the same timing.
@@ -65,15 +66,21 @@ def variants(n: int, k: int, m: int, sms: int) -> list[tuple[str, str, PlaneTili
         tiles = triton.cdiv(n, bn)
         return max(1, min(triton.cdiv(per_sm * sms, tiles), max(1, steps // blocks // 4)))
 
-    out: list[tuple[str, str, PlaneTiling | None]] = [("planes-dot/default", "dot", None)]
+    out: list[tuple[str, str, PlaneTiling | None]] = [
+        ("planes-dot/default", "dot", None),
+        ("planes-pairs/default", "pairs", None),
+    ]
     for bn, blocks, warps, stages, per_sm in (
         (64, 2, 2, 3, 4),  # two blocks (256 k) per step: more loads in flight
         (32, 2, 2, 4, 4),
+        (64, 1, 2, 4, 8),
         (64, 2, 4, 3, 4),  # 4 warps: wgmma
         (128, 1, 4, 3, 8),
     ):
         t = PlaneTiling(bn, blocks, split(bn, blocks, per_sm), warps, stages)
-        out.append((f"planes-dot/{bn}x{blocks * 128}w{warps}s{stages}", "dot", t))
+        out.append((f"planes-pairs/{bn}x{blocks * 128}w{warps}s{stages}", "pairs", t))
+    t = PlaneTiling(64, 2, split(64, 2, 4), 2, 3)
+    out.append(("planes-dot/64x256w2s3", "dot", t))
     if m <= 4:
         out.append(("planes-fma/default", "fma", None))
         for bn, warps in ((64, 4), (16, 2)):
@@ -196,7 +203,7 @@ def shape_section(
         (torch.rand(n, g, device=device, generator=gen) * 0.004 + 0.001).half()
         for _ in range(copies)
     ]
-    packed = [planes.pack_planes(q) for q in codes]
+    packed = {pairs: [planes.pack_planes(q, pairs) for q in codes] for pairs in (False, True)}
     result: dict[str, Any] = {"n": n, "k": k, "copies": copies, "by_m": {}}
     sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
     fp8_w: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -235,7 +242,8 @@ def shape_section(
                 continue
 
             def plane(i: int, x: torch.Tensor, mode: str = mode, t: Any = tiling) -> torch.Tensor:
-                return planes.int4_plane_gemv(x, packed[i], scales[i], None, GROUP, None, mode, t)
+                w = packed[mode == "pairs"][i]
+                return planes.int4_plane_gemv(x, w, scales[i], None, GROUP, None, mode, t)
 
             add(measure(label, plane, copies, x, ref, nbytes, timer, bandwidth))
         if cuda:

@@ -42,7 +42,7 @@ from worker.kernels.triton.fp8_gemm import _arrival_counters, _gemv_epilogue
 
 PLANE_BLOCK = 128  # k per block of 16 words
 PLANE_WORDS = PLANE_BLOCK // 8
-MODES = ("dot", "fma")
+MODES = ("dot", "pairs", "fma")  # "pairs" takes the pair layout
 
 
 @dataclass(frozen=True)
@@ -57,34 +57,45 @@ class PlaneTiling:
     num_stages: int = 3
 
 
-def pack_planes(qweight: torch.Tensor) -> torch.Tensor:
-    """Checkpoint layout uint8 [N, K / 2] -> plane words int32 [N, K / 8] (K % 128 == 0)."""
+def _block_order(pairs: bool) -> torch.Tensor:
+    """k (within a block) of each (word w, nibble p) of a block's 16 words, [16, 8]."""
+    w = torch.arange(PLANE_WORDS)[:, None]
+    p = torch.arange(8)[None, :]
+    if pairs:
+        return 32 * (p % 4) + 2 * w + p // 4
+    return PLANE_WORDS * p + w
+
+
+def pack_planes(qweight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """Checkpoint layout uint8 [N, K / 2] -> plane words int32 [N, K / 8] (K % 128 == 0).
+    pairs: the pair layout (nibbles 4j and 4j + 16 of word w are k = 32j + 2w and 2w + 1)."""
     n, half = qweight.shape
     k = 2 * half
     if k % PLANE_BLOCK:
         raise ValueError(f"plane packing needs K % {PLANE_BLOCK} == 0, got K = {k}")
-    codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(n, k)
-    # [N, blocks, plane i, word w] -> [N, blocks, w, i]: a word's 8 codes are its planes
-    codes = codes.view(n, k // PLANE_BLOCK, 8, PLANE_WORDS).transpose(2, 3)
-    codes = codes.reshape(n, k // 8, 4, 2)
-    packed = codes[..., 0] | (codes[..., 1] << 4)  # byte b of a word: planes 2b, 2b + 1
-    return packed.contiguous().view(torch.int32)
+    codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(n, k // PLANE_BLOCK, -1)
+    order = _block_order(pairs).to(qweight.device).reshape(-1)
+    codes = codes[:, :, order].reshape(n, k // 8, 4, 2)  # [N, words, byte, nibble]
+    packed = codes[..., 0] | (codes[..., 1] << 4)
+    return packed.contiguous().view(torch.int32).view(n, k // 8)
 
 
-def unpack_planes(words: torch.Tensor) -> torch.Tensor:
+def unpack_planes(words: torch.Tensor, pairs: bool = False) -> torch.Tensor:
     """plane words int32 [N, K / 8] -> the checkpoint layout uint8 [N, K / 2] (inverse of
     `pack_planes`)."""
     n = words.shape[0]
     b = words.contiguous().view(torch.uint8).view(n, -1, 4)
-    codes = torch.stack((b & 0xF, b >> 4), dim=-1).view(n, -1, PLANE_WORDS, 8)
-    codes = codes.transpose(2, 3).reshape(n, -1)
+    nibbles = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(n, -1, PLANE_BLOCK)
+    codes = torch.empty_like(nibbles)
+    codes[:, :, _block_order(pairs).to(words.device).reshape(-1)] = nibbles
+    codes = codes.reshape(n, -1)
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
 
 
-def supports(k: int, group_size: int) -> bool:
-    """K in whole plane blocks; a group covers whole plane slices (16 k) and a block covers
-    whole groups or lies inside one."""
-    if k % PLANE_BLOCK or group_size % PLANE_WORDS:
+def supports(k: int, group_size: int, pairs: bool = False) -> bool:
+    """K in whole plane blocks; a group covers whole slices (16 k, or 32 k for the pair layout)
+    and a block covers whole groups or lies inside one."""
+    if k % PLANE_BLOCK or group_size % (2 * PLANE_WORDS if pairs else PLANE_WORDS):
         return False
     return group_size % PLANE_BLOCK == 0 or PLANE_BLOCK % group_size == 0
 
@@ -231,7 +242,8 @@ def _plane_gemv_kernel(
     M, N, K, k_per_split, splits, stride_xm, stride_wn, stride_sn, stride_om,
     BM: tl.constexpr, BN: tl.constexpr, BLOCKS: tl.constexpr, GROUP: tl.constexpr,
     WORDS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    FMA: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+    FMA: tl.constexpr, PAIRS: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """out^T tile [BN, BM] over one K range (`k_per_split`, whole steps of BLOCKS blocks). A
     group of >= 128 k has one scale per block; smaller groups one per plane slice."""
@@ -296,6 +308,29 @@ def _plane_gemv_kernel(
                     part3 = part3 * (16.0 * s)[:, None, None]
                     part3 += mi[:, None, None] * xs2[None, :, :]
                 acc3 += part3
+            elif PAIRS:  # per pair plane j: 32 consecutive k, (lo, hi) = (even, odd) k
+                part = tl.zeros((BN, BM), dtype=tl.float32)
+                xs = tl.zeros((BM,), dtype=tl.float32)
+                r2 = tl.arange(0, 2 * WORDS)
+                for j in tl.static_range(4):
+                    lo, hi = _plane_pair(wt, j, DOT, not HAS_MINS, FAST)
+                    wj = tl.reshape(tl.join(lo, hi), (BN, 2 * WORDS))
+                    xj = tl.load(x_rows + kb + j * 2 * WORDS + r2[None, :], mask=m_ok, other=0.0)
+                    if PER_BLOCK:
+                        part = tl.dot(wj, tl.trans(xj.to(DOT)), part)
+                        if HAS_MINS:
+                            xs += tl.sum(xj.to(tl.float32), axis=1)
+                    else:
+                        part += tl.dot(wj, tl.trans(xj.to(DOT))) * _col8(s8, 2 * j)[:, None]
+                        if HAS_MINS:
+                            xsj = tl.sum(xj.to(tl.float32), axis=1)
+                            part += _col8(m8, 2 * j)[:, None] * xsj[None, :]
+                if PER_BLOCK:
+                    acc += part * s[:, None]
+                    if HAS_MINS:
+                        acc += mn[:, None] * xs[None, :]
+                else:
+                    acc += part
             else:
                 part = tl.zeros((BN, BM), dtype=tl.float32)
                 xs = tl.zeros((BM,), dtype=tl.float32)
@@ -348,7 +383,7 @@ def default_plane_tiling(n: int, k: int, mode: str, sms: int = 132) -> PlaneTili
     """64 channels x 128 k per step (the dot form on 2 warps, mma.sync, as the checkpoint-layout
     GEMV's measured best; the FMA form on 4 warps), K split for ~4 programs per SM over at least
     4 steps each."""
-    bn, warps = (64, 2) if mode == "dot" else (32, 4)
+    bn, warps = (32, 4) if mode == "fma" else (64, 2)
     tiles, steps = triton.cdiv(n, bn), k // PLANE_BLOCK
     splits = max(1, min(triton.cdiv(4 * sms, tiles), steps // 4))
     return PlaneTiling(bn, 1, splits, warps, 3)
@@ -371,7 +406,8 @@ def int4_plane_gemv(
         raise ValueError(f"mode {mode!r} not in {MODES}")
     if m > 16:
         raise ValueError(f"int4_plane_gemv takes at most 16 rows, got {m}")
-    if words.dtype != torch.int32 or words.shape[1] * 8 != k or not supports(k, group_size):
+    pairs = mode == "pairs"
+    if words.dtype != torch.int32 or words.shape[1] * 8 != k or not supports(k, group_size, pairs):
         raise ValueError(f"plane words int32 [N, {k} / 8] with group {group_size} expected")
     if scales.shape != (n, triton.cdiv(k, group_size)):
         raise ValueError(f"scales {tuple(scales.shape)} do not match N {n}, K {k}")
@@ -402,7 +438,7 @@ def int4_plane_gemv(
         m, n, k, k_per_split, splits, x.stride(0), words.stride(0), scales.stride(0),
         out.stride(0), BM=bm, BN=tiling.bn, BLOCKS=tiling.blocks, GROUP=group_size,
         WORDS=PLANE_WORDS, HAS_MINS=mins is not None, HAS_BIAS=bias is not None,
-        SPLIT=splits > 1, FMA=fma, num_warps=tiling.num_warps,
+        SPLIT=splits > 1, FMA=fma, PAIRS=pairs, num_warps=tiling.num_warps,
         num_stages=tiling.num_stages if on_gpu else 1, **dot_args,
     )  # fmt: skip
     return out
