@@ -16,8 +16,9 @@ Every variant is checked against `reference.int4_linear` (max and norm relative 
 over the limit is recorded as wrong and not timed), then timed as CUDA-graph replays over
 weight copies larger than L2 (median of `--replays`). One variant's failure is recorded and the
 run goes on; shapes that the budget cannot cover are recorded as skipped. The table goes to
-stdout, the JSON to bench/results/<date>-<gpu>-<sha>-int4_variants.json (rewritten after every
-shape, so a killed run keeps what it measured).
+stdout, the JSON to bench/results/<date>-<gpu>-<sha>-int4_variants.json and, when $OUT is set,
+to $OUT/ under the same name (rewritten after every shape, so a killed run keeps what it
+measured).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def variants(n: int, k: int, m: int, sms: int) -> list[tuple[str, str, PlaneTili
     out.append(("planes-dot/64x256w2s3", "dot", t))
     if m <= 4:
         out.append(("planes-fma/default", "fma", None))
-        for bn, warps in ((64, 4), (16, 2)):
+        for bn, warps in ((128, 4), (32, 4)):
             t = PlaneTiling(bn, 1, split(bn, 1, 4), warps, 3)
             out.append((f"planes-fma/{bn}x128w{warps}", "fma", t))
     return out
@@ -343,8 +344,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "shapes": {},
     }
 
+    # a device runner returns only what is under $OUT: a copy goes there too
+    extra = Path(os.environ["OUT"]) / out.name if os.environ.get("OUT") else None
+
     def write() -> None:
-        out.write_text(json.dumps(report, indent=2, default=str))
+        text = json.dumps(report, indent=2, default=str)
+        out.write_text(text)
+        if extra is not None:
+            extra.parent.mkdir(parents=True, exist_ok=True)
+            extra.write_text(text)
 
     bandwidth = copy_bandwidth(device)
     report["copy_gb_s"] = bandwidth / 1e9

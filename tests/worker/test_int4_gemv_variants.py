@@ -67,6 +67,7 @@ def test_plane_packing_is_lossless_and_places_each_k(pairs: bool) -> None:
         (1, 40, 256, 128, True, "fma", PlaneTiling(16, 1, 1), False),
         (2, 40, 512, 128, False, "fma", PlaneTiling(16, 1, 3), True),  # ragged splits
         (4, 48, 256, 32, True, "fma", PlaneTiling(16, 1, 2), False),
+        (3, 40, 256, 64, False, "fma", PlaneTiling(16, 1, 1), True),
         (3, 40, 384, 256, False, "fma", None, False),
     ],
 )
@@ -123,3 +124,18 @@ def test_gpu_plane_gemv_27b(n: int, k: int) -> None:
         for m in (1, 4) if mode == "fma" else (1, 8, 16):
             check(m, n, k, 128, True, mode, None, False, "cuda")
         check(2, n, k, 128, False, mode, None, True, "cuda")
+
+
+def test_variants_benchmark_smoke_runs_on_cpu(tmp_path) -> None:
+    """bench/int4_variants.py --smoke: every variant checked and timed, the JSON written."""
+    from bench import int4_variants
+
+    out = tmp_path / "variants.json"
+    report = int4_variants.main(
+        ["--smoke", "--shapes", "smoke b", "--rows", "2", "--out", str(out), "--budget-s", "120"]
+    )
+    rows = report["shapes"]["smoke b"]["by_m"][2]
+    names = {r["variant"] for r in rows}
+    assert {"today", "planes-dot/default", "planes-pairs/default", "planes-fma/default"} <= names
+    assert all(r.get("ok", True) and "error" not in r for r in rows)
+    assert out.exists()

@@ -236,6 +236,39 @@ def _col8(t, i: tl.constexpr):
     return tl.sum(tl.where(tl.arange(0, 8)[None, :] == i, t, 0.0), axis=1)
 
 
+@triton.jit
+def _fma_row(wt, x, r: tl.constexpr, M, stride_xm, kb, s, mn, s8, m8, WORDS: tl.constexpr,
+             PER_BLOCK: tl.constexpr, HAS_MINS: tl.constexpr):  # fmt: skip
+    """[BN, WORDS] fp32 contribution of row r of x to the block at kb: codes as 1 + q / 16,
+    so sum x (q - 8) s = s (16 sum x c - 24 sum x) and sum x (q s + m) = s (16 sum x c - 16 sum x)
+    + m sum x, the x sums kept per word (no cross-lane reduction per step)."""
+    rw = tl.arange(0, WORDS)
+    row_ok = (rw * 0 + r) < M  # (a tensor mask: the interpreter takes no scalar one)
+    xr = x + r * stride_xm + kb
+    part = tl.zeros(wt.shape, dtype=tl.float32)
+    xs = tl.zeros((WORDS,), dtype=tl.float32)
+    for i in tl.static_range(8):
+        xi = tl.load(xr + i * WORDS + rw, mask=row_ok, other=0.0).to(tl.float32)
+        ci = _plane_unit(wt, i)
+        if PER_BLOCK:
+            part += ci * xi[None, :]
+            xs += xi
+        else:  # a scale per plane slice
+            si = _col8(s8, i)
+            if HAS_MINS:
+                mi = _col8(m8, i) - 16.0 * si
+            else:
+                mi = -24.0 * si
+            part += (ci * (16.0 * si)[:, None] + mi[:, None]) * xi[None, :]
+    if PER_BLOCK:
+        if HAS_MINS:
+            mi = mn - 16.0 * s
+        else:
+            mi = -24.0 * s
+        part = part * (16.0 * s)[:, None] + mi[:, None] * xs[None, :]
+    return part
+
+
 @kernel
 def _plane_gemv_kernel(
     x, words, scales, mins, bias, out, partial, arrivals,
@@ -266,7 +299,10 @@ def _plane_gemv_kernel(
     k_stop = tl.minimum(k_start + k_per_split, K)
     pdl_wait(PDL)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    acc3 = tl.zeros((BN, BM, WORDS), dtype=tl.float32)  # fma: per-word partial sums
+    a0 = tl.zeros((BN, WORDS), dtype=tl.float32)  # fma: per-row, per-word partial sums
+    a1 = a0
+    a2 = a0
+    a3 = a0
     for k0 in range(k_start, k_stop, BLOCKS * BLOCK):
         for blk in tl.static_range(BLOCKS):
             kb = k0 + blk * BLOCK
@@ -282,32 +318,17 @@ def _plane_gemv_kernel(
                 s8, m8 = _block_scales(s_rows, m_rows, n_mask, kb, K, GROUP, WORDS, HAS_MINS)
                 s = tl.zeros((BN,), dtype=tl.float32)
                 mn = s
-            if FMA:
-                part3 = tl.zeros((BN, BM, WORDS), dtype=tl.float32)
-                xs2 = tl.zeros((BM, WORDS), dtype=tl.float32)  # x summed over the planes
-                for i in tl.static_range(8):
-                    xi = tl.load(x_rows + kb + i * WORDS + rw[None, :], mask=m_ok, other=0.0)
-                    xi = xi.to(tl.float32)
-                    ci = _plane_unit(wt, i)
-                    if PER_BLOCK:
-                        part3 += ci[:, None, :] * xi[None, :, :]
-                        xs2 += xi
-                    else:  # per-slice scales: sum x (q - 8) s = s (16 sum x c - 24 sum x)
-                        si = _col8(s8, i)
-                        part3 += (ci * (16.0 * si)[:, None])[:, None, :] * xi[None, :, :]
-                        if HAS_MINS:  # q s + m: s (16 sum x c - 16 sum x) + m sum x
-                            mi = _col8(m8, i) - 16.0 * si
-                        else:
-                            mi = -24.0 * si
-                        part3 += mi[:, None, None] * xi[None, :, :]
-                if PER_BLOCK:  # the x sums stay per word: no cross-lane reduction per step
-                    if HAS_MINS:
-                        mi = mn - 16.0 * s
-                    else:
-                        mi = -24.0 * s
-                    part3 = part3 * (16.0 * s)[:, None, None]
-                    part3 += mi[:, None, None] * xs2[None, :, :]
-                acc3 += part3
+            if FMA:  # one [BN, WORDS] accumulator per row: x broadcast along the channels
+                a0 += _fma_row(wt, x, 0, M, stride_xm, kb, s, mn, s8, m8, WORDS, PER_BLOCK,
+                               HAS_MINS)  # fmt: skip
+                if BM > 1:
+                    a1 += _fma_row(wt, x, 1, M, stride_xm, kb, s, mn, s8, m8, WORDS, PER_BLOCK,
+                                   HAS_MINS)  # fmt: skip
+                if BM > 2:
+                    a2 += _fma_row(wt, x, 2, M, stride_xm, kb, s, mn, s8, m8, WORDS, PER_BLOCK,
+                                   HAS_MINS)  # fmt: skip
+                    a3 += _fma_row(wt, x, 3, M, stride_xm, kb, s, mn, s8, m8, WORDS, PER_BLOCK,
+                                   HAS_MINS)  # fmt: skip
             elif PAIRS:  # per pair plane j: 32 consecutive k, (lo, hi) = (even, odd) k
                 part = tl.zeros((BN, BM), dtype=tl.float32)
                 xs = tl.zeros((BM,), dtype=tl.float32)
@@ -360,7 +381,10 @@ def _plane_gemv_kernel(
                 else:
                     acc += part
     if FMA:
-        acc += tl.sum(acc3, axis=2)
+        acc += tl.where(rm[None, :] == 0, tl.sum(a0, axis=1)[:, None], 0.0)
+        acc += tl.where(rm[None, :] == 1, tl.sum(a1, axis=1)[:, None], 0.0)
+        acc += tl.where(rm[None, :] == 2, tl.sum(a2, axis=1)[:, None], 0.0)
+        acc += tl.where(rm[None, :] == 3, tl.sum(a3, axis=1)[:, None], 0.0)
     mask = n_ok & (rm < M)[None, :]
     if not SPLIT:
         _gemv_epilogue(acc, bias, bias, out, rn, rm, N, stride_om, mask, False, HAS_BIAS)
@@ -380,10 +404,10 @@ def _plane_gemv_kernel(
 
 
 def default_plane_tiling(n: int, k: int, mode: str, sms: int = 132) -> PlaneTiling:
-    """64 channels x 128 k per step (the dot form on 2 warps, mma.sync, as the checkpoint-layout
-    GEMV's measured best; the FMA form on 4 warps), K split for ~4 programs per SM over at least
-    4 steps each."""
-    bn, warps = (32, 4) if mode == "fma" else (64, 2)
+    """64 channels x 128 k per step on 2 warps (the dot forms on mma.sync, as the checkpoint-layout
+    GEMV's measured best; the FMA form then holds 4 channels per thread, so each x value it
+    widens serves 4 codes), K split for ~4 programs per SM over at least 4 steps each."""
+    bn, warps = 64, 2
     tiles, steps = triton.cdiv(n, bn), k // PLANE_BLOCK
     splits = max(1, min(triton.cdiv(4 * sms, tiles), steps // 4))
     return PlaneTiling(bn, 1, splits, warps, 3)
@@ -404,8 +428,8 @@ def int4_plane_gemv(
     n = words.shape[0]
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} not in {MODES}")
-    if m > 16:
-        raise ValueError(f"int4_plane_gemv takes at most 16 rows, got {m}")
+    if m > (4 if mode == "fma" else 16):
+        raise ValueError(f"int4_plane_gemv ({mode}) takes at most 16 rows (fma: 4), got {m}")
     pairs = mode == "pairs"
     if words.dtype != torch.int32 or words.shape[1] * 8 != k or not supports(k, group_size, pairs):
         raise ValueError(f"plane words int32 [N, {k} / 8] with group {group_size} expected")
