@@ -1,6 +1,6 @@
 """The plane-word int4 decode GEMVs (worker/kernels/triton/int4_gemv.py) against the plain-PyTorch
 reference, under the triton interpreter at small shapes: the repack is lossless, and each form
-(tensor-core dots per plane or per pair plane, CUDA-core FMA) agrees by relative error, with
+(tensor-core dots per plane or per pair plane, the weight as either operand; CUDA-core FMA) agrees by relative error, with
 symmetric and affine groups smaller than, equal to and larger than a plane block, bias, and K
 split across programs (arrival counters re-armed). With `-m gpu`, at the Qwen3.6-27B shapes."""
 
@@ -64,6 +64,9 @@ def test_plane_packing_is_lossless_and_places_each_k(pairs: bool) -> None:
         (8, 48, 256, 32, True, "pairs", PlaneTiling(16, 1, 2), False),  # 4 groups per block
         (5, 40, 512, 128, False, "pairs", PlaneTiling(32, 2, 2), True),  # N % BN != 0
         (16, 40, 384, 256, False, "pairs", None, False),
+        (1, 40, 256, 128, True, "pairs-xa", PlaneTiling(16, 1, 1), False),
+        (5, 40, 512, 128, False, "pairs-xa", PlaneTiling(32, 2, 2), True),
+        (16, 40, 384, 256, True, "pairs-xa", None, False),
         (1, 40, 256, 128, True, "fma", PlaneTiling(16, 1, 1), False),
         (2, 40, 512, 128, False, "fma", PlaneTiling(16, 1, 3), True),  # ragged splits
         (4, 48, 256, 32, True, "fma", PlaneTiling(16, 1, 2), False),
@@ -88,7 +91,7 @@ def check(
     device: str,
 ) -> None:
     q = quantize_rtn(torch.randn(n, k, device=device) * 0.02, group, symmetric)
-    words = pack_planes(q.qweight, pairs=mode == "pairs")
+    words = pack_planes(q.qweight, pairs=mode.startswith("pairs"))
     x = torch.randn(m, k, device=device).bfloat16()
     bias = torch.randn(n, device=device).bfloat16() if with_bias else None
     for _ in range(2):  # again: the first call must have re-armed the counters
@@ -120,7 +123,7 @@ SHAPES_27B = [(34816, 5120), (5120, 17408), (14336, 5120), (5120, 6144), (16384,
 @pytest.mark.parametrize(("n", "k"), SHAPES_27B)
 def test_gpu_plane_gemv_27b(n: int, k: int) -> None:
     torch.manual_seed(n + k)
-    for mode in ("dot", "pairs", "fma"):
+    for mode in ("dot", "pairs", "pairs-xa", "fma"):
         for m in (1, 4) if mode == "fma" else (1, 8, 16):
             check(m, n, k, 128, True, mode, None, False, "cuda")
         check(2, n, k, 128, False, mode, None, True, "cuda")

@@ -1,30 +1,36 @@
-"""Decode GEMV variants over an int4 weight repacked at load into nibble planes (candidates to
+"""Decode GEMV variants over an int4 weight repacked at load into int32 words (candidates to
 replace `int4_gemm.int4_gemv`; bench/int4_variants.py measures them against it and FP8).
 
 Why a repack: in the checkpoint layout (uint8 [N, K / 2], two codes per byte) each thread of
-the dot-operand layout needs one or two bytes, so triton reads the packed tile from shared memory
-a byte at a time and the GEMV is bound by instructions, not by HBM. Repacked, each int32 word
-holds 8 codes of one output channel, one per *plane*:
+the dot-operand layout needs one or two bytes of a row, so the GEMV spends its instructions on
+gathering and re-pairing codes rather than on streaming HBM. Repacked (`pack_planes`, at load;
+the checkpoint format is unchanged), each int32 word holds 8 codes of one output channel, and a
+block of 16 words covers 128 consecutive k:
 
-    within each block of `PLANE_BLOCK` (128) consecutive k, word w (0..15) holds k = 16 i + w
-    in bits 4i .. 4i + 3 (i = 0..7, unsigned codes 0..15, as the checkpoint's).
+- plane layout: word w (0..15) of a block holds k = 16 i + w in bits 4i .. 4i + 3 (i = 0..7);
+  a plane i of the block's [BN, 16] word tile is 16 consecutive k.
+- pair layout: word w holds k = 32 j + 2 w in bits 4j and k = 32 j + 2 w + 1 in bits 4j + 16
+  (j = 0..3); one shift and one lop3 of a word yield a 32-bit pair of two consecutive k, which
+  is exactly a register of the 16-bit mma operand.
 
-So a block's 16 words times plane i are 16 consecutive k: x's matching columns are one contiguous
-slice, and a word-wise operation on the loaded [BN, 16] int32 tile yields the whole [BN, 16] code
-tile of a plane. Scales and mins stay as they are ([N, K / group], group a multiple of 16).
+Codes stay unsigned 0..15; scales and mins stay as they are ([N, K / group], group a multiple
+of 16, or of 32 for the pair layout).
 
 Variants (`mode`):
-- "dot": per block 8 tensor-core dots of [BN, 16] codes x [16, BM] (x's plane slice), codes
-  formed word-wise from the int32 tile (on a GPU two planes per PTX block: shift, one lop3
-  into the mantissa of 128 / 1024, one packed subtract). Every op after the load is word-wise,
-  so the dot-operand layout reaches back to the int32 load: 4-byte words from shared memory
-  where the checkpoint layout gave single bytes.
-- "fma": no tensor cores (for 1-4 rows): the codes become fp32 1 + q / 16 (the nibble shifted
-  into the top of a mantissa of 1.0: one shift and one lop3 per code, no int -> float
-  conversion), one FMA per code and row into a [BN, BM, 16] accumulator, reduced once at the
-  end; the plane sum then is sum x (q - 8) = 16 sum x c - 24 sum x (affine: q s + m likewise).
+- "dot": per block 8 tensor-core dots of [BN, 16] codes x [16, BM] (x's plane slice). The codes
+  come from the int32 tile two planes at a time (on a GPU a PTX block: shift, one lop3 into the
+  mantissa of 128 / 1024, one packed subtract); the mma then needs byte permutes to pair them.
+- "pairs": the pair layout, 4 dots of [BN, 32] codes per block with no re-pairing (sm_90 SASS,
+  triton 3.9, 64 x 128 tiles on 2 warps: 321 instructions per step, against 391 for "dot" and
+  381 for today's checkpoint-layout GEMV; the words reach the mma through ldmatrix).
+- "pairs-xa": the pair layout with x as the dot's left operand (out = x W^T, the weight as the
+  right operand; groups of whole blocks only).
+- "fma": no tensor cores (1-4 rows): codes as fp32 1 + q / 16 (the nibble moved into the top of
+  a mantissa of 1.0: one shift and one lop3 per code, no int -> float conversion), one FMA per
+  code and row into a [BN, 16] accumulator per row, reduced once at the end; the sum is then
+  sum x (q - 8) = 16 sum x c - 24 sum x (affine q s + m likewise).
 
-Both split K across programs like `int4_gemv` (the last program to arrive at a column tile sums
+All split K across programs like `int4_gemv` (the last program to arrive at a column tile sums
 the fp32 partials: one launch).
 """
 
@@ -42,7 +48,7 @@ from worker.kernels.triton.fp8_gemm import _arrival_counters, _gemv_epilogue
 
 PLANE_BLOCK = 128  # k per block of 16 words
 PLANE_WORDS = PLANE_BLOCK // 8
-MODES = ("dot", "pairs", "fma")  # "pairs" takes the pair layout
+MODES = ("dot", "pairs", "pairs-xa", "fma")  # "pairs*" take the pair layout
 
 
 @dataclass(frozen=True)
@@ -275,7 +281,7 @@ def _plane_gemv_kernel(
     M, N, K, k_per_split, splits, stride_xm, stride_wn, stride_sn, stride_om,
     BM: tl.constexpr, BN: tl.constexpr, BLOCKS: tl.constexpr, GROUP: tl.constexpr,
     WORDS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    FMA: tl.constexpr, PAIRS: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr,
+    FMA: tl.constexpr, PAIRS: tl.constexpr, XA: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     """out^T tile [BN, BM] over one K range (`k_per_split`, whole steps of BLOCKS blocks). A
@@ -299,6 +305,7 @@ def _plane_gemv_kernel(
     k_stop = tl.minimum(k_start + k_per_split, K)
     pdl_wait(PDL)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
+    acc_t = tl.zeros((BM, BN), dtype=tl.float32)  # x as the left operand: out, not out^T
     a0 = tl.zeros((BN, WORDS), dtype=tl.float32)  # fma: per-row, per-word partial sums
     a1 = a0
     a2 = a0
@@ -329,6 +336,20 @@ def _plane_gemv_kernel(
                                    HAS_MINS)  # fmt: skip
                     a3 += _fma_row(wt, x, 3, M, stride_xm, kb, s, mn, s8, m8, WORDS, PER_BLOCK,
                                    HAS_MINS)  # fmt: skip
+            elif XA:  # the pair layout with x as the dot's left operand: out = x W^T
+                part_t = tl.zeros((BM, BN), dtype=tl.float32)
+                xs = tl.zeros((BM,), dtype=tl.float32)
+                r2 = tl.arange(0, 2 * WORDS)
+                for j in tl.static_range(4):
+                    lo, hi = _plane_pair(wt, j, DOT, not HAS_MINS, FAST)
+                    wj = tl.reshape(tl.join(lo, hi), (BN, 2 * WORDS))
+                    xj = tl.load(x_rows + kb + j * 2 * WORDS + r2[None, :], mask=m_ok, other=0.0)
+                    part_t = tl.dot(xj.to(DOT), tl.trans(wj), part_t)
+                    if HAS_MINS:
+                        xs += tl.sum(xj.to(tl.float32), axis=1)
+                acc_t += part_t * s[None, :]
+                if HAS_MINS:
+                    acc_t += xs[:, None] * mn[None, :]
             elif PAIRS:  # per pair plane j: 32 consecutive k, (lo, hi) = (even, odd) k
                 part = tl.zeros((BN, BM), dtype=tl.float32)
                 xs = tl.zeros((BM,), dtype=tl.float32)
@@ -380,6 +401,8 @@ def _plane_gemv_kernel(
                         acc += mn[:, None] * xs[None, :]
                 else:
                     acc += part
+    if XA:
+        acc += tl.trans(acc_t)
     if FMA:
         acc += tl.where(rm[None, :] == 0, tl.sum(a0, axis=1)[:, None], 0.0)
         acc += tl.where(rm[None, :] == 1, tl.sum(a1, axis=1)[:, None], 0.0)
@@ -430,7 +453,10 @@ def int4_plane_gemv(
         raise ValueError(f"mode {mode!r} not in {MODES}")
     if m > (4 if mode == "fma" else 16):
         raise ValueError(f"int4_plane_gemv ({mode}) takes at most 16 rows (fma: 4), got {m}")
-    pairs = mode == "pairs"
+    pairs = mode.startswith("pairs")
+    xa = mode == "pairs-xa"
+    if xa and group_size % PLANE_BLOCK:
+        raise ValueError(f"pairs-xa takes groups of whole plane blocks, got {group_size}")
     if words.dtype != torch.int32 or words.shape[1] * 8 != k or not supports(k, group_size, pairs):
         raise ValueError(f"plane words int32 [N, {k} / 8] with group {group_size} expected")
     if scales.shape != (n, triton.cdiv(k, group_size)):
@@ -462,7 +488,7 @@ def int4_plane_gemv(
         m, n, k, k_per_split, splits, x.stride(0), words.stride(0), scales.stride(0),
         out.stride(0), BM=bm, BN=tiling.bn, BLOCKS=tiling.blocks, GROUP=group_size,
         WORDS=PLANE_WORDS, HAS_MINS=mins is not None, HAS_BIAS=bias is not None,
-        SPLIT=splits > 1, FMA=fma, PAIRS=pairs, num_warps=tiling.num_warps,
+        SPLIT=splits > 1, FMA=fma, PAIRS=pairs, XA=xa, num_warps=tiling.num_warps,
         num_stages=tiling.num_stages if on_gpu else 1, **dot_args,
     )  # fmt: skip
     return out
