@@ -6,9 +6,9 @@
 For each Qwen3.6-27B decode weight shape (bench/int4_kernels.py's SHAPES, group 128, symmetric)
 and M in (1, 2, 4, 8, 16) rows:
 - "today": `int4_gemm.int4_gemv` (checkpoint layout, its INT4_DECODE_TILINGS entry);
-- "planes-dot/...", "planes-pairs/...", "planes-pairs-xa/...", "planes-fma/...":
-  `int4_gemv.int4_plane_gemv` on the weight repacked by `pack_planes` (plane or pair layout; a
-  few tilings each; the FMA form only up to 4 rows);
+- "planes-<mode>/...": `int4_gemv.int4_plane_gemv` in each mode (dot, pairs, pairs-xa, halves,
+  fma) on the weight repacked by `pack_planes` (plane or pair layout), at its default tiling
+  and, for halves and pairs, a few more; the FMA form only up to 4 rows;
 - "fp8/engine" (`fp8_gemm.w8_gemv` with the tiling the engine picks) and "fp8/run15" (the
   H200 sweep's winner), on an e4m3 weight of the same shape;
 - "copy": a device copy moving the int4 GEMV's bytes (read + write), through the same timing.
@@ -70,26 +70,21 @@ def variants(n: int, k: int, m: int, sms: int) -> list[tuple[str, str, PlaneTili
     out: list[tuple[str, str, PlaneTiling | None]] = [
         ("planes-dot/default", "dot", None),
         ("planes-pairs/default", "pairs", None),
+        ("planes-pairs-xa/default", "pairs-xa", None),
+        ("planes-halves/default", "halves", None),
     ]
-    for bn, blocks, warps, stages, per_sm in (
+    tilings = (  # (bn, blocks per step, warps, stages, programs per SM)
         (64, 2, 2, 3, 4),  # two blocks (256 k) per step: more loads in flight
         (32, 2, 2, 4, 4),
         (64, 1, 2, 4, 8),
-        (64, 2, 4, 3, 4),  # 4 warps: wgmma
+        (64, 2, 4, 3, 4),  # 4 warps: wgmma, the codes from registers
         (128, 1, 4, 3, 8),
-    ):
-        t = PlaneTiling(bn, blocks, split(bn, blocks, per_sm), warps, stages)
-        out.append((f"planes-pairs/{bn}x{blocks * 128}w{warps}s{stages}", "pairs", t))
-    t = PlaneTiling(64, 2, split(64, 2, 4), 2, 3)
-    out.append(("planes-dot/64x256w2s3", "dot", t))
-    out.append(("planes-pairs-xa/default", "pairs-xa", None))
-    for bn, blocks, warps, stages, per_sm in (
-        (64, 2, 2, 3, 4),
-        (128, 1, 4, 3, 8),
-        (64, 1, 4, 4, 8),
-    ):
-        t = PlaneTiling(bn, blocks, split(bn, blocks, per_sm), warps, stages)
-        out.append((f"planes-pairs-xa/{bn}x{blocks * 128}w{warps}s{stages}", "pairs-xa", t))
+    )
+    for mode, chosen in (("halves", tilings), ("pairs", tilings[:1] + tilings[4:])):
+        for bn, blocks, warps, stages, per_sm in chosen:
+            t = PlaneTiling(bn, blocks, split(bn, blocks, per_sm), warps, stages)
+            label = f"planes-{mode}/{bn}x{blocks * 128}w{warps}s{stages}"
+            out.append((label, mode, t))
     if m <= 4:
         out.append(("planes-fma/default", "fma", None))
         for bn, warps in ((128, 4), (32, 4)):
@@ -251,7 +246,7 @@ def shape_section(
                 continue
 
             def plane(i: int, x: torch.Tensor, mode: str = mode, t: Any = tiling) -> torch.Tensor:
-                w = packed[mode.startswith("pairs")][i]
+                w = packed[mode not in ("dot", "fma")][i]
                 return planes.int4_plane_gemv(x, w, scales[i], None, GROUP, None, mode, t)
 
             add(measure(label, plane, copies, x, ref, nbytes, timer, bandwidth))

@@ -67,6 +67,9 @@ def test_plane_packing_is_lossless_and_places_each_k(pairs: bool) -> None:
         (1, 40, 256, 128, True, "pairs-xa", PlaneTiling(16, 1, 1), False),
         (5, 40, 512, 128, False, "pairs-xa", PlaneTiling(32, 2, 2), True),
         (16, 40, 384, 256, True, "pairs-xa", None, False),
+        (1, 40, 256, 128, True, "halves", PlaneTiling(16, 1, 1), False),
+        (3, 40, 512, 64, False, "halves", PlaneTiling(16, 2, 2), True),
+        (16, 48, 256, 32, True, "halves", None, False),
         (1, 40, 256, 128, True, "fma", PlaneTiling(16, 1, 1), False),
         (2, 40, 512, 128, False, "fma", PlaneTiling(16, 1, 3), True),  # ragged splits
         (4, 48, 256, 32, True, "fma", PlaneTiling(16, 1, 2), False),
@@ -91,7 +94,7 @@ def check(
     device: str,
 ) -> None:
     q = quantize_rtn(torch.randn(n, k, device=device) * 0.02, group, symmetric)
-    words = pack_planes(q.qweight, pairs=mode.startswith("pairs"))
+    words = pack_planes(q.qweight, pairs=mode != "dot" and mode != "fma")
     x = torch.randn(m, k, device=device).bfloat16()
     bias = torch.randn(n, device=device).bfloat16() if with_bias else None
     for _ in range(2):  # again: the first call must have re-armed the counters
@@ -123,7 +126,7 @@ SHAPES_27B = [(34816, 5120), (5120, 17408), (14336, 5120), (5120, 6144), (16384,
 @pytest.mark.parametrize(("n", "k"), SHAPES_27B)
 def test_gpu_plane_gemv_27b(n: int, k: int) -> None:
     torch.manual_seed(n + k)
-    for mode in ("dot", "pairs", "pairs-xa", "fma"):
+    for mode in ("dot", "pairs", "pairs-xa", "halves", "fma"):
         for m in (1, 4) if mode == "fma" else (1, 8, 16):
             check(m, n, k, 128, True, mode, None, False, "cuda")
         check(2, n, k, 128, False, mode, None, True, "cuda")
@@ -139,6 +142,7 @@ def test_variants_benchmark_smoke_runs_on_cpu(tmp_path) -> None:
     )
     rows = report["shapes"]["smoke b"]["by_m"][2]
     names = {r["variant"] for r in rows}
-    assert {"today", "planes-dot/default", "planes-pairs/default", "planes-fma/default"} <= names
+    expected = {"today", "copy", "planes-halves/default", "planes-fma/default"}
+    assert expected | {f"planes-{m}/default" for m in ("dot", "pairs", "pairs-xa")} <= names
     assert all(r.get("ok", True) and "error" not in r for r in rows)
     assert out.exists()

@@ -20,11 +20,17 @@ Variants (`mode`):
 - "dot": per block 8 tensor-core dots of [BN, 16] codes x [16, BM] (x's plane slice). The codes
   come from the int32 tile two planes at a time (on a GPU a PTX block: shift, one lop3 into the
   mantissa of 128 / 1024, one packed subtract); the mma then needs byte permutes to pair them.
-- "pairs": the pair layout, 4 dots of [BN, 32] codes per block with no re-pairing (sm_90 SASS,
-  triton 3.9, 64 x 128 tiles on 2 warps: 321 instructions per step, against 391 for "dot" and
-  381 for today's checkpoint-layout GEMV; the words reach the mma through ldmatrix).
-- "pairs-xa": the pair layout with x as the dot's left operand (out = x W^T, the weight as the
-  right operand; groups of whole blocks only).
+- "pairs": the pair layout, 4 dots of [BN, 32] codes per block (the two halves of each word
+  joined back into consecutive k).
+- "pairs-xa": the same with x as the dot's left operand (out = x W^T, the weight as the right
+  operand; groups of whole blocks only).
+- "halves": the pair layout read as int16 [N, K / 4], where element e of a block holds
+  k = 32 j + e in bits 4j: plane j of a [BN, 32] int16 tile is a [BN, 32] code tile, formed by
+  one PTX block per two elements, so every op from the load to the dot is element-wise and the
+  mma operand layout reaches back to the load (ldmatrix from shared memory, no permutes).
+Instructions per 64 x 128 step on 2 warps (sm_90 SASS of the loop, triton 3.6 as on the H200;
+today's checkpoint-layout GEMV 381): dot 399, pairs 389, pairs-xa 418, halves 327 (3.9: 391,
+321, 322, 321); the FMA form ~4.9 per code (128 codes per thread and step: 683).
 - "fma": no tensor cores (1-4 rows): codes as fp32 1 + q / 16 (the nibble moved into the top of
   a mantissa of 1.0: one shift and one lop3 per code, no int -> float conversion), one FMA per
   code and row into a [BN, 16] accumulator per row, reduced once at the end; the sum is then
@@ -48,7 +54,7 @@ from worker.kernels.triton.fp8_gemm import _arrival_counters, _gemv_epilogue
 
 PLANE_BLOCK = 128  # k per block of 16 words
 PLANE_WORDS = PLANE_BLOCK // 8
-MODES = ("dot", "pairs", "pairs-xa", "fma")  # "pairs*" take the pair layout
+MODES = ("dot", "pairs", "pairs-xa", "halves", "fma")  # all but dot/fma: the pair layout
 
 
 @dataclass(frozen=True)
@@ -133,6 +139,40 @@ def _pair_table() -> dict[tuple[str, bool, int], str]:
 
 
 _PAIRS = _pair_table()
+
+
+def half_pair_ptx(shift: int, dtype: torch.dtype, symmetric: bool) -> str:
+    """PTX: plane j = shift / 4 of two int16 elements (one 32-bit register) as two 16-bit
+    codes in one register: shift, one lop3 into the magic's mantissa, one packed subtract."""
+    ty, magic = ("bf16x2", "0x43004300") if dtype == torch.bfloat16 else ("f16x2", "0x64006400")
+    neg = {
+        ("bf16x2", True): "0xC308C308",
+        ("bf16x2", False): "0xC300C300",
+        ("f16x2", True): "0xE408E408",
+        ("f16x2", False): "0xE400E400",
+    }[(ty, symmetric)]
+    shr = f"shr.u32 t, $1, {shift};\n" if shift else "mov.b32 t, $1;\n"
+    return (
+        f"{{\n.reg .b32 t, c;\nmov.b32 c, {neg};\n{shr}"
+        f"lop3.b32 t, t, 0x000f000f, {magic}, 0xea;\nadd.{ty} $0, t, c;\n}}"
+    )
+
+
+@triton.jit
+def _half_plane(h, j: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, SYM: tl.constexpr,
+                FAST: tl.constexpr):  # fmt: skip
+    """Codes of plane j (bits 4j) of int16 elements, in DOT: two elements per PTX block."""
+    if FAST:
+        if DOT == tl.bfloat16:
+            c = tl.inline_asm_elementwise(ASM, "=r,r", [h], tl.bfloat16, True, 2)
+        else:
+            c = tl.inline_asm_elementwise(ASM, "=r,r", [h], tl.float16, True, 2)
+    else:
+        offset = 8.0 if SYM else 0.0
+        c = (((h >> (4 * j)) & 0xF).to(tl.float32) - offset).to(DOT)
+    return c
+
+
 _BF_SYM_0: tl.constexpr = tl.constexpr(_PAIRS[("bf16x2", True, 0)])
 _BF_SYM_4: tl.constexpr = tl.constexpr(_PAIRS[("bf16x2", True, 4)])
 _BF_SYM_8: tl.constexpr = tl.constexpr(_PAIRS[("bf16x2", True, 8)])
@@ -281,7 +321,9 @@ def _plane_gemv_kernel(
     M, N, K, k_per_split, splits, stride_xm, stride_wn, stride_sn, stride_om,
     BM: tl.constexpr, BN: tl.constexpr, BLOCKS: tl.constexpr, GROUP: tl.constexpr,
     WORDS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    FMA: tl.constexpr, PAIRS: tl.constexpr, XA: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr,
+    FMA: tl.constexpr, PAIRS: tl.constexpr, XA: tl.constexpr, HALVES: tl.constexpr,
+    ASM0: tl.constexpr, ASM1: tl.constexpr, ASM2: tl.constexpr, ASM3: tl.constexpr,
+    DOT: tl.constexpr, FAST: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     """out^T tile [BN, BM] over one K range (`k_per_split`, whole steps of BLOCKS blocks). A
@@ -313,7 +355,11 @@ def _plane_gemv_kernel(
     for k0 in range(k_start, k_stop, BLOCKS * BLOCK):
         for blk in tl.static_range(BLOCKS):
             kb = k0 + blk * BLOCK
-            wt = tl.load(w_rows + (kb // 8 + rw)[None, :], mask=n_ok, other=0)
+            if HALVES:  # the pair layout as int16: element e of a block holds k = 32 j + e
+                r2 = tl.arange(0, 2 * WORDS)
+                wt = tl.load(w_rows + (kb // 4 + r2)[None, :], mask=n_ok, other=0)
+            else:
+                wt = tl.load(w_rows + (kb // 8 + rw)[None, :], mask=n_ok, other=0)
             if PER_BLOCK:
                 s = tl.load(s_rows + kb // GROUP, mask=n_mask, other=0.0).to(tl.float32)
                 mn = tl.zeros_like(s)
@@ -336,6 +382,34 @@ def _plane_gemv_kernel(
                                    HAS_MINS)  # fmt: skip
                     a3 += _fma_row(wt, x, 3, M, stride_xm, kb, s, mn, s8, m8, WORDS, PER_BLOCK,
                                    HAS_MINS)  # fmt: skip
+            elif HALVES:  # 4 dots of [BN, 32]: every op from the load on is element-wise
+                part = tl.zeros((BN, BM), dtype=tl.float32)
+                xs = tl.zeros((BM,), dtype=tl.float32)
+                for j in tl.static_range(4):
+                    if j == 0:
+                        cj = _half_plane(wt, 0, ASM0, DOT, not HAS_MINS, FAST)
+                    elif j == 1:
+                        cj = _half_plane(wt, 1, ASM1, DOT, not HAS_MINS, FAST)
+                    elif j == 2:
+                        cj = _half_plane(wt, 2, ASM2, DOT, not HAS_MINS, FAST)
+                    else:
+                        cj = _half_plane(wt, 3, ASM3, DOT, not HAS_MINS, FAST)
+                    xj = tl.load(x_rows + kb + j * 2 * WORDS + r2[None, :], mask=m_ok, other=0.0)
+                    if PER_BLOCK:
+                        part = tl.dot(cj, tl.trans(xj.to(DOT)), part)
+                        if HAS_MINS:
+                            xs += tl.sum(xj.to(tl.float32), axis=1)
+                    else:
+                        part += tl.dot(cj, tl.trans(xj.to(DOT))) * _col8(s8, 2 * j)[:, None]
+                        if HAS_MINS:
+                            xsj = tl.sum(xj.to(tl.float32), axis=1)
+                            part += _col8(m8, 2 * j)[:, None] * xsj[None, :]
+                if PER_BLOCK:
+                    acc += part * s[:, None]
+                    if HAS_MINS:
+                        acc += mn[:, None] * xs[None, :]
+                else:
+                    acc += part
             elif XA:  # the pair layout with x as the dot's left operand: out = x W^T
                 part_t = tl.zeros((BM, BN), dtype=tl.float32)
                 xs = tl.zeros((BM,), dtype=tl.float32)
@@ -453,7 +527,8 @@ def int4_plane_gemv(
         raise ValueError(f"mode {mode!r} not in {MODES}")
     if m > (4 if mode == "fma" else 16):
         raise ValueError(f"int4_plane_gemv ({mode}) takes at most 16 rows (fma: 4), got {m}")
-    pairs = mode.startswith("pairs")
+    halves = mode == "halves"
+    pairs = mode.startswith("pairs") or halves
     xa = mode == "pairs-xa"
     if xa and group_size % PLANE_BLOCK:
         raise ValueError(f"pairs-xa takes groups of whole plane blocks, got {group_size}")
@@ -482,13 +557,17 @@ def int4_plane_gemv(
         dot_args: dict[str, Any] = {"DOT": dot_dtype(x.device), "FAST": False}
     else:
         dot_args = {"DOT": tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, "FAST": True}
+    asm = {f"ASM{j}": "" for j in range(4)}
+    if on_gpu and halves:
+        asm = {f"ASM{j}": half_pair_ptx(4 * j, x.dtype, mins is None) for j in range(4)}
+    w_arg = words.view(torch.int16) if halves else words  # [N, K / 4] halves
     _plane_gemv_kernel[(tiles, splits)](
-        x, words, scales, mins if mins is not None else scales,
+        x, w_arg, scales, mins if mins is not None else scales,
         bias if bias is not None else scales, out, partial, arrivals,
-        m, n, k, k_per_split, splits, x.stride(0), words.stride(0), scales.stride(0),
+        m, n, k, k_per_split, splits, x.stride(0), w_arg.stride(0), scales.stride(0),
         out.stride(0), BM=bm, BN=tiling.bn, BLOCKS=tiling.blocks, GROUP=group_size,
         WORDS=PLANE_WORDS, HAS_MINS=mins is not None, HAS_BIAS=bias is not None,
-        SPLIT=splits > 1, FMA=fma, PAIRS=pairs, XA=xa, num_warps=tiling.num_warps,
-        num_stages=tiling.num_stages if on_gpu else 1, **dot_args,
+        SPLIT=splits > 1, FMA=fma, PAIRS=pairs, XA=xa, HALVES=halves, num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages if on_gpu else 1, **dot_args, **asm,
     )  # fmt: skip
     return out
