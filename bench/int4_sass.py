@@ -97,20 +97,24 @@ def cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int, in
                     consts, warps, 3, bn * bk))  # fmt: skip
     for mode, bm, bn, warps in (
         ("dot", 16, 64, 2), ("pairs", 16, 64, 2), ("pairs-xa", 16, 64, 2), ("halves", 16, 64, 2),
-        ("halves", 16, 128, 4), ("fma", 1, 64, 2), ("fma", 4, 64, 2),
+        ("halves", 16, 128, 4), ("halves-biased", 16, 64, 2), ("halves-biased", 16, 128, 4),
+        ("fma", 1, 64, 2), ("fma", 4, 64, 2),
     ):  # fmt: skip
-        halves = mode == "halves"
+        halves = mode.startswith("halves")
+        biased = mode == "halves-biased"
         sig = {"x": "*bf16", "words": "*i16" if halves else "*i32", **COMMON}
-        sig.update(stride_wn="i32", stride_sn="i32", stride_om="i32")
+        sig.update(stride_wn="i32", stride_sn="i32", stride_om="i32", stride_xs="i32")
+        sig["xsums"] = "*fp32"
         asm = {f"ASM{j}": "" for j in range(4)}
         if halves:
             asm = {
-                f"ASM{j}": int4_gemv.half_pair_ptx(4 * j, torch.bfloat16, True) for j in range(4)
+                f"ASM{j}": int4_gemv.half_pair_ptx(4 * j, torch.bfloat16, True, biased)
+                for j in range(4)
             }
         consts = dict(
             BM=bm, BN=bn, BLOCKS=1, GROUP=128, WORDS=16, HAS_MINS=False, HAS_BIAS=False,
             SPLIT=True, FMA=mode == "fma", PAIRS=mode not in ("dot", "fma"),
-            XA=mode == "pairs-xa", HALVES=halves, **asm, DOT=tl.bfloat16, FAST=True, PDL=False,
+            XA=mode == "pairs-xa", HALVES=halves, BIASED=biased, MAGIC_F=128.0, **asm, DOT=tl.bfloat16, FAST=True, PDL=False,
         )  # fmt: skip
         out.append((f"{mode} M<={bm} {bn}x128w{warps}", int4_gemv._plane_gemv_kernel.compiled,
                     sig, consts, warps, 3, bn * 128))  # fmt: skip

@@ -7,8 +7,9 @@ For each Qwen3.6-27B decode weight shape (bench/int4_kernels.py's SHAPES, group 
 and M in (1, 2, 4, 8, 16) rows:
 - "today": `int4_gemm.int4_gemv` (checkpoint layout, its INT4_DECODE_TILINGS entry);
 - "planes-<mode>/...": `int4_gemv.int4_plane_gemv` in each mode (dot, pairs, pairs-xa, halves,
-  fma) on the weight repacked by `pack_planes` (plane or pair layout), at its default tiling
-  and, for halves and pairs, a few more; the FMA form only up to 4 rows;
+  halves-biased, fma) on the weight repacked by `pack_planes` (plane or pair layout), at its
+  default tiling and, for halves, halves-biased and pairs, a few more; the FMA form only up to
+  4 rows;
 - "fp8/engine" (`fp8_gemm.w8_gemv` with the tiling the engine picks) and "fp8/run15" (the
   H200 sweep's winner), on an e4m3 weight of the same shape;
 - "copy": a device copy moving the int4 GEMV's bytes (read + write), through the same timing.
@@ -72,6 +73,7 @@ def variants(n: int, k: int, m: int, sms: int) -> list[tuple[str, str, PlaneTili
         ("planes-pairs/default", "pairs", None),
         ("planes-pairs-xa/default", "pairs-xa", None),
         ("planes-halves/default", "halves", None),
+        ("planes-halves-biased/default", "halves-biased", None),
     ]
     tilings = (  # (bn, blocks per step, warps, stages, programs per SM)
         (64, 2, 2, 3, 4),  # two blocks (256 k) per step: more loads in flight
@@ -80,7 +82,11 @@ def variants(n: int, k: int, m: int, sms: int) -> list[tuple[str, str, PlaneTili
         (64, 2, 4, 3, 4),  # 4 warps: wgmma, the codes from registers
         (128, 1, 4, 3, 8),
     )
-    for mode, chosen in (("halves", tilings), ("pairs", tilings[:1] + tilings[4:])):
+    for mode, chosen in (
+        ("halves", tilings),
+        ("halves-biased", tilings),
+        ("pairs", tilings[:1] + tilings[4:]),
+    ):
         for bn, blocks, warps, stages, per_sm in chosen:
             t = PlaneTiling(bn, blocks, split(bn, blocks, per_sm), warps, stages)
             label = f"planes-{mode}/{bn}x{blocks * 128}w{warps}s{stages}"

@@ -70,6 +70,9 @@ def test_plane_packing_is_lossless_and_places_each_k(pairs: bool) -> None:
         (1, 40, 256, 128, True, "halves", PlaneTiling(16, 1, 1), False),
         (3, 40, 512, 64, False, "halves", PlaneTiling(16, 2, 2), True),
         (16, 48, 256, 32, True, "halves", None, False),
+        (1, 40, 256, 128, True, "halves-biased", PlaneTiling(16, 1, 1), False),
+        (5, 40, 512, 128, False, "halves-biased", PlaneTiling(32, 2, 2), True),
+        (16, 40, 384, 256, True, "halves-biased", None, False),
         (1, 40, 256, 128, True, "fma", PlaneTiling(16, 1, 1), False),
         (2, 40, 512, 128, False, "fma", PlaneTiling(16, 1, 3), True),  # ragged splits
         (4, 48, 256, 32, True, "fma", PlaneTiling(16, 1, 2), False),
@@ -126,7 +129,7 @@ SHAPES_27B = [(34816, 5120), (5120, 17408), (14336, 5120), (5120, 6144), (16384,
 @pytest.mark.parametrize(("n", "k"), SHAPES_27B)
 def test_gpu_plane_gemv_27b(n: int, k: int) -> None:
     torch.manual_seed(n + k)
-    for mode in ("dot", "pairs", "pairs-xa", "halves", "fma"):
+    for mode in ("dot", "pairs", "pairs-xa", "halves", "halves-biased", "fma"):
         for m in (1, 4) if mode == "fma" else (1, 8, 16):
             check(m, n, k, 128, True, mode, None, False, "cuda")
         check(2, n, k, 128, False, mode, None, True, "cuda")
@@ -142,7 +145,7 @@ def test_variants_benchmark_smoke_runs_on_cpu(tmp_path) -> None:
     )
     rows = report["shapes"]["smoke b"]["by_m"][2]
     names = {r["variant"] for r in rows}
-    expected = {"today", "copy", "planes-halves/default", "planes-fma/default"}
-    assert expected | {f"planes-{m}/default" for m in ("dot", "pairs", "pairs-xa")} <= names
+    modes = ("dot", "pairs", "pairs-xa", "halves", "halves-biased", "fma")
+    assert {"today", "copy"} | {f"planes-{m}/default" for m in modes} <= names
     assert all(r.get("ok", True) and "error" not in r for r in rows)
     assert out.exists()

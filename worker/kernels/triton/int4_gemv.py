@@ -24,13 +24,17 @@ Variants (`mode`):
   joined back into consecutive k).
 - "pairs-xa": the same with x as the dot's left operand (out = x W^T, the weight as the right
   operand; groups of whole blocks only).
+- "halves-biased": "halves" with the codes left as 128 + q (bf16; 1024 + q fp16): the PTX
+  block loses its subtract, and the offset is taken out per block as (128 + 8) s times x's
+  block sum, which the wrapper computes first (one small reduction launch).
 - "halves": the pair layout read as int16 [N, K / 4], where element e of a block holds
   k = 32 j + e in bits 4j: plane j of a [BN, 32] int16 tile is a [BN, 32] code tile, formed by
   one PTX block per two elements, so every op from the load to the dot is element-wise and the
   mma operand layout reaches back to the load (ldmatrix from shared memory, no permutes).
-Instructions per 64 x 128 step on 2 warps (sm_90 SASS of the loop, triton 3.6 as on the H200;
-today's checkpoint-layout GEMV 381): dot 399, pairs 389, pairs-xa 418, halves 327 (3.9: 391,
-321, 322, 321); the FMA form ~4.9 per code (128 codes per thread and step: 683).
+Instructions per 64 x 128 step on 2 warps (sm_90 SASS of the loop, bench/int4_sass.py; triton
+3.6 as on the H200; today's checkpoint-layout GEMV 381): dot 399, pairs 389, pairs-xa 418,
+halves 327, halves-biased 299 (triton 3.9: 391, 321, 322, 321, ~300); the FMA form 683 at one
+row (5.3 per code: 128 codes per thread and step).
 - "fma": no tensor cores (1-4 rows): codes as fp32 1 + q / 16 (the nibble moved into the top of
   a mantissa of 1.0: one shift and one lop3 per code, no int -> float conversion), one FMA per
   code and row into a [BN, 16] accumulator per row, reduced once at the end; the sum is then
@@ -54,7 +58,7 @@ from worker.kernels.triton.fp8_gemm import _arrival_counters, _gemv_epilogue
 
 PLANE_BLOCK = 128  # k per block of 16 words
 PLANE_WORDS = PLANE_BLOCK // 8
-MODES = ("dot", "pairs", "pairs-xa", "halves", "fma")  # all but dot/fma: the pair layout
+MODES = ("dot", "pairs", "pairs-xa", "halves", "halves-biased", "fma")  # pair layout: 2-5
 
 
 @dataclass(frozen=True)
@@ -141,9 +145,10 @@ def _pair_table() -> dict[tuple[str, bool, int], str]:
 _PAIRS = _pair_table()
 
 
-def half_pair_ptx(shift: int, dtype: torch.dtype, symmetric: bool) -> str:
+def half_pair_ptx(shift: int, dtype: torch.dtype, symmetric: bool, biased: bool = False) -> str:
     """PTX: plane j = shift / 4 of two int16 elements (one 32-bit register) as two 16-bit
-    codes in one register: shift, one lop3 into the magic's mantissa, one packed subtract."""
+    codes in one register: shift, one lop3 into the magic's mantissa, one packed subtract (none
+    when biased: the codes stay magic + q)."""
     ty, magic = ("bf16x2", "0x43004300") if dtype == torch.bfloat16 else ("f16x2", "0x64006400")
     neg = {
         ("bf16x2", True): "0xC308C308",
@@ -152,6 +157,8 @@ def half_pair_ptx(shift: int, dtype: torch.dtype, symmetric: bool) -> str:
         ("f16x2", False): "0xE400E400",
     }[(ty, symmetric)]
     shr = f"shr.u32 t, $1, {shift};\n" if shift else "mov.b32 t, $1;\n"
+    if biased:
+        return f"{{\n.reg .b32 t;\n{shr}lop3.b32 $0, t, 0x000f000f, {magic}, 0xea;\n}}"
     return (
         f"{{\n.reg .b32 t, c;\nmov.b32 c, {neg};\n{shr}"
         f"lop3.b32 t, t, 0x000f000f, {magic}, 0xea;\nadd.{ty} $0, t, c;\n}}"
@@ -160,8 +167,9 @@ def half_pair_ptx(shift: int, dtype: torch.dtype, symmetric: bool) -> str:
 
 @triton.jit
 def _half_plane(h, j: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, SYM: tl.constexpr,
-                FAST: tl.constexpr):  # fmt: skip
-    """Codes of plane j (bits 4j) of int16 elements, in DOT: two elements per PTX block."""
+                FAST: tl.constexpr, BIASED: tl.constexpr, MAGIC_F: tl.constexpr):  # fmt: skip
+    """Codes of plane j (bits 4j) of int16 elements, in DOT: two elements per PTX block.
+    BIASED: MAGIC_F + q (the PTX block's subtract left out)."""
     if FAST:
         if DOT == tl.bfloat16:
             c = tl.inline_asm_elementwise(ASM, "=r,r", [h], tl.bfloat16, True, 2)
@@ -169,6 +177,8 @@ def _half_plane(h, j: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, SYM: t
             c = tl.inline_asm_elementwise(ASM, "=r,r", [h], tl.float16, True, 2)
     else:
         offset = 8.0 if SYM else 0.0
+        if BIASED:
+            offset = -MAGIC_F
         c = (((h >> (4 * j)) & 0xF).to(tl.float32) - offset).to(DOT)
     return c
 
@@ -317,12 +327,12 @@ def _fma_row(wt, x, r: tl.constexpr, M, stride_xm, kb, s, mn, s8, m8, WORDS: tl.
 
 @kernel
 def _plane_gemv_kernel(
-    x, words, scales, mins, bias, out, partial, arrivals,
-    M, N, K, k_per_split, splits, stride_xm, stride_wn, stride_sn, stride_om,
+    x, words, scales, mins, bias, out, partial, arrivals, xsums,
+    M, N, K, k_per_split, splits, stride_xm, stride_wn, stride_sn, stride_om, stride_xs,
     BM: tl.constexpr, BN: tl.constexpr, BLOCKS: tl.constexpr, GROUP: tl.constexpr,
     WORDS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     FMA: tl.constexpr, PAIRS: tl.constexpr, XA: tl.constexpr, HALVES: tl.constexpr,
-    ASM0: tl.constexpr, ASM1: tl.constexpr, ASM2: tl.constexpr, ASM3: tl.constexpr,
+    BIASED: tl.constexpr, MAGIC_F: tl.constexpr, ASM0: tl.constexpr, ASM1: tl.constexpr, ASM2: tl.constexpr, ASM3: tl.constexpr,
     DOT: tl.constexpr, FAST: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
@@ -387,15 +397,17 @@ def _plane_gemv_kernel(
                 xs = tl.zeros((BM,), dtype=tl.float32)
                 for j in tl.static_range(4):
                     if j == 0:
-                        cj = _half_plane(wt, 0, ASM0, DOT, not HAS_MINS, FAST)
+                        cj = _half_plane(wt, 0, ASM0, DOT, not HAS_MINS, FAST, BIASED, MAGIC_F)
                     elif j == 1:
-                        cj = _half_plane(wt, 1, ASM1, DOT, not HAS_MINS, FAST)
+                        cj = _half_plane(wt, 1, ASM1, DOT, not HAS_MINS, FAST, BIASED, MAGIC_F)
                     elif j == 2:
-                        cj = _half_plane(wt, 2, ASM2, DOT, not HAS_MINS, FAST)
+                        cj = _half_plane(wt, 2, ASM2, DOT, not HAS_MINS, FAST, BIASED, MAGIC_F)
                     else:
-                        cj = _half_plane(wt, 3, ASM3, DOT, not HAS_MINS, FAST)
+                        cj = _half_plane(wt, 3, ASM3, DOT, not HAS_MINS, FAST, BIASED, MAGIC_F)
                     xj = tl.load(x_rows + kb + j * 2 * WORDS + r2[None, :], mask=m_ok, other=0.0)
-                    if PER_BLOCK:
+                    if BIASED:  # codes MAGIC_F + q: the offset leaves with the block's x sum
+                        part = tl.dot(cj, tl.trans(xj.to(DOT)), part)
+                    elif PER_BLOCK:
                         part = tl.dot(cj, tl.trans(xj.to(DOT)), part)
                         if HAS_MINS:
                             xs += tl.sum(xj.to(tl.float32), axis=1)
@@ -404,7 +416,15 @@ def _plane_gemv_kernel(
                         if HAS_MINS:
                             xsj = tl.sum(xj.to(tl.float32), axis=1)
                             part += _col8(m8, 2 * j)[:, None] * xsj[None, :]
-                if PER_BLOCK:
+                if BIASED:
+                    xb = tl.load(xsums + rm * stride_xs + kb // BLOCK, mask=rm < M, other=0.0)
+                    if HAS_MINS:  # sum x (q s + m) = s sum x (c - MAGIC) + m sum x
+                        off = mn - MAGIC_F * s
+                    else:  # sum x (q - 8) s = s sum x c - (MAGIC + 8) s sum x
+                        off = -(MAGIC_F + 8.0) * s
+                    acc += part * s[:, None]  # (two statements: two FMAs)
+                    acc += off[:, None] * xb[None, :]
+                elif PER_BLOCK:
                     acc += part * s[:, None]
                     if HAS_MINS:
                         acc += mn[:, None] * xs[None, :]
@@ -527,11 +547,12 @@ def int4_plane_gemv(
         raise ValueError(f"mode {mode!r} not in {MODES}")
     if m > (4 if mode == "fma" else 16):
         raise ValueError(f"int4_plane_gemv ({mode}) takes at most 16 rows (fma: 4), got {m}")
-    halves = mode == "halves"
+    halves = mode.startswith("halves")
+    biased = mode == "halves-biased"
     pairs = mode.startswith("pairs") or halves
     xa = mode == "pairs-xa"
-    if xa and group_size % PLANE_BLOCK:
-        raise ValueError(f"pairs-xa takes groups of whole plane blocks, got {group_size}")
+    if (xa or biased) and group_size % PLANE_BLOCK:
+        raise ValueError(f"{mode} takes groups of whole plane blocks, got {group_size}")
     if words.dtype != torch.int32 or words.shape[1] * 8 != k or not supports(k, group_size, pairs):
         raise ValueError(f"plane words int32 [N, {k} / 8] with group {group_size} expected")
     if scales.shape != (n, triton.cdiv(k, group_size)):
@@ -559,15 +580,20 @@ def int4_plane_gemv(
         dot_args = {"DOT": tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, "FAST": True}
     asm = {f"ASM{j}": "" for j in range(4)}
     if on_gpu and halves:
-        asm = {f"ASM{j}": half_pair_ptx(4 * j, x.dtype, mins is None) for j in range(4)}
+        asm = {f"ASM{j}": half_pair_ptx(4 * j, x.dtype, mins is None, biased) for j in range(4)}
+    # biased: x's sum per block (fp32 [M, K / 128]); one small reduction launch
+    xsums = x.float().view(m, k // PLANE_BLOCK, PLANE_BLOCK).sum(-1) if biased else out
+    magic = 128.0 if not on_gpu or x.dtype == torch.bfloat16 else 1024.0
     w_arg = words.view(torch.int16) if halves else words  # [N, K / 4] halves
     _plane_gemv_kernel[(tiles, splits)](
         x, w_arg, scales, mins if mins is not None else scales,
-        bias if bias is not None else scales, out, partial, arrivals,
+        bias if bias is not None else scales, out, partial, arrivals, xsums,
         m, n, k, k_per_split, splits, x.stride(0), w_arg.stride(0), scales.stride(0),
-        out.stride(0), BM=bm, BN=tiling.bn, BLOCKS=tiling.blocks, GROUP=group_size,
+        out.stride(0), xsums.stride(0), BM=bm, BN=tiling.bn, BLOCKS=tiling.blocks,
+        GROUP=group_size,
         WORDS=PLANE_WORDS, HAS_MINS=mins is not None, HAS_BIAS=bias is not None,
-        SPLIT=splits > 1, FMA=fma, PAIRS=pairs, XA=xa, HALVES=halves, num_warps=tiling.num_warps,
+        SPLIT=splits > 1, FMA=fma, PAIRS=pairs, XA=xa, HALVES=halves, BIASED=biased,
+        MAGIC_F=magic, num_warps=tiling.num_warps,
         num_stages=tiling.num_stages if on_gpu else 1, **dot_args, **asm,
     )  # fmt: skip
     return out
