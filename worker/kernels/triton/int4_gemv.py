@@ -288,6 +288,26 @@ def _block_scales(s_rows, m_rows, n_mask, kb, K, GROUP: tl.constexpr, WORDS: tl.
 
 
 @triton.jit
+def _step_scales(s_rows, m_rows, n_mask, k0, K, BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
+                 GROUP: tl.constexpr, HAS_MINS: tl.constexpr):  # fmt: skip
+    """fp32 scales (and mins) [BN, BLOCKS] of the blocks of the step at k0 (groups >= a block)."""
+    kc = k0 + tl.arange(0, BLOCKS) * BLOCK
+    mask = n_mask[:, None] & (kc < K)[None, :]
+    g = kc // GROUP
+    s = tl.load(s_rows[:, None] + g[None, :], mask=mask, other=0.0).to(tl.float32)
+    m = tl.zeros_like(s)
+    if HAS_MINS:
+        m = tl.load(m_rows[:, None] + g[None, :], mask=mask, other=0.0).to(tl.float32)
+    return s, m
+
+
+@triton.jit
+def _column(t, j: tl.constexpr, COLS: tl.constexpr):
+    """Column j of a [BN, COLS] register tile."""
+    return tl.sum(tl.where(tl.arange(0, COLS)[None, :] == j, t, 0.0), axis=1)
+
+
+@triton.jit
 def _col8(t, i: tl.constexpr):
     return tl.sum(tl.where(tl.arange(0, 8)[None, :] == i, t, 0.0), axis=1)
 
@@ -362,7 +382,13 @@ def _plane_gemv_kernel(
     a1 = a0
     a2 = a0
     a3 = a0
+    # a step's scales (and mins) are loaded a step ahead: 2-byte gathers, not async-copied,
+    # would otherwise stall the step that uses them for an L2 round trip
+    s_cur, m_cur = _step_scales(s_rows, m_rows, n_mask, k_start, K, BLOCKS, BLOCK, GROUP, HAS_MINS)
     for k0 in range(k_start, k_stop, BLOCKS * BLOCK):
+        s_nxt, m_nxt = _step_scales(
+            s_rows, m_rows, n_mask, k0 + BLOCKS * BLOCK, K, BLOCKS, BLOCK, GROUP, HAS_MINS
+        )
         for blk in tl.static_range(BLOCKS):
             kb = k0 + blk * BLOCK
             if HALVES:  # the pair layout as int16: element e of a block holds k = 32 j + e
@@ -371,10 +397,8 @@ def _plane_gemv_kernel(
             else:
                 wt = tl.load(w_rows + (kb // 8 + rw)[None, :], mask=n_ok, other=0)
             if PER_BLOCK:
-                s = tl.load(s_rows + kb // GROUP, mask=n_mask, other=0.0).to(tl.float32)
-                mn = tl.zeros_like(s)
-                if HAS_MINS:
-                    mn = tl.load(m_rows + kb // GROUP, mask=n_mask, other=0.0).to(tl.float32)
+                s = _column(s_cur, blk, BLOCKS)
+                mn = _column(m_cur, blk, BLOCKS)
                 s8 = tl.zeros((BN, 8), dtype=tl.float32)
                 m8 = s8
             else:
@@ -495,6 +519,7 @@ def _plane_gemv_kernel(
                         acc += mn[:, None] * xs[None, :]
                 else:
                     acc += part
+        s_cur, m_cur = s_nxt, m_nxt
     if XA:
         acc += tl.trans(acc_t)
     if FMA:
