@@ -97,7 +97,8 @@ def cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int, in
                     consts, warps, 3, bn * bk))  # fmt: skip
     for mode, bm, bn, warps in (
         ("dot", 16, 64, 2), ("pairs", 16, 64, 2), ("pairs-xa", 16, 64, 2), ("halves", 16, 64, 2),
-        ("halves", 16, 128, 4), ("halves-biased", 16, 64, 2), ("halves-biased", 16, 128, 4),
+        ("halves", 16, 128, 4), ("halves", 16, 128, 2), ("halves-biased", 16, 64, 2),
+        ("halves-biased", 16, 128, 2), ("halves-biased", 16, 128, 4),
         ("fma", 1, 64, 2), ("fma", 4, 64, 2),
     ):  # fmt: skip
         halves = mode.startswith("halves")

@@ -77,15 +77,16 @@ def variants(n: int, k: int, m: int, sms: int) -> list[tuple[str, str, PlaneTili
     ]
     tilings = (  # (bn, blocks per step, warps, stages, programs per SM)
         (64, 2, 2, 3, 4),  # two blocks (256 k) per step: more loads in flight
-        (32, 2, 2, 4, 4),
+        (128, 1, 2, 3, 4),  # 256 codes per thread and step: 2.0 instructions per code
+        (64, 1, 1, 3, 8),  # the same per thread on one warp
         (64, 1, 2, 4, 8),
-        (64, 2, 4, 3, 4),  # 4 warps: wgmma, the codes from registers
-        (128, 1, 4, 3, 8),
+        (128, 1, 4, 3, 8),  # 4 warps: wgmma, the codes from registers
+        (32, 2, 2, 4, 4),
     )
     for mode, chosen in (
         ("halves", tilings),
         ("halves-biased", tilings),
-        ("pairs", tilings[:1] + tilings[4:]),
+        ("pairs", tilings[:2]),
     ):
         for bn, blocks, warps, stages, per_sm in chosen:
             t = PlaneTiling(bn, blocks, split(bn, blocks, per_sm), warps, stages)
