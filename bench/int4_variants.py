@@ -82,8 +82,8 @@ def variants(n: int, k: int, m: int, sms: int) -> list[tuple[str, str, PlaneTili
         (32, 2, 2, 4, 4),
     )
     for mode, chosen in (
-        ("halves", tilings),
         ("halves-biased", tilings),
+        ("halves", tilings),
         ("pairs", tilings[:2]),
     ):
         for bn, blocks, warps, stages, per_sm in chosen:
