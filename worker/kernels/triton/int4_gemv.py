@@ -24,21 +24,22 @@ Variants (`mode`):
   joined back into consecutive k).
 - "pairs-xa": the same with x as the dot's left operand (out = x W^T, the weight as the right
   operand; groups of whole blocks only).
-- "halves-biased": "halves" with the codes left as 128 + q (bf16; 1024 + q fp16): the PTX
-  block loses its subtract, and the offset is taken out per block as (128 + 8) s times x's
-  block sum, which the wrapper computes first (one small reduction launch).
 - "halves": the pair layout read as int16 [N, K / 4], where element e of a block holds
   k = 32 j + e in bits 4j: plane j of a [BN, 32] int16 tile is a [BN, 32] code tile, formed by
   one PTX block per two elements, so every op from the load to the dot is element-wise and the
   mma operand layout reaches back to the load (ldmatrix from shared memory, no permutes).
-Instructions per 64 x 128 step on 2 warps (sm_90 SASS of the loop, bench/int4_sass.py; triton
-3.6 as on the H200; today's checkpoint-layout GEMV 381): dot 399, pairs 389, pairs-xa 418,
-halves 327, halves-biased 299 (triton 3.9: 391, 321, 322, 321, ~300); the FMA form 683 at one
-row (5.3 per code: 128 codes per thread and step).
+- "halves-biased": "halves" with the codes left as 128 + q (bf16; 1024 + q fp16): the PTX
+  block loses its subtract, and the offset is taken out per block as (128 + 8) s times x's
+  block sum, which the wrapper computes first (one small reduction launch).
 - "fma": no tensor cores (1-4 rows): codes as fp32 1 + q / 16 (the nibble moved into the top of
   a mantissa of 1.0: one shift and one lop3 per code, no int -> float conversion), one FMA per
   code and row into a [BN, 16] accumulator per row, reduced once at the end; the sum is then
   sum x (q - 8) = 16 sum x c - 24 sum x (affine q s + m likewise).
+
+Loop instructions per 64 x 128 step on 2 warps (sm_90 SASS, bench/int4_sass.py, triton 3.6 as
+on the H200; today's checkpoint-layout GEMV: 381): dot 400, pairs 383, pairs-xa 420, halves 324,
+halves-biased 303 (256 on 128-channel tiles, per the same codes: 2.0 per code against 2.98);
+fma 672 at one row (5.3 per code).
 
 All split K across programs like `int4_gemv` (the last program to arrive at a column tile sums
 the fp32 partials: one launch).
