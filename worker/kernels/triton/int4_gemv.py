@@ -38,8 +38,8 @@ Variants (`mode`):
 
 Loop instructions per 64 x 128 step on 2 warps (sm_90 SASS, bench/int4_sass.py, triton 3.6 as
 on the H200; today's checkpoint-layout GEMV: 381): dot 400, pairs 383, pairs-xa 420, halves 324,
-halves-biased 303 (256 on 128-channel tiles, per the same codes: 2.0 per code against 2.98);
-fma 672 at one row (5.3 per code).
+halves-biased 303; per code and thread that is 2.98 for today, 2.37 for halves-biased and 2.0
+for halves-biased on 128-channel tiles (240 registers); fma 5.3 at one row.
 
 All split K across programs like `int4_gemv` (the last program to arrive at a column tile sums
 the fp32 partials: one launch).
