@@ -608,7 +608,7 @@ def int4_plane_gemv(
     if on_gpu and halves:
         asm = {f"ASM{j}": half_pair_ptx(4 * j, x.dtype, mins is None, biased) for j in range(4)}
     # biased: x's sum per block (fp32 [M, K / 128]); one small reduction launch
-    xsums = x.float().view(m, k // PLANE_BLOCK, PLANE_BLOCK).sum(-1) if biased else out
+    xsums = x.view(m, k // PLANE_BLOCK, PLANE_BLOCK).sum(-1, dtype=torch.float32) if biased else out
     magic = 128.0 if not on_gpu or x.dtype == torch.bfloat16 else 1024.0
     w_arg = words.view(torch.int16) if halves else words  # [N, K / 4] halves
     _plane_gemv_kernel[(tiles, splits)](
