@@ -30,7 +30,7 @@ from control_plane.embedded import EmbeddedNats
 from events import control
 from events.control import LimitsSet
 from events.store import EventStore, StreamLayout
-from tokenmill.settings import GovernanceSettings
+from tokenmill.settings import AdmissionSettings
 
 
 def window_clock() -> Any:
@@ -80,7 +80,7 @@ async def run(seconds: float) -> dict[str, Any]:
         ),
         None,
     )
-    settings = GovernanceSettings(default_max_tokens=256)
+    settings = AdmissionSettings(default_max_tokens=256)
     clock = window_clock()
     views = [GovernanceView(nc.jetstream(), layout) for nc in conns]
     replicas = [

@@ -136,8 +136,8 @@ def test_gpu_plane_gemv_27b(n: int, k: int) -> None:
 
 
 def test_variants_benchmark_smoke_runs_on_cpu(tmp_path) -> None:
-    """bench/int4_variants.py --smoke: every variant checked and timed, the JSON written."""
-    from bench import int4_variants
+    """bench/kernels/int4_variants.py --smoke: every variant checked and timed, the JSON written."""
+    from bench.kernels import int4_variants
 
     out = tmp_path / "variants.json"
     report = int4_variants.main(

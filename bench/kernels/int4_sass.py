@@ -1,13 +1,13 @@
 """Static cost of the int4 decode GEMVs: each compiled for sm_90 without a GPU, the instructions
 of its main loop counted in the SASS (triton's bundled ptxas and cuobjdump).
 
-    python3 bench/int4_sass.py                 # any machine with triton; ~1 minute on 2 cores
+    python3 bench/kernels/int4_sass.py                 # any machine with triton; ~1 minute on 2 cores
 
 Per kernel and tiling: registers, the loop's instruction count per step and per weight code
 (per thread), and the instruction classes that dominate it (unpacking: LOP3/SHF/PRMT/HADD2;
 mma; shared-memory reads of the weight: LDS/LDSM). A decode GEMV streams ~16 bytes of weight
 per SM and clock at the H200's copy bandwidth, so the instructions per code bound how close to
-it a kernel can come; compare with bench/int4_variants.py's measured times.
+it a kernel can come; compare with bench/kernels/int4_variants.py's measured times.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402

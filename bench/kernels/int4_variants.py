@@ -1,7 +1,7 @@
 """Int4 decode GEMV variants against today's kernel, FP8 and the copy roofline, in one run.
 
-    python3 bench/int4_variants.py --budget-s 420            # one CUDA GPU, < 7 minutes
-    TRITON_INTERPRET=1 python3 bench/int4_variants.py --smoke   # CPU: tiny shapes, checks only
+    python3 bench/kernels/int4_variants.py --budget-s 420            # one CUDA GPU, < 7 minutes
+    TRITON_INTERPRET=1 python3 bench/kernels/int4_variants.py --smoke   # CPU: tiny shapes, checks only
 
 For each Qwen3.6-27B decode weight shape (bench/int4_kernels.py's SHAPES, group 128, symmetric)
 and M in (8, 1, 16, 2, 4) rows (in that order):
@@ -25,10 +25,8 @@ measured).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -37,12 +35,13 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: the repository root on the path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from bench.int4_kernels import FP8_TILINGS, SHAPES, Budget, err  # noqa: E402
+from bench.common import RESULTS, result_name  # noqa: E402
+from bench.kernels.int4 import FP8_TILINGS, SHAPES, Budget, err  # noqa: E402
 from worker.kernels import reference  # noqa: E402
 from worker.kernels.triton import fp8_gemm  # noqa: E402
 from worker.kernels.triton import int4_gemm as i4  # noqa: E402
@@ -68,7 +67,7 @@ def variants(n: int, k: int, m: int, sms: int) -> list[tuple[str, str, PlaneTili
         tiles = triton.cdiv(n, bn)
         return max(1, min(triton.cdiv(per_sm * sms, tiles), max(1, steps // blocks // 4)))
 
-    # the fewest instructions per code first (bench/int4_sass.py): a budget cut drops the rest
+    # the fewest instructions per code first (bench/kernels/int4_sass.py): a budget cut drops the rest
     out: list[tuple[str, str, PlaneTiling | None]] = [
         ("planes-halves-biased/default", "halves-biased", None),
         ("planes-halves/default", "halves", None),
@@ -314,22 +313,6 @@ def print_table(report: dict[str, Any]) -> None:
                 print(cells)
 
 
-def result_path(device: torch.device) -> Path:
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
-    gpu = "cpu"
-    if device.type == "cuda":
-        gpu = torch.cuda.get_device_name(device).lower().replace("nvidia", "").strip()
-        gpu = gpu.split()[0] if gpu else "gpu"
-    root = Path(__file__).resolve().parents[1]
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        sha = ""
-    return root / "bench" / "results" / f"{date}-{gpu}-{sha or 'nogit'}-int4_variants.json"
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budget-s", type=float, default=420.0)
@@ -343,7 +326,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         log("no CUDA: run with TRITON_INTERPRET=1 (and --smoke)")
-    out = Path(args.out) if args.out else result_path(device)
+    out = (
+        Path(args.out)
+        if args.out
+        else RESULTS / result_name("int4_variants", None if device.type == "cuda" else "cpu")
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
