@@ -50,7 +50,8 @@ def serve(argv: list[str]) -> int:
 
     from control_plane.cli import main
     from control_plane.dataplane import auth, dispatch, gateway, requests, routes
-    from control_plane.dataplane import server as srv
+    from control_plane.dataplane.fast_path import nats as fast_nats
+    from control_plane.dataplane.fast_path import uvicorn as fast_uvicorn
     from control_plane.governance import admission
     from worker import protocol as wp
 
@@ -109,16 +110,16 @@ def serve(argv: list[str]) -> int:
         data_received(self, data)
 
     protocol.data_received = traced_data_received  # type: ignore[method-assign]
-    message_complete = srv.GatewayHttpProtocol.on_message_complete
+    message_complete = fast_uvicorn.FastPathProtocol.on_message_complete
 
     def traced_message_complete(self: Any) -> None:
         now["complete"] = clock()
         message_complete(self)
 
-    srv.GatewayHttpProtocol.on_message_complete = traced_message_complete  # type: ignore[method-assign]
+    fast_uvicorn.FastPathProtocol.on_message_complete = traced_message_complete  # type: ignore[method-assign]
     for owner, name, label in (
         (protocol, "on_headers_complete", "head"),
-        (srv, "start_eagerly", "start"),
+        (fast_uvicorn, "start_eagerly", "start"),
         (auth.Authorizer, "caller", "auth"),
         (routes, "parse_chat", "parse"),
         (auth.Authorizer, "sku", "sku"),
@@ -130,7 +131,7 @@ def serve(argv: list[str]) -> int:
         (gateway.Gateway, "open", "open"),
     ):
         wrap_async(owner, name, label)
-    publish_now = dispatch.publish_now
+    publish_now = fast_nats.publish_now
 
     def traced_publish_now(nc: Any, subject: str, payload: bytes, reply: str = "") -> bool:
         t = clock()
@@ -142,14 +143,14 @@ def serve(argv: list[str]) -> int:
                 marks[rid] = [(label, x - now["read"]) for label, x in current]
         return sent
 
-    dispatch.publish_now = traced_publish_now
-    parse = dispatch._InlineParser.parse
+    fast_nats.publish_now = traced_publish_now
+    parse = fast_nats._InlineParser.parse
 
     async def traced_parse(self: Any, data: bytes = b"") -> None:
         now["nats"] = clock()
         await parse(self, data)
 
-    dispatch._InlineParser.parse = traced_parse  # type: ignore[method-assign]
+    fast_nats._InlineParser.parse = traced_parse  # type: ignore[method-assign]
     on_reply = dispatch.WorkerClient._on_reply
 
     def traced_on_reply(self: Any, subject: str, data: bytes, headers: Any) -> None:

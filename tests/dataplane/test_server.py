@@ -1,5 +1,6 @@
-"""The HTTP protocol `tokenmill serve` runs: the /v1 completion routes go straight to their
-handler under the route's middleware (the refusal counter), every other path through the app."""
+"""The HTTP protocol `tokenmill serve` runs: on the fast path the /v1 completion routes go
+straight to their handler under the route's middleware (the refusal counter), every other path
+through the app."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from litestar import Litestar, get
 from litestar.config.cors import CORSConfig
 from litestar.types import ASGIApp, Receive, Scope, Send
 
+from control_plane.dataplane.fast_path.uvicorn import direct_routes, fast_protocol
+from control_plane.dataplane.limits import InputLimits
 from control_plane.dataplane.routes import DataPlane
-from control_plane.dataplane.server import GatewayHttpProtocol, direct_routes, gateway_protocol
+from control_plane.dataplane.server import GatewayHttpProtocol, http_protocol
 from control_plane.observability.feed import RefusalCounter
 from control_plane.observability.metrics import OpsMetrics
 from events.governance import GovernanceView
@@ -68,7 +71,7 @@ async def test_completion_routes_skip_the_router_and_keep_the_route_middleware(
     assert set(routes) == {"/v1/chat/completions", "/v1/completions", "/v1/responses"}
 
     async with (
-        serving(app, http=gateway_protocol(routes)) as (base_url, _),
+        serving(app, http=fast_protocol(routes, InputLimits())) as (base_url, _),
         httpx.AsyncClient(base_url=base_url) as http,
     ):
         bad_key = {"authorization": "Bearer sk-nope"}
@@ -101,10 +104,12 @@ def test_apps_with_app_level_behaviour_are_served_through_the_app() -> None:
     assert direct_routes(app, plane.completion_handlers()) == {}
 
 
-async def test_a_request_over_the_concurrency_limit_still_gets_uvicorns_503() -> None:
+async def test_a_request_over_the_concurrency_limit_still_gets_uvicorns_503(
+    fast_path: bool,
+) -> None:
     plane = unstarted_plane()
     app = Litestar(route_handlers=[plane.router()])
-    http = gateway_protocol(direct_routes(app, plane.completion_handlers()))
+    http = http_protocol(app, plane.completion_handlers())
     # One connection is the limit: the client's own already reaches it.
     async with (
         serving(app, http=http, limit_concurrency=1) as (base_url, _),
