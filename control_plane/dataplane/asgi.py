@@ -148,8 +148,8 @@ async def _read_body(receive: Receive, limits: InputLimits, body_in: bool) -> by
     parts: list[bytes] = []
     size = 0
     if asyncio.current_task() is None:
-        # Stepped by hand (`server.start_eagerly` on 3.11): a timeout needs a task, and the
-        # task takes over at the first suspension.
+        # Stepped by hand (`fast_path.uvicorn.start_eagerly` on 3.11): a timeout needs a task,
+        # and the task takes over at the first suspension.
         await asyncio.sleep(0)
     try:
         async with asyncio.timeout(limits.read_timeout_s):
