@@ -38,7 +38,7 @@ import uvicorn
 
 from control_plane.app import create_app, load_extensions
 from control_plane.auth import resolve_admin_token
-from control_plane.dataplane.server import direct_routes, gateway_protocol
+from control_plane.dataplane.server import http_protocol
 from control_plane.embedded import EmbeddedNats, EmbeddedPostgres
 from control_plane.services import Services
 from events.projections import ProjectionLocked, Projector, all_projections, dead_letters
@@ -131,10 +131,8 @@ async def _serve(settings: Settings, admin_token: str, *, projectors: bool, up: 
             port=settings.port,
             log_level="warning",
             lifespan="on",
-            # The /v1 completion routes skip Litestar's routing (the token hot path).
-            http=gateway_protocol(direct_routes(app, plane.completion_handlers()))
-            if plane is not None
-            else "auto",
+            # Input limits; on the fast path the /v1 completion routes skip Litestar's routing.
+            http=http_protocol(app, plane.completion_handlers()) if plane is not None else "auto",
         )
         server = stop.server = uvicorn.Server(config)
         serving = asyncio.create_task(server.serve())

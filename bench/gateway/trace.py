@@ -1,14 +1,14 @@
 """Where a streamed request's time to first token goes inside the gateway, step by step.
 
-The benchmark's stack (bench/gateway/overhead.py) with the gateway run under this module,
+The benchmark's stack (bench/gateway_overhead.py) with the gateway run under this module,
 which patches `time.perf_counter()` stamps into the first-token path from outside the tree
 (uvicorn's read callback, the request's NATS write, the reply's read and the first chunk's
 write) and, for one request in N, marks inside the request path (auth, body parse, admission,
 dispatch). The load generator's per-request send time and TTFT (same clock: CLOCK_MONOTONIC)
 are joined with the gateway's stamps on the request id.
 
-    python -m bench.gateway.trace                       # 100 streams, 2 x 500 requests a mode
-    python -m bench.gateway.trace --rounds 1 --requests 300
+    python -m bench.gateway_trace                       # 100 streams, 2 x 500 requests a mode
+    python -m bench.gateway_trace --rounds 1 --requests 300
 
 Prints the step table (p50/p90/p99), the request path's marks (offset from the read, p50) and
 a calibration: one fixed JSON body decoded at the start of each request's read callback, then
@@ -30,8 +30,6 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench.common import percentile, result_path, write_result
-
 STEPS = (
     "client's write -> gateway reads it",
     "head and body parsed (uvicorn)",
@@ -52,7 +50,8 @@ def serve(argv: list[str]) -> int:
 
     from control_plane.admission import admission
     from control_plane.dataplane import auth, dispatch, gateway, requests, routes
-    from control_plane.dataplane import server as srv
+    from control_plane.dataplane.fast_path import nats as fast_nats
+    from control_plane.dataplane.fast_path import uvicorn as fast_uvicorn
     from tokenmill.cli import main
     from worker import protocol as wp
 
@@ -111,16 +110,16 @@ def serve(argv: list[str]) -> int:
         data_received(self, data)
 
     protocol.data_received = traced_data_received  # type: ignore[method-assign]
-    message_complete = srv.GatewayHttpProtocol.on_message_complete
+    message_complete = fast_uvicorn.FastPathProtocol.on_message_complete
 
     def traced_message_complete(self: Any) -> None:
         now["complete"] = clock()
         message_complete(self)
 
-    srv.GatewayHttpProtocol.on_message_complete = traced_message_complete  # type: ignore[method-assign]
+    fast_uvicorn.FastPathProtocol.on_message_complete = traced_message_complete  # type: ignore[method-assign]
     for owner, name, label in (
         (protocol, "on_headers_complete", "head"),
-        (srv, "start_eagerly", "start"),
+        (fast_uvicorn, "start_eagerly", "start"),
         (auth.Authorizer, "caller", "auth"),
         (routes, "parse_chat", "parse"),
         (auth.Authorizer, "sku", "sku"),
@@ -132,7 +131,7 @@ def serve(argv: list[str]) -> int:
         (gateway.Gateway, "open", "open"),
     ):
         wrap_async(owner, name, label)
-    publish_now = dispatch.publish_now
+    publish_now = fast_nats.publish_now
 
     def traced_publish_now(nc: Any, subject: str, payload: bytes, reply: str = "") -> bool:
         t = clock()
@@ -144,14 +143,14 @@ def serve(argv: list[str]) -> int:
                 marks[rid] = [(label, x - now["read"]) for label, x in current]
         return sent
 
-    dispatch.publish_now = traced_publish_now
-    parse = dispatch._InlineParser.parse
+    fast_nats.publish_now = traced_publish_now
+    parse = fast_nats._InlineParser.parse
 
     async def traced_parse(self: Any, data: bytes = b"") -> None:
         now["nats"] = clock()
         await parse(self, data)
 
-    dispatch._InlineParser.parse = traced_parse  # type: ignore[method-assign]
+    fast_nats._InlineParser.parse = traced_parse  # type: ignore[method-assign]
     on_reply = dispatch.WorkerClient._on_reply
 
     def traced_on_reply(self: Any, subject: str, data: bytes, headers: Any) -> None:
@@ -174,16 +173,17 @@ def serve(argv: list[str]) -> int:
     return main(["serve", *argv])
 
 
+def pct(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q / 100 * len(v)))] if v else float("nan")
+
+
 def report(results: dict[str, list[dict[str, Any]]], trace: dict[str, Any]) -> dict[str, Any]:
     direct = [r["ttft_s"] * 1e3 for r in results["direct"] if r["ttft_s"]]
     through = [r["ttft_s"] * 1e3 for r in results["gateway"] if r["ttft_s"]]
-    added = percentile(through, 50) - percentile(direct, 50)
-    print(
-        f"direct TTFT p50 {percentile(direct, 50):.3f} ms, through the gateway {percentile(through, 50):.3f}"
-    )
-    print(
-        f"added p50 {added:.3f} ms, p99 {percentile(through, 99) - percentile(direct, 99):.3f} ms\n"
-    )
+    added = pct(through, 50) - pct(direct, 50)
+    print(f"direct TTFT p50 {pct(direct, 50):.3f} ms, through the gateway {pct(through, 50):.3f}")
+    print(f"added p50 {added:.3f} ms, p99 {pct(through, 99) - pct(direct, 99):.3f} ms\n")
     steps: dict[str, list[float]] = {s: [] for s in STEPS}
     for r in results["gateway"]:
         s = trace["stamps"].get(r["request_id"])
@@ -198,7 +198,7 @@ def report(results: dict[str, list[dict[str, Any]]], trace: dict[str, Any]) -> d
     n = len(steps[STEPS[0]])
     print(f"{'step (us)':40}{'p50':>8}{'p90':>8}{'p99':>8}   n={n}")
     for step, v in steps.items():
-        print(f"{step:40}{percentile(v, 50):8.0f}{percentile(v, 90):8.0f}{percentile(v, 99):8.0f}")
+        print(f"{step:40}{pct(v, 50):8.0f}{pct(v, 90):8.0f}{pct(v, 99):8.0f}")
     offsets: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
     for request_marks in trace["marks"].values():
         count: collections.Counter[str] = collections.Counter()
@@ -206,28 +206,27 @@ def report(results: dict[str, list[dict[str, Any]]], trace: dict[str, Any]) -> d
             count[label] += 1
             offsets[(label, count[label])].append(x * 1e6)
     print("\nrequest path, offset from the read (p50, us):")
-    for (label, _), v in sorted(offsets.items(), key=lambda kv: percentile(kv[1], 50)):
-        print(f"  {label:10}{percentile(v, 50):8.1f}")
+    for (label, _), v in sorted(offsets.items(), key=lambda kv: pct(kv[1], 50)):
+        print(f"  {label:10}{pct(v, 50):8.1f}")
     cold = [c[0] * 1e6 for c in trace["calibration"]]
     warm = [c[1] * 1e6 for c in trace["calibration"]]
     print(
-        f"\ncalibration: one JSON body decoded at the read: {percentile(cold, 50):.1f} us, "
-        f"again at once: {percentile(warm, 50):.1f} us (p50)"
+        f"\ncalibration: one JSON body decoded at the read: {pct(cold, 50):.1f} us, "
+        f"again at once: {pct(warm, 50):.1f} us (p50)"
     )
     return {
         "ttft_added_ms_p50": added,
         "steps_us": {
-            s: {"p50": percentile(v, 50), "p90": percentile(v, 90), "p99": percentile(v, 99)}
-            for s, v in steps.items()
+            s: {"p50": pct(v, 50), "p90": pct(v, 90), "p99": pct(v, 99)} for s, v in steps.items()
         },
-        "marks_us_p50": {f"{label}#{i}": percentile(v, 50) for (label, i), v in offsets.items()},
-        "calibration_us_p50": {"cold": percentile(cold, 50), "again": percentile(warm, 50)},
+        "marks_us_p50": {f"{label}#{i}": pct(v, 50) for (label, i), v in offsets.items()},
+        "calibration_us_p50": {"cold": pct(cold, 50), "again": pct(warm, 50)},
         "direct_mean_ms": statistics.mean(direct) if direct else None,
     }
 
 
 def run(a: argparse.Namespace) -> int:
-    from bench.gateway.overhead import Bench, wait_http
+    from bench.gateway_overhead import Bench, wait_http
 
     trace_out = Path(os.environ.get("TRACE_OUT", "/tmp/tokenmill-gateway-trace.json"))
 
@@ -237,7 +236,7 @@ def run(a: argparse.Namespace) -> int:
             self.env["TRACE_MARK_EVERY"] = str(a.mark_every)
             port = str(self.port)
             self.serve = self.spawn(
-                "-m", "bench.gateway.trace", "serve", "--port", port, log="serve.log"
+                "-m", "bench.gateway_trace", "serve", "--port", port, log="serve.log"
             )
             self.spawn("-m", "tokenmill.cli", "project", log="project.log")
             wait_http(self.url + "/healthz")
@@ -261,8 +260,9 @@ def run(a: argparse.Namespace) -> int:
         os.kill(b.serve.pid, signal.SIGUSR1)
         time.sleep(1.0)
     summary = report(results, json.loads(trace_out.read_text()))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: str(v) for k, v in vars(a).items()}
-    write_result(a.out, {"config": config, **summary})
+    a.out.write_text(json.dumps({"config": config, **summary}, indent=2) + "\n")
     print(f"JSON: {a.out}")
     return 0
 
@@ -277,7 +277,9 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--mark-every", type=int, default=1, help="marks for one request in N")
-    ap.add_argument("--out", type=Path, default=result_path("gateway_trace", gpu="cpu"))
+    ap.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results" / "gateway_trace.json"
+    )
     return run(ap.parse_args())
 
 

@@ -1,7 +1,7 @@
 """The completion routes at the ASGI level: the token hot path.
 
 Going below Litestar's request/response objects here saves a few hundred microseconds of time
-to first token per request (measured in bench/gateway/overhead.py), and gives direct control
+to first token per request (measured in bench/gateway_overhead.py), and gives direct control
 of the two things that matter: the response starts only once the worker produced its first
 chunk (so a refusal still gets its own status), and a client that hangs up is noticed at once
 (a task waits for `http.disconnect` and interrupts the relay, which then cancels generation
@@ -18,6 +18,7 @@ from litestar.types import Message, Receive, Scope, Send
 
 from control_plane.admission.keys import Caller
 from control_plane.dataplane import errors
+from control_plane.dataplane.fast_path import BODY_IN
 from control_plane.dataplane.gateway import (
     ChunkLost,
     ClientGone,
@@ -32,13 +33,6 @@ from control_plane.dataplane.transport import ResponseOut
 from worker.protocol import TokenChunk
 
 log = logging.getLogger("tokenmill.dataplane")
-
-# Scope key: True when every middleware on the route passes a 2xx response through unchanged
-# (set by `server.direct_routes`), so a streamed answer may be written past the send chain.
-DIRECT_WRITES = "tokenmill.direct_writes"
-# Scope key: True when the server started the handler with the whole body already read
-# (`server.GatewayHttpProtocol`), so reading it cannot wait.
-BODY_IN = "tokenmill.body_in"
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -114,11 +108,11 @@ async def serve_completion(
         body = await _read_body(receive, limits, body_read)
         body_read = True
         completion = await prepare(caller, body, request_id)
-        watcher = asyncio.create_task(_interrupt_on_disconnect(receive, completion.relay))
+        watcher = asyncio.create_task(_interrupt_on_disconnect(receive, completion))
         if completion.stream:
             await _stream(completion, scope, send, receive)
         else:
-            await _whole(completion, send, receive)
+            await _whole(completion, scope, send, receive)
     except errors.OpenAIError as exc:
         await _send_error(send, exc, request_id, close=not body_read)
     except ClientGone:
@@ -154,8 +148,8 @@ async def _read_body(receive: Receive, limits: InputLimits, body_in: bool) -> by
     parts: list[bytes] = []
     size = 0
     if asyncio.current_task() is None:
-        # Stepped by hand (`server.start_eagerly` on 3.11): a timeout needs a task, and the
-        # task takes over at the first suspension.
+        # Stepped by hand (`fast_path.uvicorn.start_eagerly` on 3.11): a timeout needs a task,
+        # and the task takes over at the first suspension.
         await asyncio.sleep(0)
     try:
         async with asyncio.timeout(limits.read_timeout_s):
@@ -174,10 +168,12 @@ async def _read_body(receive: Receive, limits: InputLimits, body_in: bool) -> by
         raise errors.read_timeout(limits.read_timeout_s) from None
 
 
-async def _interrupt_on_disconnect(receive: Receive, relay: Relay) -> None:
+async def _interrupt_on_disconnect(receive: Receive, c: Completion) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-    relay.interrupt()
+    if c.out is not None:  # before it exists, the interrupt ends the relay: nothing is sent
+        c.out.client_left()
+    c.relay.interrupt()
 
 
 async def _send_error(
@@ -194,7 +190,7 @@ async def _send_error(
         log.debug("could not send %s", exc.status)
 
 
-async def _whole(c: Completion, send: Send, receive: Receive) -> None:
+async def _whole(c: Completion, scope: Scope, send: Send, receive: Receive) -> None:
     chunks: list[TokenChunk] = []
     try:
         while c.relay.finished is None:
@@ -211,7 +207,7 @@ async def _whole(c: Completion, send: Send, receive: Receive) -> None:
         "status": 200,
         "headers": [*JSON_HEADERS, *c.headers],
     }
-    c.out = ResponseOut(send, receive, start)
+    c.out = ResponseOut(scope, send, receive, start)
     await c.out.write(content, more_body=False, tokens=fin.completion_tokens)
     c.relay.answered = not c.out.client_gone
 
@@ -223,7 +219,7 @@ async def _stream(c: Completion, scope: Scope, send: Send, receive: Receive) -> 
         "status": 200,
         "headers": [*SSE_HEADERS, *c.headers],
     }
-    out = c.out = ResponseOut(send, receive, start, direct=bool(scope.get(DIRECT_WRITES)))
+    out = c.out = ResponseOut(scope, send, receive, start, stream=True)
 
     # Nothing is sent before the first chunk: a worker's refusal, or no worker at all, still
     # gets its own status instead of an error inside a 200 stream. Chunks are written from the

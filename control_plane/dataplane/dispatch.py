@@ -9,21 +9,19 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import re
 import time
+import types
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import Protocol
 
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.protocol.parser import AWAITING_CONTROL_LINE as _AWAITING_CONTROL_LINE
-from nats.protocol.parser import MAX_CONTROL_LINE_SIZE as _MAX_CONTROL_LINE_SIZE
-from nats.protocol.parser import Parser
 
+from control_plane.dataplane import fast_path
 from tokenmill.settings import RoutingSettings
 from worker import protocol as p
 
@@ -383,159 +381,28 @@ class Dispatch:
 InlineHandler = Callable[[str, bytes, "dict[str, str] | None"], None]
 
 
-class _Handover:
-    """Stands in for a nats-py subscription's pending queue: each message goes to `handler`
-    right in the client's read loop, instead of through a queue and the subscription's own
-    task (one event-loop hop less per token, and fewer wake-ups under load)."""
+def _fast_nats() -> types.ModuleType:
+    # Imported only with the fast path on: an untested nats-py need not even import it.
+    from control_plane.dataplane.fast_path import nats
 
-    def __init__(self, sub: Subscription, handler: InlineHandler) -> None:
-        self.sub, self.handler = sub, handler
-
-    def put_nowait(self, msg: Msg) -> None:
-        self.sub._pending_size = 0  # nothing is ever pending here
-        try:
-            self.handler(msg.subject, msg.data, msg.headers)
-        except Exception:  # never into nats-py's read loop
-            log.exception("reply handler failed on %s", msg.subject)
-
-    def qsize(self) -> int:
-        return 0
-
-    def empty(self) -> bool:
-        return True
-
-    def task_done(self) -> None:
-        return None
-
-    async def join(self) -> None:
-        return None
+    return nats
 
 
-class _InlineParser(Parser):
-    """nats-py's protocol parser, except that a plain MSG frame (no headers) for a
-    subscription in `inline` goes to its handler straight from the bytes: no regex, no Msg
-    object, no awaits per message. One token is one such frame, so this is the gateway's
-    per-token cost of reading NATS. Every other frame (HMSG, PING, INFO, other subscriptions)
-    is handed to nats-py's own parse whole, one at a time, so its state never sees a cut."""
+async def subscribe_replies(
+    nc: NATS, subject: str, handler: InlineHandler, fast: bool | None = None
+) -> Subscription:
+    """A subscription whose messages `handler` (synchronous, quick) takes: in nats-py's read
+    loop on the fast path (`fast_path.nats.subscribe_inline`), else from a callback
+    subscription. `fast`: None reads the switch (`fast_path.enabled()`)."""
+    if fast is None:
+        fast = fast_path.enabled()
+    if fast and (sub := await _fast_nats().subscribe_inline(nc, subject, handler)) is not None:
+        return sub
 
-    inline: dict[int, InlineHandler]
+    async def cb(msg: Msg) -> None:
+        handler(msg.subject, msg.data, msg.headers)
 
-    async def parse(self, data: bytes = b"") -> None:
-        buf = self.buf
-        buf.extend(data)
-        if self.state != _AWAITING_CONTROL_LINE or not self.inline:
-            if buf:
-                await super().parse()
-            return
-        pos = 0
-        try:
-            while True:
-                pos, frame_end = self._take_inline(buf, pos)
-                if frame_end is None:
-                    return
-                self.buf = bytearray(buf[pos:frame_end])  # that frame alone, for nats-py
-                await super().parse()
-                if self.buf:  # it stopped inside the frame: leave it all the rest
-                    self.buf += buf[frame_end:]
-                    buf = self.buf
-                    pos = 0
-                    return
-                pos = frame_end
-        finally:
-            del buf[:pos]
-            self.buf = buf
-
-    def _take_inline(self, buf: bytearray, pos: int) -> tuple[int, int | None]:
-        """Takes the inline frames from `pos` on; returns where it stopped and, when a whole
-        frame for nats-py starts there, where that frame ends (None: wait for more bytes)."""
-        size_in, subs, stats = len(buf), self.nc._subs, self.nc.stats
-        while pos < size_in:
-            eol = buf.find(b"\r\n", pos)
-            if eol < 0:  # an over-long line: nats-py's to refuse
-                return pos, size_in if size_in - pos > _MAX_CONTROL_LINE_SIZE else None
-            is_msg = buf.startswith(b"MSG ", pos)
-            if not is_msg and not buf.startswith(b"HMSG ", pos):
-                return pos, eol + 2  # PING, PONG, INFO, +OK, -ERR
-            args = bytes(buf[pos + (4 if is_msg else 5) : eol]).split()
-            if not args or not args[-1].isdigit() or (is_msg and len(args) not in (3, 4)):
-                return pos, eol + 2  # malformed: nats-py says so
-            end = eol + 2 + int(args[-1]) + 2
-            sid = int(args[1]) if is_msg and args[1].isdigit() else None
-            handler = None if sid is None else self.inline.get(sid)
-            if handler is not None and sid not in subs:  # unsubscribed since
-                del self.inline[sid]  # type: ignore[arg-type]
-                handler = None
-            if end > size_in:
-                return pos, None
-            if handler is None:
-                return pos, end
-            payload = bytes(buf[eol + 2 : end - 2])
-            pos = end
-            stats["in_msgs"] += 1
-            stats["in_bytes"] += len(payload)
-            try:
-                handler(args[0].decode(), payload, None)
-            except Exception:  # never into nats-py's read loop
-                log.exception("reply handler failed on %s", args[0])
-        return pos, None
-
-
-# What nats-py refuses in a subject (a space or CRLF would break the protocol line).
-_UNSAFE_SUBJECT = re.compile(r"\s")
-
-
-def publish_now(nc: NATS, subject: str, payload: bytes, reply: str = "") -> bool:
-    """Writes a publication straight to the socket, in one write, when nothing waits in
-    nats-py's buffer (so order holds) and the connection is up; False: nothing was sent, use
-    `nc.publish`. nats-py's own publish also hands a future to its flusher task, which then
-    wakes for nothing: on the first-token path, work between the request and the worker."""
-    transport = getattr(nc, "_transport", None)
-    if (
-        transport is None
-        or getattr(nc, "_pending", True)
-        or not nc.is_connected
-        or nc.is_draining_pubs
-        or len(payload) > nc.max_payload
-        or _UNSAFE_SUBJECT.search(subject)
-        or _UNSAFE_SUBJECT.search(reply)
-    ):
-        return False
-    transport.write(f"PUB {subject} {reply} {len(payload)}\r\n".encode() + payload + b"\r\n")
-    nc.stats["out_msgs"] += 1
-    nc.stats["out_bytes"] += len(payload)
-    return True
-
-
-def write_pending_now(nc: NATS) -> None:
-    """Writes what nats-py has pending to the socket now, rather than on its flusher task's
-    next turn behind everything else the event loop has ready: the request leaves one hop
-    earlier on the first-token path. (Order is kept: the flusher finds nothing left.)"""
-    pending, transport = getattr(nc, "_pending", None), getattr(nc, "_transport", None)
-    if pending and transport is not None and nc.is_connected:
-        transport.writelines(pending[:])
-        nc._pending = []
-        nc._pending_data_size = 0
-
-
-async def subscribe_inline(nc: NATS, subject: str, handler: InlineHandler) -> Subscription:
-    """A subscription whose messages `handler` (synchronous, quick) takes in the read loop:
-    plain messages straight from the protocol parser, others through the subscription."""
-    sub = await nc.subscribe(subject, pending_bytes_limit=0)
-    if not hasattr(sub, "_pending_queue"):  # a nats-py without it: the ordinary way
-        await sub.unsubscribe()
-
-        async def cb(msg: Msg) -> None:
-            handler(msg.subject, msg.data, msg.headers)
-
-        return await nc.subscribe(subject, cb=cb, pending_msgs_limit=1_000_000)
-    sub._pending_queue = _Handover(sub, handler)  # type: ignore[assignment]
-    parser = getattr(nc, "_ps", None)
-    if type(parser) is Parser and all(hasattr(parser, a) for a in ("buf", "state", "nc")):
-        parser.__class__ = _InlineParser  # keeps its buffer and state
-        cast(_InlineParser, parser).inline = {}
-    if isinstance(parser, _InlineParser):
-        parser.inline[sub._id] = handler
-    return sub
+    return await nc.subscribe(subject, cb=cb, pending_msgs_limit=1_000_000)
 
 
 class WorkerClient:
@@ -550,8 +417,12 @@ class WorkerClient:
         accept_timeout_s: float = 5.0,
         silence_timeout_s: float = 300.0,
         router: Router | None = None,
+        fast: bool | None = None,
     ) -> None:
         self.nc, self.prefix, self.registry = nc, prefix, registry
+        # nats-py's internals on the token path (`fast_path.nats`); None reads the switch.
+        self.fast = fast_path.enabled() if fast is None else fast
+        self._fast_nats = _fast_nats() if self.fast else None
         self.router = router or Router(registry)
         self.accept_timeout_s = accept_timeout_s
         # A live worker silent this long on one request lost its replies (say, our NATS
@@ -563,7 +434,7 @@ class WorkerClient:
         self._reaper: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._sub = await subscribe_inline(self.nc, f"{self._inbox}.*", self._on_reply)
+        self._sub = await subscribe_replies(self.nc, f"{self._inbox}.*", self._on_reply, self.fast)
         self._reaper = asyncio.create_task(self._reap())
 
     async def close(self) -> None:
@@ -590,9 +461,11 @@ class WorkerClient:
             d.routed_to = d.counted_on = target.worker_id
             target.local += 1
         data = p.encode(request)
-        if not publish_now(self.nc, subject, data, request.reply_to):
+        fast_nats = self._fast_nats
+        if fast_nats is None or not fast_nats.publish_now(self.nc, subject, data, request.reply_to):
             await self.nc.publish(subject, data, reply=request.reply_to)
-            write_pending_now(self.nc)
+            if fast_nats is not None:
+                fast_nats.write_pending_now(self.nc)
         return d
 
     def _forget(self, d: Dispatch) -> None:
@@ -618,7 +491,8 @@ class WorkerClient:
         d.routed_to = None
         req = d.request
         subject, data = p.work_subject(self.prefix, req.sku_id), p.encode(req)
-        if not publish_now(self.nc, subject, data, req.reply_to):
+        fast_nats = self._fast_nats
+        if fast_nats is None or not fast_nats.publish_now(self.nc, subject, data, req.reply_to):
             task = asyncio.ensure_future(self.nc.publish(subject, data, reply=req.reply_to))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
 

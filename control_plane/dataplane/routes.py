@@ -193,7 +193,7 @@ class DataPlane:
 
     def completion_handlers(self) -> dict[str, ASGIApp]:
         """The completion routes' ASGI functions by full path, for an HTTP server that hands
-        these paths to them directly (`server.direct_routes`)."""
+        these paths to them directly (`fast_path.uvicorn.direct_routes`)."""
         return {
             "/v1/chat/completions": self.serve_chat,
             "/v1/completions": self.serve_text,

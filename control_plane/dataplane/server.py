@@ -1,55 +1,35 @@
-"""The HTTP protocol `tokenmill serve` runs uvicorn with: uvicorn's httptools protocol, except
-that the /v1 completion routes are handed straight to their handler.
-
-Through the app, a request passes uvicorn's proxy-headers middleware, Litestar's app (scope
-set-up, exception middleware, router: path normalization, host check, route lookup) and only
-then the route's own middleware and handler. On the token hot path that was ~85 us of the
-~420 us between reading a request and writing it to NATS, under the benchmark's load
-(docs/dataplane.md). A completion route here runs its handler under the same route-level
-middleware (the refusal counter) Litestar would have run, in uvicorn's own request cycle
-(keep-alive, flow control, chunked encoding, disconnects: unchanged); every other path, and
-any app with app-level behaviour the shortcut would skip (CORS, allowed hosts, CSRF,
-compression, before-send hooks, guards), goes through the app as before.
-
-The protocol also holds every request to the input limits (`limits.InputLimits`: head size
-and time on every path; when a completion handler starts reading its body) and closes a
-connection whose request was refused half read without resetting it (docs/dataplane.md,
-"Input limits")."""
+"""The HTTP protocol `tokenmill serve` runs uvicorn with (`http_protocol`): uvicorn's
+httptools protocol holding every request to the input limits (`limits.InputLimits`: head size
+and time on every path; the body's when a completion handler reads it), and closing a
+connection whose request was refused half read without resetting it (docs/dataplane.md, "Input
+limits"). It overrides the protocol's parser callbacks, `send_400_response` and `shutdown`,
+none of uvicorn's private (underscore) members. With the data-plane fast path on (`fast_path`,
+the default), its subclass `fast_path.uvicorn.FastPathProtocol` also hands the /v1 completion
+routes straight to their handler; off, every request goes through the ASGI app."""
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import http
 import logging
-import sys
-from collections.abc import Coroutine, Mapping
-from typing import Any, cast
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from litestar import Litestar
-from litestar.routes import ASGIRoute
-from litestar.types import ASGIApp, Receive, Scope, Send
-from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
-from uvicorn.protocols.http.httptools_impl import (
-    STATUS_LINE,
-    HttpToolsProtocol,
-    RequestResponseCycle,
-)
+from litestar.types import ASGIApp
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from control_plane.dataplane import errors
-from control_plane.dataplane.asgi import BODY_IN, DIRECT_WRITES
+from control_plane.dataplane import errors, fast_path
 from control_plane.dataplane.limits import InputLimits
-from control_plane.dataplane.transport import resume_stepped
 from control_plane.problems import PROBLEM_JSON, PROBLEM_TYPE_BASE
+
+if TYPE_CHECKING:
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 log = logging.getLogger("tokenmill.dataplane")
 
 
-# A direct request whose body is not all in this long after its head starts anyway: it is
-# refused from its head (key, declared length) without waiting for the body, and reads the
-# rest itself, under the body's size and time limits. Most bodies arrive well before this.
-BODY_WAIT_S = 0.05
 # After a refusal that leaves part of the request unread, what still arrives is discarded for
 # at most this long before the connection is closed: closing it with unread data would reset
 # it, and a client still sending (as most do before reading) would never see the refusal.
@@ -57,16 +37,10 @@ LINGER_S = 5.0
 
 
 class GatewayHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol; a request for a path in `direct_routes` goes to that
-    ASGI app instead of the server's app, started in the callback that read the last of its
-    body (see `_run_now`). Every request's head is held to `limits` (size, time)."""
+    """uvicorn's httptools protocol; every request's head is held to `limits` (size, time),
+    and a refusal that leaves part of a request unread lingers (`_linger`)."""
 
-    direct_routes: Mapping[str, ASGIApp] = {}
     limits: InputLimits = InputLimits()
-    # A direct request whose body is still arriving: started by `on_message_complete`, or
-    # sooner (`_start_pending`).
-    _body_pending: tuple[RequestResponseCycle, ASGIApp] | None = None
-    _body_timer: asyncio.TimerHandle | None = None
     # The request head being read: what arrived after the read it began in, and its deadline.
     _in_head = False
     _head_reads = 0
@@ -96,12 +70,6 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 self._head_timer = self.loop.call_later(
                     self.limits.read_timeout_s, self._head_timed_out
                 )
-        pending = self._body_pending
-        if pending is not None:
-            if len(pending[0].body) > HIGH_WATER_LIMIT:
-                self._start_pending()  # uvicorn paused reading: the handler reads the rest
-            elif self._body_timer is None:
-                self._body_timer = self.loop.call_later(BODY_WAIT_S, self._start_pending)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -123,6 +91,14 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self._refusal = errors.header_too_large(self.limits.max_header_bytes)
             raise _Refused()  # stops the parser; uvicorn answers through `send_400_response`
         super().on_headers_complete()
+        if self.cycle is not None:
+            self.linger_on_close(self.cycle)
+
+    def linger_on_close(self, cycle: RequestResponseCycle) -> None:
+        """The request cycle closes the connection through `_LingeringTransport`, so that a
+        close while its body is still arriving (a refusal sent `connection: close`) lingers."""
+        if not isinstance(cycle.transport, _LingeringTransport):
+            cycle.transport = _LingeringTransport(self, cycle, self.transport)  # type: ignore[assignment]
 
     def send_400_response(self, msg: str) -> None:
         # uvicorn's answer to what its parser refused (malformed HTTP), or ours.
@@ -165,7 +141,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 "reason": reason,
             }
             body, media = msgspec.json.encode(problem), PROBLEM_JSON.encode()
-        head = [STATUS_LINE[exc.status]]
+        head = [b"HTTP/1.1 %d %b\r\n" % (exc.status, http.HTTPStatus(exc.status).phrase.encode())]
         for name, value in self.server_state.default_headers:
             head += (name, b": ", value, b"\r\n")
         if url.startswith(b"/v1/"):
@@ -184,53 +160,15 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             return
         self._lingering = True
         self._cancel_timers()
-        self._body_pending = None
         self.flow.resume_reading()
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
 
     def _cancel_timers(self) -> None:
-        for timer in (self._head_timer, self._body_timer):
-            if timer is not None:
-                timer.cancel()
-        self._head_timer = self._body_timer = None
-
-    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        # Called for each request once its head is parsed (or, pipelined, once the one before
-        # it has been answered), with the app to run it with: the server's, or uvicorn's 503
-        # when `limit_concurrency` is exceeded (kept).
-        cycle.transport = _LingeringTransport(self, cycle, self.transport)  # type: ignore[assignment]
-        route = self.direct_routes.get(cycle.scope["path"])
-        if route is None or app is not self.app:
-            super()._start_asgi_task(cycle, app)
-        elif not cycle.more_body:
-            self._run_now(cycle, route, body_in=True)
-        elif cycle.waiting_for_100_continue or self._declared > HIGH_WATER_LIMIT:
-            # The client sends its body only once asked (uvicorn's `receive` asks); and uvicorn
-            # stops reading past its high-water mark until the app asks for more: a body this
-            # long is never all in before the handler starts reading it.
-            self._run_now(cycle, route, body_in=False)
-        else:
-            self._body_pending = (cycle, route)
-
-    def on_message_complete(self) -> None:
-        super().on_message_complete()
-        pending = self._body_pending
-        if pending is not None and pending[0] is self.cycle:
-            self._body_pending = None
-            if self._body_timer is not None:
-                self._body_timer.cancel()
-                self._body_timer = None
-            self._run_now(*pending, body_in=True)
-
-    def _start_pending(self) -> None:
-        pending, self._body_pending = self._body_pending, None
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
-        if pending is not None:
-            self._run_now(*pending, body_in=False)
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
 
     def shutdown(self) -> None:
         cycle = self.cycle
@@ -242,24 +180,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         super().shutdown()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._body_pending = None  # never started: nothing was dispatched
         self._cancel_timers()
         if self._linger_timer is not None:
             self._linger_timer.cancel()
         super().connection_lost(exc)
-
-    def _run_now(self, cycle: RequestResponseCycle, route: ASGIApp, body_in: bool) -> None:
-        """Runs the request's first step here, in the event-loop callback that parsed it, up
-        to its first wait (by then auth, admission and the request's write to NATS are done);
-        the rest runs as uvicorn's task would. A task would first wait its turn behind every
-        callback the loop has ready (under load: other streams' tokens), which put ~0.1 ms
-        between reading a request and dispatching it on a 2-core machine."""
-        if body_in:
-            cycle.scope[BODY_IN] = True  # type: ignore[literal-required]
-        task = start_eagerly(self.loop, cycle.run_asgi(cast(Any, route)))
-        if task is not None:
-            task.add_done_callback(self.tasks.discard)
-            self.tasks.add(task)
 
 
 class _Refused(Exception):
@@ -291,92 +215,18 @@ class _LingeringTransport:
         return getattr(self._transport, name)
 
 
-def start_eagerly(
-    loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]
-) -> asyncio.Task[None] | None:
-    """`coro`'s first step now, in a fresh context; a task runs the rest (None: it finished in
-    that step). Python 3.12's eager tasks do this; on 3.11 the step is taken by hand, with no
-    current task during it (nothing on the completion path before its first wait needs one)."""
-    context = contextvars.copy_context()
-    if sys.version_info >= (3, 12):
-        task = asyncio.Task(coro, loop=loop, context=context, eager_start=True)  # type: ignore[call-arg,unused-ignore]
-        return None if task.done() else task
-    try:
-        waiting_on = context.run(coro.send, None)
-    except StopIteration:
-        return None
-    except BaseException:  # run_asgi answers every failure itself; this is a bug
-        log.exception("a direct route's first step failed")
-        return None
-    return loop.create_task(resume_stepped(coro, waiting_on), context=context)
-
-
-def gateway_protocol(
-    direct_routes: Mapping[str, ASGIApp], limits: InputLimits | None = None
+def http_protocol(
+    app: Litestar, completion_handlers: Mapping[str, ASGIApp], limits: InputLimits | None = None
 ) -> type[GatewayHttpProtocol]:
-    """The protocol class for `uvicorn.Config(http=...)`, serving `direct_routes` directly,
-    holding request heads to `limits` (default: from the environment's settings)."""
-    return type(
-        "GatewayHttpProtocol",
-        (GatewayHttpProtocol,),
-        {"direct_routes": direct_routes, "limits": limits or InputLimits.from_settings()},
-    )
+    """The protocol class for `uvicorn.Config(http=...)` serving `app`, holding requests to
+    `limits` (default: from the environment's settings): on the fast path (`fast_path.enabled()`)
+    one that serves `completion_handlers` (path -> the ASGI function of `app`'s route at that
+    path) directly, else the input-limits protocol alone (every request through `app`)."""
+    limits = limits or InputLimits.from_settings()
+    if fast_path.enabled():
+        from control_plane.dataplane.fast_path import uvicorn as fast_uvicorn  # needs this module
 
-
-def direct_routes(app: Litestar, handlers: Mapping[str, ASGIApp]) -> dict[str, ASGIApp]:
-    """`handlers` (path -> the ASGI function a Litestar `@asgi` route of `app` at that path
-    runs) as ASGI apps that skip Litestar's app level and routing: each under its route's
-    middleware, with the scope keys Litestar's router would have set. Empty when `app` has
-    app-level behaviour that would be skipped."""
-    if (
-        app.cors_config
-        or app.allowed_hosts
-        or app.csrf_config
-        or app.compression_config
-        or app.before_send
-    ):
-        return {}
-    out: dict[str, ASGIApp] = {}
-    for route in app.routes:
-        handler = handlers.get(route.path)
-        if handler is None or not isinstance(route, ASGIRoute):
-            continue
-        route_handler = route.route_handler
-        if route_handler.resolve_guards():
-            continue
-        middleware = route_handler.resolve_middleware()
-        out[route.path] = _litestar_scope(
-            app,
-            route_handler,
-            route.path,
-            _with_route_middleware(handler, middleware),
-            # A streamed answer may skip the send chain when no middleware would change it.
-            direct_writes=all(getattr(m, "passes_success_through", False) for m in middleware),
+        return fast_uvicorn.fast_protocol(
+            fast_uvicorn.direct_routes(app, completion_handlers), limits
         )
-    return out
-
-
-def _litestar_scope(
-    app: Litestar, route_handler: Any, path: str, handler: ASGIApp, direct_writes: bool
-) -> ASGIApp:
-    async def routed(scope: Scope, receive: Receive, send: Send) -> None:
-        # What Litestar's app and router add to the scope (for middleware that reads them).
-        scope["app"] = scope["litestar_app"] = app
-        scope["route_handler"] = route_handler
-        scope["path_params"] = {}
-        scope["path_template"] = path
-        scope[DIRECT_WRITES] = direct_writes  # type: ignore[literal-required]
-        await handler(scope, receive, send)
-
-    return routed
-
-
-def _with_route_middleware(asgi_app: ASGIApp, middlewares: Any) -> ASGIApp:
-    # As Litestar builds a route's middleware stack (litestar._asgi.routing_trie.mapping).
-    for middleware in middlewares:
-        if hasattr(middleware, "__iter__"):
-            factory, kwargs = middleware
-            asgi_app = factory(app=asgi_app, **kwargs)
-        else:
-            asgi_app = middleware(app=asgi_app)
-    return asgi_app
+    return type("GatewayHttpProtocol", (GatewayHttpProtocol,), {"limits": limits})

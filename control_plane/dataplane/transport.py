@@ -3,8 +3,9 @@
 Through plain ASGI a response costs one transport write for its head (`http.response.start`)
 and one per body message, and every write waits for the handler's task to run. On the token
 path that is two sends, and two wake-ups of the client, before the first token, plus the
-hand-over from the NATS read loop to the HTTP task. Under uvicorn (whose `receive` is a bound
-method of the connection's request cycle, exposing its transport and flow control) this module:
+hand-over from the NATS read loop to the HTTP task. On the fast path (a request the fast
+protocol started: `fast_path.uvicorn.connection`, uvicorn's request cycle with its transport
+and flow control) this module:
 
 - holds uvicorn's writes of the head and the first body and puts them out as one write (the
   messages still go through the whole ASGI `send` chain, middleware included, so every party
@@ -14,7 +15,7 @@ method of the connection's request cycle, exposing its transport and flow contro
   drain, which is checked first); if a `send` does suspend anyway, the HTTP task finishes it
   before its own next write, so order is kept.
 
-Under any other server (or a `receive` that is not uvicorn's) it falls back to plain sends."""
+Otherwise (the fast path off, another server) it uses plain sends."""
 
 from __future__ import annotations
 
@@ -22,10 +23,14 @@ import asyncio
 import logging
 import types
 from collections.abc import Awaitable, Coroutine, Generator
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any
 
-from litestar.types import Message, Receive, Send
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+from litestar.types import Message, Receive, Scope, Send
+
+from control_plane.dataplane.fast_path import DIRECT_WRITES, FAST_PATH
+
+if TYPE_CHECKING:
+    from control_plane.dataplane.fast_path.uvicorn import Connection
 
 log = logging.getLogger("tokenmill.dataplane")
 
@@ -33,60 +38,6 @@ log = logging.getLogger("tokenmill.dataplane")
 # waiting in user space (uvicorn pauses its writers at 64 KiB); past it, the HTTP task writes,
 # waiting for the client to drain like every other chunk.
 READ_LOOP_WRITE_LIMIT = 16 * 1024
-
-
-class _Transport(Protocol):
-    def write(self, data: bytes) -> None: ...
-    def get_write_buffer_size(self) -> int: ...
-
-
-class _Flow(Protocol):
-    write_paused: bool
-
-
-class _Cycle(Protocol):
-    """What this module uses of uvicorn's RequestResponseCycle (httptools and h11 alike)."""
-
-    transport: Any
-    flow: _Flow
-    disconnected: bool
-    response_complete: bool
-
-
-def uvicorn_cycle(receive: Receive) -> _Cycle | None:
-    # A middleware's `receive` that wraps another says so with `__wrapped__`.
-    while (inner := getattr(receive, "__wrapped__", None)) is not None:
-        receive = inner
-    cycle = getattr(receive, "__self__", None)
-    if cycle is None or not type(cycle).__module__.startswith("uvicorn.protocols.http."):
-        return None
-    if not all(hasattr(cycle, a) for a in ("transport", "flow", "disconnected")):
-        return None
-    if not hasattr(cycle.flow, "write_paused"):
-        return None
-    return cycle  # type: ignore[no-any-return]
-
-
-class _HeldWrites:
-    """Stands in for the cycle's transport: writes are held and put out as one. Anything else
-    asked of the transport (close, is_closing...) first puts out what is held, so order holds."""
-
-    def __init__(self, transport: _Transport) -> None:
-        self._transport = transport
-        self._parts: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        self._parts.append(data)
-
-    def flush(self) -> None:
-        if self._parts:
-            data = b"".join(self._parts)
-            self._parts.clear()
-            self._transport.write(data)
-
-    def __getattr__(self, name: str) -> Any:
-        self.flush()
-        return getattr(self._transport, name)
 
 
 @types.coroutine
@@ -107,19 +58,33 @@ def resume_stepped(coro: Coroutine[Any, Any, None], waiting_on: Any) -> Generato
                 return
 
 
+def _connection(scope: Scope, receive: Receive) -> Connection | None:
+    if not scope.get(FAST_PATH):  # only the fast protocol sets it: its module is imported
+        return None
+    from control_plane.dataplane.fast_path.uvicorn import connection
+
+    return connection(scope, receive)
+
+
 class ResponseOut:
     """One response's writes: the head (`start`) goes out with the first body bytes.
 
-    `direct`: the send chain passes a 2xx response through unchanged (every middleware on the
-    route says so), so under uvicorn's httptools protocol a streamed response's head and its
-    chunks may be written to the transport here, as uvicorn would frame them, without the
+    `stream`: with the scope's DIRECT_WRITES (the send chain passes a 2xx response through
+    unchanged: every middleware on the route says so), a streamed response's head and its
+    chunks may be written to uvicorn's transport here, as uvicorn would frame them, without the
     chain's per-message calls; its last message still goes through `send`, which completes
     the response in uvicorn (keep-alive, pipelining)."""
 
-    def __init__(self, send: Send, receive: Receive, start: Message, direct: bool = False) -> None:
+    def __init__(
+        self, scope: Scope, send: Send, receive: Receive, start: Message, stream: bool = False
+    ) -> None:
         self._send, self._start = send, start
-        self._cycle = uvicorn_cycle(receive)
-        self._direct = self._cycle if direct and _frames_like_uvicorn(self._cycle, start) else None
+        c = self._conn = _connection(scope, receive)
+        direct = (
+            stream and c is not None and scope.get(DIRECT_WRITES) and c.frames_like_uvicorn(start)
+        )
+        self._direct = c if direct else None
+        self._gone = False  # the client hung up (`client_left`)
         self.started = False
         # A write begun in the read loop that had to wait, or its failure: settled by the HTTP
         # task before its next write.
@@ -164,13 +129,17 @@ class ResponseOut:
 
     def _delivered(self, tokens: int | None) -> None:
         # A gone client's connection drops what is written to it: not delivered.
-        c = self._cycle
-        if tokens is not None and not (c is not None and c.disconnected):
+        if tokens is not None and not self.client_gone:
             self.delivered_tokens = max(self.delivered_tokens, tokens)
 
     @property
     def client_gone(self) -> bool:
-        return self._cycle is not None and self._cycle.disconnected
+        return self._gone or (self._conn is not None and self._conn.gone)
+
+    def client_left(self) -> None:
+        """The request's `receive` said `http.disconnect`: nothing written from now on is
+        delivered."""
+        self._gone = True
 
     def can_write_soon(self) -> bool:
         """Whether `write_soon` may take a body now: the response is written directly, has
@@ -181,9 +150,7 @@ class ResponseOut:
             or not self.started
             or self._writing
             or self._unfinished is not None
-            or c.disconnected
-            or c.flow.write_paused
-            or c.response_complete
+            or c.stalled()
         )
 
     def write_soon(self, body: bytes, tokens: int = 0) -> None:
@@ -204,25 +171,19 @@ class ResponseOut:
     def _write_soon_now(self) -> None:
         c = self._direct
         try:
-            if self._soon and c is not None and not c.disconnected and not c.response_complete:
+            if self._soon and c is not None and not c.closed():
                 body = self._take_soon()
-                c.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+                c.write(b"%x\r\n%b\r\n" % (len(body), body))
                 self._delivered(self._soon_tokens)
         except Exception:  # a connection's failure surfaces at its HTTP task's next write
             log.exception("a response's write failed")
         self._soon.clear()
 
     def can_write_now(self) -> bool:
-        """Whether `write_now` may start the response: it has not started, the server is
-        uvicorn, and the connection is neither gone nor backed up."""
-        c = self._cycle
-        return not (
-            self.started
-            or c is None
-            or c.disconnected
-            or c.flow.write_paused
-            or c.transport.get_write_buffer_size() > READ_LOOP_WRITE_LIMIT
-        )
+        """Whether `write_now` may start the response: it has not started, it is on the fast
+        path, and the connection is neither gone nor backed up."""
+        c = self._conn
+        return not (self.started or c is None or c.backed_up(READ_LOOP_WRITE_LIMIT))
 
     def write_now(self, body: bytes, tokens: int = 0) -> None:
         """From the NATS read loop (synchronous), when `can_write_now()`: starts the response
@@ -248,15 +209,15 @@ class ResponseOut:
         not started; False: use the send chain (not direct, or the connection is gone or
         backed up: `send` waits for it to drain)."""
         c = self._direct
-        if c is None or c.disconnected or c.flow.write_paused or c.response_complete:
+        if c is None or c.stalled():
             return False
         parts = []
         if not self.started:
             self.started = True
-            parts.append(_uvicorn_head(c, self._start))
+            parts.append(c.head(self._start))
         if body:
             parts += (b"%x\r\n" % len(body), body, b"\r\n")
-        c.transport.write(b"".join(parts))
+        c.write(b"".join(parts))
         return True
 
     async def _settle(self) -> None:
@@ -268,20 +229,17 @@ class ResponseOut:
             raise failed
 
     async def _start_with(self, body: Message) -> None:
-        c = self._cycle
+        c = self._conn
         if c is None:
             await self._send(self._start)
             await self._send(body)
             return
-        transport = c.transport
-        held = c.transport = _HeldWrites(transport)
+        release = c.hold_writes()
         try:
             await self._send(self._start)
             await self._send(body)
         finally:
-            if c.transport is held:
-                c.transport = transport
-            held.flush()
+            release()
 
 
 class _SoonWrites:
@@ -308,50 +266,3 @@ class _SoonWrites:
 
 
 _SOON = _SoonWrites()
-
-
-# Headers that change how uvicorn frames a response: a response that sets one is left to it.
-_FRAMING_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}
-
-
-def _frames_like_uvicorn(cycle: _Cycle | None, message: Message) -> bool:
-    """Whether `_uvicorn_head` writes what uvicorn's httptools cycle would for `start`: a
-    chunked response to a non-HEAD request, no access log to write."""
-    start = cast("dict[str, Any]", message)
-    return (
-        cycle is not None
-        and type(cycle).__module__ == "uvicorn.protocols.http.httptools_impl"
-        and all(
-            hasattr(cycle, a)
-            for a in ("default_headers", "keep_alive", "response_started", "chunked_encoding")
-        )
-        and not _access_logged(cycle)
-        and getattr(cycle, "scope", {}).get("method") != "HEAD"
-        and start.get("status") in STATUS_LINE
-        and not any(name.lower() in _FRAMING_HEADERS for name, _ in start.get("headers", []))
-    )
-
-
-def _access_logged(cycle: Any) -> bool:
-    # uvicorn's `send` logs each response start at INFO on its access logger.
-    logger = getattr(cycle, "access_logger", None)
-    return bool(getattr(cycle, "access_log", True)) and (
-        logger is None or logger.isEnabledFor(logging.INFO)
-    )
-
-
-def _uvicorn_head(cycle: Any, message: Message) -> bytes:
-    """The response head uvicorn's `send` would write for `start` (headers our own, so not
-    re-validated), with the cycle marked started and chunked as uvicorn's `send` leaves it."""
-    start = cast("dict[str, Any]", message)
-    content = [STATUS_LINE[start["status"]]]
-    for name, value in (*cycle.default_headers, *start.get("headers", [])):
-        content += (name.lower(), b": ", value, b"\r\n")
-    if not cycle.keep_alive:
-        content.append(b"connection: close\r\n")
-    content.append(b"transfer-encoding: chunked\r\n\r\n")
-    cycle.response_started = True
-    cycle.waiting_for_100_continue = False
-    cycle.chunked_encoding = True
-    cycle.expected_content_length = 0
-    return b"".join(content)

@@ -290,5 +290,5 @@ class RefusalCounter(InitPluginProtocol):
 
         return count_refusals
 
-    # What `server.direct_routes` looks for: a 2xx response passes through unchanged.
+    # What `fast_path.uvicorn.direct_routes` looks for: a 2xx response passes through unchanged.
     middleware.passes_success_through = True  # type: ignore[attr-defined]

@@ -1,5 +1,11 @@
 """One running stack (app + one fixed-rate worker) per test module: starting them costs
-seconds, and each test makes its own tenant and key, so tests do not see each other."""
+seconds, and each test makes its own tenant and key, so tests do not see each other.
+
+Every test that uses a stack (or the `fast_path` fixture) runs twice: on the data-plane fast
+path and on the public APIs of uvicorn and nats-py only (`TOKENMILL_FAST_PATH=0`), with the same
+assertions: the contract tests (OpenAI API shapes, streaming, metering, hostile input). A test
+of the fast path's own mechanics, or one outside those (routing, backends, CLIs), is marked
+`fast_path_only` and runs with the default only."""
 
 from __future__ import annotations
 
@@ -17,15 +23,45 @@ from tests.dataplane.harness import Stack, running_stack
 RATE = 200.0
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "fast_path_only: runs with the default (the fast path on) only: a test of the fast"
+        " path's own mechanics, or one outside the contract tests run both ways",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "fast_path" in metafunc.fixturenames:
+        only = metafunc.definition.get_closest_marker("fast_path_only") is not None
+        modes = [True] if only else [True, False]
+        ids = ["fast" if on else "public" for on in modes]
+        metafunc.parametrize("fast_path", modes, ids=ids, indirect=True, scope="module")
+
+
 @pytest.fixture(scope="module")
-def module_database_url(postgres_server: EmbeddedPostgres) -> Iterator[str]:
+def fast_path(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """TOKENMILL_FAST_PATH for what is built while it lasts (servers, worker clients). On
+    unless parametrized (a suite outside this directory that uses these fixtures)."""
+    on: bool = getattr(request, "param", True)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TOKENMILL_FAST_PATH", "1" if on else "0")
+        yield on
+
+
+@pytest.fixture(scope="module")
+def module_database_url(fast_path: bool, postgres_server: EmbeddedPostgres) -> Iterator[str]:
+    # One per stack: a stack's projectors resume from the positions they find in it.
     with fresh_database(postgres_server, "dp_") as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 async def stack(
-    nats_server: EmbeddedNats, module_database_url: str, tmp_path_factory: pytest.TempPathFactory
+    fast_path: bool,
+    nats_server: EmbeddedNats,
+    module_database_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[Stack]:
     prefix = "D" + uuid.uuid4().hex[:10].upper()
     data_dir: Path = tmp_path_factory.mktemp("dataplane")

@@ -23,7 +23,7 @@ import uvicorn
 
 from control_plane.app import create_app, load_extensions
 from control_plane.dataplane.routes import DataPlane
-from control_plane.dataplane.server import direct_routes, gateway_protocol
+from control_plane.dataplane.server import http_protocol
 from control_plane.services import Services
 from tests.control_plane.serving import serving
 from tokenmill.settings import Settings
@@ -163,8 +163,8 @@ async def running_stack(
     plane = services.extra["dataplane"]
     assert isinstance(plane, DataPlane)
     try:
-        # Served as `tokenmill serve` serves it: the completion routes straight to the handler.
-        http = gateway_protocol(direct_routes(app, plane.completion_handlers()))
+        # Served as `tokenmill serve` serves it (the fast path as TOKENMILL_FAST_PATH says).
+        http = http_protocol(app, plane.completion_handlers())
         async with serving(app, http=http) as (base_url, server):
             stack = Stack(base_url, nats_url, prefix, services, plane, server=server)
             try:

@@ -19,7 +19,8 @@ from tests.dataplane.test_openai_api import (
 )
 from worker.backends.base import StopMatcher
 
-pytestmark = pytest.mark.timeout(120)
+# Not among the contract tests run both ways (tests/dataplane/conftest.py): the default only.
+pytestmark = [pytest.mark.timeout(120), pytest.mark.fast_path_only]
 
 
 @pytest.fixture(scope="module")

@@ -120,6 +120,9 @@ async def test_a_worker_dying_mid_stream_bills_the_delivered_tokens(stack: Stack
     assert billed["unbilled_waste_tokens"] == 0 and billed["prompt_tokens"] > 0
 
 
+# The default only (12 s, mostly waiting for the kill to be noticed): nothing is written to
+# the client before the 502, so neither path's writes are involved.
+@pytest.mark.fast_path_only
 async def test_a_502_before_any_token_bills_nothing(stack: Stack) -> None:
     sku = await stack.publish_sku("late-" + uuid.uuid4().hex[:6])
     # A non-streamed answer is delivered whole or not at all: tokens arrive at the gateway,

@@ -20,7 +20,8 @@ from control_plane.dataplane.demo import (
 )
 from tests.dataplane.harness import Stack
 
-pytestmark = pytest.mark.timeout(300)
+# Not among the contract tests run both ways (tests/dataplane/conftest.py): the default only.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.fast_path_only]
 
 
 async def test_the_demo_key_and_sku_survive_restarts(stack: Stack) -> None:

@@ -20,9 +20,9 @@ from control_plane.dataplane.dispatch import (
     WorkerClient,
     WorkerLost,
     WorkerRegistry,
-    publish_now,
-    subscribe_inline,
 )
+from control_plane.dataplane.fast_path import nats as fast_nats
+from control_plane.dataplane.fast_path.nats import publish_now, subscribe_inline
 from control_plane.embedded import EmbeddedNats
 from worker import protocol as p
 
@@ -30,7 +30,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-async def nc(nats_server: EmbeddedNats) -> AsyncIterator[NATS]:
+async def nc(fast_path: bool, nats_server: EmbeddedNats) -> AsyncIterator[NATS]:
+    # Worker clients made on it take the fast path's setting (both, in turn).
     conn = await nats.connect(nats_server.url)
     yield conn
     await conn.close()
@@ -233,6 +234,7 @@ async def test_a_sink_that_is_not_ready_or_comes_behind_an_interrupt_leaves_chun
     await client.close()
 
 
+@pytest.mark.fast_path_only
 async def test_publish_now_writes_at_once_but_never_ahead_of_a_pending_publication(
     nc: NATS, nats_server: EmbeddedNats
 ) -> None:
@@ -249,6 +251,7 @@ async def test_publish_now_writes_at_once_but_never_ahead_of_a_pending_publicati
     await other.close()
 
 
+@pytest.mark.fast_path_only
 async def test_inline_replies_arrive_whole_and_in_order_past_other_traffic(
     nc: NATS, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -256,14 +259,14 @@ async def test_inline_replies_arrive_whole_and_in_order_past_other_traffic(
     messages with headers, other subscriptions' messages and frames cut across reads still
     arrive, each once and in order."""
     taken_inline = [0]
-    take = dispatch._InlineParser._take_inline
+    take = fast_nats._InlineParser._take_inline
 
     def counting(self: Any, buf: bytearray, pos: int) -> tuple[int, int | None]:
         stopped, frame_end = take(self, buf, pos)
         taken_inline[0] += stopped - pos
         return stopped, frame_end
 
-    monkeypatch.setattr(dispatch._InlineParser, "_take_inline", counting)
+    monkeypatch.setattr(fast_nats._InlineParser, "_take_inline", counting)
     got: list[tuple[str, bytes, dict[str, str] | None]] = []
     others: list[bytes] = []
     await subscribe_inline(nc, "inl.*", lambda s, d, h: got.append((s, d, h)))

@@ -31,7 +31,7 @@ from control_plane.admission.view import GovernanceView
 from control_plane.dataplane.errors import OpenAIError
 from control_plane.dataplane.limits import InputLimits
 from control_plane.dataplane.routes import DataPlane
-from control_plane.dataplane.server import LINGER_S, direct_routes, gateway_protocol
+from control_plane.dataplane.server import LINGER_S, http_protocol
 from control_plane.embedded import EmbeddedNats, EmbeddedPostgres, free_port
 from events.store import StreamLayout
 from tests.control_plane.serving import serving
@@ -51,12 +51,16 @@ ANSWER_WITHIN_S = READ_TIMEOUT_S + 4.0
 
 @pytest.fixture(scope="module")
 async def stack(
-    nats_server: EmbeddedNats, module_database_url: str, tmp_path_factory: pytest.TempPathFactory
+    fast_path: bool,
+    nats_server: EmbeddedNats,
+    module_database_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[Stack]:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("TOKENMILL_V1_READ_TIMEOUT_S", str(READ_TIMEOUT_S))
         prefix = "H" + uuid.uuid4().hex[:10].upper()
         data_dir = tmp_path_factory.mktemp("hostile")
+        METERED.clear()  # the module runs once per stack (with the fast path, and without)
         async with running_stack(nats_server.url, module_database_url, prefix, data_dir) as s:
             yield s
 
@@ -345,7 +349,7 @@ async def test_a_1mb_prompt_is_answered(
     METERED.append(r.json()["id"].removeprefix("cmpl-"))
 
 
-# Request ids answered 200 in this module, to check the ledger against at the end.
+# Request ids answered 200 by this module's stack, to check the ledger against at the end.
 METERED: list[str] = []
 
 
@@ -525,7 +529,7 @@ async def test_after_all_that_the_gateway_serves_and_meters_exactly(
 
 
 async def test_the_server_stops_promptly_with_a_request_half_sent(
-    monkeypatch: pytest.MonkeyPatch,
+    fast_path: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """uvicorn's SIGTERM handler sets `should_exit`; a request whose body is still arriving
     must not hold the stop (one over 64 KiB used to, forever), even with a long read timeout."""
@@ -535,7 +539,7 @@ async def test_the_server_stops_promptly_with_a_request_half_sent(
     # Authorized (no key exists here), so the handler goes on to wait for the body.
     monkeypatch.setattr(plane.authorizer, "caller", lambda _: cast(Caller, None))
     app = Litestar(route_handlers=[plane.router()])
-    http = gateway_protocol(direct_routes(app, plane.completion_handlers()), limits)
+    http = http_protocol(app, plane.completion_handlers(), limits)
     loop = asyncio.get_running_loop()
     socks = []
     async with serving(app, http=http) as (base_url, server):

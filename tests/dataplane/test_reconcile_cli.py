@@ -16,7 +16,8 @@ from events.usage import GatewayDelivered, dedupe_id, encode_usage, usage_subjec
 from tests.dataplane.harness import ROOT, Stack
 from tests.dataplane.test_openai_api import async_client
 
-pytestmark = pytest.mark.timeout(120)
+# Not among the contract tests run both ways (tests/dataplane/conftest.py): the default only.
+pytestmark = [pytest.mark.timeout(120), pytest.mark.fast_path_only]
 
 
 async def reconcile_cli(stack: Stack) -> subprocess.CompletedProcess[str]:

@@ -27,7 +27,8 @@ from tests.dataplane.test_openai_api import MESSAGES, async_client, expected_tex
 from worker import protocol as p
 from worker.serve import _parse_args, use_gpu
 
-pytestmark = pytest.mark.timeout(120)
+# Not among the contract tests run both ways (tests/dataplane/conftest.py): the default only.
+pytestmark = [pytest.mark.timeout(120), pytest.mark.fast_path_only]
 
 
 @pytest.fixture

@@ -1,19 +1,25 @@
-"""The HTTP protocol `tokenmill serve` runs: the /v1 completion routes go straight to their
-handler under the route's middleware (the refusal counter), every other path through the app."""
+"""The HTTP protocol `tokenmill serve` runs: on the fast path the /v1 completion routes go
+straight to their handler under the route's middleware (the refusal counter), every other path
+through the app."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, cast
 
 import httpx
 import pytest
+import uvicorn
 from litestar import Litestar, get
 from litestar.config.cors import CORSConfig
 from litestar.types import ASGIApp, Receive, Scope, Send
 
 from control_plane.admission.view import GovernanceView
+from control_plane.dataplane import fast_path
+from control_plane.dataplane.fast_path.uvicorn import FastPathProtocol, direct_routes, fast_protocol
+from control_plane.dataplane.limits import InputLimits
 from control_plane.dataplane.routes import DataPlane
-from control_plane.dataplane.server import GatewayHttpProtocol, direct_routes, gateway_protocol
+from control_plane.dataplane.server import GatewayHttpProtocol, http_protocol
 from control_plane.observability.feed import RefusalCounter
 from control_plane.observability.metrics import OpsMetrics
 from events.store import StreamLayout
@@ -68,7 +74,7 @@ async def test_completion_routes_skip_the_router_and_keep_the_route_middleware(
     assert set(routes) == {"/v1/chat/completions", "/v1/completions", "/v1/responses"}
 
     async with (
-        serving(app, http=gateway_protocol(routes)) as (base_url, _),
+        serving(app, http=fast_protocol(routes, InputLimits())) as (base_url, _),
         httpx.AsyncClient(base_url=base_url) as http,
     ):
         bad_key = {"authorization": "Bearer sk-nope"}
@@ -101,10 +107,12 @@ def test_apps_with_app_level_behaviour_are_served_through_the_app() -> None:
     assert direct_routes(app, plane.completion_handlers()) == {}
 
 
-async def test_a_request_over_the_concurrency_limit_still_gets_uvicorns_503() -> None:
+async def test_a_request_over_the_concurrency_limit_still_gets_uvicorns_503(
+    fast_path: bool,
+) -> None:
     plane = unstarted_plane()
     app = Litestar(route_handlers=[plane.router()])
-    http = gateway_protocol(direct_routes(app, plane.completion_handlers()))
+    http = http_protocol(app, plane.completion_handlers())
     # One connection is the limit: the client's own already reaches it.
     async with (
         serving(app, http=http, limit_concurrency=1) as (base_url, _),
@@ -112,3 +120,27 @@ async def test_a_request_over_the_concurrency_limit_still_gets_uvicorns_503() ->
     ):
         r = await client.post("/v1/chat/completions", json={"model": "m", "messages": []})
     assert r.status_code == 503 and r.text == "Service Unavailable"
+
+
+def test_the_switch_picks_the_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    plane = unstarted_plane()
+    app = Litestar(route_handlers=[plane.router()])
+    monkeypatch.setenv("TOKENMILL_FAST_PATH", "0")
+    assert not fast_path.enabled()
+    off = http_protocol(app, plane.completion_handlers())
+    assert issubclass(off, GatewayHttpProtocol) and not issubclass(off, FastPathProtocol)
+    monkeypatch.setenv("TOKENMILL_FAST_PATH", "1")
+    assert fast_path.enabled()  # the installed libraries are the tested ones
+    assert issubclass(http_protocol(app, plane.completion_handlers()), FastPathProtocol)
+
+
+def test_the_fast_path_turns_itself_off_outside_the_tested_versions(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(fast_path, "TESTED", (("uvicorn", (0, 1), (0, 2)),))
+    monkeypatch.setattr(fast_path, "_untested", None)
+    monkeypatch.delenv("TOKENMILL_FAST_PATH", raising=False)
+    with caplog.at_level(logging.WARNING, "tokenmill.dataplane"):
+        assert not fast_path.enabled() and not fast_path.enabled()
+    assert len(caplog.records) == 1  # said once
+    assert "uvicorn 0.1.x" in caplog.text and f"uvicorn {uvicorn.__version__}" in caplog.text

@@ -102,6 +102,7 @@ def sse_text(body: bytes) -> str:
     )
 
 
+@pytest.mark.fast_path_only
 async def test_the_head_and_the_first_token_go_out_in_one_write(
     stack: Stack, sku: dict[str, Any]
 ) -> None:
@@ -134,6 +135,7 @@ async def test_the_head_and_the_first_token_go_out_in_one_write(
     assert sse_text(data.partition(b"\r\n\r\n")[2]) == expected_text(4)
 
 
+@pytest.mark.fast_path_only
 async def test_a_streamed_answer_skips_the_send_chain_and_keeps_uvicorns_framing(
     stack: Stack, sku: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

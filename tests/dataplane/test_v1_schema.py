@@ -53,7 +53,7 @@ class _ServedStack(ThreadedServer):
 
 @pytest.fixture(scope="module")
 def served(
-    nats_server: EmbeddedNats, module_database_url: str, tmp_path_factory: Any
+    fast_path: bool, nats_server: EmbeddedNats, module_database_url: str, tmp_path_factory: Any
 ) -> Iterator[_ServedStack]:
     with _ServedStack(nats_server.url, module_database_url, tmp_path_factory.mktemp("v1")) as s:
         yield s
