@@ -29,6 +29,9 @@ CHECKS = [
     st_checks.response_schema_conformance,
 ]
 
+# The whole stack with a worker process, served by a fixture of this module.
+pytestmark = pytest.mark.e2e
+
 
 class _ServedStack(ThreadedServer):
     start_timeout_s = 90.0

@@ -71,6 +71,7 @@ async def test_fp8_weights_and_kv_serve_a_request_to_its_length() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_the_governed_endpoint_bench_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "endpoint.json"
     argv = [
