@@ -21,10 +21,12 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Generator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 
+import nats
 import pytest
+from nats.aio.client import Client as NATS
 
 from control_plane.embedded import EmbeddedNats, EmbeddedPostgres
 from tests.databases import fresh_database
@@ -90,6 +92,8 @@ class _TierRun:
             self.current = tier
             reporter = self.config.pluginmanager.get_plugin("terminalreporter")
             if reporter is not None:
+                if reporter._tw.width_of_current_line:  # after -q's dots
+                    reporter._tw.line()
                 reporter.ensure_newline()
                 reporter.write_sep("-", f"{tier} tests ({self.counts[tier]})", bold=True)
                 reporter.currentfspath = None  # name the file again under the header
@@ -150,6 +154,14 @@ def postgres_server(servers_root: Path) -> Iterator[EmbeddedPostgres]:
     server = EmbeddedPostgres(servers_root / "pgdata").start()
     yield server
     server.stop()
+
+
+@pytest.fixture()
+async def nc(nats_server: EmbeddedNats) -> AsyncIterator[NATS]:
+    """A connection to the session's NATS, per test."""
+    conn = await nats.connect(nats_server.url)
+    yield conn
+    await conn.close()
 
 
 @pytest.fixture()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import nats
@@ -27,13 +26,6 @@ from control_plane.embedded import EmbeddedNats
 from worker import protocol as p
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def nc(nats_server: EmbeddedNats) -> AsyncIterator[NATS]:
-    conn = await nats.connect(nats_server.url)
-    yield conn
-    await conn.close()
 
 
 def request(sku: str) -> p.GenerateRequest:
