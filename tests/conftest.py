@@ -117,6 +117,8 @@ class _TierRun:
             self.outcomes[tier][report.outcome] += 1
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        if self.config.option.collectonly:
+            return
         terminalreporter.write_sep("=", "tiers")
         for tier in TIERS:
             if not self.counts[tier]:
