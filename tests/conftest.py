@@ -117,7 +117,7 @@ class _TierRun:
             self.outcomes[tier][report.outcome] += 1
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
-        if self.config.option.collectonly:
+        if self.config.option.collectonly or not any(self.outcomes.values()):
             return
         terminalreporter.write_sep("=", "tiers")
         for tier in TIERS:
