@@ -5,7 +5,12 @@
     python3 dev.py test [pytest args]        # ruff, mypy, pytest (slow/GPU tests skipped)
 
 Each command creates `.venv` and installs the project into it on first use; later runs
-reuse it (re-installing only when pyproject.toml changed).
+reuse it (re-installing only when pyproject.toml changed). `--no-venv` right after the
+command uses the running interpreter instead, which must have the project's extras.
+
+`test` runs pytest's tiers in order, unit -> integration -> e2e (see tests/conftest.py),
+with a header per tier, and stops after the first tier that fails; pytest args select
+within the tiers (`python3 dev.py test tests/worker -k decode`).
 """
 
 from __future__ import annotations
@@ -52,19 +57,27 @@ def main() -> int:
         print(__doc__)
         return 2
     cmd, rest = sys.argv[1], sys.argv[2:]
+    use_venv = rest[:1] != ["--no-venv"]
+    if not use_venv:
+        rest = rest[1:]
+    py, bin_dir = (PY, BIN) if use_venv else (Path(sys.executable), Path(sys.executable).parent)
     env = dict(os.environ)
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     if cmd == "up":
-        ensure_env("worker")
-        os.execve(str(BIN / "tokenmill"), ["tokenmill", "up", *rest], env)
-    ensure_env("worker,dev")
+        if use_venv:
+            ensure_env("worker")
+        os.execve(str(bin_dir / "tokenmill"), ["tokenmill", "up", *rest], env)
+    if use_venv:
+        ensure_env("worker,dev")
     pkgs = ["tokenmill", "control_plane", "events", "worker", "pricing", "tests", "bench"]
     steps = [
-        [str(PY), "-m", "ruff", "check", *pkgs, "dev.py"],
-        [str(PY), "-m", "ruff", "format", "--check", *pkgs, "dev.py"],
-        [str(PY), "-m", "mypy"],
-        [str(BIN / "lint-imports")],
-        [str(PY), "-m", "pytest", *rest],
+        [str(py), "-m", "ruff", "check", *pkgs, "dev.py"],
+        [str(py), "-m", "ruff", "format", "--check", *pkgs, "dev.py"],
+        [str(py), "-m", "mypy"],
+        [str(bin_dir / "lint-imports")],
+        # One process for all tiers: each extra one would collect the suite and start the
+        # embedded servers again.
+        [str(py), "-m", "pytest", "--tiers", "--durations=15", *rest],
     ]
     for step in steps:
         print("+", " ".join(step), flush=True)

@@ -27,7 +27,7 @@ from events.usage import GatewayDelivered, RequestFinished, WorkerGenerated, dec
 from tests.databases import fresh_database
 from tests.dataplane.harness import ROOT, stop_process
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(180)]
 
 ADMIN = "tmadm_chaos"
 SILENT_S = 1.5

@@ -10,11 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
-from schemathesis import checks as st_checks
 
 from control_plane.admission import tokenmill_extension
 from control_plane.app import create_app
@@ -23,18 +19,10 @@ from control_plane.services import Services
 from tests.control_plane.conftest import ADMIN_TOKEN
 from tests.control_plane.serving import serving
 from tests.databases import fresh_database
+from tests.openapi_cases import failures, operations
 from tests.threaded import ThreadedServer
 from tokenmill.settings import Settings
 
-# What the admin API promises: no 5xx, and only what its document says (status, content type,
-# body). The stateful and data-acceptance checks are left out: a generated write is often a
-# legitimate 4xx (unknown tenant, stale If-Match), which those would count as failures.
-CHECKS = [
-    st_checks.not_a_server_error,
-    st_checks.status_code_conformance,
-    st_checks.content_type_conformance,
-    st_checks.response_schema_conformance,
-]
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
@@ -79,36 +67,10 @@ def admin_app(
 
 def _failures(app: _ServedApp, max_examples: int, modes: list[GenerationMode]) -> list[str]:
     """Run every /admin/v1 operation's generated cases; the failures, one text per operation."""
-    config = schemathesis.Config.from_dict({"seed": 20261201, "headers": AUTH})
-    schema = schemathesis.openapi.from_url(app.base_url + "/schema/openapi.json", config=config)
     # Only the admin API: the other routes are documented and tested by their own suites.
-    schema = schema.include(path_regex=r"^/admin/v1/")
-    failures = []
-    operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) >= 18, [op.label for op in operations]
-    for operation in operations:
-        for mode in modes:
-
-            @given(case=operation.as_strategy(generation_mode=mode))
-            @settings(
-                max_examples=max_examples,
-                derandomize=True,  # the same cases on every run
-                database=None,
-                deadline=None,
-                phases=[Phase.explicit, Phase.generate],  # report the case as found
-                suppress_health_check=list(HealthCheck),
-            )
-            def run(case: Any) -> None:
-                case.call_and_validate(headers=AUTH, checks=CHECKS, timeout=30)
-
-            try:
-                run()
-            except Unsatisfiable:
-                # No negative case exists (only free-form string path parameters).
-                assert mode == GenerationMode.NEGATIVE, operation.label
-            except (Exception, BaseExceptionGroup) as e:  # schemathesis groups its failures
-                failures.append(f"{operation.label} ({mode}): {e}")
-    return failures
+    admin = operations(app.base_url, AUTH, r"^/admin/v1/")
+    assert len(admin) >= 18, [op.label for op in admin]
+    return failures(admin, modes, max_examples, AUTH)
 
 
 def test_admin_api_conforms_to_its_openapi(admin_app: _ServedApp) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
 from control_plane.embedded import free_port
 
@@ -49,6 +50,7 @@ def tokenmill_up(data_dir: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]
     proc.wait(timeout=90)
 
 
+@pytest.mark.e2e
 def test_up_serves_stops_cleanly_and_keeps_state(tmp_path: Path) -> None:
     tmp_path.chmod(0o755)
     data = tmp_path / "tm"

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
+import pytest
 import uvicorn
 
 from control_plane.app import create_app, load_extensions
@@ -91,6 +93,16 @@ class Stack:
         )  # fmt: skip
         self.workers.append(proc)
         return proc
+
+    async def served_sku(
+        self, name_prefix: str, **worker: Any
+    ) -> tuple[dict[str, Any], subprocess.Popen[bytes]]:
+        """A new SKU (`name_prefix` and a random suffix) once one worker started with `worker`
+        serves it; the SKU and the worker's process."""
+        sku = await self.publish_sku(name_prefix + uuid.uuid4().hex[:6])
+        proc = self.start_worker(sku["sku_id"], **worker)
+        await self.wait_served(sku["sku_id"])
+        return sku, proc
 
     async def wait_served(self, sku_id: str, count: int = 1, within: float = 20.0) -> None:
         deadline = time.monotonic() + within
@@ -174,3 +186,31 @@ async def running_stack(
                     stop_process(proc)
     finally:
         await services.close()
+
+
+async def read_then_hang_up(stream: Any, chunks: int | None) -> str:
+    """Read `chunks` chunks of a streamed chat completion (all of them if None), then close it
+    as a client hanging up; the request id."""
+    got, request_id = 0, ""
+    async for chunk in stream:
+        got, request_id = got + 1, chunk.id.removeprefix("chatcmpl-")
+        if got == chunks:
+            break
+    await stream.close()
+    return request_id
+
+
+async def read_killing_the_worker(
+    stream: Any, worker: subprocess.Popen[bytes], after: int
+) -> tuple[list[str], str, openai.APIError]:
+    """Read a streamed chat completion, SIGKILL `worker` once `after` chunks came, and expect
+    the stream to end with an error chunk; the texts received, the request id, the error."""
+    received: list[str] = []
+    request_id = ""
+    with pytest.raises(openai.APIError) as e:
+        async for chunk in stream:
+            request_id = chunk.id.removeprefix("chatcmpl-")
+            received.append(chunk.choices[0].delta.content or "")
+            if len(received) == after:
+                worker.send_signal(signal.SIGKILL)
+    return received, request_id, e.value

@@ -25,8 +25,8 @@ from events.usage import (
     usage_subject,
 )
 from pricing.reconcile import reconcile
-from tests.dataplane.harness import Stack
-from tests.dataplane.test_openai_api import MESSAGES, async_client, expected_text
+from tests.dataplane.harness import Stack, read_killing_the_worker, read_then_hang_up
+from tests.dataplane.test_openai_api import MESSAGES, async_client, expected_text, tenant_client
 from worker import protocol as p
 from worker.backends import make_backend
 from worker.serve import Worker, WorkerSettings
@@ -58,9 +58,7 @@ async def test_a_hang_up_bills_what_was_delivered_and_records_the_rest_as_waste(
     stack: Stack,
 ) -> None:
     # Fast enough that tokens are generated between the hang-up and the worker's cancel.
-    sku = await stack.publish_sku("fast-" + uuid.uuid4().hex[:6])
-    stack.start_worker(sku["sku_id"], tokens_per_s=2000, output_tokens=5000)
-    await stack.wait_served(sku["sku_id"])
+    sku, _ = await stack.served_sku("fast-", tokens_per_s=2000, output_tokens=5000)
     _, key = await stack.tenant_with_key()
     stream = await async_client(stack, key["key"]).chat.completions.create(
         model=sku["name"], messages=MESSAGES, stream=True
@@ -96,22 +94,13 @@ async def test_a_hang_up_bills_what_was_delivered_and_records_the_rest_as_waste(
 
 
 async def test_a_worker_dying_mid_stream_bills_the_delivered_tokens(stack: Stack) -> None:
-    sku = await stack.publish_sku("dying-" + uuid.uuid4().hex[:6])
-    worker = stack.start_worker(sku["sku_id"], tokens_per_s=20, output_tokens=100)
-    await stack.wait_served(sku["sku_id"])
+    sku, worker = await stack.served_sku("dying-", tokens_per_s=20, output_tokens=100)
     _, key = await stack.tenant_with_key()
     streamed = await async_client(stack, key["key"]).chat.completions.create(
         model=sku["name"], messages=MESSAGES, stream=True
     )
-    received: list[str] = []
-    request_id = ""
-    with pytest.raises(openai.APIError) as e:  # the stream ends with an error chunk
-        async for chunk in streamed:
-            request_id = chunk.id.removeprefix("chatcmpl-")
-            received.append(chunk.choices[0].delta.content or "")
-            if len(received) == 4:
-                worker.send_signal(signal.SIGKILL)
-    assert "worker" in str(e.value.message)
+    received, request_id, error = await read_killing_the_worker(streamed, worker, after=4)
+    assert "worker" in str(error.message)
     assert "".join(received) == expected_text(len(received))
     billed, delivered, generated = await records(stack, request_id)
     assert generated is None  # killed: it never said what it generated
@@ -124,13 +113,10 @@ async def test_a_worker_dying_mid_stream_bills_the_delivered_tokens(stack: Stack
 # the client before the 502, so neither path's writes are involved.
 @pytest.mark.fast_path_only
 async def test_a_502_before_any_token_bills_nothing(stack: Stack) -> None:
-    sku = await stack.publish_sku("late-" + uuid.uuid4().hex[:6])
     # A non-streamed answer is delivered whole or not at all: tokens arrive at the gateway,
     # then the worker dies before the body is written.
-    worker = stack.start_worker(sku["sku_id"], tokens_per_s=20, output_tokens=100)
-    await stack.wait_served(sku["sku_id"])
-    _, key = await stack.tenant_with_key()
-    client = async_client(stack, key["key"])
+    sku, worker = await stack.served_sku("late-", tokens_per_s=20, output_tokens=100)
+    client = await tenant_client(stack)
     whole = asyncio.create_task(
         client.with_options(max_retries=0).chat.completions.create(
             model=sku["name"], messages=MESSAGES
@@ -157,20 +143,13 @@ async def test_reconciliation_ties_generated_delivered_and_billed(
     stack: Stack, sku: dict[str, Any]
 ) -> None:
     since = datetime.now(UTC)
-    _, key = await stack.tenant_with_key()
-    client = async_client(stack, key["key"])
+    client = await tenant_client(stack)
 
     async def hang_up_after(n: int) -> str:
         stream = await client.chat.completions.create(
             model=sku["name"], messages=MESSAGES, stream=True
         )
-        got, request_id = 0, ""
-        async for chunk in stream:
-            got, request_id = got + 1, chunk.id.removeprefix("chatcmpl-")
-            if got == n:
-                break
-        await stream.close()
-        return request_id
+        return await read_then_hang_up(stream, n)
 
     ids = await asyncio.gather(*(hang_up_after(n) for n in (2, 5, 40, 40)))
     await stack.ledger_rows(ids)

@@ -613,6 +613,7 @@ async def test_the_openapi_document_describes_v1(stack: Stack) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_tokenmill_serve_stops_on_sigterm_with_requests_half_sent(
     nats_server: EmbeddedNats, postgres_server: EmbeddedPostgres, tmp_path: Path
 ) -> None:

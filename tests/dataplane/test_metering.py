@@ -6,16 +6,21 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
-import uuid
 from typing import Any
 
 import openai
 import pytest
 
 from pricing.reconcile import reconcile
-from tests.dataplane.harness import DEAD_AFTER_S, Stack
+from tests.dataplane.harness import DEAD_AFTER_S, Stack, read_killing_the_worker
 from tests.dataplane.test_delivery_billing import generation_rows
-from tests.dataplane.test_openai_api import MESSAGES, async_client, expected_text, sync_client
+from tests.dataplane.test_openai_api import (
+    MESSAGES,
+    async_client,
+    expected_text,
+    sync_client,
+    tenant_client,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,9 +29,7 @@ SLOW_RATE = 20.0  # tokens/s: a 100-token answer takes 5 s, so a hang-up always 
 
 @pytest.fixture(scope="module")
 async def slow_sku(stack: Stack) -> dict[str, Any]:
-    sku = await stack.publish_sku("slow-" + uuid.uuid4().hex[:6])
-    stack.start_worker(sku["sku_id"], tokens_per_s=SLOW_RATE, output_tokens=100)
-    await stack.wait_served(sku["sku_id"])
+    sku, _ = await stack.served_sku("slow-", tokens_per_s=SLOW_RATE, output_tokens=100)
     return sku
 
 
@@ -81,11 +84,8 @@ async def test_a_sync_client_leaving_the_stream_early_cancels_it(
 async def test_a_worker_killed_mid_stream_gives_an_error_and_its_tokens_are_metered(
     stack: Stack,
 ) -> None:
-    sku = await stack.publish_sku("doomed-" + uuid.uuid4().hex[:6])
-    worker = stack.start_worker(sku["sku_id"], tokens_per_s=SLOW_RATE, output_tokens=100)
-    await stack.wait_served(sku["sku_id"])
-    _, key = await stack.tenant_with_key()
-    client = async_client(stack, key["key"])
+    sku, worker = await stack.served_sku("doomed-", tokens_per_s=SLOW_RATE, output_tokens=100)
+    client = await tenant_client(stack)
     streamed = await client.chat.completions.create(
         model=sku["name"], messages=MESSAGES, stream=True
     )
@@ -93,15 +93,8 @@ async def test_a_worker_killed_mid_stream_gives_an_error_and_its_tokens_are_mete
     whole = asyncio.create_task(
         client.chat.completions.create(model=sku["name"], messages=MESSAGES)
     )
-    received: list[str] = []
-    request_id = ""
-    with pytest.raises(openai.APIError) as e:
-        async for chunk in streamed:
-            request_id = chunk.id.removeprefix("chatcmpl-")
-            received.append(chunk.choices[0].delta.content or "")
-            if len(received) == 5:
-                worker.send_signal(signal.SIGKILL)
-    assert "worker" in str(e.value.message)
+    received, request_id, error = await read_killing_the_worker(streamed, worker, after=5)
+    assert "worker" in str(error.message)
     with pytest.raises(openai.InternalServerError) as e2:
         await whole
     assert e2.value.status_code == 502 and e2.value.code == "worker_error"
@@ -119,11 +112,8 @@ async def test_a_worker_killed_mid_stream_gives_an_error_and_its_tokens_are_mete
 
 
 async def test_a_worker_stopped_cleanly_finishes_its_requests_first(stack: Stack) -> None:
-    sku = await stack.publish_sku("draining-" + uuid.uuid4().hex[:6])
-    worker = stack.start_worker(sku["sku_id"], tokens_per_s=50, output_tokens=20)
-    await stack.wait_served(sku["sku_id"])
-    _, key = await stack.tenant_with_key()
-    client = async_client(stack, key["key"])
+    sku, worker = await stack.served_sku("draining-", tokens_per_s=50, output_tokens=20)
+    client = await tenant_client(stack)
     stream = await client.chat.completions.create(model=sku["name"], messages=MESSAGES, stream=True)
     first = await anext(aiter(stream))
     worker.send_signal(signal.SIGTERM)
@@ -144,8 +134,7 @@ async def test_a_worker_stopped_cleanly_finishes_its_requests_first(stack: Stack
 async def test_concurrent_streams_with_hang_ups_reconcile_exactly(
     stack: Stack, sku: dict[str, Any]
 ) -> None:
-    _, key = await stack.tenant_with_key()
-    client = async_client(stack, key["key"])
+    client = await tenant_client(stack)
     rng = random.Random(5)
 
     async def one(i: int) -> tuple[str, int, bool]:

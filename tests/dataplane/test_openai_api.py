@@ -30,6 +30,12 @@ def async_client(stack: Stack, key: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=stack.v1, api_key=key, max_retries=0, timeout=30)
 
 
+async def tenant_client(stack: Stack) -> openai.AsyncOpenAI:
+    """A client with the key of a new tenant."""
+    _, key = await stack.tenant_with_key()
+    return async_client(stack, key["key"])
+
+
 MESSAGES: list[Any] = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Count for me please"},
@@ -73,8 +79,7 @@ async def test_chat_sync_not_streamed(stack: Stack, sku: dict[str, Any]) -> None
 
 
 async def test_chat_async_streamed_with_usage(stack: Stack, sku: dict[str, Any]) -> None:
-    _, key = await stack.tenant_with_key()
-    client = async_client(stack, key["key"])
+    client = await tenant_client(stack)
     stream = await client.chat.completions.create(
         model=sku["name"],
         messages=MESSAGES,
@@ -146,8 +151,7 @@ async def test_completions_sync_and_async(stack: Stack, sku: dict[str, Any]) -> 
 
 
 async def test_stop_sequence_cuts_the_answer(stack: Stack, sku: dict[str, Any]) -> None:
-    _, key = await stack.tenant_with_key()
-    client = async_client(stack, key["key"])
+    client = await tenant_client(stack)
     r = await client.chat.completions.create(
         model=sku["name"],
         messages=MESSAGES,
@@ -295,9 +299,14 @@ async def test_503_when_no_worker_serves_the_model(stack: Stack) -> None:
 
 
 async def _refused_within(
-    stack: Stack, key: str, model: str, error: type[openai.APIStatusError], change: Any
+    stack: Stack,
+    key: dict[str, Any],
+    sku: dict[str, Any],
+    error: type[openai.APIStatusError],
+    change: Any,
 ) -> float:
-    client = async_client(stack, key)
+    """Seconds from `change` until `key` is refused with `error` (served before it)."""
+    client, model = async_client(stack, key["key"]), sku["name"]
     await client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1)
     t0 = time.monotonic()
     await change()
@@ -314,11 +323,7 @@ async def test_a_revoked_key_is_refused_within_a_second(stack: Stack, sku: dict[
     tenant, key = await stack.tenant_with_key()
     path = f"/tenants/{tenant['tenant_id']}/keys/{key['key_id']}/revoke"
     elapsed = await _refused_within(
-        stack,
-        key["key"],
-        sku["name"],
-        openai.AuthenticationError,
-        lambda: stack.admin("POST", path),
+        stack, key, sku, openai.AuthenticationError, lambda: stack.admin("POST", path)
     )
     assert elapsed < 1.0
 
@@ -330,11 +335,7 @@ async def test_a_suspended_tenant_is_refused_within_a_second(
     _, bystander = await stack.tenant_with_key()
     path = f"/tenants/{tenant['tenant_id']}/suspend"
     elapsed = await _refused_within(
-        stack,
-        key["key"],
-        sku["name"],
-        openai.PermissionDeniedError,
-        lambda: stack.admin("POST", path, {}),
+        stack, key, sku, openai.PermissionDeniedError, lambda: stack.admin("POST", path, {})
     )
     assert elapsed < 1.0
     # Another tenant is untouched.

@@ -15,8 +15,9 @@ import openai
 import pytest
 
 from pricing.reconcile import reconcile
-from tests.dataplane.harness import Stack
+from tests.dataplane.harness import Stack, read_then_hang_up
 from tests.dataplane.scripted import PLAIN_TOKENS, SCRIPTS, start_scripted_worker
+from tests.dataplane.test_openai_api import tenant_client
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,18 +49,18 @@ async def scripted(stack: Stack) -> dict[str, Any]:
     return sku
 
 
-async def client_for(stack: Stack) -> openai.AsyncOpenAI:
-    _, key = await stack.tenant_with_key()
-    return openai.AsyncOpenAI(base_url=stack.v1, api_key=key["key"], max_retries=0, timeout=30)
+async def chat(stack: Stack, scripted: dict[str, Any], text: str, **fields: Any) -> Any:
+    """The scripted SKU's whole answer to `text`, asked by a new tenant."""
+    client = await tenant_client(stack)
+    return await client.chat.completions.create(  # type: ignore[call-overload]
+        model=scripted["name"], messages=user(text), **fields
+    )
 
 
 async def test_a_tool_call_comes_back_as_tool_calls_and_is_billed(
     stack: Stack, scripted: dict[str, Any]
 ) -> None:
-    client = await client_for(stack)
-    r = await client.chat.completions.create(
-        model=scripted["name"], messages=user("script:tool"), tools=TOOLS
-    )
+    r = await chat(stack, scripted, "script:tool", tools=TOOLS)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == "Checking."
@@ -77,7 +78,7 @@ async def test_a_tool_call_comes_back_as_tool_calls_and_is_billed(
 async def test_tool_calls_stream_as_deltas_and_history_is_accepted(
     stack: Stack, scripted: dict[str, Any]
 ) -> None:
-    client = await client_for(stack)
+    client = await tenant_client(stack)
     history: list[Any] = [
         *user("What is the weather in Rome?"),
         {
@@ -121,17 +122,14 @@ async def test_tool_calls_stream_as_deltas_and_history_is_accepted(
 async def test_a_span_that_is_not_a_call_is_returned_as_content(
     stack: Stack, scripted: dict[str, Any]
 ) -> None:
-    client = await client_for(stack)
-    r = await client.chat.completions.create(
-        model=scripted["name"], messages=user("script:bad_tool"), tools=TOOLS
-    )
+    r = await chat(stack, scripted, "script:bad_tool", tools=TOOLS)
     assert r.choices[0].message.tool_calls is None
     assert r.choices[0].message.content == "".join(SCRIPTS["bad_tool"])
     assert r.choices[0].finish_reason == "stop"
 
 
 async def test_chat_logprobs_in_openai_shape(stack: Stack, scripted: dict[str, Any]) -> None:
-    client = await client_for(stack)
+    client = await tenant_client(stack)
     r = await client.chat.completions.create(
         model=scripted["name"], messages=user("hi"), logprobs=True, top_logprobs=2, max_tokens=5
     )
@@ -157,7 +155,7 @@ async def test_chat_logprobs_in_openai_shape(stack: Stack, scripted: dict[str, A
 async def test_n_choices_have_their_index_and_usage_sums_them(
     stack: Stack, scripted: dict[str, Any]
 ) -> None:
-    client = await client_for(stack)
+    client = await tenant_client(stack)
     r = await client.chat.completions.create(model=scripted["name"], messages=user("hi"), n=3)
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert all(c.message.content == "".join(SCRIPTS["plain"]) for c in r.choices)
@@ -181,7 +179,7 @@ async def test_n_choices_have_their_index_and_usage_sums_them(
 
 
 async def test_completions_logprobs_and_echo(stack: Stack, scripted: dict[str, Any]) -> None:
-    client = await client_for(stack)
+    client = await tenant_client(stack)
     r = await client.completions.create(
         model=scripted["name"], prompt="say", max_tokens=3, logprobs=2
     )
@@ -201,7 +199,7 @@ async def test_completions_logprobs_and_echo(stack: Stack, scripted: dict[str, A
 
 
 async def test_json_mode_passes_through(stack: Stack, scripted: dict[str, Any]) -> None:
-    client = await client_for(stack)
+    client = await tenant_client(stack)
     schema: dict[str, Any] = {"type": "object", "properties": {"answer": {"type": "integer"}}}
     r = await client.chat.completions.create(
         model=scripted["name"], messages=user("script:json"),
@@ -231,7 +229,7 @@ BAD = [
 async def test_bad_tools_formats_and_bounds_are_a_400_naming_the_field(
     stack: Stack, scripted: dict[str, Any], extra: dict[str, Any], param: str
 ) -> None:
-    client = await client_for(stack)
+    client = await tenant_client(stack)
     with pytest.raises(openai.BadRequestError) as e:
         await client.chat.completions.create(
             model=scripted["name"], messages=user("hi"), extra_body=extra
@@ -244,7 +242,7 @@ async def test_bad_tools_formats_and_bounds_are_a_400_naming_the_field(
 async def test_completions_refuse_token_ids_and_echo_with_logprobs(
     stack: Stack, scripted: dict[str, Any]
 ) -> None:
-    client = await client_for(stack)
+    client = await tenant_client(stack)
     for extra in ({"prompt": [1, 2, 3]}, {"prompt": "a", "echo": True, "logprobs": 1}):
         with pytest.raises(openai.BadRequestError) as e:
             await client.completions.create(model=scripted["name"], prompt="", extra_body=extra)
@@ -276,7 +274,7 @@ async def test_n_times_max_tokens_is_reserved_and_refused_over_quota(
 async def test_tools_json_n_and_hang_ups_reconcile_exactly(
     stack: Stack, scripted: dict[str, Any]
 ) -> None:
-    client = await client_for(stack)
+    client = await tenant_client(stack)
     rng = random.Random(11)
     kinds: list[dict[str, Any]] = [
         {"messages": user("script:tool"), "tools": TOOLS},
@@ -291,14 +289,7 @@ async def test_tools_json_n_and_hang_ups_reconcile_exactly(
             r = await client.chat.completions.create(model=scripted["name"], **args)  # type: ignore[call-overload]
             return r.id.removeprefix("chatcmpl-")
         stream = await client.chat.completions.create(model=scripted["name"], stream=True, **args)  # type: ignore[call-overload]
-        hang_up_after = rng.choice([None, 1, 3])
-        got, request_id = 0, ""
-        async for chunk in stream:
-            got, request_id = got + 1, chunk.id.removeprefix("chatcmpl-")
-            if got == hang_up_after:
-                break
-        await stream.close()
-        return request_id
+        return await read_then_hang_up(stream, rng.choice([None, 1, 3]))
 
     ids = await asyncio.gather(*(one(i) for i in range(24)))
     await stack.ledger_rows(ids)

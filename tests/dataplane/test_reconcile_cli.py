@@ -14,7 +14,7 @@ import pytest
 
 from events.usage import GatewayDelivered, dedupe_id, encode_usage, usage_subject
 from tests.dataplane.harness import ROOT, Stack
-from tests.dataplane.test_openai_api import async_client
+from tests.dataplane.test_openai_api import tenant_client
 
 # Not among the contract tests run both ways (tests/dataplane/conftest.py): the default only.
 pytestmark = [pytest.mark.timeout(120), pytest.mark.fast_path_only]
@@ -36,8 +36,7 @@ async def reconcile_cli(stack: Stack) -> subprocess.CompletedProcess[str]:
 async def test_reconcile_reports_the_match_rate_and_every_mismatch(
     stack: Stack, sku: dict[str, Any]
 ) -> None:
-    _, key = await stack.tenant_with_key()
-    client = async_client(stack, key["key"])
+    client = await tenant_client(stack)
     answers = await asyncio.gather(
         *(client.completions.create(model=sku["name"], prompt="p", max_tokens=3) for _ in range(5))
     )

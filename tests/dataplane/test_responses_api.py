@@ -11,7 +11,8 @@ import pytest
 
 from tests.dataplane.harness import Stack
 from tests.dataplane.scripted import PLAIN_TOKENS, SCRIPTS
-from tests.dataplane.test_openai_surface import client_for, scripted  # noqa: F401 (fixture)
+from tests.dataplane.test_openai_api import tenant_client
+from tests.dataplane.test_openai_surface import scripted  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,7 +25,7 @@ TOOL: Any = {
 
 
 async def test_create_and_stream_text(stack: Stack, scripted: dict[str, Any]) -> None:  # noqa: F811
-    client = await client_for(stack)
+    client = await tenant_client(stack)
     r = await client.responses.create(
         model=scripted["name"], input="hi", instructions="Be terse.", store=False
     )
@@ -40,7 +41,7 @@ async def test_create_and_stream_text(stack: Stack, scripted: dict[str, Any]) ->
 
 
 async def test_function_calls_and_json_schema(stack: Stack, scripted: dict[str, Any]) -> None:  # noqa: F811
-    client = await client_for(stack)
+    client = await tenant_client(stack)
     async with client.responses.stream(
         model=scripted["name"], input="script:two_tools", tools=[TOOL]
     ) as stream:
@@ -58,7 +59,7 @@ async def test_function_calls_and_json_schema(stack: Stack, scripted: dict[str, 
 
 
 async def test_store_true_and_bad_input_are_400s(stack: Stack, scripted: dict[str, Any]) -> None:  # noqa: F811
-    client = await client_for(stack)
+    client = await tenant_client(stack)
     for extra, param in (
         ({"store": True}, "store"),
         ({"previous_response_id": "resp_x"}, "previous_response_id"),

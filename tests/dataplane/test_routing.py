@@ -12,10 +12,8 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
-import nats
 import openai
 import pytest
 from nats.aio.client import Client as NATS
@@ -23,19 +21,12 @@ from nats.aio.client import Client as NATS
 from control_plane.dataplane.dispatch import Router, RoutingSettings, WorkerRegistry
 from control_plane.embedded import EmbeddedNats
 from tests.dataplane.harness import ROOT, Stack, stop_process
-from tests.dataplane.test_openai_api import MESSAGES, async_client, expected_text
+from tests.dataplane.test_openai_api import MESSAGES, async_client, expected_text, tenant_client
 from worker import protocol as p
 from worker.serve import _parse_args, use_gpu
 
 # Not among the contract tests run both ways (tests/dataplane/conftest.py): the default only.
 pytestmark = [pytest.mark.timeout(120), pytest.mark.fast_path_only]
-
-
-@pytest.fixture
-async def nc(nats_server: EmbeddedNats) -> AsyncIterator[NATS]:
-    conn = await nats.connect(nats_server.url)
-    yield conn
-    await conn.close()
 
 
 def chat(sku: str, tenant: str, messages: list[p.ChatMessage]) -> p.GenerateRequest:
@@ -156,8 +147,7 @@ async def test_the_faster_worker_gets_more_requests(stack: Stack) -> None:
     fast, fast_proc = start_named(stack, sku["sku_id"], "fast", tokens_per_s=50, output_tokens=10)
     slow, slow_proc = start_named(stack, sku["sku_id"], "slow", tokens_per_s=5, output_tokens=10)
     await stack.wait_served(sku["sku_id"], count=2)
-    _, key = await stack.tenant_with_key()
-    client = async_client(stack, key["key"])
+    client = await tenant_client(stack)
     ids: list[str] = []
 
     async def user(n: int) -> None:
@@ -191,8 +181,7 @@ async def test_a_killed_worker_fails_its_streams_metered_and_new_requests_go_to_
         stack, sku["sku_id"], "other", tokens_per_s=20, output_tokens=100
     )
     await stack.wait_served(sku["sku_id"], count=2)
-    _, key = await stack.tenant_with_key()
-    client = async_client(stack, key["key"])
+    client = await tenant_client(stack)
     streams = [
         await client.chat.completions.create(
             model=sku["name"],
@@ -421,8 +410,7 @@ async def test_two_gpu_workers_of_one_host_share_a_skus_load(stack: Stack, tmp_p
     ]
     try:
         await stack.wait_served(sku["sku_id"], count=2, within=600)
-        _, key = await stack.tenant_with_key()
-        client = async_client(stack, key["key"])
+        client = await tenant_client(stack)
         ids: list[str] = []
         tokens = 0
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import uuid
 from typing import Any
 
 import pytest
@@ -26,9 +25,7 @@ LONG_ANSWER = 2000  # tokens, ~190 bytes of SSE each: far more than the socket b
 
 @pytest.fixture(scope="module")
 async def fast_sku(stack: Stack) -> dict[str, Any]:
-    sku = await stack.publish_sku("fast-" + uuid.uuid4().hex[:6])
-    stack.start_worker(sku["sku_id"], tokens_per_s=4000.0, output_tokens=LONG_ANSWER)
-    await stack.wait_served(sku["sku_id"])
+    sku, _ = await stack.served_sku("fast-", tokens_per_s=4000.0, output_tokens=LONG_ANSWER)
     return sku
 
 

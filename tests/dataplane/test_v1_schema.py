@@ -12,22 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
-from schemathesis import checks as st_checks
 
 from control_plane.embedded import EmbeddedNats
 from tests.dataplane.harness import Stack, running_stack
+from tests.openapi_cases import failures, operations
 from tests.threaded import ThreadedServer
 
-CHECKS = [
-    st_checks.not_a_server_error,
-    st_checks.status_code_conformance,
-    st_checks.content_type_conformance,
-    st_checks.response_schema_conformance,
-]
+# The whole stack with a worker process, served by a fixture of this module.
+pytestmark = pytest.mark.e2e
 
 
 class _ServedStack(ThreadedServer):
@@ -42,9 +35,7 @@ class _ServedStack(ThreadedServer):
 
     async def serve(self) -> None:
         async with running_stack(*self.args) as stack:
-            sku = await stack.publish_sku("schema-" + uuid.uuid4().hex[:6])
-            stack.start_worker(sku["sku_id"], tokens_per_s=2000.0, output_tokens=4)
-            await stack.wait_served(sku["sku_id"])
+            sku, _ = await stack.served_sku("schema-", tokens_per_s=2000.0, output_tokens=4)
             _, key = await stack.tenant_with_key()
             self.stack, self.key, self.sku = stack, key["key"], sku["name"]
             self.started()
@@ -59,50 +50,19 @@ def served(
         yield s
 
 
-def _cases(
-    operation: Any, mode: GenerationMode, max_examples: int, auth: dict[str, str], sku: str
-) -> Any:
-    """A test of `operation`'s generated cases: valid ones name a model that exists, so some
-    are served."""
-    positive = mode == GenerationMode.POSITIVE
-
-    @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(
-        max_examples=max_examples,
-        derandomize=True,  # the same cases on every run
-        database=None,
-        deadline=None,
-        phases=[Phase.explicit, Phase.generate],
-        suppress_health_check=list(HealthCheck),
-    )
-    def run(case: Any) -> None:
-        if positive and isinstance(case.body, dict):
-            case.body["model"] = sku
-        case.call_and_validate(headers=auth, checks=CHECKS, timeout=30)
-
-    return run
-
-
 def _failures(served: _ServedStack, max_examples: int, modes: list[GenerationMode]) -> list[str]:
     assert served.stack is not None
     auth = {"Authorization": f"Bearer {served.key}"}
-    config = schemathesis.Config.from_dict({"seed": 20261201, "headers": auth})
-    schema = schemathesis.openapi.from_url(
-        served.stack.base_url + "/schema/openapi.json", config=config
-    ).include(path_regex=r"^/v1/(chat/completions|completions|responses|models)")
-    operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 5, [op.label for op in operations]
-    failures = []
-    for operation in operations:
-        for mode in modes:
-            run = _cases(operation, mode, max_examples, auth, served.sku)
-            try:
-                run()
-            except Unsatisfiable:  # no invalid request exists (no body, free-form path)
-                assert mode == GenerationMode.NEGATIVE, operation.label
-            except (Exception, BaseExceptionGroup) as e:  # schemathesis groups its failures
-                failures.append(f"{operation.label} ({mode}): {e}")
-    return failures
+    v1 = r"^/v1/(chat/completions|completions|responses|models)"
+    v1_operations = operations(served.stack.base_url, auth, v1)
+    assert len(v1_operations) == 5, [op.label for op in v1_operations]
+
+    def name_the_model(case: Any) -> None:
+        """Valid requests name a model that exists, so some are served."""
+        if isinstance(case.body, dict):
+            case.body["model"] = served.sku
+
+    return failures(v1_operations, modes, max_examples, auth, name_the_model)
 
 
 def test_v1_conforms_to_its_openapi(served: _ServedStack) -> None:

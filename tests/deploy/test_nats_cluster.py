@@ -40,6 +40,7 @@ def test_nats_url_list_empty_is_an_error(value: str) -> None:
         nats_servers(value)
 
 
+@pytest.mark.integration
 async def test_connect_waits_for_a_server_that_starts_later(tmp_path: Path) -> None:
     port = free_port()
     dead = free_port()  # a seed that never answers: the client moves on to the others

@@ -9,6 +9,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from control_plane.observability.metrics import OpsMetrics
+from tests.observability.helpers import observe
 from worker.protocol import WorkerAnnounce, WorkerHeartbeat
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "tokenmill.json"
@@ -20,16 +21,8 @@ def exposition() -> str:
     """/metrics once each API has been called; the gateway and the worker name the model
     differently (a Hugging Face id, the SKU name), as in `tokenmill up`."""
     m = OpsMetrics()
-    m.observe_request(
-        sku="s",
-        model="org/Model-7B",
-        tenant="t",
-        ttft_s=0.1,
-        itl_s=[0.01],
-        e2e_s=0.3,
-        prompt_tokens=1,
-        completion_tokens=2,
-        cached_tokens=1,
+    observe(
+        m, sku="s", model="org/Model-7B", itl_s=[0.01], e2e_s=0.3, prompt_tokens=1, cached_tokens=1
     )
     m.refuse_admission("rate_limited", "s")
     m.set_open_reservations("s", 1, tokens=10)

@@ -8,6 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from control_plane.observability.metrics import ObservabilitySettings, OpsMetrics
 from control_plane.observability.series import percentile
+from tests.observability.helpers import observe
 from worker.protocol import WorkerAnnounce, WorkerGone, WorkerHeartbeat
 
 
@@ -212,16 +213,8 @@ def test_timeseries_percentiles_throughput_and_load_per_step(
 ) -> None:
     clock.now = 1_000_000.0  # a step boundary (step 5 s)
     for i in range(100):
-        metrics.observe_request(
-            sku="demo",
-            model="m",
-            tenant="t",
-            ttft_s=(i + 1) / 1000,
-            itl_s=[0.01] * 9 + [0.5],
-            e2e_s=1.0 + i / 100,
-            prompt_tokens=10,
-            completion_tokens=10,
-        )
+        gaps, tokens = [0.01] * 9 + [0.5], dict(prompt_tokens=10, completion_tokens=10)
+        observe(metrics, ttft_s=(i + 1) / 1000, itl_s=gaps, e2e_s=1.0 + i / 100, **tokens)
     metrics.update_worker(
         WorkerHeartbeat(worker_id="w1", sku_id="demo", running=4, waiting=1, kv_pressure=0.2, ts=0)
     )
@@ -229,15 +222,7 @@ def test_timeseries_percentiles_throughput_and_load_per_step(
         WorkerHeartbeat(worker_id="w2", sku_id="demo", running=2, waiting=0, kv_pressure=0.6, ts=0)
     )
     clock.now += 5  # the next step: the first one closes
-    metrics.observe_request(
-        sku="demo",
-        model="m",
-        tenant="t",
-        ttft_s=9.0,
-        e2e_s=9.0,
-        prompt_tokens=1,
-        completion_tokens=1,
-    )
+    observe(metrics, ttft_s=9.0, e2e_s=9.0, prompt_tokens=1, completion_tokens=1)
     ts = metrics.timeseries()
     assert ts["step_s"] == 5 and len(ts["t"]) == 12  # 60 s window / 5 s
     demo = ts["skus"]["demo"]
@@ -302,16 +287,7 @@ def test_model_name_is_the_served_sku_name_on_every_vllm_series(
 ) -> None:
     # The gateway knows the SKU's Hugging Face id; the demo worker announces the SKU name as
     # its model. One value on every series, the name clients call (as vLLM's served name).
-    metrics.observe_request(
-        sku="demo",
-        model="HuggingFaceTB/SmolLM2-135M-Instruct",
-        tenant="t",
-        ttft_s=0.1,
-        itl_s=[0.01],
-        e2e_s=0.2,
-        prompt_tokens=3,
-        completion_tokens=2,
-    )
+    observe(metrics, model="HuggingFaceTB/SmolLM2-135M-Instruct", itl_s=[0.01])
     metrics.update_worker(
         WorkerAnnounce(
             worker_id="w1", sku_id="demo", model="SmolLM2-135M-Instruct", backend="t", capacity=4
@@ -348,16 +324,7 @@ def test_prefix_cache_queries_and_hits_count_prompt_tokens_per_sku(
     metrics: OpsMetrics, clock: Clock
 ) -> None:
     def request(sku: str, prompt: int, cached: int) -> None:
-        metrics.observe_request(
-            sku=sku,
-            model="m",
-            tenant="t",
-            ttft_s=0.1,
-            e2e_s=0.2,
-            prompt_tokens=prompt,
-            completion_tokens=5,
-            cached_tokens=cached,
-        )
+        observe(metrics, sku=sku, prompt_tokens=prompt, completion_tokens=5, cached_tokens=cached)
 
     clock.now = 1_000_000.0
     request("qwen", 1000, 0)  # nothing cached: queried, no hit

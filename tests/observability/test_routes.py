@@ -13,6 +13,7 @@ from control_plane.auth import admin_guard
 from control_plane.observability.metrics import ObservabilitySettings, OpsMetrics
 from control_plane.observability.routes import observability_routes
 from control_plane.problems import PROBLEM_HANDLERS
+from tests.observability.helpers import observe
 from worker.protocol import WorkerHeartbeat
 
 TOKEN = "test-admin-token"
@@ -41,15 +42,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 async def test_metrics_is_prometheus_text(client: AsyncTestClient, metrics: OpsMetrics) -> None:
-    metrics.observe_request(
-        sku="demo",
-        model="m",
-        tenant="t",
-        ttft_s=0.1,
-        e2e_s=0.2,
-        prompt_tokens=3,
-        completion_tokens=2,
-    )
+    observe(metrics)
     r = await client.get("/metrics")
     assert r.status_code == 200
     assert r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"

@@ -22,6 +22,7 @@ from events.store import EventStore, StreamLayout
 from events.usage import GatewayDelivered, RequestFinished
 from pricing.jobs import BillingContext, BillingSettings
 from pricing.store import BillingStore
+from tests.pricing.factories import finished as finished  # the billing tests import it here
 
 
 @dataclass
@@ -98,37 +99,6 @@ def price(
         output_per_mtok=output,
         currency="USD",
         effective_from=effective_from,
-    )
-
-
-def finished(
-    request_id: str,
-    at: datetime,
-    *,
-    tenant_id: str = "acme",
-    sku_id: str = "qwen",
-    prompt: int = 1000,
-    cached: int = 0,
-    completion: int = 100,
-    finish_reason: str = "stop",
-    started: datetime | None = None,
-    key_id: str = "key-1",
-    worker_id: str = "w1",
-) -> RequestFinished:
-    return RequestFinished(
-        request_id=request_id,
-        tenant_id=tenant_id,
-        key_id=key_id,
-        sku_id=sku_id,
-        model="qwen3.6-27b",
-        worker_id=worker_id,
-        prompt_tokens=prompt,
-        cached_tokens=cached,
-        completion_tokens=completion,
-        finish_reason=finish_reason,  # type: ignore[arg-type]
-        e2e_ms=1000.0,
-        started_at=started or at,
-        finished_at=at,
     )
 
 

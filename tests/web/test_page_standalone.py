@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from control_plane.observability.metrics import ObservabilitySettings, OpsMetrics
+from tests.observability.helpers import observe
 from tests.observability.test_routes import TOKEN, ops_app
 from tests.web.conftest import serve_in_thread
 from worker.protocol import WorkerAnnounce, WorkerHeartbeat
@@ -74,26 +75,10 @@ async def test_a_request_latency_appears_live_in_the_charts(
         "Prefix-cache hit rate — (no prompt tokens in the last 15 min)"
     )
 
-    metrics.observe_request(
-        sku="demo",
-        model="smollm2-135m",
-        tenant="acme",
-        ttft_s=0.123,
-        itl_s=[0.02] * 8,
-        e2e_s=0.4,
-        prompt_tokens=9,
-        completion_tokens=9,
-    )
-    metrics.observe_request(  # a prompt mostly served from the prefix cache
-        sku="demo",
-        model="smollm2-135m",
-        tenant="acme",
-        ttft_s=0.123,
-        e2e_s=0.2,
-        prompt_tokens=1991,
-        cached_tokens=1500,
-        completion_tokens=1,
-    )
+    acme = dict(model="smollm2-135m", tenant="acme", ttft_s=0.123)
+    observe(metrics, **acme, itl_s=[0.02] * 8, e2e_s=0.4, prompt_tokens=9, completion_tokens=9)
+    # a prompt mostly served from the prefix cache
+    observe(metrics, **acme, prompt_tokens=1991, cached_tokens=1500, completion_tokens=1)
     chart = await ttft.element_handle()
     # the page polls every 2 s: the new latency shows without a reload, patched into the same
     # chart (a live update does not replace what the operator or a screen reader is on)

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from worker.engine.engine import EngineConfig, LLMEngine
+from tests.worker.helpers import small_engine
 from worker.engine.runner import padded_sizes
 from worker.engine.sequence import SamplingParams
 
@@ -27,14 +27,7 @@ def test_padded_sizes():
 
 
 def serve(model, pad: bool, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
-    config = EngineConfig(
-        block_size=4,
-        max_num_seqs=5,
-        max_num_batched_tokens=64,
-        max_model_len=64,
-        pad_decode=pad,
-    )
-    engine = LLMEngine(model, None, config)
+    engine = small_engine(model, max_num_seqs=5, pad_decode=pad)
     assert (engine.runner.decode_inputs is not None) == pad
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts[:3]]  # 3 decodes pad to 4
@@ -67,17 +60,7 @@ def tensors_of(layer: object) -> list[torch.Tensor]:
 def test_padded_rows_write_only_scratch():
     config = presets.PRESETS["tiny-qwen3.5"]
     model = build_random(config, "cpu", torch.float64, seed=4)
-    engine = LLMEngine(
-        model,
-        None,
-        EngineConfig(
-            block_size=4,
-            max_num_seqs=4,
-            max_num_batched_tokens=64,
-            max_model_len=32,
-            pad_decode=True,
-        ),
-    )
+    engine = small_engine(model, max_model_len=32, pad_decode=True)
     runner = engine.runner
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for prompt in ([1, 2, 3], [4, 5, 6, 7, 8], [9, 10]):

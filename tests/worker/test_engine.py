@@ -14,6 +14,7 @@ from tests.worker.engine_fakes import (
     greedy_reference,
     next_token,
 )
+from tests.worker.helpers import generate_counting_preemptions, random_prompts
 from worker.engine.engine import EngineConfig, LLMEngine
 from worker.engine.sequence import FinishReason, SamplingParams
 
@@ -24,11 +25,6 @@ def make_engine(tokenizer=None, **config) -> tuple[LLMEngine, FakeCausalLM]:
     model = FakeCausalLM()
     defaults = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
     return LLMEngine(model, tokenizer, EngineConfig(**(defaults | config))), model
-
-
-def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 def test_reference_is_the_fake_models_rule():
@@ -66,18 +62,10 @@ def test_preemption_recomputes_and_keeps_outputs_exact():
     engine, _ = make_engine(num_kv_blocks=12, max_model_len=48, max_num_batched_tokens=16)
     prompts = random_prompts(6, 6, 14, seed=2)
     params = SamplingParams(temperature=0, max_tokens=16)
-    ids = [engine.add_request(p, params) for p in prompts]
-    results = {i: [] for i in ids}
-    preempted = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            results[out.request_id] += out.new_token_ids
-            if out.finished:
-                preempted += out.metrics.num_preemptions
-        assert engine.block_manager.num_used_blocks <= 12
+    outputs, preempted = generate_counting_preemptions(engine, prompts, params, 12)
     assert preempted > 0
-    for rid, prompt in zip(ids, prompts, strict=True):
-        assert results[rid] == greedy_reference(prompt, 16)
+    for tokens, prompt in zip(outputs, prompts, strict=True):
+        assert tokens == greedy_reference(prompt, 16)
     assert engine.block_manager.num_free_blocks == 12
     assert engine.scheduler.state_slots.num_free == 4
 

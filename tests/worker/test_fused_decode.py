@@ -6,35 +6,26 @@ were concatenated (q|k|v, qkv|z|b|a, gate|up) giving the same logits as unfused 
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton")
-
-from tests.worker.numerics import rel_err  # noqa: E402
-from worker.kernels import ops, reference  # noqa: E402
-from worker.kernels.triton.activations import gdn_gates, silu_mul  # noqa: E402
-from worker.kernels.triton.fp8_gemm import (  # noqa: E402
+from tests.worker.numerics import rel_err
+from tests.worker.triton_env import GPU, needs_cuda
+from worker.kernels import ops, reference
+from worker.kernels.triton.activations import gdn_gates, silu_mul
+from worker.kernels.triton.fp8_gemm import (
     DecodeTiling,
     _arrivals,
     _workspaces,
     linear_silu_mul,
     w8_gemv,
 )
-from worker.kernels.triton.norm import add_rms_norm  # noqa: E402
-from worker.models import build_random  # noqa: E402
-from worker.models.fp8 import Fp8Linear, quantize_fp8, quantize_weight  # noqa: E402
-from worker.models.layers import Linear  # noqa: E402
-from worker.models.presets import PRESETS  # noqa: E402
-
-GPU = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
+from worker.kernels.triton.norm import add_rms_norm
+from worker.models import build_random
+from worker.models.fp8 import Fp8Linear, quantize_fp8, quantize_weight
+from worker.models.layers import Linear
+from worker.models.presets import PRESETS
 
 # ---------------------------------------------------------------- one-launch FP8 GEMV
 
@@ -297,20 +288,10 @@ def test_new_ops_prefer_triton_on_cuda() -> None:
 
 
 def logits_of(model, tokens: int = 6) -> torch.Tensor:
-    from worker.engine.engine import EngineConfig, LLMEngine
+    from tests.worker.helpers import small_engine
     from worker.engine.sequence import SamplingParams
 
-    engine = LLMEngine(
-        model,
-        None,
-        EngineConfig(
-            block_size=4,
-            max_num_seqs=2,
-            max_num_batched_tokens=64,
-            max_model_len=32,
-            fuse_projections=False,
-        ),
-    )
+    engine = small_engine(model, max_num_seqs=2, max_model_len=32, fuse_projections=False)
     engine.add_request(list(range(3, 3 + tokens)), SamplingParams(temperature=0, max_tokens=1))
     ids, meta = engine.runner.prepare(engine.scheduler.schedule())
     with torch.inference_mode():

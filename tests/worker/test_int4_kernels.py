@@ -6,21 +6,15 @@ shapes. Agreement is by relative error, except the dequantized weight, which mus
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton")
-
-from tests.worker.numerics import rel_err  # noqa: E402
-from worker.kernels import ops, reference  # noqa: E402
-from worker.kernels.triton import int4_gemm  # noqa: E402
-from worker.kernels.triton.fp8_gemm import _arrivals, _workspaces  # noqa: E402
-from worker.kernels.triton.int4_gemm import (  # noqa: E402
+from tests.worker.numerics import rel_err
+from tests.worker.triton_env import GPU, needs_cuda
+from worker.kernels import ops, reference
+from worker.kernels.triton import int4_gemm
+from worker.kernels.triton.fp8_gemm import _arrivals, _workspaces
+from worker.kernels.triton.int4_gemm import (
     Int4Tiling,
     int4_dequantize,
     int4_gemv,
@@ -28,10 +22,8 @@ from worker.kernels.triton.int4_gemm import (  # noqa: E402
     int4_linear,
     int4_linear_silu_mul,
 )
-from worker.models.int4 import Int4Tensors, quantize_rtn  # noqa: E402
+from worker.models.int4 import Int4Tensors, quantize_rtn
 
-GPU = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -158,20 +150,26 @@ def test_dequantize_kernel_is_exact(n: int, k: int, group: int, symmetric: bool)
     assert rel_err(w8.float() * scale[:, None], ref) < 4e-2
 
 
+def rows_of_calls(monkeypatch: pytest.MonkeyPatch, kernel: str) -> list[int]:
+    """Wrap int4_gemm's `kernel`: the list gets the rows of each call."""
+    rows: list[int] = []
+    real = getattr(int4_gemm, kernel)
+
+    def recording(x: torch.Tensor, *args: object) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(int4_gemm, kernel, recording)
+    return rows
+
+
 def test_prefill_rows_dequantize_then_gemm(monkeypatch) -> None:
     """More than INT4_GEMV_MAX_ROWS rows (or a group the GEMV cannot step through): the weight
     dequantized into the per-device scratch, then one GEMM; decode rows take the GEMV."""
     torch.manual_seed(3)
     q = int4_weight(48, 576, 128, False, "cpu")
     bias = torch.randn(48).bfloat16()
-    gemv_calls: list[int] = []
-    real = int4_gemm.int4_gemv
-
-    def recording_gemv(x: torch.Tensor, *args):
-        gemv_calls.append(x.shape[0])
-        return real(x, *args)
-
-    monkeypatch.setattr(int4_gemm, "int4_gemv", recording_gemv)
+    gemv_calls = rows_of_calls(monkeypatch, "int4_gemv")
     for shape in ((70, 576), (2, 20, 576), (64, 576)):
         x = torch.randn(*shape).bfloat16()
         out = int4_linear(x, q.qweight, q.scales, q.mins, 128, bias)
@@ -190,14 +188,7 @@ def test_gate_up_takes_two_launches_where_measured_faster(monkeypatch) -> None:
     torch.manual_seed(4)
     q = int4_weight(48, 256, 128, True, "cpu")
     x = torch.randn(3, 256).bfloat16()
-    fused: list[int] = []
-    real = int4_gemm.int4_gemv_silu_mul
-
-    def recording(x: torch.Tensor, *args):
-        fused.append(x.shape[0])
-        return real(x, *args)
-
-    monkeypatch.setattr(int4_gemm, "int4_gemv_silu_mul", recording)
+    fused = rows_of_calls(monkeypatch, "int4_gemv_silu_mul")
     ref = reference.int4_linear_silu_mul(x, q.qweight, q.scales, None, 128)
     assert rel_err(int4_linear_silu_mul(x, q.qweight, q.scales, None, 128), ref) < 2e-2
     monkeypatch.setitem(int4_gemm.INT4_SILU_MUL_TILINGS, (48, 256), None)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import time
 import weakref
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.worker.helpers import generate_greedy
 from tests.worker.model_driver import ModelDriver
 from tests.worker.numerics import rel_err
 from worker.backends.torch_runtime import TorchRuntimeBackend
@@ -253,26 +253,13 @@ def test_backend_accepts_w4_and_its_head_options() -> None:
 
 
 async def test_w4_random_model_serves_a_request() -> None:
-    from worker.protocol import GenerateRequest, SamplingParams
-
     backend = TorchRuntimeBackend(model_path="random:tiny-qwen3_5", quantize="w4", max_model_len=64)
     await backend.start()
     try:
         model = backend.engine.engine.model
         assert isinstance(model.lm_head, Fp8Linear)
         assert isinstance(model.model.layers[0].mlp.gate_up_proj, Int4Linear)
-        request = GenerateRequest(
-            request_id="r1",
-            tenant_id="t",
-            key_id="k",
-            sku_id="s",
-            model="m",
-            prompt="river stone light north",
-            sampling=SamplingParams(max_tokens=5, temperature=0),
-            reply_to="",
-            admitted_at=time.time(),
-        )
-        progress = [p async for p in backend.generate(request)]
+        progress = await generate_greedy(backend, "river stone light north", 5)
         assert progress[-1].finish_reason in ("length", "stop")
         assert 1 <= progress[-1].completion_tokens <= 5
     finally:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.worker.engine_fakes import FakeCausalLM, greedy_reference
-from tests.worker.test_engine import random_prompts
+from tests.worker.helpers import generate_counting_preemptions, random_prompts
 from worker.engine.engine import (
     ContextLengthExceeded,
     EngineConfig,
@@ -99,16 +99,8 @@ def test_a_full_pool_still_admits_chunks_and_preempts_exactly():
     assert e.block_manager.num_blocks == 25
     prompts = random_prompts(6, 20, 60, seed=5)
     params = SamplingParams(temperature=0, max_tokens=30)
-    ids = [e.add_request(p, params) for p in prompts]
-    results = {i: [] for i in ids}
-    preemptions = 0
-    while e.has_unfinished_requests():
-        for out in e.step():
-            results[out.request_id] += out.new_token_ids
-            if out.finished:
-                preemptions += out.metrics.num_preemptions
-        assert e.block_manager.num_used_blocks <= 25
+    outputs, preemptions = generate_counting_preemptions(e, prompts, params, 25)
     assert preemptions > 0
-    for rid, prompt in zip(ids, prompts, strict=True):
-        assert results[rid] == greedy_reference(prompt, min(30, 96 - len(prompt)))
+    for tokens, prompt in zip(outputs, prompts, strict=True):
+        assert tokens == greedy_reference(prompt, min(30, 96 - len(prompt)))
     assert e.block_manager.num_free_blocks == 25

@@ -8,6 +8,7 @@ import asyncio
 import msgspec
 import pytest
 
+from tests.worker.helpers import REQUEST_IDS
 from tests.worker.test_structured import tokenizer  # noqa: F401 (fixture)
 from tests.worker.test_tool_calls import backend_for, collect, request
 from worker import protocol as p
@@ -85,10 +86,7 @@ class OldFinished(msgspec.Struct, frozen=True, kw_only=True, tag="finished"):
 def test_old_messages_decode_with_the_defaults() -> None:
     old = OldGenerateRequest(
         request_id="r",
-        tenant_id="t",
-        key_id="k",
-        sku_id="s",
-        model="m",
+        **REQUEST_IDS,
         messages=[OldChatMessage("user", "hi")],
         reply_to="x",
         admitted_at=1.0,
@@ -127,10 +125,7 @@ def test_old_messages_decode_with_the_defaults() -> None:
 def test_new_messages_round_trip_and_old_readers_skip_the_new_fields() -> None:
     req = p.GenerateRequest(
         request_id="r",
-        tenant_id="t",
-        key_id="k",
-        sku_id="s",
-        model="m",
+        **REQUEST_IDS,
         reply_to="x",
         admitted_at=1.0,
         messages=[

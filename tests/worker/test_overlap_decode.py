@@ -18,14 +18,13 @@ from tests.worker.engine_fakes import (
     FakeCausalLM,
     greedy_reference,
 )
+from tests.worker.helpers import SMALL_ENGINE, random_prompts, small_engine
 from worker.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from worker.engine.sequence import FinishReason, SamplingParams
 
 # max_num_seqs <= 4: padded decode adds at most one padding row, which the fake's layout
 # checks (distinct state slots and KV slots per row) accept.
-DEFAULTS: dict[str, Any] = dict(
-    block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96, pad_decode=True
-)
+DEFAULTS: dict[str, Any] = SMALL_ENGINE | dict(max_model_len=96, pad_decode=True)
 
 
 def make_engine(overlap: bool, tokenizer: Any = None, **config: Any) -> LLMEngine:
@@ -217,22 +216,12 @@ def test_real_model_tokens_equal_with_and_without_overlap():
 
     config = presets.PRESETS["tiny-qwen3.5"]
     torch.set_num_threads(1)
-    rng = random.Random(12)
-    ps = [[rng.randrange(config.vocab_size) for _ in range(rng.randint(2, 12))] for _ in range(5)]
+    ps = random_prompts(5, 2, 12, seed=12, vocab=config.vocab_size)
     results = []
     for overlap in (False, True):
         model = build_random(config, "cpu", torch.float64, seed=3)
-        engine = LLMEngine(
-            model,
-            None,
-            EngineConfig(
-                block_size=4,
-                max_num_seqs=8,
-                max_num_batched_tokens=64,
-                max_model_len=48,
-                pad_decode=True,
-                overlap_decode=overlap,
-            ),
+        engine = small_engine(
+            model, max_num_seqs=8, max_model_len=48, pad_decode=True, overlap_decode=overlap
         )
         script: Script = [(0, "add", (p, greedy(6 + i))) for i, p in enumerate(ps[:3])]
         script += [(3, "add", (p, greedy(7))) for p in ps[3:]]
@@ -250,22 +239,12 @@ def test_gpu_graph_decode_overlapped_equals_synchronous():
     from worker.models import build_random
 
     config = presets.PRESETS["tiny-qwen3.5"]
-    rng = random.Random(13)
-    ps = [[rng.randrange(config.vocab_size) for _ in range(rng.randint(2, 30))] for _ in range(6)]
+    ps = random_prompts(6, 2, 30, seed=13, vocab=config.vocab_size)
+    sizes = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=96)
     results = []
     for overlap in (False, True):
         model = build_random(config, "cuda", torch.bfloat16, seed=3)
-        engine = LLMEngine(
-            model,
-            None,
-            EngineConfig(
-                block_size=16,
-                max_num_seqs=8,
-                max_num_batched_tokens=256,
-                max_model_len=96,
-                overlap_decode=overlap,
-            ),
-        )
+        engine = LLMEngine(model, None, EngineConfig(**sizes, overlap_decode=overlap))
         assert engine.runner.graphs, engine.runner.graph_error
         launches = counting_launches(engine)
         script: Script = [(0, "add", (p, greedy(20 + i))) for i, p in enumerate(ps[:4])]

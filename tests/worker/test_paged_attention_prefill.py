@@ -15,18 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # CPU: the interpreter (the kernels' launcher interprets CPU tensors either way)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton")
-
-from tests.worker.numerics import rel_err  # noqa: E402
-from worker.kernels import ops, reference  # noqa: E402
-from worker.kernels.reference import cu_seqlens_of  # noqa: E402
-from worker.kernels.triton import paged_attention_prefill  # noqa: E402
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+from tests.worker.numerics import paged_cache, rel_err
+from tests.worker.triton_env import needs_cuda
+from worker.kernels import ops, reference
+from worker.kernels.reference import cu_seqlens_of
+from worker.kernels.triton import paged_attention_prefill
 
 # q, k_cache, v_cache, cu_seqlens, context_lens, block_tables, positions, scale, k_scale, v_scale
 PrefillArgs = tuple[
@@ -47,21 +40,10 @@ def prefill_args(
     """The op's arguments for sequences of (cached prefix, chunk) tokens: random caches holding
     every context position, each sequence's blocks scattered, one spare table column."""
     contexts = [prefix + chunk for prefix, chunk in chunks]
-    needed = [-(-n // block_size) for n in contexts]
-    width = max(needed) + 1
-    num_blocks = sum(needed) + 3
-    perm = torch.randperm(num_blocks).tolist()
-    tables = torch.zeros(len(chunks), width, dtype=torch.int32)
-    for b, count in enumerate(needed):
-        tables[b, :count] = torch.tensor(perm[:count], dtype=torch.int32)
-        perm = perm[count:]
-    k_cache = torch.randn(num_blocks, block_size, hkv, dim, device=device).bfloat16()
-    v_cache = torch.randn(num_blocks, block_size, hkv, dim, device=device).bfloat16()
-    k_scale, v_scale = 1.0, 1.0
-    if fp8:
-        k_scale, v_scale = 0.02, 0.03
-        k_cache = (k_cache.float() / k_scale).to(torch.float8_e4m3fn)
-        v_cache = (v_cache.float() / v_scale).to(torch.float8_e4m3fn)
+    width = max(-(-n // block_size) for n in contexts) + 1
+    k_cache, v_cache, tables, k_scale, v_scale = paged_cache(
+        contexts, hkv, dim, block_size, width, device, fp8
+    )
     tokens = sum(chunk for _, chunk in chunks)
     q = torch.randn(tokens, hq, dim, device=device).bfloat16()
     positions = torch.cat([torch.arange(p, p + c) for p, c in chunks]).to(device)

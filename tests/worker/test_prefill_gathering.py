@@ -7,9 +7,10 @@ import asyncio
 import time
 
 from tests.worker.engine_fakes import FakeCausalLM
+from tests.worker.helpers import small_engine
 from worker.engine.async_engine import AsyncLLMEngine
 from worker.engine.block_manager import BlockManager
-from worker.engine.engine import EngineConfig, LLMEngine
+from worker.engine.engine import EngineConfig
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import SamplingParams, Sequence
 from worker.engine.state_slots import StateSlotPool
@@ -87,14 +88,8 @@ def test_the_async_engine_prefills_spread_arrivals_together():
 
     async def first_prefill(gather_s: float) -> int:
         model = FakeCausalLM()
-        config = EngineConfig(
-            block_size=4,
-            max_num_seqs=8,
-            max_num_batched_tokens=256,
-            max_model_len=64,
-            prefill_gather_s=gather_s,
-        )
-        engine = AsyncLLMEngine(LLMEngine(model, None, config))
+        config = dict(max_num_seqs=8, max_num_batched_tokens=256, prefill_gather_s=gather_s)
+        engine = AsyncLLMEngine(small_engine(model, **config))
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 
         async def one(i: int) -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.worker.engine_fakes import VOCAB, FakeCache, FakeCausalLM, greedy_reference
+from tests.worker.helpers import small_engine
 from worker.engine.block_manager import BlockManager
 from worker.engine.engine import EngineConfig, LLMEngine
 from worker.engine.sequence import SamplingParams, Sequence
@@ -34,15 +35,8 @@ class CheckpointFake(FakeCausalLM):
 
 def make_engine(model=None, **config) -> tuple[LLMEngine, FakeCausalLM]:
     model = model or CheckpointFake()
-    defaults = dict(
-        block_size=4,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        max_model_len=128,
-        enable_prefix_caching=True,
-        prefix_checkpoint_blocks=2,
-    )
-    return LLMEngine(model, None, EngineConfig(**(defaults | config))), model
+    caching = dict(max_model_len=128, enable_prefix_caching=True, prefix_checkpoint_blocks=2)
+    return small_engine(model, **(caching | config)), model
 
 
 def fed_tokens(model: FakeCausalLM) -> int:
@@ -264,21 +258,10 @@ def test_tiny_models_greedy_outputs_match_without_the_cache(preset):
     prompts = [system + [rng.randrange(config.vocab_size) for _ in range(2 + i)] for i in range(4)]
     prompts += [system[:6] + [1, 2]]  # shorter than the checkpoint spacing (8 tokens)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    sizes = dict(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, num_kv_blocks=24)
     results = {}
     for on in (False, True):
-        engine = LLMEngine(
-            model,
-            None,
-            EngineConfig(
-                block_size=4,
-                max_num_seqs=2,
-                max_num_batched_tokens=16,
-                max_model_len=64,
-                num_kv_blocks=24,
-                enable_prefix_caching=on,
-                prefix_checkpoint_blocks=2,
-            ),
-        )
+        engine, _ = make_engine(model, **sizes, enable_prefix_caching=on)
         outs = [engine.generate([p], params)[0] for p in prompts]
         results[on] = ([o.new_token_ids for o in outs], [o.usage.cached_tokens for o in outs])
     assert results[True][0] == results[False][0]

@@ -7,16 +7,15 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.worker.helpers import generate_greedy
 from worker.backends.torch_runtime import TorchRuntimeBackend
 from worker.loading import load_model
 from worker.models.fp8 import Fp8Linear
-from worker.protocol import GenerateRequest, SamplingParams
 
 
 def test_a_random_model_takes_every_id_of_its_tokenizer() -> None:
@@ -50,18 +49,7 @@ async def test_fp8_weights_and_kv_serve_a_request_to_its_length() -> None:
         llm = backend.engine.engine
         assert llm.runner.kv_dtype == torch.float8_e4m3fn
         assert any(isinstance(m, Fp8Linear) for m in llm.model.modules())
-        request = GenerateRequest(
-            request_id="r1",
-            tenant_id="t",
-            key_id="k",
-            sku_id="s",
-            model="m",
-            prompt="river stone light north",
-            sampling=SamplingParams(max_tokens=6, temperature=0),
-            reply_to="",
-            admitted_at=time.time(),
-        )
-        progress = [p async for p in backend.generate(request)]
+        progress = await generate_greedy(backend, "river stone light north", 6)
     finally:
         await backend.close()
     last = progress[-1]
@@ -71,6 +59,7 @@ async def test_fp8_weights_and_kv_serve_a_request_to_its_length() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_the_governed_endpoint_bench_runs_end_to_end_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "endpoint.json"
     argv = [

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from tests.worker.helpers import SMALL_ENGINE
 from worker.engine.block_manager import staged_pool_blocks
 from worker.engine.engine import EngineConfig, LLMEngine, kv_staging_bits
 from worker.engine.sequence import SamplingParams
@@ -31,9 +32,12 @@ def prompts(vocab: int, n: int = 4) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(rng.randint(100, 300))] for _ in range(n)]
 
 
+# Staged KV with the two most recent pages kept as they were written.
+WINDOW_2 = dict(kv_staging="k4v3", kv_staging_window_pages=2)
+
+
 def config(**overrides) -> EngineConfig:
-    base = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
-    return EngineConfig(**{**base, **overrides})
+    return EngineConfig(**(SMALL_ENGINE | {"max_model_len": 512} | overrides))
 
 
 def serve(model, cfg: EngineConfig, batch: list[list[int]]) -> tuple[list[list[int]], LLMEngine]:
@@ -75,7 +79,7 @@ def test_from_env_reads_staging(monkeypatch):
 
 
 def test_staged_engine_allocates_staged_layers_and_sizes_both_pools(model):
-    engine = LLMEngine(model, None, config(kv_staging="k4v3", kv_staging_window_pages=2))
+    engine = LLMEngine(model, None, config(**WINDOW_2))
     bm, cache = engine.block_manager, engine.runner.cache
     # CPU: the recent pages 4 sequences need, compressed room for 4 full-length sequences
     assert bm.num_blocks == 4 * (1 + 2 + 1) + 64 // 4 + 4
@@ -133,10 +137,8 @@ def test_staged_outputs_stay_close_to_plain_kv(model):
     batch = prompts(model.config.vocab_size)
     plain, _ = serve(model, config(), batch)
     fp8, _ = serve(model, config(kv_dtype=FP8), batch)
-    staged, engine = serve(model, config(kv_staging="k4v3", kv_staging_window_pages=2), batch)
-    staged_fp8, _ = serve(
-        model, config(kv_staging="k4v3", kv_staging_window_pages=2, kv_dtype=FP8), batch
-    )
+    staged, engine = serve(model, config(**WINDOW_2), batch)
+    staged_fp8, _ = serve(model, config(**WINDOW_2, kv_dtype=FP8), batch)
     # every page past the anchor and window was re-encoded at least once
     assert engine.runner.restaged_pages >= sum(len(p) // 4 - 3 for p in batch)
     vs_plain, vs_fp8 = AGREEMENT_BOUND[model.config.name]
@@ -149,9 +151,8 @@ def test_staged_outputs_stay_close_to_plain_kv(model):
 
 def test_padded_decode_with_staging_equals_eager(model):
     batch = prompts(model.config.vocab_size, 3)
-    cfg = dict(kv_staging="k4v3", kv_staging_window_pages=2)
-    eager, _ = serve(model, config(**cfg), batch)
-    padded, engine = serve(model, config(pad_decode=True, **cfg), batch)
+    eager, _ = serve(model, config(**WINDOW_2), batch)
+    padded, engine = serve(model, config(pad_decode=True, **WINDOW_2), batch)
     assert engine.runner.decode_inputs is not None
     assert padded == eager
 
@@ -160,12 +161,7 @@ def test_finished_and_preempted_sequences_release_both_pools(model):
     # 2 sequences, 12 recent pages (2 x (1 + 2 + 1) + 2 + 2), 8 compressed: the compressed pool
     # fills, pages stay recent, the recent pool runs out, so the newest sequence is preempted
     cfg = config(
-        kv_staging="k4v3",
-        kv_staging_window_pages=2,
-        max_num_seqs=2,
-        max_num_batched_tokens=8,
-        max_model_len=64,
-        num_kv_blocks=20,
+        **WINDOW_2, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, num_kv_blocks=20
     )
     engine = LLMEngine(model, None, cfg)
     bm = engine.block_manager

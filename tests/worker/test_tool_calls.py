@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tests.worker.helpers import REQUEST_IDS
 from tests.worker.test_structured import NoiseLM, tokenizer  # noqa: F401 (fixture)
 from worker.backends.torch_runtime import TorchRuntimeBackend
 from worker.engine.async_engine import AsyncLLMEngine
@@ -203,10 +204,7 @@ def backend_for(tok: Tokenizer) -> TorchRuntimeBackend:
 def request(**kw: Any) -> GenerateRequest:
     base: dict[str, Any] = dict(
         request_id="r1",
-        tenant_id="t",
-        key_id="k",
-        sku_id="s",
-        model="m",
+        **REQUEST_IDS,
         messages=[ChatMessage("user", "Weather in Rome?")],
         reply_to="inbox",
         admitted_at=0.0,

@@ -8,23 +8,15 @@ in the slots the batch names.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    # CPU: the interpreter (effective when triton is not yet imported; the kernels' launcher
-    # interprets CPU tensors either way)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton")
-
-from tests.worker.numerics import rel_err  # noqa: E402
-from worker.kernels import ops, reference  # noqa: E402
-from worker.kernels.reference import cu_seqlens_of  # noqa: E402
-from worker.kernels.triton import (  # noqa: E402
+from tests.worker.numerics import paged_cache, rel_err
+from tests.worker.triton_env import GPU, needs_cuda
+from worker.kernels import ops, reference
+from worker.kernels.reference import cu_seqlens_of
+from worker.kernels.triton import (
     causal_conv1d_prefill,
     causal_conv1d_update,
     conv_update_with_gates,
@@ -34,10 +26,6 @@ from worker.kernels.triton import (  # noqa: E402
     paged_attention_decode,
     rms_norm,
 )
-
-GPU = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
 
 # ---------------------------------------------------------------- norms
 
@@ -299,22 +287,6 @@ def test_prefill_with_repeated_keys_stays_exact() -> None:
 # ---------------------------------------------------------------- paged attention decode
 
 
-def paged_cache(
-    lengths: list[int], hkv: int, dim: int, block_size: int, width: int, device: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random bf16 caches and block tables with the blocks of each sequence scattered."""
-    needed = [-(-n // block_size) for n in lengths]
-    num_blocks = sum(needed) + 3
-    perm = torch.randperm(num_blocks).tolist()
-    tables = torch.zeros(len(lengths), width, dtype=torch.int32)
-    for b, count in enumerate(needed):
-        tables[b, :count] = torch.tensor(perm[:count], dtype=torch.int32)
-        perm = perm[count:]
-    k_cache = torch.randn(num_blocks, block_size, hkv, dim, device=device).bfloat16()
-    v_cache = torch.randn(num_blocks, block_size, hkv, dim, device=device).bfloat16()
-    return k_cache, v_cache, tables.to(device)
-
-
 def check_paged_decode(
     lengths: list[int],
     hq: int,
@@ -326,12 +298,9 @@ def check_paged_decode(
     device: str,
 ) -> None:
     width = -(-max(lengths) // block_size) + 1
-    k_cache, v_cache, tables = paged_cache(lengths, hkv, dim, block_size, width, device)
-    k_scale, v_scale = 1.0, 1.0
-    if fp8:
-        k_scale, v_scale = 0.02, 0.03
-        k_cache = (k_cache.float() / k_scale).to(torch.float8_e4m3fn)
-        v_cache = (v_cache.float() / v_scale).to(torch.float8_e4m3fn)
+    k_cache, v_cache, tables, k_scale, v_scale = paged_cache(
+        lengths, hkv, dim, block_size, width, device, fp8
+    )
     q = torch.randn(len(lengths), hq, dim, device=device).bfloat16()
     context_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
     scale = dim**-0.5
