@@ -10,6 +10,7 @@ import torch
 
 from tests.worker.engine_fakes import VOCAB, FakeCache, FakeCausalLM, greedy_reference
 from tests.worker.helpers import small_engine
+from tests.worker.test_structured import tokenizer  # noqa: F401 (fixture)
 from worker.engine.block_manager import BlockManager
 from worker.engine.engine import EngineConfig, LLMEngine
 from worker.engine.sequence import SamplingParams, Sequence
@@ -287,3 +288,48 @@ def test_overlapped_decode_registers_only_settled_tokens():
     # but the KV blocks of the answer's settled tokens are registered and match
     blocks, _ = engine.block_manager.match(Sequence(99, "x", follow, GREEDY), len(follow) - 1)
     assert len(blocks) >= 4
+
+
+def test_the_backend_salts_the_prefix_cache_by_tenant(tokenizer) -> None:  # noqa: F811
+    """Through the worker's backend: a tenant's second request reuses its first one's blocks;
+    another tenant's same prompt reuses nothing."""
+    import asyncio
+
+    from tests.worker.test_structured import NoiseLM
+    from tests.worker.test_tool_calls import request
+    from worker import protocol as p
+    from worker.backends.torch_runtime import TorchRuntimeBackend
+    from worker.engine.async_engine import AsyncLLMEngine
+
+    backend = TorchRuntimeBackend("unused", max_model_len=2048)
+
+    class CheckpointNoiseLM(NoiseLM):  # its state slots copyable, as the real models' are
+        def allocate_cache(self, num_blocks, block_size, num_state_slots, kv_dtype, device, **kw):
+            return CheckpointCache(num_blocks, block_size, num_state_slots, device)
+
+    model = CheckpointNoiseLM(tokenizer.vocab_size, next(iter(tokenizer.eos_token_ids)))
+    config = EngineConfig(
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=2048,
+        max_model_len=2048,
+        enable_prefix_caching=True,
+        prefix_checkpoint_blocks=1,
+    )
+    backend.engine = AsyncLLMEngine(LLMEngine(model, tokenizer, config))
+    backend.tokenizer = tokenizer
+    prompt = [p.ChatMessage("user", "tell me about the weather in Rome " * 12)]
+
+    async def cached(tenant: str, rid: str) -> int:
+        sampling = p.SamplingParams(temperature=0, max_tokens=2)
+        req = request(request_id=rid, tenant_id=tenant, messages=prompt, sampling=sampling)
+        return [x async for x in backend.generate(req)][-1].cached_tokens
+
+    async def run() -> tuple[int, int, int]:
+        try:
+            return await cached("t-a", "r1"), await cached("t-a", "r2"), await cached("t-b", "r3")
+        finally:
+            await backend.close()
+
+    first, again, other = asyncio.run(run())
+    assert first == 0 and again > 0 and other == 0

@@ -237,6 +237,9 @@ class TorchRuntimeBackend:
                 stop=list(s.stop),
                 logprobs=request.top_logprobs if request.logprobs else None,
                 grammar=spec,
+                # cached prompt blocks are shared within a tenant only: another tenant could
+                # otherwise tell from its first-token time that a prompt is cached
+                cache_salt=request.tenant_id,
             )
             for i in range(request.n)
         ]
