@@ -84,7 +84,7 @@ async def run(seconds: float) -> dict[str, Any]:
     clock = window_clock()
     views = [GovernanceView(nc.jetstream(), layout) for nc in conns]
     replicas = [
-        Admission(nc.jetstream(), "BENCH", v, replica_id=f"gw{i}", settings=settings, clock=clock)
+        Admission(nc, "BENCH", v, replica_id=f"gw{i}", settings=settings, clock=clock)
         for i, (nc, v) in enumerate(zip(conns, views, strict=True))
     ]
     lat_tenant = await setup_tenant(

@@ -35,7 +35,7 @@ def tokenmill_extension(services: Services) -> Extension:
     from control_plane.admission.controllers import governance_admin_router, usage_router
     from control_plane.app import Extension
 
-    admission = Admission(services.js, services.layout.prefix, services.view)
+    admission = Admission(services.nc, services.layout.prefix, services.view)
 
     @contextlib.asynccontextmanager
     async def running(_: Services) -> AsyncIterator[None]:

@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Literal
 
-from nats.js import JetStreamContext
+from nats.aio.client import Client as NATS
 
 from control_plane.admission.budgets import BudgetSpec, BudgetStore, Clock, SharedBudget
 from control_plane.admission.limits import LimitsBook, cost_micros
@@ -144,7 +144,7 @@ class _AwaitingUsage:
 class Admission:
     def __init__(
         self,
-        js: JetStreamContext,
+        nc: NATS,
         prefix: str,
         view: GovernanceView,
         *,
@@ -156,9 +156,10 @@ class Admission:
         self.replica_id = replica_id or "gw-" + uuid.uuid4().hex[:12]
         self.clock = clock
         self.view = view  # the backbone's: prices (its owner starts and stops it)
+        js = nc.jetstream()
         self.limits = LimitsBook(js, prefix)
         self.ledger = SettledUsage(
-            js,
+            nc,
             prefix,
             self.view,
             on_settled=self._on_settled,

@@ -22,7 +22,6 @@ from datetime import datetime
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from control_plane.admission.position import StreamPosition
@@ -40,7 +39,7 @@ class StreamFollower:
 
     def __init__(
         self,
-        js: JetStreamContext,
+        nc: NATS,
         stream: str,
         subject: str,
         apply: Callable[[Msg], None],
@@ -51,9 +50,9 @@ class StreamFollower:
         start_time: Callable[[], datetime] | None = None,
         backoff_s: tuple[float, float] = (0.1, 5.0),
     ) -> None:
-        self.js, self.stream, self.subject, self.apply = js, stream, subject, apply
+        self.nc, self.js = nc, nc.jetstream()
+        self.stream, self.subject, self.apply = stream, subject, apply
         self.position, self.name = position, name
-        self.nc: NATS = js._nc  # noqa: SLF001 (the connection the context publishes on)
         self.heartbeat_s = heartbeat_s
         # Three heartbeats missed: the consumer is gone (its server restarted or was lost).
         self.stall_after_s = 3 * heartbeat_s

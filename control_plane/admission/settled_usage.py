@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
 
 from control_plane.admission.follow import StreamFollower
 from control_plane.admission.limits import cost_micros
@@ -51,18 +51,18 @@ class SettledUsage:
 
     def __init__(
         self,
-        js: JetStreamContext,
+        nc: NATS,
         prefix: str,
         view: GovernanceView,
         on_settled: Callable[[RequestFinished], None] | None = None,
         *,
         heartbeat_s: float = 1.0,
     ) -> None:
-        self.js, self.prefix, self.view, self.on_settled = js, prefix, view, on_settled
+        self.js, self.prefix, self.view, self.on_settled = nc.jetstream(), prefix, view, on_settled
         self.usage: dict[UsageKey, Usage] = {}
         self.position = StreamPosition()
         self.follower = StreamFollower(
-            js,
+            nc,
             usage_stream_name(prefix),
             f"{prefix}.usage.>",
             self._on_message,

@@ -146,7 +146,7 @@ async def world(nats_server: EmbeddedNats, stream_prefix: str) -> AsyncIterator[
     views = [GovernanceView(nc.jetstream(), layout) for nc in conns]
     replicas = [
         Admission(
-            nc.jetstream(),
+            nc,
             stream_prefix,
             view,
             replica_id=f"gw{i}",

@@ -52,9 +52,7 @@ async def one_replica(own_nats: EmbeddedNats, stream_prefix: str) -> AsyncIterat
     clock = Clock()
     view = GovernanceView(nc.jetstream(), layout)
     settings = replace(fast_settings(), follower_heartbeat_s=0.3)
-    replica = Admission(
-        nc.jetstream(), stream_prefix, view, replica_id="gw0", settings=settings, clock=clock
-    )
+    replica = Admission(nc, stream_prefix, view, replica_id="gw0", settings=settings, clock=clock)
     await view.start()
     await replica.start()
     yield World(store, [view], [replica], clock, nc.jetstream())
@@ -185,7 +183,7 @@ async def test_first_consumer_by_time_then_by_sequence(
         seen: list[bytes] = []
         position = StreamPosition()
         follower = StreamFollower(
-            nc.jetstream(),
+            nc,
             usage_stream_name(stream_prefix),
             f"{stream_prefix}.usage.>",
             lambda msg: seen.append(msg.data),
