@@ -15,6 +15,9 @@ A GPU-hour cost that nobody gave (None) is unknown, never 0: the cost, margin an
 figures are None and `unknown` says why; the token figures stand.
 
 All arithmetic is Decimal; what-if inputs are fields of `CapacityInputs` (`dataclasses.replace`).
+
+Size: Capacity projection as one chain of pure functions: measurements in, a per-SKU model, the
+30-day projection out.
 """
 
 from __future__ import annotations

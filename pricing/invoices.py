@@ -16,6 +16,9 @@ plan has none. A line amount is its exact cost rounded half-even to the currency
 
 The cut is a usage-stream sequence: the ledger commits its stream position with each row, so
 "every row with seq <= S" is a fixed set that a rebuild from the log reproduces exactly.
+
+Size: An invoice is one pure function with its line, adjustment and rounding rules, kept
+together so that the rules read in one place.
 """
 
 from __future__ import annotations

@@ -13,7 +13,11 @@ Jobs (each idempotent, and safe to re-run after a crash at any point):
 Leadership: a JetStream KV bucket holds a `leader` key with a TTL. A replica becomes leader by
 creating the key (create-if-absent) and stays leader by updating it with the revision it
 last wrote (compare-and-set) every TTL/3; a leader that cannot renew steps down, and a dead
-one's key expires so another replica takes over. Jobs run only on the leader."""
+one's key expires so another replica takes over. Jobs run only on the leader.
+
+Size: The scheduler, its leader lock and the jobs it runs: each job is short, the leader logic
+is shared.
+"""
 
 from __future__ import annotations
 

@@ -8,6 +8,9 @@ stops generation. Every request it accepted ends with exactly one usage event (W
 what it generated) on JetStream, dedupe id `wk:<request_id>`, retried until acked. It sends
 Finished first: the bill is the gateway's (what it delivered), so a stream's end need not wait
 on JetStream, and this record is the one reconciliation compares the bill with.
+
+Size: One process's whole life (connect, announce, heartbeat, serve, watch leases, drain) in one
+module: the parts share the connection and the table of requests in flight.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ max_tokens for an output-token quota, or their price for a spend cap), and one s
 `finish` settles rate windows to the actual count at once; quota reservations settle when
 the request's RequestFinished arrives on the usage stream (the worker publishes it even when
 the gateway is gone) or expire after `reservation_ttl_s` — never leaked.
+
+Size: Admission's API and the reservation bookkeeping of every policy scope: the scopes share
+one reserve/settle path.
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 """Calling workers over NATS: the registry of live workers, and the client that dispatches a
 request to one worker of a SKU and relays its replies.
 
-Used by the gateway, and by the benchmark to call workers directly (no HTTP, no metering)."""
+Used by the gateway, and by the benchmark to call workers directly (no HTTP, no metering).
+
+Size: The worker registry, the router and the worker client: all three read the workers'
+announced state.
+"""
 
 from __future__ import annotations
 

@@ -24,6 +24,9 @@ dies before billing leaves the request unbilled (nothing shows it reached the cl
 workers stop generating for it within the gateway lease (see `worker.serve`), and
 `tokenmill reconcile` lists it. Requests refused before dispatch ran nothing and are not
 metered.
+
+Size: The gateway's side of one request from dispatch to bill (relay, conclude, report) in one
+module, so that the billing rule, what was delivered, reads in one place.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ a SKU stays in the page's series (`timeseries()[...]["model"]`). Callers:
 
 Everything here is plain Python on the caller's thread, cheap enough for the request path
 (a few microseconds per call, about one per inter-token gap).
+
+Size: The Prometheus exposition: every series' name, help and labels in one place.
 """
 
 from __future__ import annotations

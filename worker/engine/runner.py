@@ -11,6 +11,9 @@ With staged KV (`staging`), every full-attention layer holds recent pages and Tu
 pages (worker/kvcache/): the scratch block is the recent pool's last, compressed block ids start
 right after it (`first_compressed_block`), and `restage` re-encodes the pages the block manager
 moved, for all layers in one batch, before the step that reads them.
+
+Size: The one runner between decide and execute (batch tensors, CUDA graph capture and replay,
+sampling); split, capture and replay would straddle modules.
 """
 
 from __future__ import annotations

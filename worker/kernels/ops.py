@@ -12,6 +12,9 @@ so a missing or broken triton is only a reason in `explain()`, never an import e
 
 `explain(device, dtype, kv_dtype)` returns a table of every op, the chosen implementation and
 each candidate's reason. `TOKENMILL_KERNELS=reference` forces the references everywhere.
+
+Size: The op registry: one entry per op, each picking its kernel or the reference and saying
+why; a table, long by nature.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ transformers (Llama, Qwen3, Qwen3.5): norms in fp32, softmax in fp32, DeltaNet s
 Tokens are flat (varlen) with `cu_seqlens`; per-sequence states live in slot pools.
 
 FP8 KV caches store `value / scale` in `float8_e4m3fn`; reads multiply by the per-layer scale.
+
+Size: The plain-PyTorch reference of every kernel op, side by side: long by nature.
 """
 
 from __future__ import annotations

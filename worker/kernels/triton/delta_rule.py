@@ -19,6 +19,9 @@ and then, chunk by chunk with the state S at the chunk's start,
 `_wy_prepare_kernel` does the first part for all chunks in parallel; `_chunk_scan_kernel` walks
 each sequence's chunks in order, holding a [dk, BV] slice of the state in registers.
 Every exponent is <= 0, so no exp overflows.
+
+Size: The gated delta rule's chunked prefill and recurrent decode kernels with their launchers:
+they share the state layout.
 """
 
 from __future__ import annotations

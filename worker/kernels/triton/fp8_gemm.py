@@ -18,6 +18,9 @@ Two paths, picked by the number of rows (tokens) of x:
 Measured on one H200, the 27B engine at concurrency 32 (32-row decode steps): w8a16 29.5 ms a
 step (960 tok/s), scaled_mm 15.7 ms (1,631 tok/s), w8_gemv with a 32-row tile
 (TOKENMILL_FP8_GEMV_MAX_ROWS=32) 15.9 ms (1,619 tok/s); hence scaled_mm from 17 rows.
+
+Size: Every FP8 matmul of one weight format (decode GEMV split-K and stream-K, w8a16, scaled_mm,
+fused silu) with launchers and tilings.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ code OR'ed into the mantissa of 1024 (fp16) or 128 (bf16) is 1024 + q (128 + q) 
 integer OR and one subtract replace an int -> float conversion (a quarter-rate instruction on
 sm_90 that would cap the GEMV well below the HBM bandwidth). The dot runs in x's dtype, so bf16
 activations are never rounded to fp16.
+
+Size: Every int4 matmul of one weight format (decode GEMV, prefill paths) with launchers and
+tilings.
 """
 
 from __future__ import annotations

@@ -43,6 +43,9 @@ for halves-biased on 128-channel tiles (240 registers); fma 5.3 at one row.
 
 All split K across programs like `int4_gemv` (the last program to arrive at a column tile sums
 the fp32 partials: one launch).
+
+Size: The repacking and the decode GEMV variants measured in docs/performance.md, with their
+launchers and references.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ the dots run in fp32 (its bf16 dot multiplies raw bits).
 
 Prefill (a chunk of query tokens per sequence) is `paged_attention_prefill`, further down:
 flash attention over the same caches, grid (query head, query tile), same fp8 handling.
+
+Size: Decode and prefill kernels over one paged layout, with their launchers: they share the
+page-addressing code.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ basis (worker/kvcache/turboquant.py). References: worker.kernels.reference.
   batch's tables name (`_scratch_kernel`), then the plain prefill kernel over the scratch.
 
 Importing this module registers the three ops with `worker.kernels.ops`.
+
+Size: TurboQuant encode, decode and the mixed-page attention kernels: they share the rotation
+and the codebook layout.
 """
 
 from __future__ import annotations
