@@ -113,6 +113,13 @@ class Settings:
     max_header_bytes: int = field(
         default_factory=lambda: int(env("TOKENMILL_MAX_HEADER_BYTES", str(32 * 1024)))
     )
+    # TOKENMILL_FAST_PATH: "0" serves /v1 on uvicorn's and nats-py's public APIs only; on (the
+    # default) the data plane takes control_plane/dataplane/fast_path (where the installed
+    # versions are the ones it was tested with).
+    fast_path: bool = field(default_factory=lambda: env_bool("TOKENMILL_FAST_PATH", True))
+    # TOKENMILL_WEB_DIR: the operator's page's files; unset: the checkout's web/, else the
+    # packaged copy.
+    web_dir: str | None = field(default_factory=lambda: env("TOKENMILL_WEB_DIR"))
 
     @property
     def nats_servers(self) -> list[str]:
@@ -227,6 +234,10 @@ class GatewaySettings:
     # the requests of a gateway silent for TOKENMILL_WORKER_GATEWAY_SILENT_S (3 s).
     lease_every_s: float = field(
         default_factory=lambda: env_float("TOKENMILL_GATEWAY_LEASE_EVERY_S", 0.5)
+    )
+    # TOKENMILL_GATEWAY_RESERVATIONS_EVERY_S: how often the open-reservations gauges refresh.
+    reservations_every_s: float = field(
+        default_factory=lambda: env_float("TOKENMILL_GATEWAY_RESERVATIONS_EVERY_S", 1.0)
     )
     # TOKENMILL_GATEWAY_ID: this replica's id in GatewayDelivered; default host-pid-random.
     gateway_id: str = field(

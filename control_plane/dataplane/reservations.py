@@ -5,13 +5,12 @@ over the open ones; nothing on the request path)."""
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Protocol
 
 from control_plane.observability.feed import SkuNames, sku_label
+from tokenmill.settings import GatewaySettings
 
-# TOKENMILL_GATEWAY_RESERVATIONS_EVERY_S: how often the gauges are refreshed.
-REPORT_EVERY_S = float(os.environ.get("TOKENMILL_GATEWAY_RESERVATIONS_EVERY_S") or 1.0)
+REPORT_EVERY_S = GatewaySettings().reservations_every_s
 
 
 class OpenReservations(Protocol):

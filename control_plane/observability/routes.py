@@ -10,7 +10,6 @@ on every admin call, so the data stays behind the same guard as the rest of `/ad
 from __future__ import annotations
 
 import hmac
-import os
 from collections.abc import Sequence
 from datetime import date
 from pathlib import Path
@@ -29,6 +28,7 @@ from control_plane.observability.metrics import PROMETHEUS_TEXT, OpsMetrics
 from control_plane.observability.usage import usage_by_tenant, usage_csv
 from control_plane.problems import PROBLEM_HANDLERS, ProblemError
 from control_plane.services import Services  # a runtime import: Litestar reads the annotations
+from tokenmill.settings import Settings
 
 # Security headers of the page: everything from our own origin, nothing inline.
 PAGE_HEADERS = {
@@ -41,7 +41,7 @@ PAGE_HEADERS = {
 def web_dir() -> Path:
     """Where the page's files are: TOKENMILL_WEB_DIR, else the checkout's `web/`, else the copy
     packaged under `control_plane/static/web`."""
-    configured = os.environ.get("TOKENMILL_WEB_DIR")
+    configured = Settings().web_dir
     if configured:
         return Path(configured)
     here = Path(__file__).resolve()

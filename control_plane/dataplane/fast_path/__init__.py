@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import os
 import re
+
+from tokenmill.settings import Settings
 
 log = logging.getLogger("tokenmill.dataplane")
 
@@ -61,7 +62,7 @@ def enabled() -> bool:
     """Whether the fast path is on: `TOKENMILL_FAST_PATH` is not "0" and the installed
     uvicorn, nats-py and httptools are the versions it was tested with. Read when a server or
     a worker client is built."""
-    if os.environ.get("TOKENMILL_FAST_PATH", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not Settings().fast_path:
         return False
     return not untested_versions()
 
