@@ -53,6 +53,7 @@ from bench.engine.gemv import (
     l2_probe,
 )
 from bench.engine.hf import hf_baseline
+from bench.engine.long_context import long_context
 from bench.engine.preflight import preflight
 from bench.engine.roofline import roofline
 from bench.engine.sweeps import concurrency_sweep
@@ -76,6 +77,7 @@ SECTIONS: dict[str, Section] = {
     "sweep_fp8": (lambda args, config, budget: concurrency_sweep(args, config, "fp8", budget), 0.5),
     "sweep_w4": (lambda args, config, budget: concurrency_sweep(args, config, "w4", budget), 0.9),
     "hf": (hf_baseline, 0.9),
+    "long_context": (long_context, 0.95),
 }
 
 
@@ -196,6 +198,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--sweep", default="1,2,4,8,16,32,64", help="concurrencies of the sweep sections"
     )
     p.add_argument("--sweep-batched-tokens", type=int, default=4096)
+    p.add_argument(
+        "--long-batched-tokens", type=int, default=8192, help="prefill chunk of long_context"
+    )
     p.add_argument(
         "--write-tuning",
         action="store_true",
