@@ -54,6 +54,7 @@ from bench.engine.gemv import (
 )
 from bench.engine.hf import hf_baseline
 from bench.engine.long_context import long_context
+from bench.engine.multi_turn import prefix_cache
 from bench.engine.preflight import preflight
 from bench.engine.roofline import roofline
 from bench.engine.sweeps import concurrency_sweep
@@ -78,6 +79,7 @@ SECTIONS: dict[str, Section] = {
     "sweep_w4": (lambda args, config, budget: concurrency_sweep(args, config, "w4", budget), 0.9),
     "hf": (hf_baseline, 0.9),
     "long_context": (long_context, 0.95),
+    "prefix_cache": (prefix_cache, 0.95),
 }
 
 
