@@ -1,1 +1,2 @@
-"""Event types, JetStream streams and Postgres projections: the log is the source of truth."""
+"""The log, the source of truth: event contracts, their validation, the JetStream store, the usage
+publisher and the Postgres projections."""

@@ -1,1 +1,2 @@
-"""Pluggable workers; ours is a torch + triton serving runtime (decide / execute split)."""
+"""The worker: serves one SKU over NATS from a backend; ours is a torch + triton runtime that splits
+deciding (`engine/`) from executing (`models/`, `kernels/`)."""
