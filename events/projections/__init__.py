@@ -3,8 +3,7 @@ committed together with its stream position. Rebuildable from the log at any tim
 
 from __future__ import annotations
 
-import importlib
-
+from events.plugins import hook
 from events.projections.read_models import ReadModelsProjection
 from events.projections.runner import (
     Entry,
@@ -19,20 +18,16 @@ from events.projections.usage_ledger import UsageLedgerProjection
 # Packages above this one that keep read models of their own, by module name: each defines
 # `tokenmill_projections() -> list[Projection]` (billing's finalized invoices). Named, not
 # imported, so that events imports nothing of the packages built on it, as the app's
-# extensions are (control_plane.app.EXTENSION_MODULES).
+# extensions are (control_plane.app.EXTENSION_MODULES; events/plugins.py).
 PROJECTION_MODULES = ("pricing.store",)
 
 
 def all_projections() -> list[Projection]:
     found: list[Projection] = [ReadModelsProjection(), UsageLedgerProjection()]
     for name in PROJECTION_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:
-                continue
-            raise
-        found.extend(module.tokenmill_projections())
+        contributed = hook(name, "tokenmill_projections")
+        if contributed is not None:
+            found.extend(contributed())
     return found
 
 
