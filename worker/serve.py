@@ -296,7 +296,7 @@ class Worker:
             await nc.publish(reply, p.encode(chunk))
             if progress.finish_reason is not None:  # one choice done; the request when all are
                 state.finish_reasons[progress.index] = progress.finish_reason
-                if len(state.finish_reasons) >= request.n:
+                if len(state.finish_reasons) >= request.num_choices:
                     state.finish_reason = state.finish_reasons.get(0, progress.finish_reason)
                     return
 

@@ -46,6 +46,24 @@ class InvalidRequest(Exception):
         self.param = param
 
 
+def serves_one_choice(request: GenerateRequest, backend: str) -> None:
+    """Refuses what a backend that writes one choice of one text prompt cannot serve: n > 1,
+    several prompts, token-id prompts, the worker's echo (InvalidRequest: nothing runs, the
+    client gets a 400)."""
+    if request.n > 1:
+        raise InvalidRequest(f"The {backend} backend serves n=1 only.", param="n")
+    if request.prompts is not None or request.prompt_token_ids is not None:
+        raise InvalidRequest(
+            f"The {backend} backend serves one text prompt per request; send each prompt "
+            "as its own request.",
+            param="prompt",
+        )
+    if request.echo:
+        raise InvalidRequest(
+            f"The {backend} backend cannot echo the prompt's tokens and logprobs.", param="echo"
+        )
+
+
 class Backend(Protocol):
     name: str
 
