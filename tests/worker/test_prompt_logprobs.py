@@ -151,3 +151,22 @@ def test_token_ids_outside_the_vocabulary_are_refused(
     with pytest.raises(InvalidRequest) as refused:
         asyncio.run(collect(backend_for(tokenizer), req))
     assert refused.value.param == "prompt"
+
+
+def test_the_new_fields_round_trip_and_old_requests_decode_to_one_prompt() -> None:
+    req = request(
+        messages=None,
+        prompt_token_ids=[[1, 2], [3]],
+        echo=True,
+        n=2,
+    )
+    back = p.decode_request(p.encode(req))
+    assert back == req and back.num_prompts == 2 and back.num_choices == 4
+    plain = p.decode_request(p.encode(request(messages=None, prompt="a", n=3)))
+    assert (plain.prompts, plain.prompt_token_ids, plain.echo) == (None, None, False)
+    assert plain.num_choices == 3
+    entry = p.TokenLogprob(token="a", logprob=None, bytes=[97])
+    chunk = p.TokenChunk(
+        request_id="r", seq=0, text="a", completion_tokens=0, prompt_tokens=1, logprobs=[entry]
+    )
+    assert p.decode_reply(p.encode(chunk)) == chunk
