@@ -413,6 +413,52 @@ async def test_several_prompts_and_hang_ups_reconcile_exactly(
     assert report.match_rate == 1.0
 
 
+@pytest.mark.fast_path_only
+async def test_the_torch_runtime_echoes_token_id_prompts_with_their_logprobs(
+    stack: Stack,
+) -> None:
+    """The real engine behind the stack (random weights at a tiny Qwen3.5 shape, on CPU):
+    prompt logprobs as the model fed one token at a time computes them."""
+    import torch
+
+    from tests.worker.test_prompt_logprobs import reference_logprobs
+    from worker.loading import load_model
+
+    sku = await stack.publish_sku("torch-" + uuid.uuid4().hex[:6], model="random-tiny")
+    config: dict[str, Any] = {
+        "model_path": "random:tiny-qwen3_5",
+        "max_model_len": 64,
+        "max_num_seqs": 4,
+    }
+    stack.start_worker(str(sku["sku_id"]), backend="torch_runtime", **config)
+    model, tokenizer = await asyncio.to_thread(
+        load_model, "random:tiny-qwen3_5", "cpu", torch.float32
+    )
+    await stack.wait_served(str(sku["sku_id"]), within=120)
+    prompts = [list(tokenizer.encode("north wind over the sea")), list(tokenizer.encode("grey"))]
+    client = await tenant_client(stack)
+    r = await client.completions.create(
+        model=sku["name"], prompt=prompts, n=2, max_tokens=3, temperature=0, echo=True,
+        logprobs=2,
+    )  # fmt: skip
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage is not None and r.usage.prompt_tokens == sum(map(len, prompts))
+    for c in r.choices:
+        ids = prompts[c.index // 2]
+        assert c.text.startswith(tokenizer.decode(ids, skip_special_tokens=False))
+        lp = c.logprobs
+        assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+        ref = reference_logprobs(model, ids)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        want = [float(ref[i - 1][ids[i]]) for i in range(1, len(ids))]
+        assert lp.token_logprobs[1 : len(ids)] == pytest.approx(want, abs=1e-3)
+        assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert r.choices[0].text == r.choices[1].text  # greedy: a prompt's choices agree
+    row = await stack.ledger_row(r.id.removeprefix("cmpl-"))
+    assert row["prompt_tokens"] == r.usage.prompt_tokens
+    assert row["completion_tokens"] == r.usage.completion_tokens
+
+
 async def test_n_times_max_tokens_is_reserved_and_refused_over_quota(
     stack: Stack, scripted: dict[str, Any]
 ) -> None:
