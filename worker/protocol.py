@@ -233,6 +233,9 @@ class Rejected(msgspec.Struct, frozen=True, kw_only=True, tag="rejected"):
     request_id: str
     message: str
     param: str | None = None
+    # The OpenAI error code (say "invalid_prompt"); None: the gateway reads a refused prompt
+    # or messages as context_length_exceeded, as workers without this field meant it.
+    code: str | None = None
 
 
 class WorkerAnnounce(msgspec.Struct, frozen=True, kw_only=True, tag="announce"):

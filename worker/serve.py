@@ -226,7 +226,11 @@ class Worker:
             if isinstance(exc, InvalidRequest):
                 await nc.publish(
                     reply,
-                    p.encode(p.Rejected(request_id=rid, message=exc.message, param=exc.param)),
+                    p.encode(
+                        p.Rejected(
+                            request_id=rid, message=exc.message, param=exc.param, code=exc.code
+                        )
+                    ),
                 )
                 return
             log.error("request %s failed", rid, exc_info=exc)

@@ -151,7 +151,9 @@ class ScriptedBackend:
         for ids in request.prompt_token_ids or []:
             bad = next((t for t in ids if not 0 <= t < VOCAB), None)
             if bad is not None:
-                raise InvalidRequest(f"the token id {bad} is outside the vocabulary", "prompt")
+                raise InvalidRequest(
+                    f"the token id {bad} is outside the vocabulary", "prompt", "invalid_prompt"
+                )
         words = prompt_words(request)
         tokens = script_of(request)
         cap = request.sampling.max_new_tokens(None)

@@ -167,4 +167,4 @@ async def test_one_prompt_backends_refuse_what_they_cannot_serve(
     )  # fmt: skip
     with pytest.raises(InvalidRequest) as refused:
         await anext(b.generate(request))
-    assert refused.value.param == param
+    assert refused.value.param == param and refused.value.code == "unsupported_parameter"

@@ -350,6 +350,7 @@ async def test_bad_prompts_are_a_400_naming_the_prompt(
         await client.completions.create(model=scripted["name"], prompt=prompt, max_tokens=2)
     assert e.value.param == "prompt", e.value.body
     assert e.value.type == "invalid_request_error"
+    assert e.value.code != "context_length_exceeded"
 
 
 async def test_prompts_times_n_is_bounded(stack: Stack, scripted: dict[str, Any]) -> None:

@@ -150,7 +150,7 @@ def test_token_ids_outside_the_vocabulary_are_refused(
     req = request(messages=None, prompt_token_ids=ids)
     with pytest.raises(InvalidRequest) as refused:
         asyncio.run(collect(backend_for(tokenizer), req))
-    assert refused.value.param == "prompt"
+    assert refused.value.param == "prompt" and refused.value.code == "invalid_prompt"
 
 
 def test_the_new_fields_round_trip_and_old_requests_decode_to_one_prompt() -> None:

@@ -189,6 +189,7 @@ class TorchRuntimeBackend:
                     f"{where} holds the token id {bad}, outside this model's vocabulary "
                     f"(0..{vocab - 1}).",
                     param="prompt",
+                    code="invalid_prompt",
                 )
         return [list(ids) for ids in request.prompt_token_ids]
 
@@ -245,7 +246,7 @@ class TorchRuntimeBackend:
         max_new: list[int] = []  # per prompt
         for ids in prompts:
             if not ids:
-                raise InvalidRequest("The prompt is empty.", param=param)
+                raise InvalidRequest("The prompt is empty.", param=param, code="invalid_prompt")
             room = self.max_model_len - len(ids)
             if room < 1 or (s.max_tokens is not None and s.max_tokens > room):
                 raise InvalidRequest(
