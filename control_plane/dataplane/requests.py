@@ -138,6 +138,8 @@ class ChatCompletionBody(_Common, kw_only=True, forbid_unknown_fields=True):
 class CompletionBody(_Common, kw_only=True, forbid_unknown_fields=True):
     # A text, a list of texts, or token ids (one list, or a list of them).
     prompt: str | list[str | int | list[int]]
+    # 0 only with `echo`: the prompt's own logprobs, nothing generated (scoring a text).
+    max_tokens: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] | None = None
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -490,6 +492,11 @@ def parse_completion(body: bytes) -> Parsed:
     wants_logprobs = b.logprobs is not None and b.logprobs is not False
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if b.max_tokens is None else b.max_tokens
     echo = bool(b.echo)
+    if max_tokens == 0 and not echo:
+        raise invalid_request(
+            "`max_tokens` may be 0 only with `echo` (the prompt alone comes back).",
+            param="max_tokens",
+        )
     return Parsed(
         body=b,
         sampling=_sampling(b, max_tokens),

@@ -21,7 +21,8 @@ torch runtime. Prompt tokens: the words of every message plus 3 per message (as 
 Completions may carry several prompts (texts, or token ids, id t being the word `<t>`; ids of
 `VOCAB` and above are Rejected as by the torch runtime), n choices of each at index
 prompt * n + choice. With `echo` each choice starts with its prompt; with logprobs too, the
-prompt's words come first with logprob -0.5 each (the first null).
+prompt's words come first with logprob -0.5 each (the first null); max_tokens 0 gives the
+prompt alone.
 
     python -m tests.dataplane.scripted --nats-url URL --prefix P --sku-id SKU
 """
@@ -163,6 +164,19 @@ class ScriptedBackend:
         choices = request.num_choices
         parsers = [ToolCallParser(names) if parse else None for _ in range(choices)]
         top = request.top_logprobs
+        if budget == 0:  # max_tokens 0 with echo: the prompt alone
+            for choice in range(choices):
+                prompt = words[choice // request.n] if request.echo else []
+                entries = [echo_logprob(w, j, top) for j, w in enumerate(prompt)]
+                yield Progress(
+                    "".join(prompt),
+                    0,
+                    prompt_tokens,
+                    finish_reason="length",
+                    index=choice,
+                    logprobs=entries if request.logprobs else None,
+                )
+            return
         self._running += 1
         generated = 0
         try:

@@ -328,6 +328,28 @@ async def test_echo_with_logprobs_gives_the_prompt_tokens_first(
     assert get("text_offset") == [0, len(words[0]), len(words[0] + words[1]), len(text) - 3]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_max_tokens_0_with_echo_scores_the_prompt_alone(
+    stack: Stack, scripted: dict[str, Any], stream: bool
+) -> None:
+    client = await tenant_client(stack)
+    fields: dict[str, Any] = {"model": scripted["name"], "max_tokens": 0, "echo": True}
+    choices, usage = await completion_choices(
+        stream, client=client, prompt=["say hello", "north"], logprobs=1, **fields
+    )
+    assert {i: c[0] for i, c in choices.items()} == {0: "say hello", 1: "north"}
+    lp = choices[0][2]
+    tokens = lp["tokens"] if stream else lp.tokens
+    token_logprobs = lp["token_logprobs"] if stream else lp.token_logprobs
+    assert tokens == ["say", " hello"] and token_logprobs == [None, -0.5]
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (3, 0)
+    plain, _ = await completion_choices(stream, client=client, prompt="say hello", **fields)
+    assert plain[0][0] == "say hello" and plain[0][2] is None
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(model=scripted["name"], prompt="say", max_tokens=0)
+    assert e.value.param == "max_tokens"
+
+
 BAD_PROMPTS = [
     [],  # no prompt
     [[]],  # a prompt of no tokens

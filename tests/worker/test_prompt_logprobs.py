@@ -133,6 +133,26 @@ def test_token_id_prompts_echo_with_their_logprobs(tokenizer: Tokenizer) -> None
     assert progress[-1].prompt_tokens == sum(map(len, ids))
 
 
+def test_max_tokens_0_with_echo_gives_the_prompt_and_its_logprobs_only(
+    tokenizer: Tokenizer,  # noqa: F811
+) -> None:
+    ids = list(tokenizer.encode("north wind over"))
+    req = request(
+        messages=None,
+        prompt="north wind over",
+        echo=True,
+        logprobs=True,
+        sampling=p.SamplingParams(temperature=0, max_tokens=0),
+    )
+    progress = asyncio.run(collect(backend_for(tokenizer), req))
+    assert [(x.text, x.finish_reason, x.completion_tokens) for x in progress] == [
+        ("north wind over", "length", 0)
+    ]
+    entries = progress[0].logprobs or []
+    assert len(entries) == len(ids) and entries[0].logprob is None
+    assert all(e.logprob is not None for e in entries[1:])
+
+
 def test_echo_without_logprobs_writes_the_prompt_text(tokenizer: Tokenizer) -> None:  # noqa: F811
     req = request(
         messages=None, prompt="north wind", echo=True, sampling=p.SamplingParams(max_tokens=2)

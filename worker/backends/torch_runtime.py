@@ -268,13 +268,16 @@ class TorchRuntimeBackend:
         echoes: list[str | None] = [None] * len(prompts)
         if request.echo:
             echoes = list(self.echo_texts(request, prompts))
-        if not any(max_new):  # nothing to generate (the gateway's budget is spent)
+        want_prompt_logprobs = request.echo and request.logprobs
+        # Nothing to generate (max_tokens 0 with echo, or the gateway's budget is spent): the
+        # prompt alone, and its logprobs from a prefill whose one sampled token is dropped.
+        prompt_only = not any(max_new)
+        if prompt_only and not want_prompt_logprobs:
             for i in range(request.num_choices):
                 yield Progress(
                     echoes[i // n] or "", 0, prompt_tokens, finish_reason="length", index=i
                 )
             return
-        want_prompt_logprobs = request.echo and request.logprobs
         # choice c of prompt p at index p * n + c; a prompt's choices are seeded as if it came
         # alone (seed + c), so a list of prompts answers as its prompts one by one would
         params = [
@@ -305,8 +308,11 @@ class TorchRuntimeBackend:
                 if out.finish_reason not in ("stop", "length"):
                     raise RuntimeError(out.error or f"generation ended: {out.finish_reason}")
                 finish = str(out.finish_reason)
-            generated[i] = out.usage.completion_tokens
-            text, calls = out.text, None
+            text, entries, generated[i] = out.text, out.logprobs, out.usage.completion_tokens
+            if prompt_only:  # the sampled token is not part of the answer
+                text, entries, generated[i] = "", [], 0
+                finish = "length" if out.finished else None
+            calls = None
             parser = parsers[i]
             if parser is not None:
                 parsed = parser.feed(text)
@@ -322,7 +328,7 @@ class TorchRuntimeBackend:
                     for d in parsed.tool_calls
                 ] or None
             cached[i // n] = out.usage.cached_tokens
-            logprobs = self._logprobs(out.logprobs) if request.logprobs else None
+            logprobs = self._logprobs(entries) if request.logprobs else None
             echo = echoes[i // n]
             if echo is not None and not started[i]:
                 text = echo + text
