@@ -106,7 +106,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     sku_id: str
     model: str
     # Exactly one of: a plain prompt (completions), or messages to render with the model's
-    # chat template (chat completions).
+    # chat template (chat completions); or, for completions, `prompts` or `prompt_token_ids`.
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     sampling: SamplingParams = SamplingParams()
@@ -126,15 +126,37 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     # Per generated token: its logprob, and the top_logprobs (0..20) most likely tokens.
     logprobs: bool = False
     top_logprobs: int = 0
-    # Choices: n sequences of the one prompt; TokenChunk.index says whose text a chunk is.
+    # Choices: n sequences of each prompt; TokenChunk.index says whose text a chunk is.
     n: int = 1
     # The gateway that holds the client: the worker stops the request when that gateway's
     # lease (gateway_lease_subject) goes silent. "": no lease is watched.
     gateway_id: str = ""
+    # Completions with several prompts (texts, or token ids of the model's vocabulary): each
+    # prompt has its own n choices, choice c of prompt p at index p * n + c (OpenAI's order).
+    # A backend that serves only `prompt` rejects them (param "prompt").
+    prompts: list[str] | None = None
+    prompt_token_ids: list[list[int]] | None = None
+    # Completions: each choice's first chunk starts with its prompt's text and, with
+    # `logprobs`, carries the prompt tokens' logprobs first (the first one's None). The gateway
+    # asks for it when it cannot write the prompt itself (token ids) or needs its logprobs.
+    echo: bool = False
 
     @property
     def chat(self) -> bool:
         return self.messages is not None
+
+    @property
+    def num_prompts(self) -> int:
+        if self.prompt_token_ids is not None:
+            return len(self.prompt_token_ids)
+        if self.prompts is not None:
+            return len(self.prompts)
+        return 1
+
+    @property
+    def num_choices(self) -> int:
+        """Choices of all prompts: the indices 0..num_choices-1 of TokenChunk."""
+        return self.n * self.num_prompts
 
 
 class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag="cancel"):
@@ -156,10 +178,12 @@ class TopLogprob(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
 
 class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     """One generated token (OpenAI `logprobs.content[]`): log-softmax of the model's raw logits
-    (before temperature, top-p and any grammar mask), as vLLM reports them."""
+    (before temperature, top-p and any grammar mask), as vLLM reports them. None: the first
+    token of an echoed prompt, which nothing predicts (sent only to a gateway that asked for
+    `echo`)."""
 
     token: str
-    logprob: float
+    logprob: float | None
     bytes: list[int] | None = None
     top_logprobs: list[TopLogprob] = []
 
@@ -209,6 +233,9 @@ class Rejected(msgspec.Struct, frozen=True, kw_only=True, tag="rejected"):
     request_id: str
     message: str
     param: str | None = None
+    # The OpenAI error code (say "invalid_prompt"); None: the gateway reads a refused prompt
+    # or messages as context_length_exceeded, as workers without this field meant it.
+    code: str | None = None
 
 
 class WorkerAnnounce(msgspec.Struct, frozen=True, kw_only=True, tag="announce"):

@@ -229,7 +229,11 @@ class Worker:
             if isinstance(exc, InvalidRequest):
                 await nc.publish(
                     reply,
-                    p.encode(p.Rejected(request_id=rid, message=exc.message, param=exc.param)),
+                    p.encode(
+                        p.Rejected(
+                            request_id=rid, message=exc.message, param=exc.param, code=exc.code
+                        )
+                    ),
                 )
                 return
             log.error("request %s failed", rid, exc_info=exc)
@@ -299,7 +303,7 @@ class Worker:
             await nc.publish(reply, p.encode(chunk))
             if progress.finish_reason is not None:  # one choice done; the request when all are
                 state.finish_reasons[progress.index] = progress.finish_reason
-                if len(state.finish_reasons) >= request.n:
+                if len(state.finish_reasons) >= request.num_choices:
                     state.finish_reason = state.finish_reasons.get(0, progress.finish_reason)
                     return
 

@@ -64,9 +64,8 @@ def relay_error(exc: BaseException, model: str) -> errors.OpenAIError | None:
     if isinstance(exc, RequestRejected):
         r = exc.rejected
         too_long = r.param in ("messages", "prompt", "input")
-        return errors.invalid_request(
-            r.message, param=r.param, code="context_length_exceeded" if too_long else None
-        )
+        code = r.code if r.code is not None else "context_length_exceeded" if too_long else None
+        return errors.invalid_request(r.message, param=r.param, code=code)
     if isinstance(exc, WorkerLost):
         return errors.worker_failed("the worker stopped responding")
     if isinstance(exc, ChunkLost):

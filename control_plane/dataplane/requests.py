@@ -3,7 +3,8 @@ refusal a 400 OpenAI error naming the parameter.
 
 Parameters we do not implement are refused, not ignored: a client asking for something it
 will not get must learn so. Those with a harmless default are accepted only at that default
-(penalties 0, best_of 1). Tools, response formats, logprobs and n pass through to the worker
+(penalties 0, best_of 1). Tools, response formats, logprobs, n, echo and the prompt (a
+text, several, or token ids) pass through to the worker
 (`worker.protocol.GenerateRequest`); what the gateway can check without the model (names,
 shapes, sizes, bounds) it checks here, before anything is reserved or dispatched."""
 
@@ -28,6 +29,11 @@ Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 MAX_STOP_SEQUENCES = 4
 # Choices per request: each is a sequence on the worker, reserved as max_tokens by admission.
 MAX_N = 16
+# Completions: prompts in one request, and their choices (n of each) in all.
+MAX_PROMPTS = 16
+MAX_CHOICES = 64
+# Above every vocabulary (the largest hold ~260k): a larger id is refused before dispatch.
+MAX_TOKEN_ID = 2**24
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound, and the worker's
 MAX_TOOLS = 128  # OpenAI's bound
 # A JSON schema (a tool's parameters, a response format) is compiled into a grammar on the
@@ -132,6 +138,8 @@ class ChatCompletionBody(_Common, kw_only=True, forbid_unknown_fields=True):
 class CompletionBody(_Common, kw_only=True, forbid_unknown_fields=True):
     # A text, a list of texts, or token ids (one list, or a list of them).
     prompt: str | list[str | int | list[int]]
+    # 0 only with `echo`: the prompt's own logprobs, nothing generated (scoring a text).
+    max_tokens: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] | None = None
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -258,12 +266,25 @@ class Parsed:
     parallel_tool_calls: bool = True
     logprobs: bool = False
     top_logprobs: int = 0
-    n: int = 1
+    n: int = 1  # choices of each prompt
     echo: bool = False  # completions: the prompt is written before each choice's text
+    # Completions: several text prompts, or prompts as token ids (exclusive with `prompt`).
+    prompts: list[str] | None = None
+    prompt_token_ids: list[list[int]] | None = None
+    # The worker writes the echo (token ids, or with the prompt's logprobs), not the gateway.
+    worker_echo: bool = False
+
+    @property
+    def choices(self) -> int:
+        """Choices of all prompts: what admission reserves max_tokens for."""
+        return self.n * len(self.prompts or self.prompt_token_ids or [""])
 
     def generate_fields(self) -> dict[str, Any]:
         return {
             "prompt": self.prompt,
+            "prompts": self.prompts,
+            "prompt_token_ids": self.prompt_token_ids,
+            "echo": self.worker_echo,
             "messages": self.messages,
             "sampling": self.sampling,
             "response_format": self.response_format,
@@ -458,43 +479,83 @@ def parse_completion(body: bytes) -> Parsed:
             param="suffix",
             code="unsupported_parameter",
         )
-    if isinstance(b.prompt, list):
-        if b.prompt and not isinstance(b.prompt[0], str):
-            # The worker protocol carries prompt text; ids would need the model's tokenizer.
-            raise invalid_request(
-                "Prompts as token ids are not supported by this server; send the text.",
-                param="prompt",
-                code="unsupported_parameter",
-            )
-        if len(b.prompt) != 1:
-            raise invalid_request(
-                "Only a single prompt per request is supported; use `n` for several choices.",
-                param="prompt",
-            )
-        prompt = b.prompt[0]
-    else:
-        prompt = b.prompt
-    assert isinstance(prompt, str)
+    prompt, texts, ids = _prompts(b.prompt)
+    n = b.n or 1
+    count = len(texts or ids or [prompt])
+    if count * n > MAX_CHOICES:
+        raise invalid_request(
+            f"{count} prompts x n={n} is {count * n} choices; at most {MAX_CHOICES} are "
+            "accepted in one request.",
+            param="n",
+        )
     k = 0 if isinstance(b.logprobs, bool) or b.logprobs is None else b.logprobs
     wants_logprobs = b.logprobs is not None and b.logprobs is not False
-    if b.echo and wants_logprobs:
-        # The prompt's own logprobs: the worker computes logits at the last position only.
-        raise invalid_request(
-            "`echo` with `logprobs` (the prompt's logprobs) is not supported by this server.",
-            param="echo",
-            code="unsupported_parameter",
-        )
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if b.max_tokens is None else b.max_tokens
+    echo = bool(b.echo)
+    if max_tokens == 0 and not echo:
+        raise invalid_request(
+            "`max_tokens` may be 0 only with `echo` (the prompt alone comes back).",
+            param="max_tokens",
+        )
     return Parsed(
         body=b,
         sampling=_sampling(b, max_tokens),
         prompt=prompt,
+        prompts=texts,
+        prompt_token_ids=ids,
         response_format=response_format(b.response_format),
         logprobs=wants_logprobs,
         top_logprobs=k,
-        n=b.n or 1,
-        echo=bool(b.echo),
+        n=n,
+        echo=echo,
+        # The worker writes what the gateway cannot: the text of token ids, the prompt's
+        # logprobs.
+        worker_echo=echo and (ids is not None or wants_logprobs),
     )
+
+
+def _prompts(
+    prompt: str | list[str | int | list[int]],
+) -> tuple[str | None, list[str] | None, list[list[int]] | None]:
+    """OpenAI's four prompt shapes as (one text, several texts, token-id prompts): a string;
+    a list of strings; a list of token ids (one prompt); a list of lists of them."""
+    if isinstance(prompt, str):
+        return prompt, None, None
+    if not prompt:
+        raise invalid_request("`prompt` must not be an empty list.", param="prompt")
+    if len(prompt) > MAX_PROMPTS and not isinstance(prompt[0], int):
+        raise invalid_request(
+            f"`prompt` holds {len(prompt)} prompts; at most {MAX_PROMPTS} are accepted.",
+            param="prompt",
+        )
+    if all(isinstance(x, str) for x in prompt):
+        texts = [x for x in prompt if isinstance(x, str)]
+        return (texts[0], None, None) if len(texts) == 1 else (None, texts, None)
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+        return None, None, [_token_ids([x for x in prompt if isinstance(x, int)], "prompt")]
+    if all(isinstance(x, list) for x in prompt):
+        return (
+            None,
+            None,
+            [_token_ids(x, f"prompt[{i}]") for i, x in enumerate(prompt) if isinstance(x, list)],
+        )
+    raise invalid_request(
+        "`prompt` must be a string, a list of strings, a list of token ids or a list of "
+        "lists of token ids, not a mix.",
+        param="prompt",
+    )
+
+
+def _token_ids(ids: list[int], where: str) -> list[int]:
+    # Bounded here by what any vocabulary holds; the worker checks its model's.
+    if not ids:
+        raise invalid_request(f"`{where}` must hold at least one token id.", param="prompt")
+    bad = next((t for t in ids if not 0 <= t < MAX_TOKEN_ID), None)
+    if bad is not None:
+        raise invalid_request(
+            f"`{where}` holds the token id {bad}, which no vocabulary has.", param="prompt"
+        )
+    return ids
 
 
 __all__ = ["OpenAIError", "Parsed", "parse_chat", "parse_completion"]

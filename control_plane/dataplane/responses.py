@@ -101,17 +101,17 @@ class ChatCompletion(msgspec.Struct):
 
 
 class TextLogprobs(msgspec.Struct):
-    """The legacy shape: per generated token, its text, logprob, top alternatives and offset
-    in the choice's text."""
+    """The legacy shape: per token, its text, logprob, top alternatives and offset in the
+    choice's text; with `echo`, the prompt's tokens first."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # with `echo`, the prompt's first token's is null
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 
 class TextChoice(msgspec.Struct):
-    """`index`: 0..n-1, one per requested choice."""
+    """`index`: prompt_index * n + choice (0..n-1 for one prompt)."""
 
     index: int
     text: str  # with `echo`, the prompt first
@@ -188,7 +188,10 @@ def completion_logprobs(entries: list[TokenLogprob], offset: int) -> tuple[dict[
     for e in entries:
         offsets.append(offset)
         offset += len(e.token)
-    top = [{t.token: t.logprob for t in e.top_logprobs} for e in entries]
+    # An echoed prompt's first token has no logprob, and no alternatives either (null).
+    top = [
+        None if e.logprob is None else {t.token: t.logprob for t in e.top_logprobs} for e in entries
+    ]
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
@@ -220,10 +223,14 @@ class StreamWriter:
         model: str,
         include_usage: bool,
         n: int = 1,
-        echo: str | None = None,
+        echo: list[str] | None = None,
+        per_prompt: int | None = None,
     ) -> None:
+        """`n`: choices of all prompts; `echo`: each prompt's text, written before its
+        choices' (choice i is prompt i // per_prompt's, per_prompt defaulting to n)."""
         self.kind, self.created, self.include_usage = kind, created, include_usage
         self.request_id, self.model, self.n, self.echo = request_id, model, n, echo
+        self.per_prompt = per_prompt or n
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self._head = (
             b'data: {"id":'
@@ -263,7 +270,7 @@ class StreamWriter:
             )
         else:
             if first and self.echo:
-                text = self.echo + text
+                text = self._echo(index) + text
             body = (
                 b'{"index":'
                 + str(index).encode()
@@ -274,6 +281,10 @@ class StreamWriter:
                 + b"}"
             )
         return self._head + body + self._tail
+
+    def _echo(self, index: int) -> str:
+        """What choice `index` starts with: its prompt's text under `echo`, else ""."""
+        return self.echo[index // self.per_prompt] if self.echo else ""
 
     def chunk(self, c: TokenChunk) -> bytes:
         """The events of one worker chunk (b"" when it says nothing to the client)."""
@@ -314,9 +325,10 @@ class StreamWriter:
                 {"content": chat_logprobs(c.logprobs), "refusal": None} if c.logprobs else None
             )
         else:
-            text = (self.echo or "") + c.text if first else c.text
-            if first and self.echo:
-                choice.offset = len(self.echo)
+            echo = self._echo(c.index) if first else ""
+            text = echo + c.text
+            if echo:
+                choice.offset = len(echo)
             entry["text"] = text
             lp = None
             if c.logprobs:
@@ -373,12 +385,12 @@ class StreamWriter:
                     {"index": ch.index, "message": message, "logprobs": lp, "finish_reason": reason}
                 )
             else:
-                offset = len(self.echo or "")
-                lp = completion_logprobs(ch.logprobs, offset)[0] if ch.logprobs else None
+                echo = self._echo(ch.index)
+                lp = completion_logprobs(ch.logprobs, len(echo))[0] if ch.logprobs else None
                 out.append(
                     {
                         "index": ch.index,
-                        "text": (self.echo or "") + text,
+                        "text": echo + text,
                         "logprobs": lp,
                         "finish_reason": reason,
                     }

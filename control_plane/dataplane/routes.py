@@ -39,12 +39,21 @@ JSON = "application/json"
 
 
 def estimate_prompt_tokens(
-    prompt: str | None, messages: list[ChatMessage] | None, tools: list[Tool] | None = None
+    prompt: str | None,
+    messages: list[ChatMessage] | None,
+    tools: list[Tool] | None = None,
+    prompts: list[str] | None = None,
+    prompt_token_ids: list[list[int]] | None = None,
 ) -> int:
     """What admission reserves for the prompt before the worker has tokenized it: a third of
     its UTF-8 bytes (BPE vocabularies average 3-4 bytes a token on text) plus the chat
-    template's framing (tools and earlier calls are written into the prompt too). It settles
-    to the worker's count when the request ends."""
+    template's framing (tools and earlier calls are written into the prompt too); several
+    prompts, the sum; token ids, their count. It settles to the worker's count when the
+    request ends."""
+    if prompt_token_ids is not None:
+        return sum(len(ids) for ids in prompt_token_ids)
+    if prompts is not None:
+        return sum(estimate_prompt_tokens(text, None) for text in prompts)
     if messages is not None:
         total = 8
         for m in messages:
@@ -221,10 +230,16 @@ class DataPlane:
                 caller.tenant.tenant_id,
                 caller.key.key_id,
                 sku.sku_id,
-                estimate_prompt_tokens(parsed.prompt, parsed.messages, parsed.tools),
+                estimate_prompt_tokens(
+                    parsed.prompt,
+                    parsed.messages,
+                    parsed.tools,
+                    parsed.prompts,
+                    parsed.prompt_token_ids,
+                ),
                 sampling.max_tokens,
                 request_id,
-                choices=parsed.n,
+                choices=parsed.choices,
             )
             if isinstance(decision, Refusal):
                 raise errors.OpenAIError(
@@ -235,8 +250,10 @@ class DataPlane:
                     headers=decision.response_headers(),
                 )
             ticket = decision
-            # The answer can never outgrow what admission reserved (n choices share it).
-            sampling = msgspec.structs.replace(sampling, token_budget=ticket.max_tokens // parsed.n)
+            # The answer can never outgrow what admission reserved (all choices share it).
+            sampling = msgspec.structs.replace(
+                sampling, token_budget=ticket.max_tokens // parsed.choices
+            )
         gen = GenerateRequest(
             request_id=request_id,
             tenant_id=caller.tenant.tenant_id,
@@ -260,9 +277,19 @@ class DataPlane:
         if kind == "response":
             writer = ResponsesWriter(parsed, request_id, int(gen.admitted_at), sku.name)
         else:
-            echo = parsed.prompt if parsed.echo else None
+            # The prompts' text before their choices' (when the worker does not write it)
+            echo = None
+            if parsed.echo and not parsed.worker_echo:
+                echo = parsed.prompts or [parsed.prompt or ""]
             writer = StreamWriter(
-                kind, request_id, int(gen.admitted_at), sku.name, include_usage, parsed.n, echo
+                kind,
+                request_id,
+                int(gen.admitted_at),
+                sku.name,
+                include_usage,
+                parsed.choices,
+                echo,
+                parsed.n,
             )
         headers = ticket.headers if ticket is not None else {}
         return Completion(relay, writer, sku.name, bool(body.stream), headers)

@@ -189,11 +189,11 @@ async def running_stack(
 
 
 async def read_then_hang_up(stream: Any, chunks: int | None) -> str:
-    """Read `chunks` chunks of a streamed chat completion (all of them if None), then close it
-    as a client hanging up; the request id."""
+    """Read `chunks` chunks of a streamed chat or text completion (all of them if None), then
+    close it as a client hanging up; the request id."""
     got, request_id = 0, ""
     async for chunk in stream:
-        got, request_id = got + 1, chunk.id.removeprefix("chatcmpl-")
+        got, request_id = got + 1, chunk.id.removeprefix("chatcmpl-").removeprefix("cmpl-")
         if got == chunks:
             break
     await stream.close()

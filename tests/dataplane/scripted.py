@@ -18,6 +18,12 @@ gateway's budget) cuts each choice ("length"). A json_schema response_format is 
 the worker's grammar library (xgrammar), so a schema it cannot enforce is Rejected as by the
 torch runtime. Prompt tokens: the words of every message plus 3 per message (as fixed_rate).
 
+Completions may carry several prompts (texts, or token ids, id t being the word `<t>`; ids of
+`VOCAB` and above are Rejected as by the torch runtime), n choices of each at index
+prompt * n + choice. With `echo` each choice starts with its prompt; with logprobs too, the
+prompt's words come first with logprob -0.5 each (the first null); max_tokens 0 gives the
+prompt alone.
+
     python -m tests.dataplane.scripted --nats-url URL --prefix P --sku-id SKU
 """
 
@@ -28,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,6 +48,8 @@ from worker.serve import Worker, WorkerSettings
 from worker.tokenizer.tool_calls import ToolCallParser
 
 PLAIN_TOKENS = 12
+VOCAB = 1000  # token ids a prompt may hold
+PROMPT_LOGPROB = -0.5
 
 
 def _pieces(text: str, size: int = 4) -> list[str]:
@@ -75,6 +84,24 @@ def logprob_of(token: str, i: int, top: int) -> TokenLogprob:
     others = [TopLogprob(token=c, logprob=lp - k - 1, bytes=[ord(c)]) for k, c in enumerate("xyz")]
     tops = [TopLogprob(token=token, logprob=lp, bytes=list(token.encode())), *others][:top]
     return TokenLogprob(token=token, logprob=lp, bytes=list(token.encode()), top_logprobs=tops)
+
+
+def prompt_words(request: GenerateRequest) -> list[list[str]]:
+    """Each prompt's tokens: its words (with the space before them, so they join back into
+    the text), or `<t>` per token id t."""
+    if request.prompt_token_ids is not None:
+        return [[f"<{t}>" for t in ids] for ids in request.prompt_token_ids]
+    texts = request.prompts if request.prompts is not None else [request.prompt or ""]
+    return [re.findall(r"\s*\S+", text) for text in texts]
+
+
+def echo_logprob(word: str, j: int, top: int) -> TokenLogprob:
+    if j == 0:  # nothing predicts a prompt's first token
+        return TokenLogprob(token=word, logprob=None, bytes=list(word.encode()))
+    tops = [TopLogprob(token=word, logprob=PROMPT_LOGPROB, bytes=list(word.encode()))][:top]
+    return TokenLogprob(
+        token=word, logprob=PROMPT_LOGPROB, bytes=list(word.encode()), top_logprobs=tops
+    )
 
 
 def _check_format(request: GenerateRequest) -> None:
@@ -117,28 +144,54 @@ class ScriptedBackend:
     def count_prompt_tokens(request: GenerateRequest) -> int:
         if request.messages is not None:
             return sum(len(m.content.split()) + 3 for m in request.messages)
-        return len((request.prompt or "").split())
+        return sum(len(words) for words in prompt_words(request))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Progress]:
         await asyncio.to_thread(_check_format, request)
         prompt_tokens = self.count_prompt_tokens(request)
+        for ids in request.prompt_token_ids or []:
+            bad = next((t for t in ids if not 0 <= t < VOCAB), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    f"the token id {bad} is outside the vocabulary", "prompt", "invalid_prompt"
+                )
+        words = prompt_words(request)
         tokens = script_of(request)
         cap = request.sampling.max_new_tokens(None)
         budget = len(tokens) if cap is None else min(len(tokens), cap)
         parse = bool(request.chat and request.tools and request.tool_choice != "none")
         names = [t.name for t in request.tools or []]
-        parsers = [ToolCallParser(names) if parse else None for _ in range(request.n)]
+        choices = request.num_choices
+        parsers = [ToolCallParser(names) if parse else None for _ in range(choices)]
         top = request.top_logprobs
+        if budget == 0:  # max_tokens 0 with echo: the prompt alone
+            for choice in range(choices):
+                prompt = words[choice // request.n] if request.echo else []
+                entries = [echo_logprob(w, j, top) for j, w in enumerate(prompt)]
+                yield Progress(
+                    "".join(prompt),
+                    0,
+                    prompt_tokens,
+                    finish_reason="length",
+                    index=choice,
+                    logprobs=entries if request.logprobs else None,
+                )
+            return
         self._running += 1
         generated = 0
         try:
             for i in range(budget):
-                for choice in range(request.n):  # choices interleave, as batched sequences do
+                for choice in range(choices):  # choices interleave, as batched sequences do
                     await asyncio.sleep(self.token_delay_s)
                     generated += 1
                     token = tokens[i]
                     last = i + 1 == budget
                     text, calls = token, None
+                    echo: list[TokenLogprob] = []
+                    if request.echo and i == 0:
+                        prompt = words[choice // request.n]
+                        text = "".join(prompt) + text
+                        echo = [echo_logprob(w, j, top) for j, w in enumerate(prompt)]
                     finish: Any = None
                     if last:
                         finish = "stop" if budget == len(tokens) else "length"
@@ -164,7 +217,7 @@ class ScriptedBackend:
                         prompt_tokens,
                         finish_reason=finish,
                         index=choice,
-                        logprobs=[logprob_of(token, i, top)] if request.logprobs else None,
+                        logprobs=[*echo, logprob_of(token, i, top)] if request.logprobs else None,
                         tool_calls=calls,
                     )
         finally:

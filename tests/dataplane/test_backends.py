@@ -139,3 +139,32 @@ def test_stop_matcher(pieces: list[str], stops: list[str], emitted: str, stopped
     if not m.stopped:
         out += m.flush()
     assert (out, m.stopped) == (emitted, stopped)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"prompts": ["a", "b"]}, "prompt"),
+        ({"prompt_token_ids": [[7, 8]]}, "prompt"),
+        ({"prompt": "a", "echo": True}, "echo"),
+        ({"prompt": "a", "n": 2}, "n"),
+    ],
+)
+@pytest.mark.parametrize("backend", ["fixed_rate", "openai_proxy"])
+async def test_one_prompt_backends_refuse_what_they_cannot_serve(
+    backend: str, fields: dict[str, Any], param: str
+) -> None:
+    from worker.backends.base import InvalidRequest
+    from worker.backends.fixed_rate import FixedRateBackend
+    from worker.backends.openai_proxy import OpenAIProxyBackend
+    from worker.protocol import GenerateRequest
+
+    b: Any = FixedRateBackend() if backend == "fixed_rate" else OpenAIProxyBackend("http://x", "m")
+    b._http = object()  # never reached: the request is refused first
+    request = GenerateRequest(
+        request_id="r", tenant_id="t", key_id="k", sku_id="s", model="m", reply_to="",
+        admitted_at=0.0, **fields,
+    )  # fmt: skip
+    with pytest.raises(InvalidRequest) as refused:
+        await anext(b.generate(request))
+    assert refused.value.param == param and refused.value.code == "unsupported_parameter"

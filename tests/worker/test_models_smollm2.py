@@ -53,6 +53,30 @@ def test_smollm2_greedy_text_equals_transformers(gguf_path: Path) -> None:
     assert "Paris" in tokenizer.decode(reply.generated)
 
 
+@torch.no_grad()
+def test_smollm2_prompt_logprobs_equal_transformers_forward(gguf_path: Path) -> None:
+    """`echo` with logprobs: the engine's prompt logprobs, prefilled in chunks, against
+    transformers' one forward pass over the whole prompt."""
+    from worker.engine.engine import EngineConfig, LLMEngine
+    from worker.engine.sequence import SamplingParams
+
+    model, tokenizer = load_model(gguf_path, "cpu", torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
+    ids = tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome.")
+    ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    config = EngineConfig(block_size=16, max_num_seqs=2, max_num_batched_tokens=7, max_model_len=64)
+    engine = LLMEngine(model, tokenizer, config)
+    out = engine.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    got = [e.logprob for e in out.prompt_logprobs[1:] if e is not None]
+    want = [float(ref[i - 1, ids[i]]) for i in range(1, len(ids))]
+    assert got == pytest.approx(want, abs=2e-3)
+    # the model is sure of "Rome" after "the capital of Italy is"
+    assert out.prompt_logprobs[-2] is not None and out.prompt_logprobs[-2].logprob > -1.0
+
+
 def test_ensure_smollm2_is_idempotent(gguf_path: Path) -> None:
     mtime = gguf_path.stat().st_mtime
     assert ensure_smollm2(gguf_path.parent) == gguf_path

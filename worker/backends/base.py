@@ -40,10 +40,34 @@ class Load:
 class InvalidRequest(Exception):
     """The request cannot run on this model (prompt too long, ...): nothing is metered."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code  # the OpenAI error code, when it is not implied (see Rejected.code)
+
+
+def serves_one_choice(request: GenerateRequest, backend: str) -> None:
+    """Refuses what a backend that writes one choice of one text prompt cannot serve: n > 1,
+    several prompts, token-id prompts, the worker's echo (InvalidRequest: nothing runs, the
+    client gets a 400)."""
+    if request.n > 1:
+        raise InvalidRequest(
+            f"The {backend} backend serves n=1 only.", param="n", code="unsupported_parameter"
+        )
+    if request.prompts is not None or request.prompt_token_ids is not None:
+        raise InvalidRequest(
+            f"The {backend} backend serves one text prompt per request; send each prompt "
+            "as its own request.",
+            param="prompt",
+            code="unsupported_parameter",
+        )
+    if request.echo:
+        raise InvalidRequest(
+            f"The {backend} backend cannot echo the prompt's tokens and logprobs.",
+            param="echo",
+            code="unsupported_parameter",
+        )
 
 
 class Backend(Protocol):

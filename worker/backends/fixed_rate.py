@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from worker.backends.base import InvalidRequest, Load, Progress, StopMatcher
+from worker.backends.base import InvalidRequest, Load, Progress, StopMatcher, serves_one_choice
 from worker.protocol import GenerateRequest
 
 
@@ -50,6 +50,7 @@ class FixedRateBackend:
         return len((request.prompt or "").split())
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Progress]:
+        serves_one_choice(request, self.name)
         prompt_tokens = self.count_prompt_tokens(request)
         max_tokens = request.sampling.max_tokens
         if self.max_context is not None and prompt_tokens + (max_tokens or 0) > self.max_context:

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from worker.backends.base import InvalidRequest, Load, Progress
+from worker.backends.base import InvalidRequest, Load, Progress, serves_one_choice
 from worker.protocol import GenerateRequest
 
 
@@ -80,6 +80,7 @@ class OpenAIProxyBackend:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Progress]:
         assert self._http is not None, "the backend is not started"
+        serves_one_choice(request, self.name)
         path, body = self._body(request)
         # The gateway's budget is enforced here when it is tighter than what upstream was asked.
         s = request.sampling

@@ -4,7 +4,9 @@ the engine (`worker.engine`: scheduler, paged KV cache, continuous batching) on 
 The tokenizer renders chats (tools included) with the model's own template and counts prompt
 tokens; the engine applies stop strings, sampling, grammars (response_format, forced tool calls)
 and max_tokens, and aborts a request whose iterator is left (a client that hung up). Tool calls
-are parsed out of each choice's text here; n > 1 runs n sequences of the prompt."""
+are parsed out of each choice's text here; n > 1 runs n sequences of the prompt, and a request
+of several prompts (texts or token ids) n of each. With `echo` each choice starts with its
+prompt, and with logprobs too the prompt tokens' logprobs, computed as the prompt is prefilled."""
 
 from __future__ import annotations
 
@@ -171,6 +173,40 @@ class TorchRuntimeBackend:
             return list(self.tokenizer.encode_chat(messages))
         return list(self.tokenizer.encode(request.prompt or ""))
 
+    def prompts(self, request: GenerateRequest) -> list[list[int]]:
+        """Every prompt's token ids, in order; token ids outside the model's vocabulary are
+        refused (param "prompt")."""
+        if request.prompt_token_ids is None:
+            if request.prompts is None:
+                return [self.prompt_ids(request)]
+            return [list(self.tokenizer.encode(text)) for text in request.prompts]
+        vocab = self.vocab_size
+        for i, ids in enumerate(request.prompt_token_ids):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                where = "prompt" if len(request.prompt_token_ids) == 1 else f"prompt[{i}]"
+                raise InvalidRequest(
+                    f"{where} holds the token id {bad}, outside this model's vocabulary "
+                    f"(0..{vocab - 1}).",
+                    param="prompt",
+                    code="invalid_prompt",
+                )
+        return [list(ids) for ids in request.prompt_token_ids]
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may hold: the tokenizer's and the model's logits width, the
+        narrower (a padded logits row has ids no tokenizer writes, an embedding none reads)."""
+        config = getattr(self.engine.engine.model, "config", None)
+        width = getattr(config, "vocab_size", None) or self.tokenizer.vocab_size
+        return int(min(width, self.tokenizer.vocab_size))
+
+    def echo_texts(self, request: GenerateRequest, prompts: list[list[int]]) -> list[str]:
+        """What each prompt's choices start with under `echo`: the text as sent, or the ids'."""
+        if request.prompt_token_ids is not None:
+            return [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
+        return list(request.prompts) if request.prompts is not None else [request.prompt or ""]
+
     def grammar(self, request: GenerateRequest) -> Any:
         """The GrammarSpec the request's reply must follow (None: free text): tool calls when
         tool_choice forces them, else the response_format."""
@@ -204,57 +240,82 @@ class TorchRuntimeBackend:
             raise InvalidRequest(
                 f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}.", param="top_logprobs"
             )
-        ids = self.prompt_ids(request)
+        prompts = self.prompts(request)
         param = "messages" if request.chat else "prompt"
-        if not ids:
-            raise InvalidRequest("The prompt is empty.", param=param)
-        room = self.max_model_len - len(ids)
         s = request.sampling
-        if room < 1 or (s.max_tokens is not None and s.max_tokens > room):
-            raise InvalidRequest(
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(ids)} tokens and asks for {s.max_tokens or 'at least 1'} more.",
-                param=param,
-            )
+        max_new: list[int] = []  # per prompt
+        for ids in prompts:
+            if not ids:
+                raise InvalidRequest("The prompt is empty.", param=param, code="invalid_prompt")
+            room = self.max_model_len - len(ids)
+            if room < 1 or (s.max_tokens is not None and s.max_tokens > room):
+                raise InvalidRequest(
+                    f"This model's maximum context length is {self.max_model_len} tokens; the "
+                    f"prompt has {len(ids)} tokens and asks for {s.max_tokens or 'at least 1'} "
+                    "more.",
+                    param=param,
+                )
+            max_new.append(s.max_new_tokens(room) or 0)
         spec = self.grammar(request)
         if spec is not None:  # compiled off the engine thread; the engine then hits the cache
             try:
                 await asyncio.to_thread(self.engine.engine.grammars.compile, spec)
             except GrammarError as exc:
                 raise InvalidRequest(exc.message, param=exc.param) from None
-        max_new = s.max_new_tokens(room) or 0
-        if max_new == 0:
-            for i in range(request.n):
-                yield Progress("", 0, len(ids), finish_reason="length", index=i)
+        n = request.n
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        # `echo`: each choice's first Progress starts with its prompt (and its logprobs)
+        echoes: list[str | None] = [None] * len(prompts)
+        if request.echo:
+            echoes = list(self.echo_texts(request, prompts))
+        want_prompt_logprobs = request.echo and request.logprobs
+        # Nothing to generate (max_tokens 0 with echo, or the gateway's budget is spent): the
+        # prompt alone, and its logprobs from a prefill whose one sampled token is dropped.
+        prompt_only = not any(max_new)
+        if prompt_only and not want_prompt_logprobs:
+            for i in range(request.num_choices):
+                yield Progress(
+                    echoes[i // n] or "", 0, prompt_tokens, finish_reason="length", index=i
+                )
             return
+        # choice c of prompt p at index p * n + c; a prompt's choices are seeded as if it came
+        # alone (seed + c), so a list of prompts answers as its prompts one by one would
         params = [
             SamplingParams(
                 temperature=s.temperature,
                 top_p=s.top_p,
                 # choices of a seeded request differ from each other, and repeat as a whole
-                seed=None if s.seed is None else s.seed + i,
-                max_tokens=max_new,
+                seed=None if s.seed is None else s.seed + c,
+                max_tokens=max(1, max_new[p]),
                 stop=list(s.stop),
                 logprobs=request.top_logprobs if request.logprobs else None,
+                prompt_logprobs=request.top_logprobs if want_prompt_logprobs else None,
                 grammar=spec,
                 # cached prompt blocks are shared within a tenant only: another tenant could
                 # otherwise tell from its first-token time that a prompt is cached
                 cache_salt=request.tenant_id,
             )
-            for i in range(request.n)
+            for p in range(len(prompts))
+            for c in range(n)
         ]
         parse_tools = bool(request.chat and request.tools and request.tool_choice != "none")
         names = [t.name for t in request.tools or []]
         parsers = [ToolCallParser(names) if parse_tools else None for _ in params]
-        generated = [0] * request.n
-        async for i, out in self._choices(ids, params, request.request_id):
+        generated = [0] * len(params)
+        cached = [0] * len(prompts)  # what the prefix cache gave each prompt (its latest choice)
+        started = [False] * len(params)
+        inputs = [prompts[i // n] for i in range(len(params))]
+        async for i, out in self._choices(inputs, params, request.request_id):
             finish = None
             if out.finished:
                 if out.finish_reason not in ("stop", "length"):
                     raise RuntimeError(out.error or f"generation ended: {out.finish_reason}")
                 finish = str(out.finish_reason)
-            generated[i] = out.usage.completion_tokens
-            text, calls = out.text, None
+            text, entries, generated[i] = out.text, out.logprobs, out.usage.completion_tokens
+            if prompt_only:  # the sampled token is not part of the answer
+                text, entries, generated[i] = "", [], 0
+                finish = "length" if out.finished else None
+            calls = None
             parser = parsers[i]
             if parser is not None:
                 parsed = parser.feed(text)
@@ -269,33 +330,41 @@ class TorchRuntimeBackend:
                     ToolCallDelta(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
                     for d in parsed.tool_calls
                 ] or None
+            cached[i // n] = out.usage.cached_tokens
+            logprobs = self._logprobs(entries) if request.logprobs else None
+            echo = echoes[i // n]
+            if echo is not None and not started[i]:
+                text = echo + text
+                if logprobs is not None:
+                    logprobs = self._prompt_logprobs(out.prompt_logprobs, inputs[i]) + logprobs
+            started[i] = True
             yield Progress(
                 text,
                 sum(generated),
-                out.usage.prompt_tokens,
-                out.usage.cached_tokens,
+                prompt_tokens,
+                sum(cached),
                 finish_reason=finish,  # type: ignore[arg-type]
                 index=i,
-                logprobs=self._logprobs(out.logprobs) if request.logprobs else None,
+                logprobs=logprobs,
                 tool_calls=calls,
             )
 
     async def _choices(
-        self, ids: list[int], params: list[Any], request_id: str
+        self, prompts: list[list[int]], params: list[Any], request_id: str
     ) -> AsyncIterator[tuple[int, Any]]:
         """Each choice's engine outputs, tagged with its index, as they come. Choices are
-        separate sequences of the same prompt (each prefills it: there is no prefix cache to
-        share it through yet), added to the engine together so they batch."""
+        separate sequences, `prompts[i]` the prompt of choice i (each prefills it), added to the
+        engine together so they batch."""
         assert self.engine is not None
         if len(params) == 1:
-            async for out in self.engine.generate(ids, params[0], request_id):
+            async for out in self.engine.generate(prompts[0], params[0], request_id):
                 yield 0, out
             return
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
         async def pump(i: int, p: Any) -> None:
             try:
-                async for out in self.engine.generate(ids, p, f"{request_id}/{i}"):
+                async for out in self.engine.generate(prompts[i], p, f"{request_id}/{i}"):
                     await queue.put((i, out))
             except Exception as exc:  # the request fails as a whole
                 await queue.put((i, exc))
@@ -314,6 +383,30 @@ class TorchRuntimeBackend:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _prompt_logprobs(self, entries: list[Any] | None, ids: list[int]) -> list[TokenLogprob]:
+        """The prompt's tokens as OpenAI echoes them: every one with its text, the first with
+        no logprob, the others as the engine computed them (none if it did not)."""
+        out = []
+        for j, token_id in enumerate(ids):
+            token = self._token_text(token_id)
+            e = entries[j] if entries is not None and j < len(entries) else None
+            top = [] if e is None else self._top(e.top)
+            out.append(
+                TokenLogprob(
+                    token=token,
+                    logprob=None if e is None else e.logprob,
+                    bytes=list(token.encode()),
+                    top_logprobs=top,
+                )
+            )
+        return out
+
+    def _top(self, top: list[tuple[int, float]]) -> list[TopLogprob]:
+        return [
+            TopLogprob(token=(t := self._token_text(i)), logprob=lp, bytes=list(t.encode()))
+            for i, lp in top
+        ]
+
     def _logprobs(self, entries: list[Any]) -> list[TokenLogprob]:
         eos = self.tokenizer.eos_token_ids
         out = []
@@ -321,10 +414,7 @@ class TorchRuntimeBackend:
             if e.token_id in eos:  # the end token is not part of the text
                 continue
             token = self._token_text(e.token_id)
-            top = [
-                TopLogprob(token=(t := self._token_text(i)), logprob=lp, bytes=list(t.encode()))
-                for i, lp in e.top
-            ]
+            top = self._top(e.top)
             out.append(
                 TokenLogprob(
                     token=token, logprob=e.logprob, bytes=list(token.encode()), top_logprobs=top

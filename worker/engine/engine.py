@@ -81,6 +81,9 @@ class RequestOutput:
     error: str | None = None
     # With SamplingParams.logprobs: one entry per token of new_token_ids, in order.
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # With SamplingParams.prompt_logprobs, on the request's first output: one entry per prompt
+    # token, None for the first (nothing predicts it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -98,6 +101,7 @@ class _Request:
     detokenizer: IncrementalDetokenizer | None
     pending_text: str = ""  # text from a step that emitted no token (the cancel flush)
     new_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
 
 class LLMEngine:
@@ -574,6 +578,13 @@ class LLMEngine:
             error=error,
             logprobs=seq.pending_logprobs[: len(request.new_token_ids)],
         )
+        if (
+            seq.params.prompt_logprobs is not None
+            and not request.prompt_logprobs_sent
+            and len(seq.prompt_logprobs) == seq.num_prompt_tokens - 1
+        ):
+            output.prompt_logprobs = [None, *seq.prompt_logprobs]
+            request.prompt_logprobs_sent = True
         request.new_token_ids, request.pending_text = [], ""
         seq.pending_logprobs = []
         return output
@@ -600,6 +611,7 @@ class LLMEngine:
                     continue
                 acc.new_token_ids = acc.new_token_ids + out.new_token_ids
                 acc.logprobs = acc.logprobs + out.logprobs
+                acc.prompt_logprobs = acc.prompt_logprobs or out.prompt_logprobs
                 acc.text += out.text
                 acc.finished, acc.finish_reason, acc.error = (
                     out.finished,

@@ -25,7 +25,7 @@ import torch
 
 from worker.engine.batch import BatchMetadata
 from worker.engine.block_manager import BlockManager
-from worker.engine.sampler import Sampler
+from worker.engine.sampler import Sampler, token_logprobs
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine.sequence import PENDING_TOKEN, Sequence
 from worker.kernels.pdl import pdl_enabled, set_pdl
@@ -33,6 +33,9 @@ from worker.kvcache import staged as staged_kv
 from worker.models.cache import KVStaging
 
 log = logging.getLogger(__name__)
+
+# Prompt positions whose logits are made at once for prompt logprobs: [rows, vocab] float32.
+PROMPT_LOGPROBS_ROWS = 256
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -374,6 +377,24 @@ class ModelRunner:
         hidden = self.forward(input_ids, meta)
         return self.model.compute_logits(hidden[meta.logits_indices])
 
+    def _record_prompt_logprobs(self, hidden: torch.Tensor, batch: ScheduledBatch) -> None:
+        """Appends to `seq.prompt_logprobs` the logprob of each prompt token this step's chunk
+        predicts (position j predicts token j + 1), for the sequences that ask; a chunk fed
+        again after preemption adds nothing already recorded."""
+        row = 0
+        for e in batch.entries:
+            seq, k = e.seq, e.seq.params.prompt_logprobs
+            first = max(e.start, len(seq.prompt_logprobs))
+            last = min(e.end, seq.num_prompt_tokens - 1)
+            if k is not None and first < last:
+                targets = seq.prompt_token_ids[first + 1 : last + 1]
+                states = hidden[row + first - e.start : row + last - e.start]
+                for at in range(0, len(targets), PROMPT_LOGPROBS_ROWS):  # bounded logits
+                    part = targets[at : at + PROMPT_LOGPROBS_ROWS]
+                    logits = self.model.compute_logits(states[at : at + len(part)])
+                    seq.prompt_logprobs += token_logprobs(logits, part, k)
+            row += e.num_tokens
+
     # --- padded decode steps --------------------------------------------------------------
 
     def padded_size(self, num_decodes: int) -> int:
@@ -471,10 +492,11 @@ class ModelRunner:
         input_ids, meta = self.prepare(batch)
         rows = [i for i, e in enumerate(entries) if e.samples]
         next_tokens: list[int | None] = [None] * len(entries)
-        if not rows:  # only prefill chunks that do not reach their sequence's end
-            self.forward(input_ids, meta)
-            return next_tokens
         hidden = self.forward(input_ids, meta)
+        if any(e.seq.params.prompt_logprobs is not None for e in batch.prefills):
+            self._record_prompt_logprobs(hidden, batch)
+        if not rows:  # only prefill chunks that do not reach their sequence's end
+            return next_tokens
         row_index = torch.tensor(rows, device=self.device)
         logits = self.model.compute_logits(hidden[meta.logits_indices[row_index]])
         sampled = self.sampler(logits, [entries[i].seq for i in rows])

@@ -102,18 +102,32 @@ class Sampler:
     def _record_logprobs(
         raw: torch.Tensor, rows: list[int], seqs: list[Sequence], tokens: list[int]
     ) -> None:
-        chosen = torch.tensor([tokens[i] for i in rows], device=raw.device)
-        picked = raw.gather(1, chosen[:, None])[:, 0].tolist()
-        k = max(seqs[i].params.logprobs or 0 for i in rows)
-        top_values: list[list[float]] = [[] for _ in rows]
-        top_ids: list[list[int]] = [[] for _ in rows]
-        if k:
-            values, ids = torch.topk(raw, k, dim=-1)  # one top-k for the widest request
-            top_values, top_ids = values.tolist(), ids.tolist()
-        for j, i in enumerate(rows):
-            want = seqs[i].params.logprobs or 0
-            top = list(zip(top_ids[j][:want], top_values[j][:want], strict=True))
-            seqs[i].pending_logprobs.append(TokenLogprobs(tokens[i], picked[j], top))
+        k = max(seqs[i].params.logprobs or 0 for i in rows)  # one top-k for the widest request
+        chosen = [tokens[i] for i in rows]
+        for i, entry in zip(rows, _logprobs_of(raw, chosen, k), strict=True):
+            entry.top = entry.top[: seqs[i].params.logprobs or 0]
+            seqs[i].pending_logprobs.append(entry)
+
+
+def _logprobs_of(raw: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprobs]:
+    """Per row of log-softmaxed `raw`: the logprob of its token, and the k most likely."""
+    chosen = torch.tensor(tokens, device=raw.device)
+    picked = raw.gather(1, chosen[:, None])[:, 0].tolist()
+    top_values: list[list[float]] = [[] for _ in tokens]
+    top_ids: list[list[int]] = [[] for _ in tokens]
+    if k:
+        values, ids = torch.topk(raw, k, dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    return [
+        TokenLogprobs(t, picked[j], list(zip(top_ids[j], top_values[j], strict=True)))
+        for j, t in enumerate(tokens)
+    ]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprobs]:
+    """Per row of raw `logits`: the logprob of its token in `tokens` and the k most likely
+    tokens' (the log-softmax of the raw logits, as for sampled tokens)."""
+    return _logprobs_of(torch.log_softmax(logits.float(), dim=-1), tokens, k)
 
 
 def stop_by_token(

@@ -203,7 +203,11 @@ class Scheduler:
 
     def _match(self, seq: Sequence) -> tuple[list[int], list[int], int | None]:
         """(cached blocks, their chain hashes, checkpoint slot or None) `seq` resumes after."""
-        if not self.block_manager.prefix_caching or seq.num_computed_tokens:
+        if (
+            not self.block_manager.prefix_caching
+            or seq.num_computed_tokens
+            or seq.params.prompt_logprobs is not None  # its logprobs need every position
+        ):
             return [], [], None
         blocks, hashes = self.block_manager.match(seq, seq.num_tokens - 1)
         if not self.needs_state:

@@ -46,6 +46,11 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
     # Logprobs of each sampled token and of the `logprobs` most likely ones (0..20); None: off.
     logprobs: int | None = None
+    # Logprobs of every prompt token after the first, given the tokens before it, and of the
+    # `prompt_logprobs` most likely ones there (0..20), computed as the prompt is prefilled
+    # (such a sequence computes its whole prompt: it takes nothing from the prefix cache);
+    # None: off.
+    prompt_logprobs: int | None = None
     # Grammar-constrained decoding (`worker.structured.GrammarSpec`): only tokens the grammar
     # allows are sampled. The engine compiles it in add_request (an error before any token).
     grammar: Any = None
@@ -62,8 +67,10 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in 0..{MAX_TOP_LOGPROBS}")
 
     @property
     def greedy(self) -> bool:
@@ -112,6 +119,8 @@ class Sequence:
         self.grammar: Any = None
         # Logprobs the sampler recorded since the engine last took them (TokenLogprobs)
         self.pending_logprobs: list[Any] = []
+        # With params.prompt_logprobs: TokenLogprobs of prompt tokens 1, 2, ... as computed
+        self.prompt_logprobs: list[Any] = []
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
