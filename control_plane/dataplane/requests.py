@@ -6,7 +6,10 @@ will not get must learn so. Those with a harmless default are accepted only at t
 (penalties 0, best_of 1). Tools, response formats, logprobs, n, echo and the prompt (a
 text, several, or token ids) pass through to the worker
 (`worker.protocol.GenerateRequest`); what the gateway can check without the model (names,
-shapes, sizes, bounds) it checks here, before anything is reserved or dispatched."""
+shapes, sizes, bounds) it checks here, before anything is reserved or dispatched.
+
+Size: Every /v1 request body with its validation: one place says what the gateway accepts.
+"""
 
 from __future__ import annotations
 

@@ -4,7 +4,10 @@ The worker's chunks (`worker.protocol.TokenChunk`) carry a choice index, text, t
 deltas, logprobs and each choice's finish reason; a writer turns them into OpenAI's shapes,
 streamed (`chunk`, then `end`) or whole (`whole`). Plain text of one choice, the hot path, is
 written from a per-request byte template (only the text and the finish reason change), since
-one is built per token."""
+one is built per token.
+
+Size: Every /v1 response body and stream event of chat and text completions, in OpenAI's shapes.
+"""
 
 from __future__ import annotations
 

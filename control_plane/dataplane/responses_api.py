@@ -4,7 +4,10 @@ a Response object or its typed stream events (`response.created`, output items, 
 function-call argument deltas, `response.completed` with usage).
 
 Nothing is stored: `store: true`, `previous_response_id` and `conversation` are refused until
-stored responses exist."""
+stored responses exist.
+
+Size: The Responses API's request and its events, mapped onto the chat path in one module.
+"""
 
 from __future__ import annotations
 

@@ -6,7 +6,11 @@ tokens; the engine applies stop strings, sampling, grammars (response_format, fo
 and max_tokens, and aborts a request whose iterator is left (a client that hung up). Tool calls
 are parsed out of each choice's text here; n > 1 runs n sequences of the prompt, and a request
 of several prompts (texts or token ids) n of each. With `echo` each choice starts with its
-prompt, and with logprobs too the prompt tokens' logprobs, computed as the prompt is prefilled."""
+prompt, and with logprobs too the prompt tokens' logprobs, computed as the prompt is prefilled.
+
+Size: The torch runtime's side of every request shape (chat and text, several prompts, token
+ids, n choices, echo, logprobs, tools, grammars) over the one engine.
+"""
 
 from __future__ import annotations
 

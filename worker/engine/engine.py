@@ -1,4 +1,8 @@
-"""LLMEngine: requests in, token and text deltas out, one scheduled step at a time."""
+"""LLMEngine: requests in, token and text deltas out, one scheduled step at a time.
+
+Size: LLMEngine's step loop (schedule, run, sample, detokenize, finish) and its warm-up; the
+config and KV sizing are in config.py.
+"""
 
 from __future__ import annotations
 
