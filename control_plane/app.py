@@ -9,7 +9,6 @@ the explicit `Services` object, handed to every extension and injected into hand
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
@@ -27,6 +26,7 @@ from control_plane.admin.controllers import admin_router
 from control_plane.health import healthz, readyz
 from control_plane.problems import PROBLEM_HANDLERS
 from control_plane.services import Services
+from tokenmill.modules import installed_modules
 from tokenmill.settings import Settings
 
 log = logging.getLogger("tokenmill")
@@ -64,13 +64,7 @@ def load_extensions(
 ) -> list[Extension]:
     """The extensions the installed modules offer (a module without the hook offers none)."""
     found = []
-    for name in modules:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:
-                continue
-            raise
+    for module in installed_modules(modules):
         factory = getattr(module, "tokenmill_extension", None)
         ext = factory(services) if factory is not None else None
         if ext is not None:

@@ -3,8 +3,6 @@ committed together with its stream position. Rebuildable from the log at any tim
 
 from __future__ import annotations
 
-import importlib
-
 from events.projections.read_models import ReadModelsProjection
 from events.projections.runner import (
     Entry,
@@ -15,6 +13,7 @@ from events.projections.runner import (
     ensure_schema,
 )
 from events.projections.usage_ledger import UsageLedgerProjection
+from tokenmill.modules import installed_modules
 
 # Packages above this one that keep read models of their own, by module name: each defines
 # `tokenmill_projections() -> list[Projection]` (billing's finalized invoices). Named, not
@@ -25,13 +24,7 @@ PROJECTION_MODULES = ("pricing.store",)
 
 def all_projections() -> list[Projection]:
     found: list[Projection] = [ReadModelsProjection(), UsageLedgerProjection()]
-    for name in PROJECTION_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:
-                continue
-            raise
+    for module in installed_modules(PROJECTION_MODULES):
         found.extend(module.tokenmill_projections())
     return found
 
