@@ -57,6 +57,18 @@ def parse_if_match(value: str | None) -> int | None:
     return int(raw)
 
 
+def check_version(current: int, expected: int | None, what: str) -> None:
+    """409 `version_mismatch` unless the client's `If-Match` version (if any) is `current`;
+    `what` names the aggregate with its verb ("tenant t1 is", "limits of t1 are")."""
+    if expected is not None and expected != current:
+        raise ProblemError(
+            409,
+            "version_mismatch",
+            f"{what} at version {current}, not {expected}",
+            current_version=current,
+        )
+
+
 def sku_ref(ref: str) -> str:
     """A SKU is addressed by id or by name (ids derive from names)."""
     return ref if ref.startswith("sku_") else sku_id_for(ref)
@@ -71,13 +83,7 @@ class AdminCommands:
         self, event: AnyControlEvent, aggregate: Aggregate, aggregate_id: str, if_match: int | None
     ) -> None:
         current = self.view.version(aggregate, aggregate_id)
-        if if_match is not None and if_match != current:
-            raise ProblemError(
-                409,
-                "version_mismatch",
-                f"{aggregate} {aggregate_id} is at version {current}, not {if_match}",
-                current_version=current,
-            )
+        check_version(current, if_match, f"{aggregate} {aggregate_id} is")
         try:
             seq = await self.store.append(event, expected_version=current)
         except ConcurrencyError as e:

@@ -23,7 +23,7 @@ from litestar import Request, Response, Router, get, put
 from litestar.params import Parameter
 
 from control_plane.admin.controllers import ETAG
-from control_plane.admin.services import parse_if_match
+from control_plane.admin.services import check_version, parse_if_match
 from control_plane.admission.admit import Admission
 from control_plane.auth import admin_guard
 from control_plane.dataplane import errors
@@ -78,13 +78,7 @@ def governance_admin_router(services: Services, admission: Admission) -> Router:
                     "spend_cap must be a non-negative decimal string with spend_currency",
                 ) from e
         current = services.view.version("limits", tenant_id)
-        if expected is not None and expected != current:
-            raise ProblemError(
-                409,
-                "version_mismatch",
-                f"limits of {tenant_id} are at version {current}, not {expected}",
-                current_version=current,
-            )
+        check_version(current, expected, f"limits of {tenant_id} are")
         event = LimitsSet(tenant_id=tenant_id, key_id=key_id, **msgspec.structs.asdict(body))
         try:
             seq = await services.store.append(event, expected_version=current)
