@@ -20,9 +20,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from litestar import Request, Response, Router, get, put
-from litestar.params import Parameter
 
-from control_plane.admin.controllers import ETAG
+from control_plane.admin.controllers import ETAG, IfMatch
 from control_plane.admin.services import check_version, parse_if_match
 from control_plane.admission.admit import Admission
 from control_plane.auth import admin_guard
@@ -97,9 +96,7 @@ def governance_admin_router(services: Services, admission: Admission) -> Router:
         response_headers=ETAG,
     )
     async def put_tenant_limits(
-        tenant_id: str,
-        data: LimitsBody,
-        if_match: Annotated[str | None, Parameter(header="If-Match")] = None,
+        tenant_id: str, data: LimitsBody, if_match: IfMatch = None
     ) -> Response[dict[str, Any]]:
         return await write(tenant_id, None, data, if_match)
 
@@ -111,10 +108,7 @@ def governance_admin_router(services: Services, admission: Admission) -> Router:
         response_headers=ETAG,
     )
     async def put_key_limits(
-        tenant_id: str,
-        key_id: str,
-        data: LimitsBody,
-        if_match: Annotated[str | None, Parameter(header="If-Match")] = None,
+        tenant_id: str, key_id: str, data: LimitsBody, if_match: IfMatch = None
     ) -> Response[dict[str, Any]]:
         return await write(tenant_id, key_id, data, if_match)
 
