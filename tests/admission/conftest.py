@@ -128,19 +128,10 @@ class World:
             finished_at=at,
         )
 
-    async def finished(
-        self,
-        tenant_id: str,
-        key_id: str,
-        sku_id: str,
-        request_id: str,
-        prompt: int,
-        completion: int,
-    ) -> None:
-        """The worker's usage event; returns once every replica has read it."""
-        ack = await self.store.publish_usage(
-            self.usage_event(tenant_id, key_id, sku_id, request_id, prompt, completion)
-        )
+    async def finished(self, *usage: Any) -> None:
+        """The worker's usage event (`usage_event`'s arguments); returns once every replica
+        has read it."""
+        ack = await self.store.publish_usage(self.usage_event(*usage))
         for replica in self.replicas:
             assert await replica.ledger.position.wait_for(ack.seq, 5.0)
 
