@@ -54,6 +54,18 @@ def policy_out(p: LimitsSet) -> dict[str, Any]:
     return out
 
 
+def limits_write(path: str, summary: str) -> put:
+    """A limits write as the API documents it: 200 with the new version as ETag; 404 for an
+    unknown tenant or key, 409 for a stale If-Match."""
+    return put(
+        path,
+        status_code=200,
+        summary=summary,
+        responses=problem_responses(404, 409),
+        response_headers=ETAG,
+    )
+
+
 def governance_admin_router(services: Services, admission: Admission) -> Router:
     async def write(
         tenant_id: str, key_id: str | None, body: LimitsBody, if_match: str | None
@@ -88,25 +100,13 @@ def governance_admin_router(services: Services, admission: Admission) -> Router:
         await admission.limits.position.wait_for(seq, within_s=5.0)
         return Response({"version": seq, "policy": policy_out(event)}, headers={"ETag": f'"{seq}"'})
 
-    @put(
-        "/tenants/{tenant_id:str}/limits",
-        status_code=200,
-        summary="Set a tenant's limits",
-        responses=problem_responses(404, 409),
-        response_headers=ETAG,
-    )
+    @limits_write("/tenants/{tenant_id:str}/limits", "Set a tenant's limits")
     async def put_tenant_limits(
         tenant_id: str, data: LimitsBody, if_match: IfMatch = None
     ) -> Response[dict[str, Any]]:
         return await write(tenant_id, None, data, if_match)
 
-    @put(
-        "/tenants/{tenant_id:str}/keys/{key_id:str}/limits",
-        status_code=200,
-        summary="Set a key's limits",
-        responses=problem_responses(404, 409),
-        response_headers=ETAG,
-    )
+    @limits_write("/tenants/{tenant_id:str}/keys/{key_id:str}/limits", "Set a key's limits")
     async def put_key_limits(
         tenant_id: str, key_id: str, data: LimitsBody, if_match: IfMatch = None
     ) -> Response[dict[str, Any]]:
