@@ -18,16 +18,7 @@ from events.projections.tables import ApiKeyRow, PricePlanRow, SkuRow, TenantRow
 
 
 def tenant_out(t: Tenant) -> s.TenantOut:
-    return s.TenantOut(
-        tenant_id=t.tenant_id,
-        name=t.name,
-        status=t.status,
-        labels=t.labels,
-        suspended_reason=t.suspended_reason,
-        created_at=t.created_at,
-        updated_at=t.updated_at,
-        version=t.version,
-    )
+    return s.TenantOut(**msgspec.structs.asdict(t))
 
 
 def key_fields(k: ApiKey) -> dict[str, Any]:

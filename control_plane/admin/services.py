@@ -10,6 +10,8 @@ import secrets
 from datetime import UTC, datetime
 from decimal import Decimal
 
+import msgspec
+
 from control_plane.admin import schemas as s
 from control_plane.admission.view import ApiKey, PricePlan, Sku, Tenant
 from control_plane.problems import ProblemError, not_found
@@ -198,14 +200,7 @@ class AdminCommands:
             raise ProblemError(
                 409, "sku_exists", f"SKU {body.name!r} is already published", sku_id=sku_id
             )
-        event = SkuPublished(
-            sku_id=sku_id,
-            name=body.name,
-            model=body.model,
-            runtime=body.runtime,
-            runtime_config=body.runtime_config,
-            gpu_type=body.gpu_type,
-        )
+        event = SkuPublished(sku_id=sku_id, **msgspec.structs.asdict(body))
         await self._append(event, "sku", sku_id, None)
         return self._sku(sku_id)
 
