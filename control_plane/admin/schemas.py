@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from control_plane.admission.view import PricePlan
+
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
 Reason = Annotated[str, msgspec.Meta(max_length=500)]
 Labels = Annotated[
@@ -121,16 +123,10 @@ class SkuOut(msgspec.Struct, kw_only=True):
     version: int
 
 
-class PricePlanOut(msgspec.Struct, kw_only=True):
-    plan_id: str
-    sku_id: str
-    input_per_mtok: str
-    cached_input_per_mtok: str
-    output_per_mtok: str
-    currency: str
-    effective_from: datetime
-    recorded_at: datetime
-    seq: int
+# A plan as the governance view holds it; the read model has the same fields. (No docstring:
+# it would become the schema's description.)
+class PricePlanOut(PricePlan, frozen=True, kw_only=True):
+    pass
 
 
 class Page(msgspec.Struct, kw_only=True):
