@@ -6,6 +6,7 @@ Evolve only by adding fields with defaults (msgspec decodes old messages unchang
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Literal
 
@@ -102,13 +103,6 @@ def dedupe_id(event: UsageEvent) -> str:
     return "gw:" + event.request_id
 
 
-_encoder = msgspec.json.Encoder()
-_decoder = msgspec.json.Decoder(UsageEvent)
-
-
-def encode_usage(event: UsageEvent) -> bytes:
-    return _encoder.encode(event)
-
-
-def decode_usage(data: bytes) -> UsageEvent:
-    return _decoder.decode(data)
+# Bound methods: one encoder and one decoder of the union for the process.
+encode_usage: Callable[[UsageEvent], bytes] = msgspec.json.Encoder().encode
+decode_usage: Callable[[bytes], UsageEvent] = msgspec.json.Decoder(UsageEvent).decode
