@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from control_plane.admission.view import PricePlan
+from control_plane.admission.view import PricePlan, Sku
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
 Reason = Annotated[str, msgspec.Meta(max_length=500)]
@@ -110,21 +110,13 @@ class ApiKeyIssued(ApiKeyOut, kw_only=True):
     key: str
 
 
-class SkuOut(msgspec.Struct, kw_only=True):
-    sku_id: str
-    name: str
-    model: str
-    runtime: str
-    runtime_config: dict[str, Any]
-    gpu_type: str
-    status: Literal["published", "retired"]
-    published_at: datetime
-    retired_at: datetime | None
-    version: int
+# A SKU as the governance view holds it; the read model has the same fields.
+class SkuOut(Sku, frozen=True, kw_only=True):
+    retired_at: datetime | None  # always in the answer (null while published)
 
 
-# A plan as the governance view holds it; the read model has the same fields. (No docstring:
-# it would become the schema's description.)
+# A plan as the governance view holds it; the read model has the same fields. (The answers
+# have no docstrings: they would become the schemas' descriptions.)
 class PricePlanOut(PricePlan, frozen=True, kw_only=True):
     pass
 
