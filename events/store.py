@@ -37,6 +37,11 @@ class ConcurrencyError(Exception):
         self.expected = expected
 
 
+# The streams' descriptions, as NATS shows them.
+CONTROL_DESCRIPTION = "tokenmill control events (tenants, keys, SKUs, price plans, limits)"
+USAGE_DESCRIPTION = "tokenmill usage events (one per finished request, worker and gateway)"
+
+
 @dataclass(frozen=True)
 class StreamLayout:
     """Stream names and subjects for one install (`prefix` lets installs share a NATS)."""
@@ -59,7 +64,7 @@ class StreamLayout:
         # The control log is kept forever and cannot be edited: it is the audit trail.
         return self._stream_config(
             self.control_stream,
-            "tokenmill control events (tenants, keys, SKUs, price plans, limits)",
+            CONTROL_DESCRIPTION,
             "ctl",
             self.control_dedupe_window_s,
             deny_purge=True,
@@ -67,10 +72,7 @@ class StreamLayout:
 
     def usage_config(self) -> StreamConfig:
         return self._stream_config(
-            self.usage_stream,
-            "tokenmill usage events (one per finished request, worker and gateway)",
-            "usage",
-            self.usage_dedupe_window_s,
+            self.usage_stream, USAGE_DESCRIPTION, "usage", self.usage_dedupe_window_s
         )
 
     def _stream_config(
