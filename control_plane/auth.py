@@ -31,18 +31,24 @@ def resolve_admin_token(settings: Settings) -> tuple[str, bool]:
     return token, True
 
 
-def admin_guard(token: str) -> Guard:
-    """A route guard admitting `Authorization: Bearer <token>` only."""
+def bearer_guard(token: str, realm: str) -> Guard:
+    """A route guard admitting `Authorization: Bearer <token>` only; `realm` names what the
+    token is for (`admin`, `metrics`) in the refusal."""
     expected = token.encode()
 
-    def guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+    def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
         scheme, _sep, value = connection.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), expected):
             raise ProblemError(
                 401,
                 "unauthorized",
-                "a valid admin bearer token is required",
-                headers={"WWW-Authenticate": 'Bearer realm="tokenmill-admin"'},
+                f"a valid {realm} bearer token is required",
+                headers={"WWW-Authenticate": f'Bearer realm="tokenmill-{realm}"'},
             )
 
     return guard
+
+
+def admin_guard(token: str) -> Guard:
+    """A route guard admitting `Authorization: Bearer <token>` only."""
+    return bearer_guard(token, "admin")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import secrets
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Literal, get_args
 
@@ -175,16 +176,11 @@ def control_subject(prefix: str, aggregate: Aggregate, aggregate_id: str) -> str
     return f"{prefix}.ctl.{aggregate}.{aggregate_id}"
 
 
-_encoder = msgspec.json.Encoder()
+# Bound methods: one encoder and one decoder of the union for the process (the decoder also
+# serves decode_control_or_skip).
 _decoder = msgspec.json.Decoder(AnyControlEvent)
-
-
-def encode_control(event: AnyControlEvent) -> bytes:
-    return _encoder.encode(event)
-
-
-def decode_control(data: bytes) -> AnyControlEvent:
-    return _decoder.decode(data)
+encode_control: Callable[[AnyControlEvent], bytes] = msgspec.json.Encoder().encode
+decode_control: Callable[[bytes], AnyControlEvent] = _decoder.decode
 
 
 class _Tagged(msgspec.Struct):

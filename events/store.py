@@ -37,6 +37,11 @@ class ConcurrencyError(Exception):
         self.expected = expected
 
 
+# The streams' descriptions, as NATS shows them.
+CONTROL_DESCRIPTION = "tokenmill control events (tenants, keys, SKUs, price plans, limits)"
+USAGE_DESCRIPTION = "tokenmill usage events (one per finished request, worker and gateway)"
+
+
 @dataclass(frozen=True)
 class StreamLayout:
     """Stream names and subjects for one install (`prefix` lets installs share a NATS)."""
@@ -57,29 +62,38 @@ class StreamLayout:
 
     def control_config(self) -> StreamConfig:
         # The control log is kept forever and cannot be edited: it is the audit trail.
-        return StreamConfig(
-            name=self.control_stream,
-            description="tokenmill control events (tenants, keys, SKUs, price plans, limits)",
-            subjects=[f"{self.prefix}.ctl.>"],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            num_replicas=self.replicas,
-            duplicate_window=self.control_dedupe_window_s,
-            deny_delete=True,
+        return self._stream_config(
+            self.control_stream,
+            CONTROL_DESCRIPTION,
+            "ctl",
+            self.control_dedupe_window_s,
             deny_purge=True,
-            allow_direct=True,
         )
 
     def usage_config(self) -> StreamConfig:
+        return self._stream_config(
+            self.usage_stream, USAGE_DESCRIPTION, "usage", self.usage_dedupe_window_s
+        )
+
+    def _stream_config(
+        self,
+        name: str,
+        description: str,
+        subject: str,
+        dedupe_window_s: float,
+        deny_purge: bool = False,
+    ) -> StreamConfig:
+        # Both logs keep every event (no deletes) on file, replicated, readable directly.
         return StreamConfig(
-            name=self.usage_stream,
-            description="tokenmill usage events (one per finished request, worker and gateway)",
-            subjects=[f"{self.prefix}.usage.>"],
+            name=name,
+            description=description,
+            subjects=[f"{self.prefix}.{subject}.>"],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             num_replicas=self.replicas,
-            duplicate_window=self.usage_dedupe_window_s,
+            duplicate_window=dedupe_window_s,
             deny_delete=True,
+            deny_purge=deny_purge,
             allow_direct=True,
         )
 

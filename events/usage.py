@@ -6,6 +6,7 @@ Evolve only by adding fields with defaults (msgspec decodes old messages unchang
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Literal
 
@@ -14,9 +15,8 @@ import msgspec
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
-class RequestFinished(msgspec.Struct, tag="request.finished", kw_only=True, frozen=True):
-    """The bill: the tokens delivered to the client. Published by the gateway that answered
-    the request (older workers published it themselves). Dedupe id: `req:<request_id>`."""
+class _RequestCounts(msgspec.Struct, kw_only=True, frozen=True):
+    """The fields the bill and the worker's record share, first in both (and on the wire)."""
 
     schema_version: int = 1
     request_id: str
@@ -29,6 +29,12 @@ class RequestFinished(msgspec.Struct, tag="request.finished", kw_only=True, froz
     cached_tokens: int = 0
     completion_tokens: int
     finish_reason: FinishReason
+
+
+class RequestFinished(_RequestCounts, tag="request.finished", kw_only=True, frozen=True):
+    """The bill: the tokens delivered to the client. Published by the gateway that answered
+    the request (older workers published it themselves). Dedupe id: `req:<request_id>`."""
+
     ttft_ms: float | None = None
     e2e_ms: float
     started_at: datetime
@@ -38,21 +44,10 @@ class RequestFinished(msgspec.Struct, tag="request.finished", kw_only=True, froz
     unbilled_waste_tokens: int = 0
 
 
-class WorkerGenerated(msgspec.Struct, tag="worker.generated", kw_only=True, frozen=True):
+class WorkerGenerated(_RequestCounts, tag="worker.generated", kw_only=True, frozen=True):
     """Published by the worker: the tokens it generated for a request, whoever received them.
     Not a bill. Dedupe id: `wk:<request_id>`."""
 
-    schema_version: int = 1
-    request_id: str
-    tenant_id: str
-    key_id: str
-    sku_id: str
-    model: str
-    worker_id: str
-    prompt_tokens: int
-    cached_tokens: int = 0
-    completion_tokens: int
-    finish_reason: FinishReason
     # The worker stopped because the request's gateway went silent (see worker.serve).
     gateway_lost: bool = False
     ttft_ms: float | None = None
@@ -108,13 +103,6 @@ def dedupe_id(event: UsageEvent) -> str:
     return "gw:" + event.request_id
 
 
-_encoder = msgspec.json.Encoder()
-_decoder = msgspec.json.Decoder(UsageEvent)
-
-
-def encode_usage(event: UsageEvent) -> bytes:
-    return _encoder.encode(event)
-
-
-def decode_usage(data: bytes) -> UsageEvent:
-    return _decoder.decode(data)
+# Bound methods: one encoder and one decoder of the union for the process.
+encode_usage: Callable[[UsageEvent], bytes] = msgspec.json.Encoder().encode
+decode_usage: Callable[[bytes], UsageEvent] = msgspec.json.Decoder(UsageEvent).decode

@@ -320,6 +320,15 @@ def _model_name(value: Any) -> str:
     return str(value).split(" (")[0].strip() if value else ""
 
 
+def _positive_throughput(figures: Any, key: str) -> Decimal | None:
+    """The output tokens/s under `key` of a benchmark's figures, if they are a mapping and it
+    is a positive number."""
+    if not isinstance(figures, Mapping):
+        return None
+    tps = _number(figures.get(key))
+    return tps if tps is not None and tps > 0 else None
+
+
 def bench_points(
     doc: Mapping[str, Any] | str | Path, sku_id: str | None = None
 ) -> list[BenchPoint]:
@@ -342,10 +351,8 @@ def bench_points(
         load = results.get("load_point") or {}
         base = _model_name(results.get("model")) or sku_id or "model"
         for section, figures in results["sections"].items():
-            if not isinstance(figures, Mapping):
-                continue
-            tps = _number(figures.get("output_tok_s"))
-            if tps is None or tps <= 0:
+            tps = _positive_throughput(figures, "output_tok_s")
+            if tps is None:
                 continue
             points.append(
                 BenchPoint(
@@ -373,11 +380,9 @@ def bench_points(
         if isinstance(sweep, list):
             rows += [(r, _int(r.get("concurrency"))) for r in sweep if isinstance(r, Mapping)]
         for (row, concurrency), variant in ((r, v) for r in rows for v in ("gateway", "direct")):
-            figures = row.get(variant)
-            if not isinstance(figures, Mapping):
-                continue
-            tps = _number(figures.get("output_tokens_per_s"))
-            if tps is None or tps <= 0:
+            measured: Any = row.get(variant)
+            tps = _positive_throughput(measured, "output_tokens_per_s")
+            if tps is None:
                 continue
             points.append(
                 BenchPoint(
@@ -385,8 +390,8 @@ def bench_points(
                     variant=variant,
                     output_tokens_per_second=tps,
                     concurrency=concurrency,
-                    ttft_p95_s=_number(figures.get("ttft_s_p95")),
-                    e2e_p95_s=_number(figures.get("e2e_s_p95")),
+                    ttft_p95_s=_number(measured.get("ttft_s_p95")),
+                    e2e_p95_s=_number(measured.get("e2e_s_p95")),
                     prompt_tokens=_int(config.get("prompt_tokens")),
                     output_tokens=_int(config.get("max_tokens")),
                     source=source,

@@ -436,15 +436,19 @@ def invoice_csv(invoice: Invoice) -> bytes:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(INVOICE_CSV_COLUMNS)
+    # The invoice's own columns, the same on every row
+    head = (
+        invoice.invoice_id,
+        invoice.tenant_id,
+        invoice.status,
+        invoice.currency,
+        iso(invoice.period_start),
+        iso(invoice.period_end),
+    )
     for number, line in enumerate(invoice.lines, start=1):
         writer.writerow(
             (
-                invoice.invoice_id,
-                invoice.tenant_id,
-                invoice.status,
-                invoice.currency,
-                iso(invoice.period_start),
-                iso(invoice.period_end),
+                *head,
                 number,
                 line.category,
                 line.sku_id,
@@ -468,12 +472,7 @@ def invoice_csv(invoice: Invoice) -> bytes:
             description = f"Late usage: {description}"
         writer.writerow(
             (
-                invoice.invoice_id,
-                invoice.tenant_id,
-                invoice.status,
-                invoice.currency,
-                iso(invoice.period_start),
-                iso(invoice.period_end),
+                *head,
                 number,
                 usage.category,
                 usage.sku_id,

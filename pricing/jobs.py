@@ -90,30 +90,42 @@ def tenant_currency(rows: list[LedgerRow], book: PriceBook, default: str) -> str
     return currencies.pop() if currencies else default
 
 
+@dataclass(frozen=True)
+class Cut:
+    """What a draft is read as of: the ledger's position, the control stream's, and the
+    price book as of the latter."""
+
+    ledger_seq: int
+    price_seq: int
+    book: PriceBook
+
+    @classmethod
+    async def now(cls, store: BillingStore) -> Cut:
+        ledger_seq = await store.ledger_position()
+        return cls(ledger_seq, await store.control_position(), await store.price_book())
+
+
 async def draft_invoice(
     store: BillingStore,
     tenant_id: str,
     period: BillingPeriod,
     previous: Invoice | None,
-    *,
-    cut_seq: int,
-    price_cut_seq: int,
-    book: PriceBook,
+    cut: Cut,
     default_currency: str,
 ) -> Invoice:
-    """The tenant's draft for `period` as of the ledger cut, following its `previous` invoice.
+    """The tenant's draft for `period` as of the cut, following its `previous` invoice.
     Raises ValueError if the usage is priced in several currencies."""
     basis = InvoiceBasis(
         tenant_id=tenant_id,
         period=period,
         currency=default_currency,
-        cut_seq=max(cut_seq, previous.cut_seq if previous else 0),
+        cut_seq=max(cut.ledger_seq, previous.cut_seq if previous else 0),
         previous=PreviousInvoice(previous.period_end, previous.cut_seq) if previous else None,
-        price_cut_seq=price_cut_seq,
+        price_cut_seq=cut.price_seq,
     )
     rows = await store.invoice_rows(basis)
-    currency = tenant_currency(rows, book, default_currency)
-    return build_invoice(msgspec.structs.replace(basis, currency=currency), rows, book)
+    currency = tenant_currency(rows, cut.book, default_currency)
+    return build_invoice(msgspec.structs.replace(basis, currency=currency), rows, cut.book)
 
 
 async def record_finalization(ctx: BillingContext, invoice: Invoice, *, adopt: bool) -> Invoice:
@@ -140,24 +152,16 @@ async def close_periods(ctx: BillingContext, now: datetime | None = None) -> lis
     the invoices finalized (or adopted from the stream) by this run."""
     now = now or ctx.clock()
     closable = last_closable(now, ctx.settings.grace)
-    cut = await ctx.store.ledger_position()
-    price_cut = await ctx.store.control_position()
-    book = await ctx.store.price_book()
+    cut = await Cut.now(ctx.store)
     done: list[Invoice] = []
-    for tenant_id, first_usage in (await ctx.store.ledger_tenants(closable.end, cut)).items():
+    tenants = await ctx.store.ledger_tenants(closable.end, cut.ledger_seq)
+    for tenant_id, first_usage in tenants.items():
         previous = await ctx.store.latest_invoice(tenant_id)
         period = previous.period.following() if previous else BillingPeriod.containing(first_usage)
         while utc(period.end) <= utc(closable.end):
             try:
                 draft = await draft_invoice(
-                    ctx.store,
-                    tenant_id,
-                    period,
-                    previous,
-                    cut_seq=cut,
-                    price_cut_seq=price_cut,
-                    book=book,
-                    default_currency=ctx.settings.default_currency,
+                    ctx.store, tenant_id, period, previous, cut, ctx.settings.default_currency
                 )
             except ValueError:
                 log.exception("billing: cannot invoice tenant %s for %s", tenant_id, period.label)
@@ -195,7 +199,7 @@ async def finalize_period(
         raise PeriodNotClosable("period_not_ended", f"{period.label} ends at {iso(period.end)}")
     if await ctx.store.invoice(invoice_id(tenant_id, period)) is not None:
         raise InvoiceAlreadyFinalized(f"{invoice_id(tenant_id, period)} is already finalized")
-    cut = await ctx.store.ledger_position()
+    cut = await Cut.now(ctx.store)
     previous = await ctx.store.latest_invoice(tenant_id)
     if previous is not None and utc(previous.period_end) > utc(period.start):
         raise PeriodNotClosable(
@@ -206,7 +210,7 @@ async def finalize_period(
         tenant_id=tenant_id,
         start=previous.period_end if previous else None,
         end=period.start,
-        cut_seq=cut,
+        cut_seq=cut.ledger_seq,
     )
     if unbilled:
         earlier = BillingPeriod.containing(min(r.usage_at for r in unbilled))
@@ -214,14 +218,7 @@ async def finalize_period(
             "earlier_period_open", f"finalize {earlier.label} of {tenant_id} first"
         )
     draft = await draft_invoice(
-        ctx.store,
-        tenant_id,
-        period,
-        previous,
-        cut_seq=cut,
-        price_cut_seq=await ctx.store.control_position(),
-        book=await ctx.store.price_book(),
-        default_currency=ctx.settings.default_currency,
+        ctx.store, tenant_id, period, previous, cut, ctx.settings.default_currency
     )
     if not (draft.lines or draft.unpriced):
         raise PeriodNotClosable("empty_period", f"{tenant_id} has no usage in {period.label}")

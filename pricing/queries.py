@@ -11,7 +11,7 @@ from sqlmodel import col, select
 from events.projections.tables import CapacityProjectionRow, fetch
 from pricing.capacity import CapacityProjection, Throughput, project
 from pricing.invoices import Invoice, invoice_id
-from pricing.jobs import BillingSettings, capacity_inputs, draft_invoice, measured_throughput
+from pricing.jobs import BillingSettings, Cut, capacity_inputs, draft_invoice, measured_throughput
 from pricing.periods import BillingPeriod, utc
 from pricing.showback import Granularity, showback_csv, usage_showback
 from pricing.store import BillingStore
@@ -33,16 +33,8 @@ async def invoice_for(
         ),
         None,
     )
-    return await draft_invoice(
-        store,
-        tenant_id,
-        period,
-        previous,
-        cut_seq=await store.ledger_position(),
-        price_cut_seq=await store.control_position(),
-        book=await store.price_book(),
-        default_currency=default_currency,
-    )
+    cut = await Cut.now(store)
+    return await draft_invoice(store, tenant_id, period, previous, cut, default_currency)
 
 
 async def showback_export(

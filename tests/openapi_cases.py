@@ -76,3 +76,8 @@ def failures(
             except (Exception, BaseExceptionGroup) as e:  # schemathesis groups its failures
                 found.append(f"{operation.label} ({mode}): {e}")
     return found
+
+
+def assert_conforms(failed: list[str]) -> None:
+    """No operation failed; else every failure, one text per operation."""
+    assert not failed, "\n\n".join(failed)

@@ -40,7 +40,8 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from bench.common import RESULTS, result_name  # noqa: E402
+from bench.common import RESULTS, graph_time, result_name  # noqa: E402
+from bench.common import copy_bandwidth as common_copy_bandwidth  # noqa: E402
 from bench.kernels.int4 import FP8_TILINGS, SHAPES, Budget, err  # noqa: E402
 from worker.kernels import reference  # noqa: E402
 from worker.kernels.triton import fp8_gemm  # noqa: E402
@@ -119,40 +120,12 @@ class Timer:
             for i in range(copies):
                 fn(i)
             return (time.perf_counter() - began) / copies
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for i in range(copies):
-                fn(i)  # compile and allocate outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(copies):
-                fn(i)
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(self.replays):
-            begin = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            begin.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end) / 1e3 / copies)
-        del graph
-        return sorted(times)[len(times) // 2]
+        return graph_time(fn, copies, self.replays, median_replay=True)
 
 
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes/s (read + written) of a 1 GiB device copy: the roofline every GB/s is compared with."""
-    if device.type != "cuda":
-        return float("nan")
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
-    return 2 * src.numel() / (float(ms) * 1e-3)
+    return common_copy_bandwidth() if device.type == "cuda" else float("nan")
 
 
 def int4_bytes(m: int, n: int, k: int) -> int:

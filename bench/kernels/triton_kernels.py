@@ -389,6 +389,19 @@ def attention_cases() -> list[Case]:
     return cases
 
 
+def paged_kv_cache(blocks_per_seq: int, fp8: bool, k_scale: float, v_scale: float) -> Inputs:
+    """BATCH sequences' K and V caches ("k", "v", fp8 at the given scales or bf16) in shuffled
+    blocks of BLOCK_SIZE, and their block tables ("tables")."""
+    num_blocks = BATCH * blocks_per_seq + 8
+    tables = torch.randperm(num_blocks, device="cuda")[: BATCH * blocks_per_seq].int()
+    k_cache = bf16(num_blocks, BLOCK_SIZE, HKV, HEAD_DIM)
+    v_cache = bf16(num_blocks, BLOCK_SIZE, HKV, HEAD_DIM)
+    if fp8:
+        k_cache = (k_cache.float() / k_scale).to(torch.float8_e4m3fn)
+        v_cache = (v_cache.float() / v_scale).to(torch.float8_e4m3fn)
+    return {"k": k_cache, "v": v_cache, "tables": tables.view(BATCH, blocks_per_seq)}
+
+
 def attention_case(context: int, fp8: bool, partition: int | None) -> Case:
     blocks_per_seq = -(-context // BLOCK_SIZE)
     # every sequence near `context` tokens, as at the load point's end of decode
@@ -397,19 +410,10 @@ def attention_case(context: int, fp8: bool, partition: int | None) -> Case:
     elt = 1 if fp8 else 2
 
     def make() -> Inputs:
-        num_blocks = BATCH * blocks_per_seq + 8
-        tables = torch.randperm(num_blocks, device="cuda")[: BATCH * blocks_per_seq].int()
-        k_cache = bf16(num_blocks, BLOCK_SIZE, HKV, HEAD_DIM)
-        v_cache = bf16(num_blocks, BLOCK_SIZE, HKV, HEAD_DIM)
-        if fp8:
-            k_cache = (k_cache.float() / k_scale).to(torch.float8_e4m3fn)
-            v_cache = (v_cache.float() / v_scale).to(torch.float8_e4m3fn)
         return {
+            **paged_kv_cache(blocks_per_seq, fp8, k_scale, v_scale),
             "q": bf16(BATCH, HQ, HEAD_DIM),
-            "k": k_cache,
-            "v": v_cache,
             "lens": torch.tensor(lens, device="cuda", dtype=torch.int32),
-            "tables": tables.view(BATCH, blocks_per_seq),
         }
 
     def args(i: Inputs) -> tuple[Any, ...]:
@@ -457,20 +461,11 @@ def prefill_attention_case(
     elt = 1 if fp8 else 2
 
     def make() -> Inputs:
-        num_blocks = BATCH * blocks_per_seq + 8
-        tables = torch.randperm(num_blocks, device="cuda")[: BATCH * blocks_per_seq].int()
-        k_cache = bf16(num_blocks, BLOCK_SIZE, HKV, HEAD_DIM)
-        v_cache = bf16(num_blocks, BLOCK_SIZE, HKV, HEAD_DIM)
-        if fp8:
-            k_cache = (k_cache.float() / k_scale).to(torch.float8_e4m3fn)
-            v_cache = (v_cache.float() / v_scale).to(torch.float8_e4m3fn)
         return {
+            **paged_kv_cache(blocks_per_seq, fp8, k_scale, v_scale),
             "q": bf16(tokens, HQ, HEAD_DIM),
-            "k": k_cache,
-            "v": v_cache,
             "cu": reference.cu_seqlens_of([PROMPT] * BATCH, "cuda"),
             "lens": torch.full((BATCH,), PROMPT, device="cuda", dtype=torch.int32),
-            "tables": tables.view(BATCH, blocks_per_seq),
             "positions": torch.arange(PROMPT, device="cuda").repeat(BATCH),
         }
 

@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from control_plane.admission.view import PricePlan, Sku
+
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
 Reason = Annotated[str, msgspec.Meta(max_length=500)]
 Labels = Annotated[
@@ -108,29 +110,15 @@ class ApiKeyIssued(ApiKeyOut, kw_only=True):
     key: str
 
 
-class SkuOut(msgspec.Struct, kw_only=True):
-    sku_id: str
-    name: str
-    model: str
-    runtime: str
-    runtime_config: dict[str, Any]
-    gpu_type: str
-    status: Literal["published", "retired"]
-    published_at: datetime
-    retired_at: datetime | None
-    version: int
+# A SKU as the governance view holds it; the read model has the same fields.
+class SkuOut(Sku, frozen=True, kw_only=True):
+    retired_at: datetime | None  # always in the answer (null while published)
 
 
-class PricePlanOut(msgspec.Struct, kw_only=True):
-    plan_id: str
-    sku_id: str
-    input_per_mtok: str
-    cached_input_per_mtok: str
-    output_per_mtok: str
-    currency: str
-    effective_from: datetime
-    recorded_at: datetime
-    seq: int
+# A plan as the governance view holds it; the read model has the same fields. (The answers
+# have no docstrings: they would become the schemas' descriptions.)
+class PricePlanOut(PricePlan, frozen=True, kw_only=True):
+    pass
 
 
 class Page(msgspec.Struct, kw_only=True):

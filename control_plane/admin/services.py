@@ -10,6 +10,8 @@ import secrets
 from datetime import UTC, datetime
 from decimal import Decimal
 
+import msgspec
+
 from control_plane.admin import schemas as s
 from control_plane.admission.view import ApiKey, PricePlan, Sku, Tenant
 from control_plane.problems import ProblemError, not_found
@@ -57,6 +59,18 @@ def parse_if_match(value: str | None) -> int | None:
     return int(raw)
 
 
+def check_version(current: int, expected: int | None, what: str) -> None:
+    """409 `version_mismatch` unless the client's `If-Match` version (if any) is `current`;
+    `what` names the aggregate with its verb ("tenant t1 is", "limits of t1 are")."""
+    if expected is not None and expected != current:
+        raise ProblemError(
+            409,
+            "version_mismatch",
+            f"{what} at version {current}, not {expected}",
+            current_version=current,
+        )
+
+
 def sku_ref(ref: str) -> str:
     """A SKU is addressed by id or by name (ids derive from names)."""
     return ref if ref.startswith("sku_") else sku_id_for(ref)
@@ -71,13 +85,7 @@ class AdminCommands:
         self, event: AnyControlEvent, aggregate: Aggregate, aggregate_id: str, if_match: int | None
     ) -> None:
         current = self.view.version(aggregate, aggregate_id)
-        if if_match is not None and if_match != current:
-            raise ProblemError(
-                409,
-                "version_mismatch",
-                f"{aggregate} {aggregate_id} is at version {current}, not {if_match}",
-                current_version=current,
-            )
+        check_version(current, if_match, f"{aggregate} {aggregate_id} is")
         try:
             seq = await self.store.append(event, expected_version=current)
         except ConcurrencyError as e:
@@ -192,14 +200,7 @@ class AdminCommands:
             raise ProblemError(
                 409, "sku_exists", f"SKU {body.name!r} is already published", sku_id=sku_id
             )
-        event = SkuPublished(
-            sku_id=sku_id,
-            name=body.name,
-            model=body.model,
-            runtime=body.runtime,
-            runtime_config=body.runtime_config,
-            gpu_type=body.gpu_type,
-        )
+        event = SkuPublished(sku_id=sku_id, **msgspec.structs.asdict(body))
         await self._append(event, "sku", sku_id, None)
         return self._sku(sku_id)
 

@@ -20,10 +20,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from litestar import Request, Response, Router, get, put
-from litestar.params import Parameter
 
-from control_plane.admin.controllers import ETAG
-from control_plane.admin.services import parse_if_match
+from control_plane.admin.controllers import ETAG, IfMatch
+from control_plane.admin.services import check_version, parse_if_match
 from control_plane.admission.admit import Admission
 from control_plane.auth import admin_guard
 from control_plane.dataplane import errors
@@ -55,6 +54,18 @@ def policy_out(p: LimitsSet) -> dict[str, Any]:
     return out
 
 
+def limits_write(path: str, summary: str) -> put:
+    """A limits write as the API documents it: 200 with the new version as ETag; 404 for an
+    unknown tenant or key, 409 for a stale If-Match."""
+    return put(
+        path,
+        status_code=200,
+        summary=summary,
+        responses=problem_responses(404, 409),
+        response_headers=ETAG,
+    )
+
+
 def governance_admin_router(services: Services, admission: Admission) -> Router:
     async def write(
         tenant_id: str, key_id: str | None, body: LimitsBody, if_match: str | None
@@ -78,13 +89,7 @@ def governance_admin_router(services: Services, admission: Admission) -> Router:
                     "spend_cap must be a non-negative decimal string with spend_currency",
                 ) from e
         current = services.view.version("limits", tenant_id)
-        if expected is not None and expected != current:
-            raise ProblemError(
-                409,
-                "version_mismatch",
-                f"limits of {tenant_id} are at version {current}, not {expected}",
-                current_version=current,
-            )
+        check_version(current, expected, f"limits of {tenant_id} are")
         event = LimitsSet(tenant_id=tenant_id, key_id=key_id, **msgspec.structs.asdict(body))
         try:
             seq = await services.store.append(event, expected_version=current)
@@ -95,32 +100,15 @@ def governance_admin_router(services: Services, admission: Admission) -> Router:
         await admission.limits.position.wait_for(seq, within_s=5.0)
         return Response({"version": seq, "policy": policy_out(event)}, headers={"ETag": f'"{seq}"'})
 
-    @put(
-        "/tenants/{tenant_id:str}/limits",
-        status_code=200,
-        summary="Set a tenant's limits",
-        responses=problem_responses(404, 409),
-        response_headers=ETAG,
-    )
+    @limits_write("/tenants/{tenant_id:str}/limits", "Set a tenant's limits")
     async def put_tenant_limits(
-        tenant_id: str,
-        data: LimitsBody,
-        if_match: Annotated[str | None, Parameter(header="If-Match")] = None,
+        tenant_id: str, data: LimitsBody, if_match: IfMatch = None
     ) -> Response[dict[str, Any]]:
         return await write(tenant_id, None, data, if_match)
 
-    @put(
-        "/tenants/{tenant_id:str}/keys/{key_id:str}/limits",
-        status_code=200,
-        summary="Set a key's limits",
-        responses=problem_responses(404, 409),
-        response_headers=ETAG,
-    )
+    @limits_write("/tenants/{tenant_id:str}/keys/{key_id:str}/limits", "Set a key's limits")
     async def put_key_limits(
-        tenant_id: str,
-        key_id: str,
-        data: LimitsBody,
-        if_match: Annotated[str | None, Parameter(header="If-Match")] = None,
+        tenant_id: str, key_id: str, data: LimitsBody, if_match: IfMatch = None
     ) -> Response[dict[str, Any]]:
         return await write(tenant_id, key_id, data, if_match)
 

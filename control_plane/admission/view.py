@@ -13,7 +13,7 @@ import bisect
 import logging
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 from nats.aio.msg import Msg
@@ -40,6 +40,15 @@ from events.control import (
 from events.store import StreamLayout
 
 log = logging.getLogger(__name__)
+
+_Row = TypeVar("_Row", bound=msgspec.Struct)
+
+
+def _from_event(row: type[_Row], event: AnyControlEvent, **rest: Any) -> _Row:
+    """A view row from the event's fields of the same names, plus `rest` (the view's own
+    fields, and copies of the event's mutable ones)."""
+    copied = {n: getattr(event, n) for n in row.__struct_fields__ if n in event.__struct_fields__}
+    return row(**(copied | rest))
 
 
 class Tenant(msgspec.Struct, frozen=True, kw_only=True):
@@ -239,9 +248,9 @@ class GovernanceView:
         at = event.occurred_at
         match event:
             case TenantCreated():
-                self._tenants[event.tenant_id] = Tenant(
-                    tenant_id=event.tenant_id,
-                    name=event.name,
+                self._tenants[event.tenant_id] = _from_event(
+                    Tenant,
+                    event,
                     status="active",
                     labels=dict(event.labels),
                     created_at=at,
@@ -251,15 +260,8 @@ class GovernanceView:
             case TenantSuspended() | TenantReactivated() | TenantLabelsSet():
                 self._update_tenant(event, seq)
             case ApiKeyIssued():
-                key = ApiKey(
-                    key_id=event.key_id,
-                    tenant_id=event.tenant_id,
-                    key_hash=event.key_hash,
-                    prefix=event.prefix,
-                    name=event.name,
-                    scopes=list(event.scopes),
-                    created_at=at,
-                    version=seq,
+                key = _from_event(
+                    ApiKey, event, scopes=list(event.scopes), created_at=at, version=seq
                 )
                 self._put_key(key)
             case ApiKeyRevoked():
@@ -268,13 +270,10 @@ class GovernanceView:
                     self._put_key(msgspec.structs.replace(old, revoked_at=at, version=seq))
             case SkuPublished():
                 prev = self._skus.get(event.sku_id)
-                sku = Sku(
-                    sku_id=event.sku_id,
-                    name=event.name,
-                    model=event.model,
-                    runtime=event.runtime,
+                sku = _from_event(
+                    Sku,
+                    event,
                     runtime_config=dict(event.runtime_config),
-                    gpu_type=event.gpu_type,
                     status="published",
                     published_at=at,
                     version=seq,
@@ -290,17 +289,7 @@ class GovernanceView:
                     )
                     self._skus[sku.sku_id] = self._skus_by_name[sku.name] = sku
             case PricePlanSet():
-                plan = PricePlan(
-                    plan_id=event.plan_id,
-                    sku_id=event.sku_id,
-                    input_per_mtok=event.input_per_mtok,
-                    cached_input_per_mtok=event.cached_input_per_mtok,
-                    output_per_mtok=event.output_per_mtok,
-                    currency=event.currency,
-                    effective_from=event.effective_from,
-                    recorded_at=at,
-                    seq=seq,
-                )
+                plan = _from_event(PricePlan, event, recorded_at=at, seq=seq)
                 plans = self._plans.setdefault(event.sku_id, [])
                 # Equal effective_from: the later record wins (it sorts after).
                 i = bisect.bisect_right([p.effective_from for p in plans], plan.effective_from)

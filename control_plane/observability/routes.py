@@ -9,24 +9,22 @@ on every admin call, so the data stays behind the same guard as the rest of `/ad
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Sequence
 from datetime import date
 from pathlib import Path
 
 from litestar import Response, Router, get
-from litestar.connection import ASGIConnection
 from litestar.datastructures import CacheControlHeader
 from litestar.di import Provide
-from litestar.handlers import BaseRouteHandler
 from litestar.params import Parameter
 from litestar.response import Redirect
 from litestar.static_files import create_static_files_router
 from litestar.types import ControllerRouterHandler, Guard
 
+from control_plane.auth import bearer_guard
 from control_plane.observability.metrics import PROMETHEUS_TEXT, OpsMetrics
 from control_plane.observability.usage import usage_by_tenant, usage_csv
-from control_plane.problems import PROBLEM_HANDLERS, ProblemError
+from control_plane.problems import PROBLEM_HANDLERS
 from control_plane.services import Services  # a runtime import: Litestar reads the annotations
 from tokenmill.settings import Settings
 
@@ -54,19 +52,7 @@ def web_dir() -> Path:
 def scrape_guard(token: str) -> Guard:
     """Admits `Authorization: Bearer <token>` only: Prometheus sends it with
     `authorization: {type: Bearer, credentials: ...}` in its scrape config."""
-    expected = token.encode()
-
-    def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-        scheme, _sep, value = connection.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), expected):
-            raise ProblemError(
-                401,
-                "unauthorized",
-                "a valid metrics bearer token is required",
-                headers={"WWW-Authenticate": 'Bearer realm="tokenmill-metrics"'},
-            )
-
-    return guard
+    return bearer_guard(token, "metrics")
 
 
 @get("/metrics", media_type=PROMETHEUS_TEXT, include_in_schema=False)

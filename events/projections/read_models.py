@@ -71,29 +71,14 @@ class ReadModelsProjection:
                     seq,
                 )
             case TenantSuspended():
-                await conn.execute(
-                    """UPDATE tenants SET status = 'suspended', suspended_reason = $2,
-                       updated_at = $3, version = $4 WHERE tenant_id = $1""",
-                    event.tenant_id,
-                    event.reason,
-                    event.occurred_at,
-                    seq,
+                await _update_tenant(
+                    conn, event, seq, "status = 'suspended', suspended_reason = $4", event.reason
                 )
             case TenantReactivated():
-                await conn.execute(
-                    """UPDATE tenants SET status = 'active', suspended_reason = NULL,
-                       updated_at = $2, version = $3 WHERE tenant_id = $1""",
-                    event.tenant_id,
-                    event.occurred_at,
-                    seq,
-                )
+                await _update_tenant(conn, event, seq, "status = 'active', suspended_reason = NULL")
             case TenantLabelsSet():
-                await conn.execute(
-                    "UPDATE tenants SET labels = $2::jsonb, updated_at = $3, version = $4 WHERE tenant_id = $1",
-                    event.tenant_id,
-                    json.dumps(event.labels, sort_keys=True),
-                    event.occurred_at,
-                    seq,
+                await _update_tenant(
+                    conn, event, seq, "labels = $4::jsonb", json.dumps(event.labels, sort_keys=True)
                 )
             case ApiKeyIssued():
                 await conn.execute(
@@ -153,3 +138,21 @@ class ReadModelsProjection:
                     event.occurred_at,
                     seq,
                 )
+
+
+async def _update_tenant(
+    conn: asyncpg.Connection,
+    event: TenantSuspended | TenantReactivated | TenantLabelsSet,
+    seq: int,
+    assignments: str,
+    *values: object,
+) -> None:
+    """Set `assignments` (parameters from $4 on: `values`) on the event's tenant, with the
+    time and version of the change."""
+    await conn.execute(
+        f"UPDATE tenants SET {assignments}, updated_at = $2, version = $3 WHERE tenant_id = $1",
+        event.tenant_id,
+        event.occurred_at,
+        seq,
+        *values,
+    )

@@ -7,6 +7,7 @@ import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 import nats
 import pytest
@@ -49,6 +50,14 @@ class World:
         for replica in self.replicas:
             if isinstance(event, LimitsSet):
                 await replica.limits.position.wait_for(seq, 5.0)
+
+    async def limited(self, sku_name: str, **limits: Any) -> tuple[str, str, str]:
+        """A new tenant with one key, the SKU `sku_name`, and the tenant's `limits` in force."""
+        tenant = await self.tenant()
+        key = await self.key(tenant)
+        sku = await self.sku(sku_name)
+        await self.append(LimitsSet(tenant_id=tenant, **limits))
+        return tenant, key, sku
 
     async def tenant(self) -> str:
         tenant_id = f"ten_{next(_ids)}"
@@ -93,7 +102,7 @@ class World:
             )
         )
 
-    async def finished(
+    def usage_event(
         self,
         tenant_id: str,
         key_id: str,
@@ -101,25 +110,28 @@ class World:
         request_id: str,
         prompt: int,
         completion: int,
-    ) -> None:
-        """The worker's usage event; returns once every replica has read it."""
+    ) -> RequestFinished:
+        """A worker's usage event for the request, finished now on the world's clock."""
         at = datetime.fromtimestamp(self.clock.now, UTC)
-        ack = await self.store.publish_usage(
-            RequestFinished(
-                request_id=request_id,
-                tenant_id=tenant_id,
-                key_id=key_id,
-                sku_id=sku_id,
-                model="m",
-                worker_id="w",
-                prompt_tokens=prompt,
-                completion_tokens=completion,
-                finish_reason="stop",
-                e2e_ms=1.0,
-                started_at=at,
-                finished_at=at,
-            )
+        return RequestFinished(
+            request_id=request_id,
+            tenant_id=tenant_id,
+            key_id=key_id,
+            sku_id=sku_id,
+            model="m",
+            worker_id="w",
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            finish_reason="stop",
+            e2e_ms=1.0,
+            started_at=at,
+            finished_at=at,
         )
+
+    async def finished(self, *usage: Any) -> None:
+        """The worker's usage event (`usage_event`'s arguments); returns once every replica
+        has read it."""
+        ack = await self.store.publish_usage(self.usage_event(*usage))
         for replica in self.replicas:
             assert await replica.ledger.position.wait_for(ack.seq, 5.0)
 

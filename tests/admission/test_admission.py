@@ -5,15 +5,11 @@ from __future__ import annotations
 import asyncio
 
 from control_plane.admission.admit import UNLIMITED, Refusal, Ticket
-from events.control import LimitsSet
 from tests.admission.conftest import World
 
 
 async def test_rpm_is_shared_exactly_by_two_replicas(world: World) -> None:
-    tenant = await world.tenant()
-    key = await world.key(tenant)
-    sku = await world.sku("m-rpm")
-    await world.append(LimitsSet(tenant_id=tenant, requests_per_minute=50))
+    tenant, key, sku = await world.limited("m-rpm", requests_per_minute=50)
     results = await asyncio.gather(
         *(world.replicas[i % 2].admit(tenant, key, sku, 10, 10) for i in range(120))
     )
@@ -49,10 +45,7 @@ async def test_a_tenant_without_rate_limits_gets_all_six_headers_unlimited(world
 
 
 async def test_quota_overspends_by_at_most_one_reservation_and_settles(world: World) -> None:
-    tenant = await world.tenant()
-    key = await world.key(tenant)
-    sku = await world.sku("m-quota")
-    await world.append(LimitsSet(tenant_id=tenant, token_quota=1000))
+    tenant, key, sku = await world.limited("m-quota", token_quota=1000)
     # each request reserves 10 + 90 = 100: ten fit; the eleventh would overdraw nothing
     results = await asyncio.gather(
         *(world.replicas[i % 2].admit(tenant, key, sku, 10, 90) for i in range(30))
@@ -79,10 +72,7 @@ async def test_quota_overspends_by_at_most_one_reservation_and_settles(world: Wo
 
 
 async def test_crashed_gateway_reservation_settles_from_usage_stream(world: World) -> None:
-    tenant = await world.tenant()
-    key = await world.key(tenant)
-    sku = await world.sku("m-crash")
-    await world.append(LimitsSet(tenant_id=tenant, token_quota=1000))
+    tenant, key, sku = await world.limited("m-crash", token_quota=1000)
     a, b = world.replicas
     ticket = await a.admit(tenant, key, sku, 100, 800)
     assert isinstance(ticket, Ticket)

@@ -20,7 +20,6 @@ from control_plane.admission.follow import StreamFollower
 from control_plane.admission.position import StreamPosition
 from control_plane.admission.view import GovernanceView
 from control_plane.embedded import EmbeddedNats
-from events.control import LimitsSet
 from events.store import EventStore, StreamLayout
 from events.usage import RequestFinished, usage_stream_name
 from tests.admission.conftest import Clock, World, fast_settings
@@ -61,22 +60,10 @@ async def one_replica(own_nats: EmbeddedNats, stream_prefix: str) -> AsyncIterat
     await nc.close()
 
 
-def _finished(world: World, tenant: str, key: str, sku: str, request_id: str, n: int):  # type: ignore[no-untyped-def]
-    at = datetime.fromtimestamp(world.clock.now, UTC)
-    return RequestFinished(
-        request_id=request_id,
-        tenant_id=tenant,
-        key_id=key,
-        sku_id=sku,
-        model="m",
-        worker_id="w",
-        prompt_tokens=100,
-        completion_tokens=n - 100,
-        finish_reason="stop",
-        e2e_ms=1.0,
-        started_at=at,
-        finished_at=at,
-    )
+def _finished(
+    world: World, tenant: str, key: str, sku: str, request_id: str, n: int
+) -> RequestFinished:
+    return world.usage_event(tenant, key, sku, request_id, 100, n - 100)
 
 
 async def _publish_until_acked(world: World, event: RequestFinished, within_s: float = 20.0) -> int:
@@ -104,10 +91,7 @@ async def _until(predicate, within_s: float) -> bool:  # type: ignore[no-untyped
 async def test_quota_holds_across_nats_restarts(one_replica: World, own_nats: EmbeddedNats) -> None:
     world = one_replica
     replica = world.replicas[0]
-    tenant = await world.tenant()
-    key = await world.key(tenant)
-    sku = await world.sku("m-restart")
-    await world.append(LimitsSet(tenant_id=tenant, token_quota=2000))
+    tenant, key, sku = await world.limited("m-restart", token_quota=2000)
     assert replica.ledger.live
 
     for round_ in range(2):  # the second restart proves the first recovery was not one-shot
@@ -142,10 +126,7 @@ async def test_reservations_do_not_expire_while_usage_is_unreadable(
 ) -> None:
     world = one_replica
     replica = world.replicas[0]
-    tenant = await world.tenant()
-    key = await world.key(tenant)
-    sku = await world.sku("m-outage")
-    await world.append(LimitsSet(tenant_id=tenant, token_quota=1000))
+    tenant, key, sku = await world.limited("m-outage", token_quota=1000)
     ticket = await replica.admit(tenant, key, sku, 100, 900)
     assert isinstance(ticket, Ticket)
     ticket.finish(100, 0, 900)

@@ -57,16 +57,26 @@ def module_database_url(fast_path: bool, postgres_server: EmbeddedPostgres) -> I
 
 
 @pytest.fixture(scope="module")
+def stack_env() -> dict[str, str]:
+    """Environment settings of the module's stack (a module overrides this to change them)."""
+    return {}
+
+
+@pytest.fixture(scope="module")
 async def stack(
     fast_path: bool,
     nats_server: EmbeddedNats,
     module_database_url: str,
     tmp_path_factory: pytest.TempPathFactory,
+    stack_env: dict[str, str],
 ) -> AsyncIterator[Stack]:
-    prefix = "D" + uuid.uuid4().hex[:10].upper()
-    data_dir: Path = tmp_path_factory.mktemp("dataplane")
-    async with running_stack(nats_server.url, module_database_url, prefix, data_dir) as s:
-        yield s
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in stack_env.items():
+            env.setenv(name, value)
+        prefix = "D" + uuid.uuid4().hex[:10].upper()
+        data_dir: Path = tmp_path_factory.mktemp("dataplane")
+        async with running_stack(nats_server.url, module_database_url, prefix, data_dir) as s:
+            yield s
 
 
 @pytest.fixture(scope="module")

@@ -171,16 +171,20 @@ class RecordingSink:
         self.taken.append((chunk.seq, chunk.text, self.d.completion_tokens))
 
 
+async def scripted(
+    nc: NATS, prefix: str, sku_id: str, texts: list[str]
+) -> tuple[asyncio.Event, WorkerClient]:
+    """A scripted worker serving `sku_id` (it answers once the event is set), and a client."""
+    go = asyncio.Event()
+    worker = scripted_worker(nc, texts, go)
+    await nc.subscribe(p.work_subject(prefix, sku_id), queue="q", cb=worker)  # type: ignore[arg-type]
+    return go, await started(nc, prefix)
+
+
 async def test_a_sink_takes_every_chunk_in_the_read_loop_and_the_consumer_only_the_end(
     nc: NATS, stream_prefix: str
 ) -> None:
-    go = asyncio.Event()
-    await nc.subscribe(
-        p.work_subject(stream_prefix, "sku_sink"),
-        queue="q",
-        cb=scripted_worker(nc, ["a", "", "c"], go),  # type: ignore[arg-type]
-    )
-    client = await started(nc, stream_prefix)
+    go, client = await scripted(nc, stream_prefix, "sku_sink", ["a", "", "c"])
     d = await client.dispatch(request("sku_sink"))
     sink = RecordingSink(d)
     d.relay_chunks_to(sink)
@@ -196,13 +200,7 @@ async def test_a_sink_takes_every_chunk_in_the_read_loop_and_the_consumer_only_t
 async def test_a_sink_that_is_not_ready_or_comes_behind_an_interrupt_leaves_chunks_queued(
     nc: NATS, stream_prefix: str
 ) -> None:
-    go = asyncio.Event()
-    await nc.subscribe(
-        p.work_subject(stream_prefix, "sku_queued"),
-        queue="q",
-        cb=scripted_worker(nc, ["a", "b"], go),  # type: ignore[arg-type]
-    )
-    client = await started(nc, stream_prefix)
+    go, client = await scripted(nc, stream_prefix, "sku_queued", ["a", "b"])
 
     # Not ready: the consumer gets the chunks, in order, each once.
     d = await client.dispatch(request("sku_queued"))

@@ -17,7 +17,6 @@ import sys
 import time
 import tracemalloc
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -36,7 +35,7 @@ from control_plane.embedded import EmbeddedNats, EmbeddedPostgres, free_port
 from events.store import StreamLayout
 from tests.control_plane.serving import serving
 from tests.databases import fresh_database
-from tests.dataplane.harness import ADMIN_TOKEN, Stack, running_stack
+from tests.dataplane.harness import ADMIN_TOKEN, Stack
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,24 +49,14 @@ ANSWER_WITHIN_S = READ_TIMEOUT_S + 4.0
 
 
 @pytest.fixture(scope="module")
-async def stack(
-    fast_path: bool,
-    nats_server: EmbeddedNats,
-    module_database_url: str,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> AsyncIterator[Stack]:
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("TOKENMILL_V1_READ_TIMEOUT_S", str(READ_TIMEOUT_S))
-        prefix = "H" + uuid.uuid4().hex[:10].upper()
-        data_dir = tmp_path_factory.mktemp("hostile")
-        METERED.clear()  # the module runs once per stack (with the fast path, and without)
-        async with running_stack(nats_server.url, module_database_url, prefix, data_dir) as s:
-            yield s
+def stack_env() -> dict[str, str]:
+    return {"TOKENMILL_V1_READ_TIMEOUT_S": str(READ_TIMEOUT_S)}
 
 
 @pytest.fixture(scope="module")
 async def key(stack: Stack) -> dict[str, Any]:
     """The key every case here uses: its tenant's ledger must stay empty of refusals."""
+    METERED.clear()  # the module runs once per stack (with the fast path, and without)
     tenant, key = await stack.tenant_with_key()
     return {**key, "tenant_id": tenant["tenant_id"]}
 

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from worker.loading.config import config_from_hf
+from worker.loading.config import config_from_hf, config_to_hf
 from worker.loading.safetensors import checkpoint_name_to_param
 from worker.models.causal_lm import CausalLM
 from worker.models.config import ModelConfig
@@ -161,30 +161,12 @@ def hf_config_from_model_config(config: ModelConfig) -> dict[str, Any]:
     if config.family not in _ARCHITECTURES:
         raise CheckpointError(f"no HF config for family {config.family!r}")
     eos = list(config.eos_token_ids)
-    out: dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[config.family]],
-        "model_type": config.family,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "attention_bias": config.attention_bias,
-        "mlp_bias": config.mlp_bias,
-        "hidden_act": config.hidden_act,
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
-        "torch_dtype": "bfloat16",
-        "_name_or_path": config.name,
-    }
-    if config.rope_scaling:
-        out["rope_scaling"] = dict(config.rope_scaling)
+    out: dict[str, Any] = {"architectures": [_ARCHITECTURES[config.family]], **config_to_hf(config)}
+    # As the Hugging Face checkpoints of these families have it: a lone eos id as a number,
+    # the dtype, and no partial rotary factor (they rotate the whole head).
+    del out["partial_rotary_factor"]
+    out["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
+    out["torch_dtype"] = "bfloat16"
     return out
 
 
