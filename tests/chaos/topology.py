@@ -42,7 +42,7 @@ from pricing.reconcile import Report, reconcile
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN = "tmadm_chaos"
 MODEL = "chaos"
-RATE = 400.0  # tokens/s of each fixed-rate answer
+RATE = 100.0  # tokens/s of each fixed-rate answer
 OUTPUT_TOKENS = 64  # a full answer; max_tokens cuts it
 
 
@@ -156,7 +156,7 @@ class Topology:
         nats_count: int = 1,
         gateways: int = 2,
         workers: int = 2,
-        quota: int = 6000,
+        quota: int = 2500,
     ) -> None:
         self.root = root
         self.logs = root / "logs"
@@ -197,7 +197,9 @@ class Topology:
             # a worker stops generating for a gateway silent for 1.5 s.
             "TOKENMILL_GATEWAY_WORKER_DEAD_S": "1",
             "TOKENMILL_WORKER_GATEWAY_SILENT_S": "1.5",
-            "TOKENMILL_GATEWAY_REPORT_EVERY_S": "0.5",
+            # Fixed-rate answers have no prefill: a request whose worker sent nothing for 5 s
+            # lost its replies (the default, 300 s, outwaits any model's prefill).
+            "TOKENMILL_GATEWAY_SILENCE_TIMEOUT_S": "5",
         }
 
     def _proc(self, name: str, args: list[str]) -> Proc:
