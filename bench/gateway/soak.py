@@ -73,7 +73,7 @@ def slope_mb_per_10min(samples: list[tuple[float, int]]) -> float | None:
 async def soak(top: Topology, args: argparse.Namespace) -> dict[str, Any]:
     server, port = await round_robin_proxy(top.gateway_ports)
     base = f"http://127.0.0.1:{port}"
-    routes = ROUTES
+    routes: tuple[str, ...] = ROUTES
     key = top.tenants[0].key
     async with httpx.AsyncClient(timeout=10) as http:  # /v1/responses where it answers
         r = await http.post(

@@ -293,11 +293,16 @@ class Topology:
                         with contextlib.suppress(httpx.HTTPError):
                             if t.quota is not None:
                                 usage = (await http.get(f"{base}/v1/usage", headers=auth)).json()
-                                known = any((p.get("limits") or {}).get("token_quota") for p in usage.get("policies", []))
+                                known = any(
+                                    (p.get("limits") or {}).get("token_quota")
+                                    for p in usage.get("policies", [])
+                                )
                                 if not known:
                                     await asyncio.sleep(0.2)
                                     continue
-                            r = await http.post(f"{base}/v1/chat/completions", json=body, headers=auth)
+                            r = await http.post(
+                                f"{base}/v1/chat/completions", json=body, headers=auth
+                            )
                             if r.status_code == 200:
                                 break
                         await asyncio.sleep(0.2)
@@ -524,9 +529,12 @@ async def drive(
     routes: tuple[str, ...] = ("chat_stream",),
     seed: int = 0,
     load: Load | None = None,
+    backoff_s: float = 0.5,
 ) -> Load:
-    """`requests` requests (or as many as `seconds` allow), `concurrency` at a time, spread
-    round-robin over the gateways and tenants; `hang_up` of the streams hang up mid-way."""
+    """`requests` requests (or as many as `seconds` allow, or until both are reached when both
+    are given), `concurrency` at a time, spread round-robin over the gateways and tenants;
+    `hang_up` of the streams hang up mid-way. A client waits `backoff_s` after a failure, as
+    a client that retries would."""
     load = load if load is not None else Load()
     rng = random.Random(seed)
     started = time.monotonic()
@@ -536,9 +544,9 @@ async def drive(
     async def client(http: httpx.AsyncClient) -> None:
         while True:
             i = next(counter)
-            if requests is not None and i >= requests:
-                return
-            if seconds is not None and time.monotonic() - started > seconds:
+            enough = requests is None or i >= requests
+            over = seconds is None or time.monotonic() - started > seconds
+            if enough and over:
                 return
             route = routes[rng.randrange(len(routes))]
             hang = rng.randint(2, 6) if route == "chat_stream" and rng.random() < hang_up else None
@@ -554,6 +562,8 @@ async def drive(
             except (httpx.HTTPError, OSError) as e:
                 outcome.result, outcome.detail = "failed", f"{type(e).__name__}: {e}"[:200]
             load.outcomes.append(outcome)
+            if outcome.result in ("failed", "hung"):
+                await asyncio.sleep(backoff_s)
 
     timeout = httpx.Timeout(deadline_s * 2)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
