@@ -64,8 +64,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         tier = item.stash[_TIER] = tier_of(item)
         item.add_marker(tier)
-    if config.getoption("tiers"):
-        items.sort(key=lambda item: TIERS.index(item.stash[_TIER]))  # stable: order within
 
 
 class _TierRun:
@@ -78,8 +76,9 @@ class _TierRun:
         self.seconds: Counter[str] = Counter()
         self.tier_by_nodeid: dict[str, str] = {}
 
-    @pytest.hookimpl(trylast=True)
+    @pytest.hookimpl(trylast=True)  # after pytest groups items by their parametrized fixtures
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        items.sort(key=lambda item: TIERS.index(item.stash[_TIER]))  # stable: order within
         self.tier_by_nodeid = {item.nodeid: item.stash[_TIER] for item in items}
         self.counts = Counter(self.tier_by_nodeid.values())
 
