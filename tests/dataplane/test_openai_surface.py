@@ -385,15 +385,7 @@ async def test_prompts_times_n_is_bounded(stack: Stack, scripted: dict[str, Any]
 async def test_several_prompts_reserve_and_bill_every_choice(
     stack: Stack, scripted: dict[str, Any]
 ) -> None:
-    tenant, key = await stack.tenant_with_key()
-    await stack.admin("PUT", f"/tenants/{tenant['tenant_id']}/limits", {"token_quota": 300})
-    admission = stack.plane.admission
-    assert admission is not None
-    deadline = time.monotonic() + 10
-    while not admission.limits.applicable(tenant["tenant_id"], key["key_id"], scripted["sku_id"]):
-        assert time.monotonic() < deadline, "the limit never reached admission"
-        await asyncio.sleep(0.05)
-    client = openai.AsyncOpenAI(base_url=stack.v1, api_key=key["key"], max_retries=0)
+    client = await client_with_quota(stack, scripted["sku_id"], 300)
     # 2 prompts x n=2 x 50 tokens fit the quota; 4 x 2 x 50 do not
     ok = await client.completions.create(
         model=scripted["name"], prompt=["a b", "c"], n=2, max_tokens=50
@@ -482,18 +474,23 @@ async def test_the_torch_runtime_echoes_token_id_prompts_with_their_logprobs(
     assert row["completion_tokens"] == r.usage.completion_tokens
 
 
-async def test_n_times_max_tokens_is_reserved_and_refused_over_quota(
-    stack: Stack, scripted: dict[str, Any]
-) -> None:
+async def client_with_quota(stack: Stack, sku_id: str, quota: int) -> openai.AsyncOpenAI:
+    """A new tenant's client, once its token quota has reached admission."""
     tenant, key = await stack.tenant_with_key()
-    await stack.admin("PUT", f"/tenants/{tenant['tenant_id']}/limits", {"token_quota": 300})
+    await stack.admin("PUT", f"/tenants/{tenant['tenant_id']}/limits", {"token_quota": quota})
     admission = stack.plane.admission
     assert admission is not None
     deadline = time.monotonic() + 10
-    while not admission.limits.applicable(tenant["tenant_id"], key["key_id"], scripted["sku_id"]):
+    while not admission.limits.applicable(tenant["tenant_id"], key["key_id"], sku_id):
         assert time.monotonic() < deadline, "the limit never reached admission"
         await asyncio.sleep(0.05)
-    client = openai.AsyncOpenAI(base_url=stack.v1, api_key=key["key"], max_retries=0)
+    return openai.AsyncOpenAI(base_url=stack.v1, api_key=key["key"], max_retries=0)
+
+
+async def test_n_times_max_tokens_is_reserved_and_refused_over_quota(
+    stack: Stack, scripted: dict[str, Any]
+) -> None:
+    client = await client_with_quota(stack, scripted["sku_id"], 300)
     ok = await client.chat.completions.create(
         model=scripted["name"], messages=user("hi"), n=4, max_tokens=50
     )
