@@ -37,6 +37,7 @@ from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import PENDING_TOKEN, FinishReason, SamplingParams, Sequence
 from worker.engine.state_slots import StateCheckpoints, StateSlotPool
 from worker.models.cache import KVStaging
+from worker.models.int4 import use_mma_kernels
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(_eos_token_ids(config, tokenizer, model))
         if config.fuse_projections and hasattr(model, "fuse_projections"):
             model.fuse_projections()
+        # int4 layers in the mma kernels' layout where those run (after fusing: it joins rows)
+        use_mma_kernels(model, model_dtype(model))
         config.max_model_len = context_limit(config, model)
         self.kv_staging_bits = kv_staging_bits(config.kv_staging)
         if config.enable_prefix_caching and self.kv_staging_bits is not None:

@@ -55,6 +55,7 @@ OPS = (
     "linear_silu_mul",
     "int4_linear",
     "int4_linear_silu_mul",
+    "int4_mma_linear",
     "turboquant_restage",
     "staged_attention_prefill",
     "staged_attention_decode",
@@ -70,7 +71,7 @@ _KV_OPS = {
 }
 
 # Modules that register GPU implementations when imported.
-PLUGINS: tuple[str, ...] = ("worker.kernels.triton",)
+PLUGINS: tuple[str, ...] = ("worker.kernels.triton", "worker.kernels.cuda")
 
 
 @dataclass(frozen=True)
@@ -436,6 +437,18 @@ def int4_linear_silu_mul(
     """silu(gate) * up [..., F] from x and an int4 fused gate|up weight [2F, K] (decode kernels
     form the activation in the GEMV's epilogue)."""
     return _pick("int4_linear_silu_mul", x)(x, qweight, scales, mins, group_size, bias)
+
+
+def int4_mma_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., K] times a symmetric int4 weight in the int4-mma layout: int32 qweight
+    [N / 16, K / 64, 32, 4], fp16 scales [N / 16, G, 16] (`reference.int4_mma_pack`)."""
+    return _pick("int4_mma_linear", x)(x, qweight, scales, group_size, bias)
 
 
 # Staged KV pages (worker/models/cache.py StagedAttentionCache): rotated-basis queries in,

@@ -402,6 +402,58 @@ def int4_linear_silu_mul(
     return silu_mul(int4_linear(x, qweight, scales, mins, group_size, bias))
 
 
+# The int4-mma layout (docs/worker-contract.md, "Int4 weights"; worker/kernels/cuda/int4_mma.cu):
+# 16-row tiles x 64-k chunks, each lane's four mma A-operand words in one 16-byte quad. Byte b of
+# word i of lane (g, t) holds rows (g, g + 8) of k = 64 c + 16 t + 4 i + MMA_K_OF_BYTE[b].
+MMA_K_OF_BYTE = (0, 2, 1, 3)
+
+
+def int4_mma_pack(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A symmetric int4 weight (qweight uint8 [N, K / 2], scales fp16 [N, G]) in the int4-mma
+    layout: int32 [N / 16, K / 64, 32, 4] and fp16 scales [N / 16, G, 16]. N % 16 == 0 and
+    K % 64 == 0."""
+    n, half = qweight.shape
+    k = 2 * half
+    if n % 16 or k % 64:
+        raise ValueError(f"int4-mma needs N % 16 == 0 and K % 64 == 0, got N={n}, K={k}")
+    codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(n, k)
+    # [rt, h, g, c, t, i, e] -> [rt, c, g, t, i, e, h]
+    c = codes.view(n // 16, 2, 8, k // 64, 4, 4, 4).permute(0, 3, 2, 4, 5, 6, 1)
+    c = c[..., list(MMA_K_OF_BYTE), :]
+    packed = (c[..., 0] | (c[..., 1] << 4)).contiguous()  # [rt, c, g, t, i, byte] uint8
+    words = packed.view(n // 16, k // 64, 32, 16).view(torch.int32)
+    groups = scales.shape[1]
+    mma_scales = scales.view(n // 16, 16, groups).transpose(1, 2).contiguous()
+    return words, mma_scales
+
+
+def int4_mma_unpack(
+    qweight: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `int4_mma_pack`: (qweight uint8 [N, K / 2], scales fp16 [N, G])."""
+    tiles, chunks = qweight.shape[:2]
+    n, k = 16 * tiles, 64 * chunks
+    b = qweight.contiguous().view(torch.uint8).view(tiles, chunks, 8, 4, 4, 4)
+    c = torch.stack((b & 0xF, b >> 4), dim=-1)  # [rt, c, g, t, i, byte, h]
+    c = c[..., [MMA_K_OF_BYTE.index(e) for e in range(4)], :]  # byte -> e
+    codes = c.permute(0, 6, 2, 1, 3, 4, 5).reshape(n, k)
+    groups = scales.shape[1]
+    flat_scales = scales.transpose(1, 2).reshape(n, groups)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4), flat_scales
+
+
+def int4_mma_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., K] times a symmetric int4 weight in the int4-mma layout (`int4_mma_pack`)."""
+    q, s = int4_mma_unpack(qweight, scales)
+    return int4_linear(x, q, s, None, group_size, bias)
+
+
 def _quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     if dtype.is_floating_point and dtype.itemsize == 1:
         return (x.float() / scale).to(dtype)

@@ -146,6 +146,7 @@ class QuantizationConfig:
 
 
 # --- The module ----------------------------------------------------------------------------------
+NIBBLE, MMA = "nibble", "mma"  # an Int4Linear's resident layouts
 
 
 class Int4Linear(nn.Module):
@@ -178,6 +179,8 @@ class Int4Linear(nn.Module):
         self.scales = nn.Parameter(scales, requires_grad=False)
         self.mins = None if mins is None else nn.Parameter(mins, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # NIBBLE (the checkpoint's layout, triton kernels) or MMA (`to_mma_layout`)
+        self.layout = NIBBLE
 
     @property
     def symmetric(self) -> bool:
@@ -246,17 +249,54 @@ class Int4Linear(nn.Module):
         mins = None if symmetric else torch.cat([c.mins for c in chunks if c.mins is not None])
         return cls(qweight, scales, mins, bias, group_size)
 
+    def mma_layout_supported(self) -> tuple[bool, str]:
+        from worker.kernels.cuda.int4_mma import supports
+
+        if not self.symmetric:
+            return False, "affine groups (mins) stay in the nibble layout"
+        return supports(self.out_features, self.in_features, self.group_size)
+
+    @torch.no_grad()
+    def to_mma_layout(self) -> None:
+        """Repack in place for the int4-mma kernels (worker/kernels/cuda): same bytes, codes in
+        mma fragment order. Fusing projections must happen before (it concatenates rows of the
+        nibble layout)."""
+        from worker.kernels import reference
+
+        ok, reason = self.mma_layout_supported()
+        if not ok:
+            raise ValueError(f"int4-mma layout: {reason}")
+        if self.layout == MMA:
+            return
+        qweight, scales = reference.int4_mma_pack(self.qweight.data, self.scales.data)
+        self.qweight = nn.Parameter(qweight, requires_grad=False)
+        self.scales = nn.Parameter(scales, requires_grad=False)
+        self.layout = MMA
+
+    def nibble_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qweight, scales) in the checkpoint's nibble layout, whatever the resident layout."""
+        from worker.kernels import reference
+
+        if self.layout == MMA:
+            return reference.int4_mma_unpack(self.qweight, self.scales)
+        return self.qweight, self.scales
+
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight [N, K] (tests; the 16-bit model a quantized one stands for)."""
         from worker.kernels import reference
 
-        return reference.int4_dequantize(self.qweight, self.scales, self.mins, self.group_size)
+        qweight, scales = self.nibble_tensors()
+        return reference.int4_dequantize(qweight, scales, self.mins, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout == MMA:
+            return ops.int4_mma_linear(x, self.qweight, self.scales, self.group_size, self.bias)
         return ops.int4_linear(x, self.qweight, self.scales, self.mins, self.group_size, self.bias)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up when this is a fused gate|up projection."""
+        if self.layout == MMA:
+            return ops.silu_mul(self.forward(x))
         return ops.int4_linear_silu_mul(
             x, self.qweight, self.scales, self.mins, self.group_size, self.bias
         )
@@ -326,6 +366,25 @@ def quantize_int4(
     # any module may be given; CausalLM declares the attribute
     setattr(model, "quantization_config", QuantizationConfig(modules, group_size, symmetric, "rtn"))  # noqa: B010
     return model
+
+
+def use_mma_kernels(model: nn.Module, dtype: torch.dtype) -> int:
+    """Repack every Int4Linear the int4-mma kernels take (symmetric, N % 16, K % 64, groups of
+    a multiple of 64) when the registry picks those kernels for the model's device and `dtype`
+    (activations); returns how many. Others keep the nibble layout and the triton kernels.
+    Call after `fuse_projections`."""
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear) and m.layout == NIBBLE]
+    if not layers:
+        return 0
+    impl = ops.select("int4_mma_linear", layers[0].qweight.device, dtype)
+    if impl.name == "reference":  # plain PyTorch would unpack per call: keep the nibble kernels
+        return 0
+    done = 0
+    for layer in layers:
+        if layer.mma_layout_supported()[0]:
+            layer.to_mma_layout()
+            done += 1
+    return done
 
 
 def precision_of(module: nn.Module) -> str:

@@ -70,7 +70,10 @@ def fusable(linears: Sequence[nn.Module | None]) -> bool:
         return False
     if isinstance(linears[0], Int4Linear):
         int4 = cast("list[Int4Linear]", list(linears))
-        return len({(m.group_size, m.symmetric) for m in int4}) == 1
+        # the nibble layout only: its rows concatenate (fuse before `use_mma_kernels`)
+        return len({(m.group_size, m.symmetric, m.layout) for m in int4}) == 1 and all(
+            m.layout == "nibble" for m in int4
+        )
     return True
 
 

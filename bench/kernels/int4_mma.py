@@ -1,0 +1,223 @@
+"""The int4-mma decode GEMV (worker/kernels/cuda/int4_mma.cu) at the Qwen3.6-27B shapes, beside
+today's triton int4 GEMV and the FP8 GEMV, on one GPU.
+
+    python -m bench.kernels.int4_mma --budget-s 240       # on a CUDA machine with nvcc
+
+1. build: seconds to compile int4_mma.cu with nvcc (0 when cached).
+2. copy: device-to-device copy bandwidth, the roofline.
+3. decode: per weight shape, candidate `MmaTiling`s at M = 8 (rows per CTA, warps, K splits,
+   loads in flight), each checked against the reference and timed as CUDA-graph replays over
+   weight copies larger than L2 (median of 10 replays); the best at M = 1, 16, 32, 64; the
+   triton int4 GEMV at its tuned tiling and FP8 `w8_gemv` at the same shape and M = 8.
+4. prefill: the mma layout's dequantization + cuBLAS against the triton dequantization + cuBLAS
+   at M = 512 and 2048.
+Prints the table and `MMA_DECODE_TILINGS` entries to paste; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+import triton.testing
+
+from bench.common import copy_bandwidth, err, graph_time, rel_err, result_path, write_result
+from bench.kernels.int4 import GROUP, L2_SET_BYTES, SHAPES, int4_bytes, time_fp8_gemv
+from worker.kernels import reference
+from worker.kernels.cuda import int4_mma
+from worker.kernels.cuda.int4_mma import MmaTiling
+from worker.kernels.triton import int4_gemm as i4
+
+
+def log(*args: Any) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def weights(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """(nibble qweight, scales, mma qweight, mma scales) per copy."""
+    out = []
+    for _ in range(copies):
+        q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+        s = (torch.rand(n, triton.cdiv(k, GROUP), device="cuda") * 0.004 + 0.001).half()
+        mq, ms = reference.int4_mma_pack(q, s)
+        out.append((q, s, mq, ms))
+    return out
+
+
+def candidates(n: int, k: int) -> list[MmaTiling]:
+    groups = k // GROUP
+    out = {int4_mma.default_tiling(n, k, GROUP)}
+    for rows in (1, 2):
+        if n % (16 * rows):
+            continue
+        blocks = n // (16 * rows)
+        for warps in (4, 8):
+            for ctas_per_sm in (1, 2, 4):
+                splits = max(1, min(-(-ctas_per_sm * 132 // blocks), groups // warps))
+                for depth in (2, 4):
+                    out.add(MmaTiling(rows, warps, splits, depth))
+    return sorted(out, key=lambda t: (t.rows, t.warps, t.splits, t.depth))
+
+
+def time_mma(m: int, n: int, k: int, ws: list[Any], x: torch.Tensor, ref: torch.Tensor,
+             tiling: MmaTiling, bandwidth: float) -> dict[str, Any]:  # fmt: skip
+    outs: list[Any] = [None] * len(ws)
+    row: dict[str, Any] = {"tiling": repr(tiling)}
+    try:
+
+        def call(i: int) -> None:
+            outs[i] = int4_mma.gemv(x, ws[i][2], ws[i][3], GROUP, tiling)
+
+        t = graph_time(call, len(ws), median_replay=True)
+        e = rel_err(outs[0], ref)
+        gbs = int4_bytes(m, n, k) / t
+        row.update({"us": t * 1e6, "gb_s": gbs / 1e9, "of_copy": gbs / bandwidth, "rel_err": e})
+        row["ok"] = e < 1e-2
+    except Exception as exc:
+        row["error"] = err(exc)
+    return row
+
+
+def time_triton(m: int, n: int, k: int, ws: list[Any], x: torch.Tensor, ref: torch.Tensor,
+                bandwidth: float) -> dict[str, Any]:  # fmt: skip
+    outs: list[Any] = [None] * len(ws)
+    tiling = i4.INT4_DECODE_TILINGS.get((n, k)) or i4.default_tiling(n, k, GROUP)
+    try:
+
+        def call(i: int) -> None:
+            outs[i] = i4.int4_gemv(x, ws[i][0], ws[i][1], None, GROUP, None, tiling)
+
+        t = graph_time(call, len(ws), median_replay=True)
+        gbs = int4_bytes(m, n, k) / t
+        return {"us": t * 1e6, "of_copy": gbs / bandwidth, "rel_err": rel_err(outs[0], ref)}
+    except Exception as exc:
+        return {"error": err(exc)}
+
+
+def decode_shape(n: int, k: int, bandwidth: float, deadline: float) -> dict[str, Any]:
+    copies = max(2, triton.cdiv(L2_SET_BYTES, n * k // 2))
+    ws = weights(n, k, copies)
+    result: dict[str, Any] = {"copies": copies, "m8": [], "by_m": {}}
+    refs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def case(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if m not in refs:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            w = reference.int4_dequantize(ws[0][0], ws[0][1], None, GROUP)
+            refs[m] = (x, x.float() @ w.T)
+        return refs[m]
+
+    x, ref = case(8)
+    for tiling in candidates(n, k):
+        if time.perf_counter() > deadline:
+            result["m8"].append({"tiling": repr(tiling), "skipped": "budget"})
+            continue
+        row = time_mma(8, n, k, ws, x, ref, tiling, bandwidth)
+        result["m8"].append(row)
+        log(f"  {n}x{k} M=8 {row.get('tiling')}: {row.get('us', float('nan')):.1f} us "
+            f"{100 * row.get('of_copy', float('nan')):.0f}% err {row.get('rel_err', row.get('error'))}")  # fmt: skip
+    good = [r for r in result["m8"] if r.get("ok")]
+    if not good:
+        return result
+    best = min(good, key=lambda r: r["us"])
+    result["best"] = best
+    best_tiling = eval(best["tiling"], {"MmaTiling": MmaTiling})  # noqa: S307 (our own repr)
+    result["by_m"][8] = {"mma": best, "triton": time_triton(8, n, k, ws, x, ref, bandwidth),
+                         "fp8_w8_gemv": time_fp8_gemv(8, n, k, bandwidth)}  # fmt: skip
+    for m in (1, 16, 32, 64):
+        xm, refm = case(m)
+        result["by_m"][m] = {"mma": time_mma(m, n, k, ws, xm, refm, best_tiling, bandwidth)}
+    ws.clear()
+    torch.cuda.empty_cache()
+    return result
+
+
+def prefill_section() -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for name, n, k in SHAPES[:2]:
+        q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+        s = (torch.rand(n, triton.cdiv(k, GROUP), device="cuda") * 0.004 + 0.001).half()
+        mq, ms = reference.int4_mma_pack(q, s)
+        same = torch.equal(
+            int4_mma.dequantize(mq, ms, GROUP, torch.bfloat16),
+            reference.int4_dequantize(q, s, None, GROUP).bfloat16(),
+        )
+        rows: dict[str, Any] = {"dequant_exact": same}
+        for m in (512, 2048):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            mma_t = triton.testing.do_bench(
+                lambda x=x, mq=mq, ms=ms: int4_mma.int4_mma_linear(x, mq, ms, GROUP)
+            )
+            tri_t = triton.testing.do_bench(
+                lambda x=x, q=q, s=s: i4.int4_linear(x, q, s, None, GROUP)
+            )
+            rows[str(m)] = {"mma_us": mma_t * 1e3, "triton_us": tri_t * 1e3}
+        result[name] = rows
+        torch.cuda.empty_cache()
+    return result
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"\nbuild {report.get('build_s', float('nan')):.1f} s; copy {report.get('copy_gb_s', float('nan')):.0f} GB/s")  # fmt: skip
+    print(
+        f"{'shape':<28} {'M':>3} {'mma us':>7} {'%copy':>6} {'triton us':>9} {'fp8 us':>7}  tiling"
+    )
+    for name, row in report.get("decode", {}).items():
+        for m, per_m in row.get("by_m", {}).items():
+            r = per_m.get("mma", {})
+            tri = per_m.get("triton", {}).get("us", float("nan"))
+            f8 = per_m.get("fp8_w8_gemv", {})
+            fp8 = min((v["us"] for v in f8.values() if isinstance(v, dict) and "us" in v), default=float("nan"))  # fmt: skip
+            print(f"{name:<28} {m:>3} {r.get('us', float('nan')):>7.2f} "
+                  f"{100 * r.get('of_copy', float('nan')):>5.1f}% {tri:>9.2f} {fp8:>7.2f}  {r.get('tiling', '-')}")  # fmt: skip
+    for name, rows in report.get("prefill", {}).items():
+        print(f"prefill {name}: {rows}")
+    print("\n# MMA_DECODE_TILINGS (worker/kernels/cuda/int4_mma.py)")
+    for line in report.get("paste", []):
+        print(line)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--budget-s", type=float, default=240.0)
+    args = parser.parse_args(argv)
+    out = Path(args.out) if args.out else result_path("int4_mma")
+    start = time.perf_counter()
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    began = time.perf_counter()
+    int4_mma._library(torch.device("cuda"))
+    report["build_s"] = time.perf_counter() - began
+    report["copy_gb_s"] = copy_bandwidth() / 1e9
+    bandwidth = report["copy_gb_s"] * 1e9
+    report["decode"] = {}
+    report["paste"] = []
+    for index, (name, n, k) in enumerate(SHAPES):
+        left = args.budget_s - 40 - (time.perf_counter() - start)
+        deadline = time.perf_counter() + left / (len(SHAPES) - index)
+        try:
+            report["decode"][name] = row = decode_shape(n, k, bandwidth, deadline)
+            if "best" in row:
+                report["paste"].append(f"    ({n}, {k}): {row['best']['tiling']},  # {name}: "
+                                       f"{row['best']['us']:.1f} us, {100 * row['best']['of_copy']:.0f}%")  # fmt: skip
+        except Exception as exc:
+            traceback.print_exc()
+            report["decode"][name] = {"error": err(exc)}
+        write_result(out, report)
+    try:
+        report["prefill"] = prefill_section()
+    except Exception as exc:
+        report["prefill"] = {"error": err(exc)}
+    write_result(out, report)
+    print_table(report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""CUDA C++ kernels, for what Triton does not express (the int4 GEMV's loads in mma fragment
+order). Built with nvcc on first use (`build.py`); importing this package registers them with
+`worker.kernels.ops`, each with the reason it can or cannot run here."""
+
+from __future__ import annotations
+
+import torch
+
+from worker.kernels import ops
+from worker.kernels.cuda import int4_mma
+
+
+def _int4_mma_supported(
+    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None
+) -> tuple[bool, str]:
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False, f"needs bf16/fp16 activations, got {dtype}"
+    return int4_mma.available(device)
+
+
+ops.register(
+    "int4_mma_linear", int4_mma.int4_mma_linear, _int4_mma_supported, name="cuda.int4_mma_linear"
+)

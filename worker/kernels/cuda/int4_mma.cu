@@ -1,0 +1,389 @@
+// W4A16 decode GEMV on mma.sync tensor cores, and the dequantization that feeds prefill.
+//
+// The weight layout ("int4-mma", docs/worker-contract.md): W [N, K] int4 codes q (w = (q - 8) * s,
+// symmetric groups of 64 * gc k) cut into 16-row tiles and 64-k chunks. For tile rt and chunk c,
+// lane L = 4 g + t of a warp owns one 16-byte word quad qw[rt][c][L] = 4 words, word i feeding
+// the i-th m16n8k16 product of the chunk. The product's k order is permuted so that lane t's
+// operands are contiguous in memory: mma k positions (2t, 2t+1, 2t+8, 2t+9) of product i are
+// real k = 64 c + 16 t + 4 i + (0, 1, 2, 3). Word i holds, nibble n at bits 4n..4n+3:
+//   pair j = 0..3 at nibbles (j, j + 4) = A fragment register j, whose row is g + 8 (j & 1) and
+//   whose two k are 4 i + 2 (j >> 1) + (0, 1) past 64 c + 16 t.
+// So one 16-byte load per lane per chunk brings 4 products' A operands in fragment order, and
+// x's matching B operands are 32 contiguous bytes per lane. Scales: fp16 sc[rt][group][16].
+//
+// Codes become exact 16-bit values with the exponent trick: (w >> 4j) & 0x000f000f OR'ed into
+// the mantissa of 128.0 (bf16) or 1024.0 (fp16) is 128 + q (1024 + q); one packed subtract of
+// 136 (1032) leaves q - 8. The products accumulate in fp32 per group, and the group's scale
+// multiplies that partial sum (so the 16-bit operands never carry a rounded scale).
+//
+// Work split: a CTA of W warps owns R row tiles; its K (in whole groups) is cut across
+// gridDim.y CTAs and then across its warps. Warps reduce in shared memory; with gridDim.y > 1
+// the CTAs add into an fp32 workspace and the last to arrive writes the output and re-zeroes the
+// workspace and its counter (so CUDA-graph replays need no memset).
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+template <bool BF16>
+struct Num;
+template <>
+struct Num<true> {
+  using T = __nv_bfloat16;
+  static constexpr uint32_t EX = 0x43004300u;    // bf16 128.0, both halves
+  static constexpr uint32_t BIAS = 0x43084308u;  // bf16 136.0
+};
+template <>
+struct Num<false> {
+  using T = __half;
+  static constexpr uint32_t EX = 0x64006400u;    // fp16 1024.0
+  static constexpr uint32_t BIAS = 0x64086408u;  // fp16 1032.0
+};
+
+__device__ __forceinline__ uint32_t sub2(uint32_t a, uint32_t b, bool bf16) {
+  uint32_t d;
+  if (bf16) {
+    __nv_bfloat162 r = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&a),
+                               *reinterpret_cast<__nv_bfloat162*>(&b));
+    d = *reinterpret_cast<uint32_t*>(&r);
+  } else {
+    __half2 r = __hsub2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
+    d = *reinterpret_cast<uint32_t*>(&r);
+  }
+  return d;
+}
+
+template <bool BF16>
+__device__ __forceinline__ void dequant(uint32_t w, uint32_t (&a)[4]) {
+  constexpr uint32_t M = 0x000f000fu;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    a[j] = sub2(((w >> (4 * j)) & M) | Num<BF16>::EX, Num<BF16>::BIAS, BF16);
+  }
+}
+
+template <bool BF16>
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  if (BF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Weights are read once: no L1 allocation (x lives there).
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// MT: token groups of 8 (M <= 8 MT); R: row tiles per CTA; D: chunks of weight in flight per
+// warp; XPRE: x's operands loaded D chunks ahead too (small MT; larger ones read x at use).
+template <bool BF16, int MT, int R, int D, bool XPRE>
+__global__ void __launch_bounds__(256) w4_gemv_kernel(
+    const uint4* __restrict__ qw, const __half* __restrict__ sc,
+    const typename Num<BF16>::T* __restrict__ x, typename Num<BF16>::T* __restrict__ y,
+    float* __restrict__ ws, int* __restrict__ arrivals, int M, int N, int K, int ldx, int ldy,
+    int gc) {
+  using T = typename Num<BF16>::T;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int rb = blockIdx.x, splits = gridDim.y;
+  const int NC = K >> 6, G = (NC + gc - 1) / gc;
+  const int P = splits * W, p = blockIdx.y * W + warp;
+  const int g0 = (int)((long long)G * p / P), g1 = (int)((long long)G * (p + 1) / P);
+  const int c_begin = g0 * gc, c_end = min(NC, g1 * gc);
+  const int maxg = (G + P - 1) / P;
+
+  // this warp's scales, rows (g, g + 8) of each tile, per group: smem [W][R][maxg][16] fp16
+  __half* my_sc = reinterpret_cast<__half*>(smem) + (size_t)warp * R * maxg * 16;
+
+  const uint4* wp[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) wp[r] = qw + ((size_t)(rb * R + r) * NC) * 32 + lane;
+
+  uint4 wbuf[D][R];
+  uint4 xbuf[XPRE ? D : 1][MT][2];
+  auto load_x = [&](uint4 (&xb)[MT][2], int c) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int m = mt * 8 + g;
+      if (m < M) {
+        const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * ldx + c * 64 + 16 * t);
+        xb[mt][0] = __ldg(xp);
+        xb[mt][1] = __ldg(xp + 1);
+      } else {
+        xb[mt][0] = make_uint4(0, 0, 0, 0);
+        xb[mt][1] = make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+  auto load = [&](int s, int c) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)c * 32);
+    if (XPRE) load_x(xbuf[XPRE ? s : 0], c);
+  };
+
+#pragma unroll
+  for (int s = 0; s < D; ++s)
+    if (c_begin + s < c_end) load(s, c_begin + s);
+
+  // scales after the first weight loads are in flight
+  for (int idx = lane; idx < R * (g1 - g0) * 16; idx += 32) {
+    const int r = idx / ((g1 - g0) * 16), rest = idx % ((g1 - g0) * 16);
+    const int gi = rest / 16, row = rest % 16;
+    my_sc[(r * maxg + gi) * 16 + row] = sc[((size_t)(rb * R + r) * G + g0 + gi) * 16 + row];
+  }
+  __syncwarp();
+
+  float acc[R][MT][4];
+  float part[R][MT][4];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[r][mt][q] = part[r][mt][q] = 0.f;
+
+  for (int base = c_begin; base < c_end; base += D) {
+#pragma unroll
+    for (int s = 0; s < D; ++s) {
+      const int c = base + s;
+      if (c < c_end) {
+        uint4 wcur[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) wcur[r] = wbuf[s][r];
+        uint4 xcur[MT][2];
+        if (XPRE) {
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            xcur[mt][0] = xbuf[XPRE ? s : 0][mt][0];
+            xcur[mt][1] = xbuf[XPRE ? s : 0][mt][1];
+          }
+        } else {
+          load_x(xcur, c);
+        }
+        if (c + D < c_end) load(s, c + D);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            uint32_t a[4];
+            dequant<BF16>(word(wcur[r], i), a);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              const uint4& xv = xcur[mt][i >> 1];
+              const uint32_t b0 = (i & 1) ? xv.z : xv.x, b1 = (i & 1) ? xv.w : xv.y;
+              mma<BF16>(part[r][mt], a, b0, b1);
+            }
+          }
+        }
+        if ((c + 1) % gc == 0 || c + 1 == c_end) {
+          const int gi = c / gc - g0;
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const float s0 = __half2float(my_sc[(r * maxg + gi) * 16 + g]);
+            const float s1 = __half2float(my_sc[(r * maxg + gi) * 16 + g + 8]);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              acc[r][mt][0] += s0 * part[r][mt][0];
+              acc[r][mt][1] += s0 * part[r][mt][1];
+              acc[r][mt][2] += s1 * part[r][mt][2];
+              acc[r][mt][3] += s1 * part[r][mt][3];
+#pragma unroll
+              for (int q = 0; q < 4; ++q) part[r][mt][q] = 0.f;
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // reduce the warps: red[W][V][32], V = R * MT * 4 values per lane
+  constexpr int V = R * MT * 4;
+  __syncthreads();  // the scales' smem is reused
+  float* red = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) red[((size_t)warp * V + (r * MT + mt) * 4 + q) * 32 + lane] =
+          acc[r][mt][q];
+  __syncthreads();
+
+  __shared__ int last;
+  if (splits > 1) {
+    float* slab = ws + (size_t)rb * V * 32;
+    for (int v = warp; v < V; v += W) {
+      float total = 0.f;
+      for (int w = 0; w < W; ++w) total += red[((size_t)w * V + v) * 32 + lane];
+      atomicAdd(slab + v * 32 + lane, total);
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(arrivals + rb, 1) == splits - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+  }
+  for (int v = warp; v < V; v += W) {
+    float total;
+    if (splits > 1) {
+      float* cell = ws + ((size_t)rb * V + v) * 32 + lane;
+      total = __ldcg(cell);
+      *cell = 0.f;
+    } else {
+      total = 0.f;
+      for (int w = 0; w < W; ++w) total += red[((size_t)w * V + v) * 32 + lane];
+    }
+    const int q = v & 3, rmt = v >> 2, r = rmt / MT, mt = rmt % MT;
+    const int row = (rb * R + r) * 16 + g + 8 * (q >> 1);
+    const int m = mt * 8 + 2 * t + (q & 1);
+    if (m < M && row < N) y[(size_t)m * ldy + row] = (T)total;
+  }
+  if (splits > 1 && threadIdx.x == 0) arrivals[rb] = 0;
+}
+
+// One thread per 16-byte word quad: rows (g, g + 8) of its tile, 16 consecutive k each.
+template <bool BF16>
+__global__ void w4_dequant_kernel(const uint4* __restrict__ qw, const __half* __restrict__ sc,
+                                  typename Num<BF16>::T* __restrict__ out, int N, int K, int gc) {
+  using T = typename Num<BF16>::T;
+  const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int NC = K >> 6, G = (NC + gc - 1) / gc;
+  if (idx >= (size_t)(N >> 4) * NC * 32) return;
+  const int lane = idx & 31, c = (idx >> 5) % NC, rt = (int)((idx >> 5) / NC);
+  const int g = lane >> 2, t = lane & 3;
+  const float s0 = __half2float(sc[((size_t)rt * G + c / gc) * 16 + g]);
+  const float s1 = __half2float(sc[((size_t)rt * G + c / gc) * 16 + g + 8]);
+  const uint4 w = qw[idx];
+  __align__(16) T lo[16], hi[16];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t v = word(w, i);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int e = 4 * i + 2 * (j >> 1);
+      const float q0 = (float)((v >> (4 * j)) & 0xf) - 8.f;
+      const float q1 = (float)((v >> (4 * j + 16)) & 0xf) - 8.f;
+      if (j & 1) {
+        hi[e] = (T)(q0 * s1);
+        hi[e + 1] = (T)(q1 * s1);
+      } else {
+        lo[e] = (T)(q0 * s0);
+        lo[e + 1] = (T)(q1 * s0);
+      }
+    }
+  }
+  const size_t k0 = (size_t)c * 64 + 16 * t;
+  uint4* o0 = reinterpret_cast<uint4*>(out + ((size_t)rt * 16 + g) * K + k0);
+  uint4* o1 = reinterpret_cast<uint4*>(out + ((size_t)rt * 16 + g + 8) * K + k0);
+  o0[0] = reinterpret_cast<uint4*>(lo)[0];
+  o0[1] = reinterpret_cast<uint4*>(lo)[1];
+  o1[0] = reinterpret_cast<uint4*>(hi)[0];
+  o1[1] = reinterpret_cast<uint4*>(hi)[1];
+}
+
+template <bool BF16, int MT, int R, int D, bool XPRE>
+int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
+                int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits,
+                cudaStream_t stream) {
+  using T = typename Num<BF16>::T;
+  const int NC = K / 64, G = (NC + gc - 1) / gc, P = splits * warps, maxg = (G + P - 1) / P;
+  const size_t sc_bytes = (size_t)warps * R * maxg * 16 * sizeof(__half);
+  const size_t red_bytes = (size_t)warps * R * MT * 4 * 32 * sizeof(float);
+  const size_t bytes = sc_bytes > red_bytes ? sc_bytes : red_bytes;
+  auto kernel = w4_gemv_kernel<BF16, MT, R, D, XPRE>;
+  if (bytes > 48 * 1024) {
+    cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    if (err != cudaSuccess) return (int)err;
+  }
+  dim3 grid(N / (16 * R), splits);
+  kernel<<<grid, warps * 32, bytes, stream>>>(
+      static_cast<const uint4*>(qw), static_cast<const __half*>(sc), static_cast<const T*>(x),
+      static_cast<T*>(y), static_cast<float*>(ws), static_cast<int*>(arrivals), M, N, K, ldx, ldy,
+      gc);
+  return (int)cudaGetLastError();
+}
+
+template <bool BF16, int R>
+int gemv_by_rows(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
+                 int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
+                 cudaStream_t s) {
+#define TM_GEMV(MT, D, XPRE) \
+  launch_gemv<BF16, MT, R, D, XPRE>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, \
+                                    splits, s)
+  if (M <= 8) return depth >= 4 ? TM_GEMV(1, 4, true) : TM_GEMV(1, 2, true);
+  if (M <= 16) return depth >= 4 ? TM_GEMV(2, 4, true) : TM_GEMV(2, 2, true);
+  if (M <= 32) return TM_GEMV(4, 2, false);
+  return TM_GEMV(8, 2, false);
+#undef TM_GEMV
+}
+
+}  // namespace
+
+extern "C" {
+
+// y[M, N] = x[M, K] @ W^T. Returns a cudaError_t (0: launched). rows_per_cta 1 or 2 (N a
+// multiple of 16 * rows_per_cta); warps 1..8; splits >= 1 (> 1 needs ws, arrivals: zeroed, sized
+// N / 16 * ceil(M / 8) * 128 floats and N / (16 * rows_per_cta) ints); depth 2 or 4.
+int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
+               int M, int N, int K, int ldx, int ldy, int gc, int bf16, int rows_per_cta,
+               int warps, int splits, int depth, void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (M < 1 || M > 64 || K % 64 || gc < 1 || warps < 1 || warps > 8 || splits < 1) return -1;
+  if (rows_per_cta == 2) {
+    if (N % 32) return -1;
+    return bf16 ? gemv_by_rows<true, 2>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps,
+                                        splits, depth, s)
+                : gemv_by_rows<false, 2>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc,
+                                         warps, splits, depth, s);
+  }
+  if (N % 16) return -1;
+  return bf16 ? gemv_by_rows<true, 1>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps,
+                                      splits, depth, s)
+              : gemv_by_rows<false, 1>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps,
+                                       splits, depth, s);
+}
+
+// out[N, K] (x's dtype) = (q - 8) * s from the int4-mma layout.
+int tm_w4_dequant(const void* qw, const void* sc, void* out, int N, int K, int gc, int bf16,
+                  void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (N % 16 || K % 64 || gc < 1) return -1;
+  const size_t quads = (size_t)(N / 16) * (K / 64) * 32;
+  const unsigned blocks = (unsigned)((quads + 255) / 256);
+  if (bf16)
+    w4_dequant_kernel<true><<<blocks, 256, 0, s>>>(static_cast<const uint4*>(qw),
+                                                   static_cast<const __half*>(sc),
+                                                   static_cast<__nv_bfloat16*>(out), N, K, gc);
+  else
+    w4_dequant_kernel<false><<<blocks, 256, 0, s>>>(static_cast<const uint4*>(qw),
+                                                    static_cast<const __half*>(sc),
+                                                    static_cast<__half*>(out), N, K, gc);
+  return (int)cudaGetLastError();
+}
+
+}  // extern "C"

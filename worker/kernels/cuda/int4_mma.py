@@ -1,0 +1,178 @@
+"""The int4-mma decode GEMV and its dequantization (int4_mma.cu), launched through ctypes.
+
+`int4_mma_linear` is the op: M <= 64 rows go through the GEMV (weights streamed once, A operands
+in mma fragment order, see the .cu header), more rows through a bf16/fp16 dequantization into a
+per-device scratch and cuBLAS. Tilings per (N, K) come from `MMA_DECODE_TILINGS`
+(bench/kernels/int4.py sweeps them), else from `default_tiling`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from worker.kernels.cuda.build import load, nvcc
+
+SOURCE = Path(__file__).with_name("int4_mma.cu")
+MAX_ROWS = 64
+# "mma" (default where it can run) or "triton": which int4 decode kernel family the models use
+KERNEL_SWITCH = "TOKENMILL_INT4_KERNEL"
+
+
+@dataclass(frozen=True)
+class MmaTiling:
+    """How one (N, K) weight is cut: `rows` 16-row tiles per CTA (1 or 2), `warps` per CTA
+    splitting its K, `splits` CTAs per row block splitting K (> 1: an fp32 workspace and the last
+    CTA writes), `depth` 16-byte weight loads in flight per lane (2 or 4)."""
+
+    rows: int = 2
+    warps: int = 4
+    splits: int = 1
+    depth: int = 4
+
+
+# Measured per weight shape at M = 8 on one H200 (bench/kernels/int4.py).
+MMA_DECODE_TILINGS: dict[tuple[int, int], MmaTiling] = {}
+
+
+def default_tiling(n: int, k: int, group_size: int, sms: int = 132) -> MmaTiling:
+    """Two row tiles per CTA where N allows, 4 warps, K split over CTAs until ~2 CTAs per SM
+    stream weight (every warp keeping at least one group)."""
+    rows = 2 if n % 32 == 0 else 1
+    blocks = n // (16 * rows)
+    groups = -(-k // group_size)
+    warps = 4
+    splits = max(1, min(-(-2 * sms // blocks), groups // warps))
+    return MmaTiling(rows, warps, splits, 4)
+
+
+def supports(n: int, k: int, group_size: int) -> tuple[bool, str]:
+    if n % 16 or k % 64:
+        return False, f"needs N % 16 == 0 and K % 64 == 0, got N={n}, K={k}"
+    if group_size % 64:
+        return False, f"needs a group size that is a multiple of 64, got {group_size}"
+    return True, "int4-mma layout"
+
+
+def _arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{major}{minor}"
+
+
+def available(device: torch.device) -> tuple[bool, str]:
+    """Whether the mma kernels can run on `device` (the registry's reason string)."""
+    if os.environ.get(KERNEL_SWITCH, "mma").strip().lower() == "triton":
+        return False, f"{KERNEL_SWITCH}=triton"
+    if device.type != "cuda":
+        return False, f"needs CUDA, got {device.type}"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return False, "needs mma.sync bf16 (sm_80 or newer)"
+    if nvcc() is None:
+        return False, "needs nvcc to build int4_mma.cu (set CUDA_HOME or put nvcc on PATH)"
+    return True, "CUDA sm_80+, built with nvcc"
+
+
+def _library(device: torch.device) -> ctypes.CDLL:
+    lib = load(SOURCE, _arch(device))
+    if not getattr(lib, "_tm_typed", False):
+        p, i = ctypes.c_void_p, ctypes.c_int
+        lib.tm_w4_gemv.argtypes = [p] * 6 + [i] * 12 + [p]
+        lib.tm_w4_gemv.restype = i
+        lib.tm_w4_dequant.argtypes = [p] * 3 + [i] * 4 + [p]
+        lib.tm_w4_dequant.restype = i
+        setattr(lib, "_tm_typed", True)  # noqa: B010 (CDLL takes attributes; mypy does not know)
+    return lib
+
+
+def _check(code: int, what: str) -> None:
+    if code:
+        raise RuntimeError(
+            f"{what} failed: {'bad arguments' if code < 0 else f'CUDA error {code}'}"
+        )
+
+
+_workspaces: dict[torch.device, torch.Tensor] = {}
+_arrivals: dict[torch.device, torch.Tensor] = {}
+_scratch: dict[torch.device, torch.Tensor] = {}
+
+
+def _zeroed(cache: dict[torch.device, torch.Tensor], device: torch.device, n: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """Per-device buffers that are zero between launches (the last CTA of each row block
+    re-zeroes what it used), grown on demand; launches on one stream share them."""
+    buf = cache.get(device)
+    if buf is None or buf.numel() < n:
+        buf = cache[device] = torch.zeros(n, dtype=dtype, device=device)
+    return buf
+
+
+def gemv(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    tiling: MmaTiling | None = None,
+) -> torch.Tensor:
+    """x [M <= 64, K] (bf16/fp16, contiguous rows) times the int4-mma weight -> [M, N]."""
+    m, k = x.shape
+    n = 16 * qweight.shape[0]
+    if m > MAX_ROWS or 64 * qweight.shape[1] != k:
+        raise ValueError(f"int4-mma gemv: x {tuple(x.shape)} against weight [{n}, {64 * qweight.shape[1]}]")  # fmt: skip
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.contiguous()
+    t = tiling or MMA_DECODE_TILINGS.get((n, k)) or default_tiling(n, k, group_size)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    ws = arrivals = None
+    if t.splits > 1:
+        token_groups = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8  # the kernel's MT
+        ws = _zeroed(_workspaces, x.device, n // 16 * token_groups * 128, torch.float32)
+        arrivals = _zeroed(_arrivals, x.device, n // 16, torch.int32)
+    code = _library(x.device).tm_w4_gemv(
+        qweight.data_ptr(), scales.data_ptr(), x.data_ptr(), out.data_ptr(),
+        None if ws is None else ws.data_ptr(), None if arrivals is None else arrivals.data_ptr(),
+        m, n, k, x.stride(0), out.stride(0), group_size // 64, int(x.dtype == torch.bfloat16),
+        t.rows, t.warps, t.splits, t.depth, torch.cuda.current_stream(x.device).cuda_stream,
+    )  # fmt: skip
+    _check(code, "int4-mma gemv")
+    return out
+
+
+def dequantize(
+    qweight: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The [N, K] weight in `dtype` (bf16/fp16), written into a reusable per-device scratch."""
+    n, k = 16 * qweight.shape[0], 64 * qweight.shape[1]
+    buf = _scratch.get(qweight.device)
+    if buf is None or buf.dtype != dtype or buf.numel() < n * k:
+        _scratch.pop(qweight.device, None)
+        buf = _scratch[qweight.device] = torch.empty(n * k, dtype=dtype, device=qweight.device)
+    out = buf[: n * k].view(n, k)
+    code = _library(qweight.device).tm_w4_dequant(
+        qweight.data_ptr(), scales.data_ptr(), out.data_ptr(), n, k, group_size // 64,
+        int(dtype == torch.bfloat16), torch.cuda.current_stream(qweight.device).cuda_stream,
+    )  # fmt: skip
+    _check(code, "int4-mma dequantize")
+    return out
+
+
+def int4_mma_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The registry's op (see `worker.kernels.reference.int4_mma_linear`)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] <= MAX_ROWS:
+        y = gemv(x2, qweight, scales, group_size)
+        if bias is not None:
+            y = y + bias
+    else:
+        y = F.linear(x2, dequantize(qweight, scales, group_size, x.dtype), bias)
+    return y.reshape(*lead, y.shape[-1])
