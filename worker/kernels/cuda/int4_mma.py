@@ -81,7 +81,7 @@ def _library(device: torch.device) -> ctypes.CDLL:
     lib = load(SOURCE, _arch(device))
     if not getattr(lib, "_tm_typed", False):
         p, i = ctypes.c_void_p, ctypes.c_int
-        lib.tm_w4_gemv.argtypes = [p] * 6 + [i] * 12 + [p]
+        lib.tm_w4_gemv.argtypes = [p] * 6 + [i] * 11 + [p]
         lib.tm_w4_gemv.restype = i
         lib.tm_w4_dequant.argtypes = [p] * 3 + [i] * 4 + [p]
         lib.tm_w4_dequant.restype = i
