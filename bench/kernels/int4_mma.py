@@ -60,9 +60,10 @@ def candidates(n: int, k: int) -> list[MmaTiling]:
         for warps in (4, 8):
             for ctas_per_sm in (1, 2, 4):
                 splits = max(1, min(-(-ctas_per_sm * 132 // blocks), groups // warps))
-                for depth in (2, 4):
-                    out.add(MmaTiling(rows, warps, splits, depth))
-    return sorted(out, key=lambda t: (t.rows, t.warps, t.splits, t.depth))
+                out.add(MmaTiling(rows, warps, splits, 2, 0))  # the register pipeline's best
+                for depth in (4, 8):
+                    out.add(MmaTiling(rows, warps, splits, depth, 1))
+    return sorted(out, key=lambda t: (t.mode, t.rows, t.warps, t.splits, t.depth))
 
 
 def time_mma(m: int, n: int, k: int, ws: list[Any], x: torch.Tensor, ref: torch.Tensor,

@@ -70,7 +70,8 @@ def emulate_kernel(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, g
                             row = g + 8 * (j & 1)
                             col = 2 * t + 8 * (j >> 1)
                             a[row, col], a[row, col + 1] = lo, hi
-                        base = c * 64 + 16 * t + 4 * i  # B registers: x's 4 contiguous values
+                        # B registers: x's 4 contiguous values at the kernel's address
+                        base = c * 64 + 8 * t + 32 * (i >> 1) + 4 * (i & 1)
                         b[2 * t, g], b[2 * t + 1, g] = xs[g, base], xs[g, base + 1]
                         b[2 * t + 8, g], b[2 * t + 9, g] = xs[g, base + 2], xs[g, base + 3]
                     part += a @ b
@@ -113,6 +114,21 @@ def test_affine_and_small_groups_keep_the_nibble_layout() -> None:
         g32.to_mma_layout()
 
 
+def test_ctypes_signatures_match_the_source() -> None:
+    """ctypes cannot check a call against the C prototype: compare them here."""
+    import ctypes
+    import re
+
+    from worker.kernels.cuda import int4_mma
+
+    source = int4_mma.SOURCE.read_text()
+    for name, argtypes in int4_mma.SIGNATURES.items():
+        params = re.search(rf"int {name}\(([^)]*)\)", source)
+        assert params is not None, name
+        kinds = [ctypes.c_void_p if "*" in p else ctypes.c_int for p in params.group(1).split(",")]
+        assert kinds == argtypes, name
+
+
 def test_cpu_models_keep_the_nibble_layout() -> None:
     """On CPU the registry picks the reference for int4_mma_linear: nothing is repacked."""
     model = nn.Sequential(Int4Linear.from_linear(nn.Linear(128, 32), 128))
@@ -128,8 +144,10 @@ def test_cpu_models_keep_the_nibble_layout() -> None:
 @needs_cuda
 @pytest.mark.parametrize("m", [1, 8, 13, 16, 24, 64])
 @pytest.mark.parametrize(("n", "k"), [(256, 512), (5120, 6144), (34816, 5120)])
-@pytest.mark.parametrize("tiling", [None, (1, 4, 1, 2), (2, 8, 3, 4)])
-def test_gemv_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int] | None) -> None:
+@pytest.mark.parametrize(
+    "tiling", [None, (1, 4, 1, 2, 0), (2, 8, 3, 4, 0), (2, 4, 2, 8, 1), (1, 8, 1, 4, 1)]
+)
+def test_gemv_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int, int] | None) -> None:
     from worker.kernels.cuda import int4_mma
 
     torch.manual_seed(0)

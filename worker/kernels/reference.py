@@ -404,7 +404,8 @@ def int4_linear_silu_mul(
 
 # The int4-mma layout (docs/worker-contract.md, "Int4 weights"; worker/kernels/cuda/int4_mma.cu):
 # 16-row tiles x 64-k chunks, each lane's four mma A-operand words in one 16-byte quad. Byte b of
-# word i of lane (g, t) holds rows (g, g + 8) of k = 64 c + 16 t + 4 i + MMA_K_OF_BYTE[b].
+# word i of lane (g, t) holds rows (g, g + 8) (low, high nibble) of chunk k
+# 8 t + 32 (i >> 1) + 4 (i & 1) + MMA_K_OF_BYTE[b].
 MMA_K_OF_BYTE = (0, 2, 1, 3)
 
 
@@ -417,10 +418,11 @@ def int4_mma_pack(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Te
     if n % 16 or k % 64:
         raise ValueError(f"int4-mma needs N % 16 == 0 and K % 64 == 0, got N={n}, K={k}")
     codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(n, k)
-    # [rt, h, g, c, t, i, e] -> [rt, c, g, t, i, e, h]
-    c = codes.view(n // 16, 2, 8, k // 64, 4, 4, 4).permute(0, 3, 2, 4, 5, 6, 1)
-    c = c[..., list(MMA_K_OF_BYTE), :]
-    packed = (c[..., 0] | (c[..., 1] << 4)).contiguous()  # [rt, c, g, t, i, byte] uint8
+    # row = 16 rt + 8 h + g; k = 64 c + 32 i_hi + 8 t + 4 i_lo + e
+    c = codes.view(n // 16, 2, 8, k // 64, 2, 4, 2, 4)  # [rt, h, g, c, i_hi, t, i_lo, e]
+    c = c.permute(0, 3, 2, 5, 4, 6, 7, 1).reshape(n // 16, k // 64, 8, 4, 4, 4, 2)
+    c = c[..., list(MMA_K_OF_BYTE), :]  # [rt, c, g, t, i, byte, h]
+    packed = (c[..., 0] | (c[..., 1] << 4)).contiguous()
     words = packed.view(n // 16, k // 64, 32, 16).view(torch.int32)
     groups = scales.shape[1]
     mma_scales = scales.view(n // 16, 16, groups).transpose(1, 2).contiguous()
@@ -436,7 +438,8 @@ def int4_mma_unpack(
     b = qweight.contiguous().view(torch.uint8).view(tiles, chunks, 8, 4, 4, 4)
     c = torch.stack((b & 0xF, b >> 4), dim=-1)  # [rt, c, g, t, i, byte, h]
     c = c[..., [MMA_K_OF_BYTE.index(e) for e in range(4)], :]  # byte -> e
-    codes = c.permute(0, 6, 2, 1, 3, 4, 5).reshape(n, k)
+    c = c.view(tiles, chunks, 8, 4, 2, 2, 4, 2)  # [rt, c, g, t, i_hi, i_lo, e, h]
+    codes = c.permute(0, 7, 2, 1, 4, 3, 5, 6).reshape(n, k)
     groups = scales.shape[1]
     flat_scales = scales.transpose(1, 2).reshape(n, groups)
     return codes[:, 0::2] | (codes[:, 1::2] << 4), flat_scales

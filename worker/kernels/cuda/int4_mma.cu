@@ -5,11 +5,12 @@
 // lane L = 4 g + t of a warp owns one 16-byte word quad qw[rt][c][L] = 4 words, word i feeding
 // the i-th m16n8k16 product of the chunk. The product's k order is permuted so that lane t's
 // operands are contiguous in memory: mma k positions (2t, 2t+1, 2t+8, 2t+9) of product i are
-// real k = 64 c + 16 t + 4 i + (0, 1, 2, 3). Word i holds, nibble n at bits 4n..4n+3:
-//   pair j = 0..3 at nibbles (j, j + 4) = A fragment register j, whose row is g + 8 (j & 1) and
-//   whose two k are 4 i + 2 (j >> 1) + (0, 1) past 64 c + 16 t.
+// real k = 64 c + 8 t + 32 (i >> 1) + 4 (i & 1) + (0, 1, 2, 3). Word i holds, nibble n at bits
+// 4n..4n+3: pair j = 0..3 at nibbles (j, j + 4) = A fragment register j, whose row is
+// g + 8 (j & 1) and whose two k are the (2 (j >> 1) + 0, + 1)-th of the product's four.
 // So one 16-byte load per lane per chunk brings 4 products' A operands in fragment order, and
-// x's matching B operands are 32 contiguous bytes per lane. Scales: fp16 sc[rt][group][16].
+// x's matching B operands are two 16-byte loads per lane, each covering 64 contiguous bytes
+// per token across the warp. Scales: fp16 sc[rt][group][16].
 //
 // Codes become exact 16-bit values with the exponent trick: (w >> 4j) & 0x000f000f OR'ed into
 // the mantissa of 128.0 (bf16) or 1024.0 (fp16) is 128 + q (1024 + q); one packed subtract of
@@ -96,142 +97,121 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// MT: token groups of 8 (M <= 8 MT); R: row tiles per CTA; D: chunks of weight in flight per
-// warp; XPRE: x's operands loaded D chunks ahead too (small MT; larger ones read x at use).
-template <bool BF16, int MT, int R, int D, bool XPRE>
-__global__ void __launch_bounds__(256) w4_gemv_kernel(
-    const uint4* __restrict__ qw, const __half* __restrict__ sc,
-    const typename Num<BF16>::T* __restrict__ x, typename Num<BF16>::T* __restrict__ y,
-    float* __restrict__ ws, int* __restrict__ arrivals, int M, int N, int K, int ldx, int ldy,
-    int gc) {
-  using T = typename Num<BF16>::T;
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int rb = blockIdx.x, splits = gridDim.y;
-  const int NC = K >> 6, G = (NC + gc - 1) / gc;
-  const int P = splits * W, p = blockIdx.y * W + warp;
-  const int g0 = (int)((long long)G * p / P), g1 = (int)((long long)G * (p + 1) / P);
-  const int c_begin = g0 * gc, c_end = min(NC, g1 * gc);
-  const int maxg = (G + P - 1) / P;
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
 
-  // this warp's scales, rows (g, g + 8) of each tile, per group: smem [W][R][maxg][16] fp16
-  __half* my_sc = reinterpret_cast<__half*>(smem) + (size_t)warp * R * maxg * 16;
+// This warp's K range, in whole groups: part p of P = splits * W.
+struct Range {
+  int g0, g1, c_begin, c_end, maxg;
+};
+__device__ __forceinline__ Range warp_range(int NC, int gc, int W, int warp) {
+  const int G = (NC + gc - 1) / gc, P = gridDim.y * W, p = blockIdx.y * W + warp;
+  Range r;
+  r.g0 = (int)((long long)G * p / P);
+  r.g1 = (int)((long long)G * (p + 1) / P);
+  r.c_begin = r.g0 * gc;
+  r.c_end = min(NC, r.g1 * gc);
+  r.maxg = (G + P - 1) / P;
+  return r;
+}
 
-  const uint4* wp[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) wp[r] = qw + ((size_t)(rb * R + r) * NC) * 32 + lane;
-
-  uint4 wbuf[D][R];
-  uint4 xbuf[XPRE ? D : 1][MT][2];
-  auto load_x = [&](uint4 (&xb)[MT][2], int c) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const int m = mt * 8 + g;
-      if (m < M) {
-        const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * ldx + c * 64 + 16 * t);
-        xb[mt][0] = __ldg(xp);
-        xb[mt][1] = __ldg(xp + 1);
-      } else {
-        xb[mt][0] = make_uint4(0, 0, 0, 0);
-        xb[mt][1] = make_uint4(0, 0, 0, 0);
-      }
-    }
-  };
-  auto load = [&](int s, int c) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)c * 32);
-    if (XPRE) load_x(xbuf[XPRE ? s : 0], c);
-  };
-
-#pragma unroll
-  for (int s = 0; s < D; ++s)
-    if (c_begin + s < c_end) load(s, c_begin + s);
-
-  // scales after the first weight loads are in flight
-  for (int idx = lane; idx < R * (g1 - g0) * 16; idx += 32) {
-    const int r = idx / ((g1 - g0) * 16), rest = idx % ((g1 - g0) * 16);
+// The warp's scales, rows (g, g + 8) of each tile per group, into its smem [R][maxg][16].
+template <int R>
+__device__ __forceinline__ void load_scales(__half* my_sc, const __half* __restrict__ sc,
+                                            const Range& rg, int G, int rb, int lane) {
+  const int per_tile = (rg.g1 - rg.g0) * 16;
+  for (int idx = lane; idx < R * per_tile; idx += 32) {
+    const int r = idx / per_tile, rest = idx % per_tile;
     const int gi = rest / 16, row = rest % 16;
-    my_sc[(r * maxg + gi) * 16 + row] = sc[((size_t)(rb * R + r) * G + g0 + gi) * 16 + row];
+    my_sc[(r * rg.maxg + gi) * 16 + row] = sc[((size_t)(rb * R + r) * G + rg.g0 + gi) * 16 + row];
   }
   __syncwarp();
+}
 
-  float acc[R][MT][4];
-  float part[R][MT][4];
+// x's B operands for chunk c: lane (g, t) reads token mt * 8 + g at k = 64 c + 8 t (16 bytes)
+// and 64 c + 32 + 8 t (16 bytes): each load instruction covers 4 x 64 contiguous bytes.
+template <bool BF16, int MT>
+__device__ __forceinline__ void load_x(uint4 (&xb)[MT][2], const typename Num<BF16>::T* x, int M,
+                                       int ldx, int c, int g, int t) {
 #pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) acc[r][mt][q] = part[r][mt][q] = 0.f;
+  for (int mt = 0; mt < MT; ++mt) {
+    const int m = mt * 8 + g;
+    if (m < M) {
+      const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * ldx + c * 64 + 8 * t);
+      xb[mt][0] = __ldg(xp);
+      xb[mt][1] = __ldg(xp + 4);
+    } else {
+      xb[mt][0] = make_uint4(0, 0, 0, 0);
+      xb[mt][1] = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
 
-  for (int base = c_begin; base < c_end; base += D) {
+// One chunk: 4 products per row tile, into the group's partial sums.
+template <bool BF16, int MT, int R>
+__device__ __forceinline__ void chunk_products(float (&part)[R][MT][4], const uint4 (&w)[R],
+                                               const uint4 (&xv)[MT][2]) {
 #pragma unroll
-    for (int s = 0; s < D; ++s) {
-      const int c = base + s;
-      if (c < c_end) {
-        uint4 wcur[R];
+  for (int i = 0; i < 4; ++i) {
 #pragma unroll
-        for (int r = 0; r < R; ++r) wcur[r] = wbuf[s][r];
-        uint4 xcur[MT][2];
-        if (XPRE) {
+    for (int r = 0; r < R; ++r) {
+      uint32_t a[4];
+      dequant<BF16>(word(w[r], i), a);
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            xcur[mt][0] = xbuf[XPRE ? s : 0][mt][0];
-            xcur[mt][1] = xbuf[XPRE ? s : 0][mt][1];
-          }
-        } else {
-          load_x(xcur, c);
-        }
-        if (c + D < c_end) load(s, c + D);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            uint32_t a[4];
-            dequant<BF16>(word(wcur[r], i), a);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-              const uint4& xv = xcur[mt][i >> 1];
-              const uint32_t b0 = (i & 1) ? xv.z : xv.x, b1 = (i & 1) ? xv.w : xv.y;
-              mma<BF16>(part[r][mt], a, b0, b1);
-            }
-          }
-        }
-        if ((c + 1) % gc == 0 || c + 1 == c_end) {
-          const int gi = c / gc - g0;
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const float s0 = __half2float(my_sc[(r * maxg + gi) * 16 + g]);
-            const float s1 = __half2float(my_sc[(r * maxg + gi) * 16 + g + 8]);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-              acc[r][mt][0] += s0 * part[r][mt][0];
-              acc[r][mt][1] += s0 * part[r][mt][1];
-              acc[r][mt][2] += s1 * part[r][mt][2];
-              acc[r][mt][3] += s1 * part[r][mt][3];
-#pragma unroll
-              for (int q = 0; q < 4; ++q) part[r][mt][q] = 0.f;
-            }
-          }
-        }
+      for (int mt = 0; mt < MT; ++mt) {
+        const uint4& v = xv[mt][i >> 1];
+        mma<BF16>(part[r][mt], a, (i & 1) ? v.z : v.x, (i & 1) ? v.w : v.y);
       }
     }
   }
+}
 
-  // reduce the warps: red[W][V][32], V = R * MT * 4 values per lane
+// At a group's end: acc += scale(row) * part, part = 0.
+template <int MT, int R>
+__device__ __forceinline__ void close_group(float (&acc)[R][MT][4], float (&part)[R][MT][4],
+                                            const __half* my_sc, int maxg, int gi, int g) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float s0 = __half2float(my_sc[(r * maxg + gi) * 16 + g]);
+    const float s1 = __half2float(my_sc[(r * maxg + gi) * 16 + g + 8]);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      acc[r][mt][0] += s0 * part[r][mt][0];
+      acc[r][mt][1] += s0 * part[r][mt][1];
+      acc[r][mt][2] += s1 * part[r][mt][2];
+      acc[r][mt][3] += s1 * part[r][mt][3];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) part[r][mt][q] = 0.f;
+    }
+  }
+}
+
+// Reduce the CTA's warps (smem red[W][V][32], V = R * MT * 4 values per lane), then with
+// gridDim.y > 1 add into the workspace; the CTA that completes a row block writes it.
+template <bool BF16, int MT, int R>
+__device__ __forceinline__ void finish(const float (&acc)[R][MT][4], float* red,
+                                       typename Num<BF16>::T* __restrict__ y, float* ws,
+                                       int* arrivals, int M, int N, int ldy) {
+  using T = typename Num<BF16>::T;
   constexpr int V = R * MT * 4;
-  __syncthreads();  // the scales' smem is reused
-  float* red = reinterpret_cast<float*>(smem);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3, rb = blockIdx.x, splits = gridDim.y;
+  __syncthreads();  // smem is reused
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) red[((size_t)warp * V + (r * MT + mt) * 4 + q) * 32 + lane] =
-          acc[r][mt][q];
+      for (int q = 0; q < 4; ++q)
+        red[((size_t)warp * V + (r * MT + mt) * 4 + q) * 32 + lane] = acc[r][mt][q];
   __syncthreads();
-
   __shared__ int last;
   if (splits > 1) {
     float* slab = ws + (size_t)rb * V * 32;
@@ -265,6 +245,115 @@ __global__ void __launch_bounds__(256) w4_gemv_kernel(
   if (splits > 1 && threadIdx.x == 0) arrivals[rb] = 0;
 }
 
+template <int R, int MT>
+__device__ __forceinline__ void zero(float (&a)[R][MT][4]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) a[r][mt][q] = 0.f;
+}
+
+// Register pipeline: MT token groups of 8 (M <= 8 MT), R row tiles per CTA, D chunks of weight
+// in flight per warp in registers (16-byte loads that skip L1).
+template <bool BF16, int MT, int R, int D>
+__global__ void __launch_bounds__(256) w4_gemv_regs(
+    const uint4* __restrict__ qw, const __half* __restrict__ sc,
+    const typename Num<BF16>::T* __restrict__ x, typename Num<BF16>::T* __restrict__ y,
+    float* __restrict__ ws, int* __restrict__ arrivals, int M, int N, int K, int ldx, int ldy,
+    int gc) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3, rb = blockIdx.x;
+  const int NC = K >> 6, G = (NC + gc - 1) / gc;
+  const Range rg = warp_range(NC, gc, W, warp);
+  __half* my_sc = reinterpret_cast<__half*>(smem) + (size_t)warp * R * rg.maxg * 16;
+  const uint4* wp[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) wp[r] = qw + ((size_t)(rb * R + r) * NC) * 32 + lane;
+
+  uint4 wbuf[D][R];
+#pragma unroll
+  for (int s = 0; s < D; ++s)
+    if (rg.c_begin + s < rg.c_end)
+#pragma unroll
+      for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(rg.c_begin + s) * 32);
+  load_scales<R>(my_sc, sc, rg, G, rb, lane);
+
+  float acc[R][MT][4], part[R][MT][4];
+  zero(acc);
+  zero(part);
+  for (int base = rg.c_begin; base < rg.c_end; base += D) {
+#pragma unroll
+    for (int s = 0; s < D; ++s) {
+      const int c = base + s;
+      if (c < rg.c_end) {
+        uint4 wcur[R], xv[MT][2];
+#pragma unroll
+        for (int r = 0; r < R; ++r) wcur[r] = wbuf[s][r];
+        load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
+        if (c + D < rg.c_end)
+#pragma unroll
+          for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(c + D) * 32);
+        chunk_products<BF16, MT, R>(part, wcur, xv);
+        if ((c + 1) % gc == 0 || c + 1 == rg.c_end) close_group(acc, part, my_sc, rg.maxg, c / gc - rg.g0, g);
+      }
+    }
+  }
+  finish<BF16, MT, R>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy);
+}
+
+// cp.async pipeline: each lane copies its own 16-byte quads (L2 -> smem, no registers held,
+// not tracked by L1) D - 1 chunks ahead into the warp's ring [D][R][32].
+template <bool BF16, int MT, int R, int D>
+__global__ void __launch_bounds__(256) w4_gemv_async(
+    const uint4* __restrict__ qw, const __half* __restrict__ sc,
+    const typename Num<BF16>::T* __restrict__ x, typename Num<BF16>::T* __restrict__ y,
+    float* __restrict__ ws, int* __restrict__ arrivals, int M, int N, int K, int ldx, int ldy,
+    int gc) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3, rb = blockIdx.x;
+  const int NC = K >> 6, G = (NC + gc - 1) / gc;
+  const Range rg = warp_range(NC, gc, W, warp);
+  uint4* ring = reinterpret_cast<uint4*>(smem) + (size_t)warp * D * R * 32;
+  __half* my_sc = reinterpret_cast<__half*>(reinterpret_cast<uint4*>(smem) + (size_t)W * D * R * 32) +
+                  (size_t)warp * R * rg.maxg * 16;
+  const uint4* wp[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) wp[r] = qw + ((size_t)(rb * R + r) * NC) * 32 + lane;
+  auto issue = [&](int c) {
+    if (c < rg.c_end) {
+      const int slot = (c - rg.c_begin) % D;
+#pragma unroll
+      for (int r = 0; r < R; ++r) cp_async16(ring + (slot * R + r) * 32 + lane, wp[r] + (size_t)c * 32);
+    }
+    cp_async_commit();  // empty groups keep the count uniform
+  };
+#pragma unroll
+  for (int s = 0; s < D - 1; ++s) issue(rg.c_begin + s);
+  load_scales<R>(my_sc, sc, rg, G, rb, lane);
+
+  float acc[R][MT][4], part[R][MT][4];
+  zero(acc);
+  zero(part);
+  for (int c = rg.c_begin; c < rg.c_end; ++c) {
+    uint4 xv[MT][2];
+    load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
+    issue(c + D - 1);  // into the slot chunk c - 1 was read from
+    cp_async_wait<D - 1>();
+    const int slot = (c - rg.c_begin) % D;
+    uint4 w[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) w[r] = ring[(slot * R + r) * 32 + lane];
+    chunk_products<BF16, MT, R>(part, w, xv);
+    if ((c + 1) % gc == 0 || c + 1 == rg.c_end) close_group(acc, part, my_sc, rg.maxg, c / gc - rg.g0, g);
+  }
+  cp_async_wait<0>();
+  finish<BF16, MT, R>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy);
+}
+
 // One thread per 16-byte word quad: rows (g, g + 8) of its tile, 16 consecutive k each.
 template <bool BF16>
 __global__ void w4_dequant_kernel(const uint4* __restrict__ qw, const __half* __restrict__ sc,
@@ -296,25 +385,27 @@ __global__ void w4_dequant_kernel(const uint4* __restrict__ qw, const __half* __
       }
     }
   }
-  const size_t k0 = (size_t)c * 64 + 16 * t;
+  // products 0, 1 hold k = 64 c + 8 t + 0..7; products 2, 3 hold 64 c + 32 + 8 t + 0..7
+  const size_t k0 = (size_t)c * 64 + 8 * t;
   uint4* o0 = reinterpret_cast<uint4*>(out + ((size_t)rt * 16 + g) * K + k0);
   uint4* o1 = reinterpret_cast<uint4*>(out + ((size_t)rt * 16 + g + 8) * K + k0);
   o0[0] = reinterpret_cast<uint4*>(lo)[0];
-  o0[1] = reinterpret_cast<uint4*>(lo)[1];
+  o0[4] = reinterpret_cast<uint4*>(lo)[1];
   o1[0] = reinterpret_cast<uint4*>(hi)[0];
-  o1[1] = reinterpret_cast<uint4*>(hi)[1];
+  o1[4] = reinterpret_cast<uint4*>(hi)[1];
 }
 
-template <bool BF16, int MT, int R, int D, bool XPRE>
+template <bool BF16, int MT, int R, int D, bool ASYNC>
 int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                 int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits,
                 cudaStream_t stream) {
   using T = typename Num<BF16>::T;
   const int NC = K / 64, G = (NC + gc - 1) / gc, P = splits * warps, maxg = (G + P - 1) / P;
   const size_t sc_bytes = (size_t)warps * R * maxg * 16 * sizeof(__half);
+  const size_t ring_bytes = ASYNC ? (size_t)warps * D * R * 32 * 16 : 0;
   const size_t red_bytes = (size_t)warps * R * MT * 4 * 32 * sizeof(float);
-  const size_t bytes = sc_bytes > red_bytes ? sc_bytes : red_bytes;
-  auto kernel = w4_gemv_kernel<BF16, MT, R, D, XPRE>;
+  const size_t bytes = ring_bytes + sc_bytes > red_bytes ? ring_bytes + sc_bytes : red_bytes;
+  auto kernel = ASYNC ? w4_gemv_async<BF16, MT, R, D> : w4_gemv_regs<BF16, MT, R, D>;
   if (bytes > 48 * 1024) {
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
@@ -328,44 +419,53 @@ int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws
   return (int)cudaGetLastError();
 }
 
+// depth: 2 or 4 register-held chunks (mode 0), 4 or 8 smem ring slots (mode 1).
+template <bool BF16, int MT, int R>
+int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
+                 int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
+                 int mode, cudaStream_t s) {
+#define TM_GEMV(D, ASYNC) \
+  launch_gemv<BF16, MT, R, D, ASYNC>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, \
+                                     splits, s)
+  if (mode == 1) return depth >= 8 ? TM_GEMV(8, true) : TM_GEMV(4, true);
+  return depth >= 4 ? TM_GEMV(4, false) : TM_GEMV(2, false);
+#undef TM_GEMV
+}
+
 template <bool BF16, int R>
 int gemv_by_rows(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                  int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
-                 cudaStream_t s) {
-#define TM_GEMV(MT, D, XPRE) \
-  launch_gemv<BF16, MT, R, D, XPRE>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, \
-                                    splits, s)
-  if (M <= 8) return depth >= 4 ? TM_GEMV(1, 4, true) : TM_GEMV(1, 2, true);
-  if (M <= 16) return depth >= 4 ? TM_GEMV(2, 4, true) : TM_GEMV(2, 2, true);
-  if (M <= 32) return TM_GEMV(4, 2, false);
-  return TM_GEMV(8, 2, false);
-#undef TM_GEMV
+                 int mode, cudaStream_t s) {
+#define TM_ROWS(MT) \
+  gemv_by_mode<BF16, MT, R>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, \
+                            depth, mode, s)
+  if (M <= 8) return TM_ROWS(1);
+  if (M <= 16) return TM_ROWS(2);
+  if (M <= 32) return TM_ROWS(4);
+  return TM_ROWS(8);
+#undef TM_ROWS
 }
 
 }  // namespace
 
 extern "C" {
 
-// y[M, N] = x[M, K] @ W^T. Returns a cudaError_t (0: launched). rows_per_cta 1 or 2 (N a
-// multiple of 16 * rows_per_cta); warps 1..8; splits >= 1 (> 1 needs ws, arrivals: zeroed, sized
-// N / 16 * ceil(M / 8) * 128 floats and N / (16 * rows_per_cta) ints); depth 2 or 4.
+// y[M, N] = x[M, K] @ W^T. Returns a cudaError_t (0: launched; -1: bad arguments).
+// rows_per_cta 1 or 2 (N a multiple of 16 * rows_per_cta); warps 1..8; splits >= 1 (> 1 needs
+// ws and arrivals, zeroed, sized N / 16 * MT * 128 floats and N / 16 ints); mode 0 (register
+// pipeline, depth 2 or 4) or 1 (cp.async ring, depth 4 or 8).
 int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                int M, int N, int K, int ldx, int ldy, int gc, int bf16, int rows_per_cta,
-               int warps, int splits, int depth, void* stream) {
+               int warps, int splits, int depth, int mode, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (M < 1 || M > 64 || K % 64 || gc < 1 || warps < 1 || warps > 8 || splits < 1) return -1;
-  if (rows_per_cta == 2) {
-    if (N % 32) return -1;
-    return bf16 ? gemv_by_rows<true, 2>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps,
-                                        splits, depth, s)
-                : gemv_by_rows<false, 2>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc,
-                                         warps, splits, depth, s);
-  }
-  if (N % 16) return -1;
-  return bf16 ? gemv_by_rows<true, 1>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps,
-                                      splits, depth, s)
-              : gemv_by_rows<false, 1>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps,
-                                       splits, depth, s);
+  if ((rows_per_cta != 1 && rows_per_cta != 2) || N % (16 * rows_per_cta)) return -1;
+#define TM_CALL(B, R) \
+  gemv_by_rows<B, R>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, depth, \
+                     mode, s)
+  if (rows_per_cta == 2) return bf16 ? TM_CALL(true, 2) : TM_CALL(false, 2);
+  return bf16 ? TM_CALL(true, 1) : TM_CALL(false, 1);
+#undef TM_CALL
 }
 
 // out[N, K] (x's dtype) = (q - 8) * s from the int4-mma layout.

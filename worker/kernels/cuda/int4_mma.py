@@ -28,12 +28,14 @@ KERNEL_SWITCH = "TOKENMILL_INT4_KERNEL"
 class MmaTiling:
     """How one (N, K) weight is cut: `rows` 16-row tiles per CTA (1 or 2), `warps` per CTA
     splitting its K, `splits` CTAs per row block splitting K (> 1: an fp32 workspace and the last
-    CTA writes), `depth` 16-byte weight loads in flight per lane (2 or 4)."""
+    CTA writes), `mode` 0 (weights loaded into registers, `depth` 2 or 4 chunks in flight per
+    warp) or 1 (cp.async into a shared-memory ring of `depth` 4 or 8 chunks per warp)."""
 
     rows: int = 2
-    warps: int = 4
+    warps: int = 8
     splits: int = 1
-    depth: int = 4
+    depth: int = 8
+    mode: int = 1
 
 
 # Measured per weight shape at M = 8 on one H200 (bench/kernels/int4.py).
@@ -46,9 +48,9 @@ def default_tiling(n: int, k: int, group_size: int, sms: int = 132) -> MmaTiling
     rows = 2 if n % 32 == 0 else 1
     blocks = n // (16 * rows)
     groups = -(-k // group_size)
-    warps = 4
+    warps = 8
     splits = max(1, min(-(-2 * sms // blocks), groups // warps))
-    return MmaTiling(rows, warps, splits, 4)
+    return MmaTiling(rows, warps, splits)
 
 
 def supports(n: int, k: int, group_size: int) -> tuple[bool, str]:
@@ -77,14 +79,20 @@ def available(device: torch.device) -> tuple[bool, str]:
     return True, "CUDA sm_80+, built with nvcc"
 
 
+_P, _I = ctypes.c_void_p, ctypes.c_int
+# the extern "C" signatures of int4_mma.cu (tests compare them with the source)
+SIGNATURES = {
+    "tm_w4_gemv": [_P] * 6 + [_I] * 12 + [_P],
+    "tm_w4_dequant": [_P] * 3 + [_I] * 4 + [_P],
+}
+
+
 def _library(device: torch.device) -> ctypes.CDLL:
     lib = load(SOURCE, _arch(device))
     if not getattr(lib, "_tm_typed", False):
-        p, i = ctypes.c_void_p, ctypes.c_int
-        lib.tm_w4_gemv.argtypes = [p] * 6 + [i] * 11 + [p]
-        lib.tm_w4_gemv.restype = i
-        lib.tm_w4_dequant.argtypes = [p] * 3 + [i] * 4 + [p]
-        lib.tm_w4_dequant.restype = i
+        for name, argtypes in SIGNATURES.items():
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = _I
         setattr(lib, "_tm_typed", True)  # noqa: B010 (CDLL takes attributes; mypy does not know)
     return lib
 
@@ -135,7 +143,7 @@ def gemv(
         qweight.data_ptr(), scales.data_ptr(), x.data_ptr(), out.data_ptr(),
         None if ws is None else ws.data_ptr(), None if arrivals is None else arrivals.data_ptr(),
         m, n, k, x.stride(0), out.stride(0), group_size // 64, int(x.dtype == torch.bfloat16),
-        t.rows, t.warps, t.splits, t.depth, torch.cuda.current_stream(x.device).cuda_stream,
+        t.rows, t.warps, t.splits, t.depth, t.mode, torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     _check(code, "int4-mma gemv")
     return out
