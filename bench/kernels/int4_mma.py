@@ -17,6 +17,7 @@ Prints the table and `MMA_DECODE_TILINGS` entries to paste; writes JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 import traceback
@@ -188,6 +189,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--budget-s", type=float, default=240.0)
+    parser.add_argument(
+        "--write-tuning",
+        action="store_true",
+        help="store the winners as int4_mma_decode_tilings in the package's tuning file",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out) if args.out else result_path("int4_mma")
     start = time.perf_counter()
@@ -211,6 +217,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             traceback.print_exc()
             report["decode"][name] = {"error": err(exc)}
         write_result(out, report)
+    winners = {f"{n}x{k}": dataclasses.asdict(eval(report["decode"][name]["best"]["tiling"], {"MmaTiling": MmaTiling}))  # noqa: S307
+               for name, n, k in SHAPES if "best" in report["decode"].get(name, {})}  # fmt: skip
+    report["int4_mma_decode_tilings"] = winners
+    if args.write_tuning and winners:
+        from worker.kernels import tuning
+
+        path = tuning.path_for(torch.cuda.get_device_name())
+        data = tuning.read(path) if path.exists() else tuning.snapshot(torch.cuda.get_device_name())
+        data["int4_mma_decode_tilings"] = winners
+        tuning.write(path, data)
+        report["tuning_file"] = str(path)
     try:
         report["prefill"] = prefill_section()
     except Exception as exc:

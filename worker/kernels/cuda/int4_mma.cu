@@ -13,9 +13,11 @@
 // per token across the warp. Scales: fp16 sc[rt][group][16].
 //
 // Codes become exact 16-bit values with the exponent trick: (w >> 4j) & 0x000f000f OR'ed into
-// the mantissa of 128.0 (bf16) or 1024.0 (fp16) is 128 + q (1024 + q); one packed subtract of
-// 136 (1032) leaves q - 8. The products accumulate in fp32 per group, and the group's scale
-// multiplies that partial sum (so the 16-bit operands never carry a rounded scale).
+// the mantissa of 128.0 (bf16) or 1024.0 (fp16) is 128 + q (1024 + q), one lop3. The products
+// of those accumulate in fp32 per group; an extra product with an all-ones A sums x over the
+// same k, and at the group's end acc += s * (part - 136 * xsum) (1032 for fp16) is the sum of
+// (q - 8) * s * x without a per-code subtract. The scale multiplies fp32 partial sums, so the
+// 16-bit operands never carry a rounded scale.
 //
 // Work split: a CTA of W warps owns R row tiles; its K (in whole groups) is cut across
 // gridDim.y CTAs and then across its warps. Warps reduce in shared memory; with gridDim.y > 1
@@ -35,48 +37,44 @@ template <>
 struct Num<true> {
   using T = __nv_bfloat16;
   static constexpr uint32_t EX = 0x43004300u;    // bf16 128.0, both halves
-  static constexpr uint32_t BIAS = 0x43084308u;  // bf16 136.0
+  static constexpr uint32_t ONES = 0x3f803f80u;  // bf16 1.0
+  static constexpr float OFFSET = 136.f;         // 128 + the symmetric zero point 8
 };
 template <>
 struct Num<false> {
   using T = __half;
   static constexpr uint32_t EX = 0x64006400u;    // fp16 1024.0
-  static constexpr uint32_t BIAS = 0x64086408u;  // fp16 1032.0
+  static constexpr uint32_t ONES = 0x3c003c00u;  // fp16 1.0
+  static constexpr float OFFSET = 1032.f;
 };
 
-__device__ __forceinline__ uint32_t sub2(uint32_t a, uint32_t b, bool bf16) {
+// (a & b) | c in one instruction
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t d;
-  if (bf16) {
-    __nv_bfloat162 r = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&a),
-                               *reinterpret_cast<__nv_bfloat162*>(&b));
-    d = *reinterpret_cast<uint32_t*>(&r);
-  } else {
-    __half2 r = __hsub2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
-    d = *reinterpret_cast<uint32_t*>(&r);
-  }
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
 }
 
+// A operands OFFSET - 8 + q (exact 16-bit values); the OFFSET * sum(x) part is taken off per
+// group (see close_group), so a code costs one shift (3 of 4 pairs) and one lop3.
 template <bool BF16>
 __device__ __forceinline__ void dequant(uint32_t w, uint32_t (&a)[4]) {
   constexpr uint32_t M = 0x000f000fu;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    a[j] = sub2(((w >> (4 * j)) & M) | Num<BF16>::EX, Num<BF16>::BIAS, BF16);
-  }
+  for (int j = 0; j < 4; ++j) a[j] = and_or(w >> (4 * j), M, Num<BF16>::EX);
 }
 
 template <bool BF16>
 __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                     uint32_t b1) {
   if (BF16) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   } else {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -154,12 +152,19 @@ __device__ __forceinline__ void load_x(uint4 (&xb)[MT][2], const typename Num<BF
   }
 }
 
-// One chunk: 4 products per row tile, into the group's partial sums.
+// One chunk: 4 products per row tile into the group's partial sums, and x's sums over the
+// same k (a product with an all-ones A) for the OFFSET correction.
 template <bool BF16, int MT, int R>
-__device__ __forceinline__ void chunk_products(float (&part)[R][MT][4], const uint4 (&w)[R],
-                                               const uint4 (&xv)[MT][2]) {
+__device__ __forceinline__ void chunk_products(float (&part)[R][MT][4], float (&xsum)[MT][4],
+                                               const uint4 (&w)[R], const uint4 (&xv)[MT][2]) {
+  const uint32_t ones[4] = {Num<BF16>::ONES, Num<BF16>::ONES, Num<BF16>::ONES, Num<BF16>::ONES};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const uint4& v = xv[mt][i >> 1];
+      mma<BF16>(xsum[mt], ones, (i & 1) ? v.z : v.x, (i & 1) ? v.w : v.y);
+    }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       uint32_t a[4];
@@ -173,24 +178,31 @@ __device__ __forceinline__ void chunk_products(float (&part)[R][MT][4], const ui
   }
 }
 
-// At a group's end: acc += scale(row) * part, part = 0.
-template <int MT, int R>
+// At a group's end: acc += scale(row) * (part - OFFSET * xsum); part = xsum = 0.
+template <bool BF16, int MT, int R>
 __device__ __forceinline__ void close_group(float (&acc)[R][MT][4], float (&part)[R][MT][4],
-                                            const __half* my_sc, int maxg, int gi, int g) {
+                                            float (&xsum)[MT][4], const __half* my_sc, int maxg,
+                                            int gi, int g) {
+  constexpr float O = Num<BF16>::OFFSET;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const float s0 = __half2float(my_sc[(r * maxg + gi) * 16 + g]);
     const float s1 = __half2float(my_sc[(r * maxg + gi) * 16 + g + 8]);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      acc[r][mt][0] += s0 * part[r][mt][0];
-      acc[r][mt][1] += s0 * part[r][mt][1];
-      acc[r][mt][2] += s1 * part[r][mt][2];
-      acc[r][mt][3] += s1 * part[r][mt][3];
+      // xsum's rows are all alike: c0/c2 token 2t, c1/c3 token 2t + 1
+      acc[r][mt][0] += s0 * (part[r][mt][0] - O * xsum[mt][0]);
+      acc[r][mt][1] += s0 * (part[r][mt][1] - O * xsum[mt][1]);
+      acc[r][mt][2] += s1 * (part[r][mt][2] - O * xsum[mt][2]);
+      acc[r][mt][3] += s1 * (part[r][mt][3] - O * xsum[mt][3]);
 #pragma unroll
       for (int q = 0; q < 4; ++q) part[r][mt][q] = 0.f;
     }
   }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) xsum[mt][q] = 0.f;
 }
 
 // Reduce the CTA's warps (smem red[W][V][32], V = R * MT * 4 values per lane), then with
@@ -281,9 +293,11 @@ __global__ void __launch_bounds__(256) w4_gemv_regs(
       for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(rg.c_begin + s) * 32);
   load_scales<R>(my_sc, sc, rg, G, rb, lane);
 
-  float acc[R][MT][4], part[R][MT][4];
+  float acc[R][MT][4], part[R][MT][4], xsum[1][MT][4];
   zero(acc);
   zero(part);
+  zero(xsum);
+  int in_group = 0, gi = 0;  // chunk within its group, group index from g0: no divisions
   for (int base = rg.c_begin; base < rg.c_end; base += D) {
 #pragma unroll
     for (int s = 0; s < D; ++s) {
@@ -296,8 +310,11 @@ __global__ void __launch_bounds__(256) w4_gemv_regs(
         if (c + D < rg.c_end)
 #pragma unroll
           for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(c + D) * 32);
-        chunk_products<BF16, MT, R>(part, wcur, xv);
-        if ((c + 1) % gc == 0 || c + 1 == rg.c_end) close_group(acc, part, my_sc, rg.maxg, c / gc - rg.g0, g);
+        chunk_products<BF16, MT, R>(part, xsum[0], wcur, xv);
+        if (++in_group == gc || c + 1 == rg.c_end) {
+          close_group<BF16, MT, R>(acc, part, xsum[0], my_sc, rg.maxg, gi++, g);
+          in_group = 0;
+        }
       }
     }
   }
@@ -325,7 +342,7 @@ __global__ void __launch_bounds__(256) w4_gemv_async(
   for (int r = 0; r < R; ++r) wp[r] = qw + ((size_t)(rb * R + r) * NC) * 32 + lane;
   auto issue = [&](int c) {
     if (c < rg.c_end) {
-      const int slot = (c - rg.c_begin) % D;
+      const int slot = (c - rg.c_begin) & (D - 1);
 #pragma unroll
       for (int r = 0; r < R; ++r) cp_async16(ring + (slot * R + r) * 32 + lane, wp[r] + (size_t)c * 32);
     }
@@ -335,20 +352,25 @@ __global__ void __launch_bounds__(256) w4_gemv_async(
   for (int s = 0; s < D - 1; ++s) issue(rg.c_begin + s);
   load_scales<R>(my_sc, sc, rg, G, rb, lane);
 
-  float acc[R][MT][4], part[R][MT][4];
+  float acc[R][MT][4], part[R][MT][4], xsum[1][MT][4];
   zero(acc);
   zero(part);
+  zero(xsum);
+  int in_group = 0, gi = 0;
   for (int c = rg.c_begin; c < rg.c_end; ++c) {
     uint4 xv[MT][2];
     load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
     issue(c + D - 1);  // into the slot chunk c - 1 was read from
     cp_async_wait<D - 1>();
-    const int slot = (c - rg.c_begin) % D;
+    const int slot = (c - rg.c_begin) & (D - 1);
     uint4 w[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) w[r] = ring[(slot * R + r) * 32 + lane];
-    chunk_products<BF16, MT, R>(part, w, xv);
-    if ((c + 1) % gc == 0 || c + 1 == rg.c_end) close_group(acc, part, my_sc, rg.maxg, c / gc - rg.g0, g);
+    chunk_products<BF16, MT, R>(part, xsum[0], w, xv);
+    if (++in_group == gc || c + 1 == rg.c_end) {
+      close_group<BF16, MT, R>(acc, part, xsum[0], my_sc, rg.maxg, gi++, g);
+      in_group = 0;
+    }
   }
   cp_async_wait<0>();
   finish<BF16, MT, R>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy);

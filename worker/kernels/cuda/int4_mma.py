@@ -9,6 +9,7 @@ per-device scratch and cuBLAS. Tilings per (N, K) come from `MMA_DECODE_TILINGS`
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,8 @@ class MmaTiling:
     mode: int = 1
 
 
-# Measured per weight shape at M = 8 on one H200 (bench/kernels/int4.py).
+# Per weight shape, filled from the GPU's tuning file (worker/kernels/tuning; measured at M = 8
+# by `python -m bench.kernels.int4_mma --write-tuning`).
 MMA_DECODE_TILINGS: dict[tuple[int, int], MmaTiling] = {}
 
 
@@ -133,6 +135,8 @@ def gemv(
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()
     t = tiling or MMA_DECODE_TILINGS.get((n, k)) or default_tiling(n, k, group_size)
+    if m > 32 and t.rows == 2:  # 8 token groups x 2 tiles spill registers: one tile per CTA
+        t = dataclasses.replace(t, rows=1)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = arrivals = None
     if t.splits > 1:
