@@ -4,9 +4,11 @@ prompts (system + the conversation so far + the new user turn) run at once. The 
 with the cache off, then on (one engine each, the same model), reporting per run: TTFT p50 of
 turns >= 2, aggregate output tok/s, and for turns >= 2 three fractions of the prompt tokens:
 `shared` (what an earlier turn of the conversation already held: system + history),
-`reachable` (the part of it a resume can use: prefilled tokens up to the last DeltaNet state
-checkpoint, since decoded tokens and the tail past a checkpoint are computed again) and
-`reported` (usage.cached_tokens).
+`reachable` (the part of it a resume can use, `resume_bound`: the previous turn's computed
+tokens, i.e. its prompt and answer less the answer's last token, which was sampled and never
+fed, rounded down to a KV block, where that sequence left its tail DeltaNet state checkpoint)
+and `reported` (usage.cached_tokens). `reported` equals `reachable` unless a checkpoint or KV
+block was evicted; `shared` exceeds it by under a block per turn.
 
     PYTHONPATH=. python3 -m bench.engine.suite --sections prefix_cache --budget-s 300
 """
@@ -42,12 +44,24 @@ def workload(vocab: int, seed: int, scale: int = 1) -> tuple[list[int], list[lis
     return system, users
 
 
+def resume_bound(prompt: int, answer: int, next_prompt: int, spacing: int, block: int) -> int:
+    """Tokens a next turn (`next_prompt` tokens, starting with the previous turn's `prompt` +
+    `answer`) resumes after: the previous sequence's deepest block boundary within its computed
+    tokens (all but the answer's last) that a step ended at, where it left its tail checkpoint:
+    any boundary past its prompt (decode steps end at each), else the prompt's own boundary if
+    its last chunk ended there, else its last spacing checkpoint (chunks end at each)."""
+    deepest = (prompt + answer - 1) // block * block
+    if deepest < prompt and deepest % spacing:
+        deepest = prompt // spacing * spacing
+    return min(deepest, (next_prompt - 1) // block * block)
+
+
 def run(
     engine: LLMEngine, system: list[int], users: list[list[list[int]]], output: int, ckpt: int
 ) -> dict[str, Any]:
     params = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True)
     history: list[list[int]] = [[] for _ in users]
-    prefilled: list[int] = [0] * len(users)  # tokens the previous turn prefilled
+    previous: list[tuple[int, int]] = [(0, 0)] * len(users)  # last turn's prompt, answer
     ttft: list[float] = []
     shared = reachable = reported = prompt_total = produced = 0
     sync(engine)
@@ -60,11 +74,10 @@ def run(
             if turn > 0:
                 ttft.append(out.metrics.ttft or 0.0)
                 shared += len(system) + len(history[c])
-                step = ckpt * BLOCK
-                reachable += prefilled[c] // step * step
+                reachable += resume_bound(*previous[c], len(prompts[c]), ckpt * BLOCK, BLOCK)
                 reported += out.usage.cached_tokens
                 prompt_total += len(prompts[c])
-            prefilled[c] = len(prompts[c])
+            previous[c] = (len(prompts[c]), len(out.new_token_ids))
             history[c] = history[c] + users[c][turn] + list(out.new_token_ids)
     sync(engine)
     wall = time.perf_counter() - began

@@ -183,6 +183,145 @@ def test_a_cache_without_copyable_state_never_resumes():
     assert out.new_token_ids == greedy_reference(prompt, 8)
 
 
+# --- multi-turn conversations: the next turn resumes after the previous answer -----------------
+
+
+def resume_bound(prompt: list[int], answer: list[int], block_size: int = 4) -> int:
+    """Where a next turn (prompt + answer + more) resumes: the previous sequence computed every
+    token but its answer's last (sampled, never fed), rounded down to a block boundary."""
+    return (len(prompt) + len(answer) - 1) // block_size * block_size
+
+
+def converse(engine: LLMEngine, conversations: list[list[list[int]]], params: SamplingParams):
+    """Each turn's prompts (history + the next user turn) at once; per turn (prompts, outputs)."""
+    history: list[list[int]] = [[] for _ in conversations]
+    turns = []
+    for turn in range(len(conversations[0])):
+        prompts = [h + c[turn] for h, c in zip(history, conversations, strict=True)]
+        outs = engine.generate(prompts, params)
+        turns.append((prompts, outs))
+        history = [p + list(o.new_token_ids) for p, o in zip(prompts, outs, strict=True)]
+    return turns
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_next_turn_resumes_after_the_previous_answer(overlap):
+    # a 19-token first prompt and 10-token answers: 28 tokens computed, a block boundary
+    # (4-token blocks) where no spacing checkpoint (every 8 tokens) sits
+    system = tokens(14, 40)
+    turns = [system + tokens(5, 41), tokens(5, 42), tokens(7, 43)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    pad = dict(pad_decode=True, overlap_decode=True) if overlap else {}
+    results = {}
+    for on in (False, True):
+        engine, _ = make_engine(enable_prefix_caching=on, **pad)
+        assert engine.overlap_decode is overlap
+        results[on] = converse(engine, [turns], params)
+    previous = None
+    for (prompts, outs), (_, outs_off) in zip(results[True], results[False], strict=True):
+        [prompt], [out], [off] = prompts, outs, outs_off
+        assert out.new_token_ids == off.new_token_ids == greedy_reference(prompt, 10)
+        assert off.usage.cached_tokens == 0
+        if previous is None:
+            assert out.usage.cached_tokens == 0
+        else:
+            assert prompt[: len(previous[0]) + 10] == previous[0] + previous[1]
+            assert out.usage.cached_tokens == resume_bound(*previous)
+        previous = (prompt, out.new_token_ids)
+    assert [o.usage.cached_tokens for _, [o] in results[True]] == [0, 28, 40]
+
+
+def test_a_tail_at_the_prompt_end_serves_a_short_answer():
+    # a 16-token prompt (a block boundary, not a spacing one: every 12 tokens) and a 2-token
+    # answer: 17 computed; the deepest boundary is the prompt's end, where its last chunk ended
+    engine, _ = make_engine(prefix_checkpoint_blocks=3)
+    prompt = tokens(16, 44)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    first = run_one(engine, prompt, params)
+    follow = prompt + first.new_token_ids + tokens(3, 45)
+    out = run_one(engine, follow, params)
+    assert out.usage.cached_tokens == 16 == resume_bound(prompt, first.new_token_ids)
+    assert out.new_token_ids == greedy_reference(follow, 2)
+
+
+@pytest.mark.parametrize(
+    "num_conversations, num_kv_blocks, max_num_seqs, exact",
+    [
+        # turn 3 outgrows the KV pool (preemption); turns start with the previous ones' blocks
+        # cached, and checkpoints are overwritten (4 slots: 2 tails, 2 keyed), yet each turn's
+        # tail survives until the next: every turn resumes exactly at its bound
+        (2, 18, 2, True),
+        # 6 conversations through 22 blocks and 4 checkpoint slots: most prefixes are evicted
+        (6, 22, 3, False),
+    ],
+)
+def test_conversations_under_preemption_and_eviction_keep_outputs_exact(
+    num_conversations, num_kv_blocks, max_num_seqs, exact
+):
+    conversations = [
+        [tokens(9, 50 + c)] + [tokens(3, 60 + 3 * c + t) for t in range(2)]
+        for c in range(num_conversations)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    sizes = dict(num_kv_blocks=num_kv_blocks, max_model_len=64, max_num_seqs=max_num_seqs)
+    results = {}
+    for on in (False, True):
+        engine, _ = make_engine(
+            enable_prefix_caching=on, prefix_checkpoint_slots=4, max_num_batched_tokens=16, **sizes
+        )
+        results[on] = converse(engine, conversations, params)
+        assert engine.block_manager.num_used_blocks == 0
+        if on:
+            checkpoints = engine.scheduler.checkpoints
+            assert checkpoints.num_held == 0  # every tail keyed or given back
+            assert checkpoints.num_evicted > 0 and engine.block_manager.num_evicted > 0
+    preempted = 0
+    for turn, ((prompts, outs), (_, outs_off)) in enumerate(
+        zip(results[True], results[False], strict=True)
+    ):
+        for c, (prompt, out, off) in enumerate(zip(prompts, outs, outs_off, strict=True)):
+            assert out.new_token_ids == off.new_token_ids == greedy_reference(prompt, 9)
+            preempted += out.metrics.num_preemptions
+            if turn:
+                before_prompt, before = results[True][turn - 1][0][c], results[True][turn - 1][1][c]
+                bound = resume_bound(before_prompt, before.new_token_ids)
+                assert (
+                    out.usage.cached_tokens == bound if exact else out.usage.cached_tokens <= bound
+                )
+    assert preempted > 0
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_tiny_hybrid_conversations_resume_after_their_answers():
+    from worker.models import build_random
+
+    config = presets.PRESETS["tiny-qwen3.5"]
+    model = build_random(config, "cpu", torch.float64, seed=2)
+    rng = random.Random(3)
+
+    def some(n: int) -> list[int]:
+        return [rng.randrange(config.vocab_size) for _ in range(n)]
+
+    system = some(11)
+    conversations = [[system + some(2 + c), some(3), some(4)] for c in range(2)]
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    sizes = dict(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, num_kv_blocks=40)
+    results = {}
+    for on in (False, True):
+        engine, _ = make_engine(model, **sizes, enable_prefix_caching=on)
+        results[on] = converse(engine, conversations, params)
+    for turn, ((_, outs), (_, outs_off)) in enumerate(
+        zip(results[True], results[False], strict=True)
+    ):
+        for c, (out, off) in enumerate(zip(outs, outs_off, strict=True)):
+            assert out.new_token_ids == off.new_token_ids
+            if turn:
+                before_prompt, before = results[True][turn - 1][0][c], results[True][turn - 1][1][c]
+                assert out.usage.cached_tokens == resume_bound(before_prompt, before.new_token_ids)
+            else:  # run side by side: the system prompt is not cached yet
+                assert out.usage.cached_tokens == 0
+
+
 # --- the block manager and the checkpoint pool --------------------------------------------------
 
 
@@ -242,6 +381,25 @@ def test_checkpoint_pool_is_lru_with_its_own_budget():
     assert 12 not in pool and pool.get(13) == 6 and len(pool) == 2
 
 
+def test_tail_checkpoints_are_held_then_keyed():
+    pool = StateCheckpoints(first=10, num_slots=4)
+    assert pool.max_held == 2
+    assert pool.put(1) == 10 and pool.put(2) == 11
+    a, b = pool.hold(), pool.hold()
+    assert {a, b} == {12, 13} and pool.hold() is None  # at most half the pool is held
+    assert pool.put(3) == 10  # keyed ones are overwritten LRU first; held ones never
+    assert pool.put(4) == 11 and pool.put(5) == 10 and pool.num_held == 2
+    pool.bind(a, 6)
+    assert pool.get(6) == a and pool.num_held == 1 and len(pool) == 3
+    pool.bind(b, 5)  # 5 has a checkpoint already: b goes back free
+    assert pool.num_held == 0 and pool.get(5) == 10
+    assert pool.hold() == b
+    pool.release(b)
+    assert pool.num_held == 0 and pool.put(7) == b and 4 in pool
+    # a pool of one slot has no room for tails
+    assert StateCheckpoints(first=0, num_slots=1).hold() is None
+
+
 # --- real tiny models ---------------------------------------------------------------------------
 
 presets = pytest.importorskip("worker.models.presets")
@@ -283,8 +441,9 @@ def test_overlapped_decode_registers_only_settled_tokens():
     follow = prompt + first.new_token_ids + [5]  # a next turn: prompt, answer, more
     out = run_one(engine, follow)
     assert out.new_token_ids == greedy_reference(follow, 8)
-    # checkpoints are taken in prefills only: the one at 8 (16 was reached while decoding)
-    assert out.usage.cached_tokens == 8
+    # the first request's tail checkpoint: 13 + 8 - 1 = 20 tokens computed (its last token was
+    # sampled, never fed), a block boundary reached while decoding with a token in flight
+    assert out.usage.cached_tokens == 20
     # but the KV blocks of the answer's settled tokens are registered and match
     blocks, _ = engine.block_manager.match(Sequence(99, "x", follow, GREEDY), len(follow) - 1)
     assert len(blocks) >= 4
@@ -333,3 +492,64 @@ def test_the_backend_salts_the_prefix_cache_by_tenant(tokenizer) -> None:  # noq
 
     first, again, other = asyncio.run(run())
     assert first == 0 and again > 0 and other == 0
+
+
+@pytest.mark.parametrize(
+    "pairs",
+    [[(0, 3)], [(0, 3), (1, 4), (2, 5)], [(0, 3), (3, 4)], [(0, 3), (1, 3)]],
+    ids=["one", "batched", "chained", "same-destination"],
+)
+def test_model_cache_copies_state_slots_in_order(pairs):
+    from worker.models import build_random
+
+    model = build_random(presets.PRESETS["tiny-qwen3.5"], "cpu", torch.float32, seed=0)
+    cache = model.allocate_cache(2, 4, 6, torch.float32, "cpu", state_dtype=torch.float32)
+    states = [e for e in cache.layers if hasattr(e, "recurrent_state")]
+    assert states
+    for e in states:
+        e.recurrent_state.copy_(torch.randn_like(e.recurrent_state))
+        e.conv_state.copy_(torch.randn_like(e.conv_state))
+    expected = []
+    for e in states:  # the reference: one copy after another
+        r, c = e.recurrent_state.clone(), e.conv_state.clone()
+        for src, dst in pairs:
+            r[dst], c[dst] = r[src], c[src]
+        expected.append((r, c))
+    cache.copy_state_slots(pairs)
+    for e, (r, c) in zip(states, expected, strict=True):
+        assert torch.equal(e.recurrent_state, r) and torch.equal(e.conv_state, c)
+
+
+@pytest.mark.parametrize(
+    "scale",
+    [pytest.param(1, marks=pytest.mark.slow, id="full-size"), pytest.param(4, id="quarter")],
+)
+def test_the_multi_turn_bench_reports_its_bound(scale):
+    """bench/engine/multi_turn.py's workload through the engine config it runs on the GPU (16
+    conversations x 6 turns, 16-token blocks): the reported cached fraction is exactly the
+    bench's `reachable` (nothing evicted), each turn 16 tokens short of the shared prefix."""
+    from bench.engine import multi_turn as bench
+
+    system, users = bench.workload(VOCAB, seed=0, scale=scale)
+    ckpt = bench.CHECKPOINT_BLOCKS // scale
+    config = EngineConfig(
+        block_size=bench.BLOCK,
+        max_num_seqs=bench.CONVERSATIONS,
+        max_num_batched_tokens=8192,
+        max_model_len=16_384,
+        enable_prefix_caching=True,
+        prefix_checkpoint_blocks=ckpt,
+        prefix_checkpoint_slots=4 * bench.CONVERSATIONS,
+    )
+    engine = LLMEngine(CheckpointFake(), None, config)
+    point = bench.run(engine, system, users, bench.OUTPUT // scale, ckpt)
+    assert point["reported_cached_fraction"] == point["reachable_fraction"]
+    prompts = sum(
+        len(system) + t * (len(users[0][0]) + bench.OUTPUT // scale) + len(users[0][0])
+        for t in range(1, bench.TURNS)
+    )
+    short = bench.BLOCK * (bench.TURNS - 1) / prompts
+    assert point["shared_fraction"] - point["reachable_fraction"] == pytest.approx(short)
+    if scale == 1:
+        assert point["shared_fraction"] == pytest.approx(0.8857, abs=1e-4)
+        assert point["reported_cached_fraction"] == pytest.approx(0.8821, abs=1e-4)

@@ -187,9 +187,13 @@ class EngineConfig:
     # and kept in an LRU once unheld, evicted only when the pool runs out. With DeltaNet layers
     # a prefix resumes only where a state checkpoint exists too: one every
     # prefix_checkpoint_blocks blocks (TOKENMILL_ENGINE_PREFIX_CHECKPOINT_BLOCKS; 32 = 512
-    # tokens at block_size 16), in a pool of prefix_checkpoint_slots state slots
-    # (TOKENMILL_ENGINE_PREFIX_CHECKPOINT_SLOTS; default max_num_seqs) beside the running ones.
-    # Prefill chunks end at checkpoint positions, so the spacing is also the longest chunk.
+    # tokens at block_size 16; prefill chunks end there, so the spacing is also the longest
+    # chunk), and each sequence's tail one, at the last block boundary it computed (its answer
+    # included), kept when it stops running. They share a pool of prefix_checkpoint_slots state
+    # slots beside the running ones (TOKENMILL_ENGINE_PREFIX_CHECKPOINT_SLOTS; default 2 x
+    # max_num_seqs: a tail per running sequence and as many keyed; at most half are tails), each
+    # one sequence's DeltaNet state: 74.8 MiB for the 27B shape with 16-bit state, the KV of
+    # 2,394 FP8 tokens; on a GPU the pool comes out of the KV budget.
     enable_prefix_caching: bool = False
     prefix_checkpoint_blocks: int = 32
     prefix_checkpoint_slots: int | None = None

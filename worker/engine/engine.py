@@ -128,7 +128,8 @@ class LLMEngine:
         self.num_checkpoint_slots = 0
         if config.enable_prefix_caching:
             slots = config.prefix_checkpoint_slots
-            self.num_checkpoint_slots = config.max_num_seqs if slots is None else max(0, slots)
+            default = 2 * config.max_num_seqs  # a tail per running sequence, as many keyed
+            self.num_checkpoint_slots = default if slots is None else max(0, slots)
         num_blocks, num_compressed = self._kv_pool()
         staging = None
         if self.kv_staging_bits is not None:
@@ -510,6 +511,8 @@ class LLMEngine:
             return self._settle() + self._fail(batch, f"{type(exc).__name__}: {exc}")
         index = [e.seq.num_output_tokens for e in batch.decodes]
         self.scheduler.complete(batch, [PENDING_TOKEN] * len(batch.decodes))
+        # tail checkpoints: queued behind the step on the device, so they copy its state
+        self.runner.copy_states(batch.state_saves)
         previous, self._in_flight = self._in_flight, _InFlight(batch, tokens, index)
         return self._settle(previous) if previous is not None else []
 

@@ -30,10 +30,22 @@ itself is preempted. No admissions happen in a step that preempted.
 Prefix caching (the block manager's `prefix_caching`): a sequence being admitted with nothing
 computed first takes the cached blocks of its longest cached prefix and starts computing after
 them (at least its last token is always computed, for the logits). A model with DeltaNet layers
-(`needs_state`) can only resume where a state checkpoint exists too: checkpoints are taken at
-every `checkpoint_blocks` blocks, so a prefill chunk never crosses such a position without
-ending there (the state after it is then copied into a checkpoint slot after the step,
-`ScheduledBatch.state_saves`), and a hit resumes at the deepest position with both, copying the
+(`needs_state`) can only resume where a state checkpoint exists too, taken two ways, each a
+copy of the sequence's state slot into a checkpoint slot after the step
+(`ScheduledBatch.state_saves`):
+
+- spacing checkpoints, every `checkpoint_blocks` blocks: a prefill chunk never crosses such a
+  position without ending there, and the checkpoint is keyed by that prefix's chain hash at
+  once (sequences running side by side share a system prompt through these);
+- a tail checkpoint per running sequence: every step that ends at a block boundary (a prefill
+  chunk, or a decode whose token completes a block) copies the state into the sequence's one
+  held slot again, and when the sequence stops running (finished, aborted, preempted) that
+  slot is keyed by the chain hash of the prefix it holds. A finished sequence that computed c
+  tokens thus leaves the state at c // block_size * block_size, its answer included, whenever
+  that boundary is past its prompt or a chunk end (a next turn of a conversation resumes
+  there, not at the last spacing checkpoint of the previous prompt).
+
+A hit resumes at the deepest block with both a cached KV block and a checkpoint, copying the
 checkpoint into the sequence's slot before the step (`state_restores`).
 """
 
@@ -214,9 +226,7 @@ class Scheduler:
             return blocks, hashes, None
         if self.checkpoints is None:
             return [], [], None
-        for k in range(
-            len(blocks) - len(blocks) % self.checkpoint_blocks, 0, -self.checkpoint_blocks
-        ):
+        for k in range(len(blocks), 0, -1):  # tail checkpoints sit at any block boundary
             slot = self.checkpoints.get(hashes[k - 1])
             if slot is not None:
                 return blocks[:k], hashes[:k], slot
@@ -276,6 +286,18 @@ class Scheduler:
         (batch.decodes if entry.is_decode else batch.prefills).append(entry)
 
     def _release(self, seq: Sequence) -> None:
+        if self.block_manager.prefix_caching:
+            # blocks whose last tokens settled after the last step are registered before free,
+            # so they stay cached (and name the tail checkpoint's prefix)
+            self.block_manager.register(seq)
+        if seq.checkpoint_slot is not None:
+            assert self.checkpoints is not None
+            blocks = seq.checkpoint_tokens // self.block_manager.block_size
+            if 0 < blocks <= len(seq.block_hashes):
+                self.checkpoints.bind(seq.checkpoint_slot, seq.block_hashes[blocks - 1])
+            else:  # tokens it was computed from were dropped (computed past a stop)
+                self.checkpoints.release(seq.checkpoint_slot)
+            seq.checkpoint_slot, seq.checkpoint_tokens = None, 0
         self.block_manager.free(seq)
         if seq.state_slot is not None:
             self.state_slots.free(seq.state_slot)
@@ -305,14 +327,24 @@ class Scheduler:
         every = self._checkpoint_tokens
         if not every:
             return
-        for entry in batch.prefills:
-            seq, blocks = entry.seq, entry.end // self.block_manager.block_size
-            if entry.end % every or len(seq.block_hashes) < blocks or seq.state_slot is None:
+        assert self.checkpoints is not None
+        block_size = self.block_manager.block_size
+        for entry in batch.entries:
+            seq, end = entry.seq, entry.end
+            if end % block_size or seq.state_slot is None or seq.is_finished:
                 continue
-            assert self.checkpoints is not None
-            slot = self.checkpoints.put(seq.block_hashes[blocks - 1])
-            if slot is not None:
-                batch.state_saves.append((seq.state_slot, slot))
+            blocks = end // block_size
+            if not entry.is_decode and end % every == 0 and len(seq.block_hashes) >= blocks:
+                slot = self.checkpoints.put(seq.block_hashes[blocks - 1])
+                if slot is not None:
+                    batch.state_saves.append((seq.state_slot, slot))
+            # the tail: keyed later, when the tokens before it are all known (a decode step's
+            # input may still be in flight)
+            if seq.checkpoint_slot is None:
+                seq.checkpoint_slot = self.checkpoints.hold()
+            if seq.checkpoint_slot is not None:
+                batch.state_saves.append((seq.state_slot, seq.checkpoint_slot))
+                seq.checkpoint_tokens = end
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Stop serving `seq` (done, aborted or failed) and free what it holds."""

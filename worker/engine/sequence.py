@@ -113,6 +113,10 @@ class Sequence:
         # tokens the first admission took from the cache instead of computing them
         self.block_hashes: list[int] = []
         self.num_cached_tokens = 0
+        # Its tail checkpoint while running (StateCheckpoints.hold): the slot holding a copy of
+        # its DeltaNet state after its first `checkpoint_tokens` tokens (a block boundary)
+        self.checkpoint_slot: int | None = None
+        self.checkpoint_tokens = 0
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None  # seeded sampling, made on first use
         # worker.structured.GrammarState of a constrained sequence (set by the engine)

@@ -143,8 +143,24 @@ class ModelCache:
         for each (src, dst) in order (prefix caching's state checkpoints)."""
         if not pairs:
             return
+        srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
+        # Independent copies (no slot written twice or read after it is written) go as one
+        # gather + scatter per tensor: a batch of tail checkpoints costs a fixed number of
+        # launches, not 2 per layer per copy.
+        batched = len(pairs) > 1 and len(set(dsts)) == len(dsts) and not set(dsts) & set(srcs)
+        index = None
         for e in self.layers:
             if not isinstance(e, DeltaNetState):
+                continue
+            if batched:
+                if index is None:
+                    device = e.recurrent_state.device
+                    index = (
+                        torch.tensor(srcs, dtype=torch.int64).to(device, non_blocking=True),
+                        torch.tensor(dsts, dtype=torch.int64).to(device, non_blocking=True),
+                    )
+                for t in (e.recurrent_state, e.conv_state):
+                    t.index_copy_(0, index[1], t.index_select(0, index[0]))
                 continue
             for src, dst in pairs:
                 e.recurrent_state[dst].copy_(e.recurrent_state[src])
