@@ -87,7 +87,7 @@ def test_chunked_scoring_equals_one_window_prefill_and_staging_moves_it(tiny):
 
 def test_gate_runs_every_mode_and_applies_its_rules(tiny):
     result = pk.gate(tiny, CharTokenizer(), [400], 2, ppl_tokens=300, chunk=128)
-    assert set(result["passkey"]) == {"16-bit", "staged"}
+    assert set(result["passkey"]) == {"16-bit", "fp8", "staged"}
     assert set(result["checks"]) == {"passkey@400", "perplexity"}
     ppl = result["perplexity"]
     assert ppl["fp8"] > 1 and ppl["staged"] > 1
