@@ -109,8 +109,12 @@ __device__ __forceinline__ void cp_async_wait() {
 struct Range {
   int g0, g1, c_begin, c_end, maxg;
 };
+// IL (interleaved): the CTA's range is cut by gridDim.y only and its warps take its chunks in
+// turn (warp w reads chunks w, w + W, ...), so at each step the CTA reads one contiguous run.
+template <bool IL>
 __device__ __forceinline__ Range warp_range(int NC, int gc, int W, int warp) {
-  const int G = (NC + gc - 1) / gc, P = gridDim.y * W, p = blockIdx.y * W + warp;
+  const int G = (NC + gc - 1) / gc, P = gridDim.y * (IL ? 1 : W);
+  const int p = blockIdx.y * (IL ? 1 : W) + (IL ? 0 : warp);
   Range r;
   r.g0 = (int)((long long)G * p / P);
   r.g1 = (int)((long long)G * (p + 1) / P);
@@ -121,16 +125,18 @@ __device__ __forceinline__ Range warp_range(int NC, int gc, int W, int warp) {
 }
 
 // The warp's scales, rows (g, g + 8) of each tile per group, into its smem [R][maxg][16].
-template <int R>
+template <int R, bool IL>
 __device__ __forceinline__ void load_scales(__half* my_sc, const __half* __restrict__ sc,
                                             const Range& rg, int G, int rb, int lane) {
   const int per_tile = (rg.g1 - rg.g0) * 16;
-  for (int idx = lane; idx < R * per_tile; idx += 32) {
+  const int first = IL ? (int)threadIdx.x : lane, step = IL ? (int)blockDim.x : 32;
+  for (int idx = first; idx < R * per_tile; idx += step) {
     const int r = idx / per_tile, rest = idx % per_tile;
     const int gi = rest / 16, row = rest % 16;
     my_sc[(r * rg.maxg + gi) * 16 + row] = sc[((size_t)(rb * R + r) * G + rg.g0 + gi) * 16 + row];
   }
-  __syncwarp();
+  if (IL) __syncthreads();
+  else __syncwarp();
 }
 
 // x's B operands for chunk c: lane (g, t) reads token mt * 8 + g at k = 64 c + 8 t (16 bytes)
@@ -267,54 +273,70 @@ __device__ __forceinline__ void zero(float (&a)[R][MT][4]) {
       for (int q = 0; q < 4; ++q) a[r][mt][q] = 0.f;
 }
 
+// A warp's chunks: first, first + step, ... below rg.c_end (IL: its turn among the CTA's warps).
+// Scales: per warp [R][maxg][16] (each warp its own groups) or, IL, per CTA (all warps share).
+// gshift: log2(chunks per group), used when IL (its chunks change group every step).
+#define TM_WARP_CHUNKS                                                                    \
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;        \
+  const int g = lane >> 2, t = lane & 3, rb = blockIdx.x;                                 \
+  const int NC = K >> 6, G = (NC + gc - 1) / gc;                                          \
+  const Range rg = warp_range<IL>(NC, gc, W, warp);                                       \
+  const int first = rg.c_begin + (IL ? warp : 0), step = IL ? W : 1;                      \
+  const uint4* wp[R];                                                                     \
+  _Pragma("unroll") for (int r = 0; r < R; ++r) wp[r] = qw + ((size_t)(rb * R + r) * NC) * 32 + lane;
+
+template <bool BF16, int MT, int R, bool IL>
+__device__ __forceinline__ void after_chunk(float (&acc)[R][MT][4], float (&part)[R][MT][4],
+                                            float (&xsum)[MT][4], const __half* my_sc,
+                                            const Range& rg, int c, int gc, int gshift,
+                                            int& in_group, int& gi, int g) {
+  if (IL) {
+    close_group<BF16, MT, R>(acc, part, xsum, my_sc, rg.maxg, (c >> gshift) - rg.g0, g);
+  } else if (++in_group == gc || c + 1 == rg.c_end) {
+    close_group<BF16, MT, R>(acc, part, xsum, my_sc, rg.maxg, gi++, g);
+    in_group = 0;
+  }
+}
+
 // Register pipeline: MT token groups of 8 (M <= 8 MT), R row tiles per CTA, D chunks of weight
 // in flight per warp in registers (16-byte loads that skip L1).
-template <bool BF16, int MT, int R, int D>
+template <bool BF16, int MT, int R, int D, bool IL>
 __global__ void __launch_bounds__(256) w4_gemv_regs(
     const uint4* __restrict__ qw, const __half* __restrict__ sc,
     const typename Num<BF16>::T* __restrict__ x, typename Num<BF16>::T* __restrict__ y,
     float* __restrict__ ws, int* __restrict__ arrivals, int M, int N, int K, int ldx, int ldy,
-    int gc) {
+    int gc, int gshift) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
-  const int g = lane >> 2, t = lane & 3, rb = blockIdx.x;
-  const int NC = K >> 6, G = (NC + gc - 1) / gc;
-  const Range rg = warp_range(NC, gc, W, warp);
-  __half* my_sc = reinterpret_cast<__half*>(smem) + (size_t)warp * R * rg.maxg * 16;
-  const uint4* wp[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) wp[r] = qw + ((size_t)(rb * R + r) * NC) * 32 + lane;
+  TM_WARP_CHUNKS
+  __half* my_sc = reinterpret_cast<__half*>(smem) + (IL ? 0 : (size_t)warp * R * rg.maxg * 16);
 
   uint4 wbuf[D][R];
 #pragma unroll
   for (int s = 0; s < D; ++s)
-    if (rg.c_begin + s < rg.c_end)
+    if (first + s * step < rg.c_end)
 #pragma unroll
-      for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(rg.c_begin + s) * 32);
-  load_scales<R>(my_sc, sc, rg, G, rb, lane);
+      for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(first + s * step) * 32);
+  load_scales<R, IL>(my_sc, sc, rg, G, rb, lane);
 
   float acc[R][MT][4], part[R][MT][4], xsum[1][MT][4];
   zero(acc);
   zero(part);
   zero(xsum);
   int in_group = 0, gi = 0;  // chunk within its group, group index from g0: no divisions
-  for (int base = rg.c_begin; base < rg.c_end; base += D) {
+  for (int base = first; base < rg.c_end; base += D * step) {
 #pragma unroll
     for (int s = 0; s < D; ++s) {
-      const int c = base + s;
+      const int c = base + s * step;
       if (c < rg.c_end) {
         uint4 wcur[R], xv[MT][2];
 #pragma unroll
         for (int r = 0; r < R; ++r) wcur[r] = wbuf[s][r];
         load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
-        if (c + D < rg.c_end)
+        if (c + D * step < rg.c_end)
 #pragma unroll
-          for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(c + D) * 32);
+          for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(c + D * step) * 32);
         chunk_products<BF16, MT, R>(part, xsum[0], wcur, xv);
-        if (++in_group == gc || c + 1 == rg.c_end) {
-          close_group<BF16, MT, R>(acc, part, xsum[0], my_sc, rg.maxg, gi++, g);
-          in_group = 0;
-        }
+        after_chunk<BF16, MT, R, IL>(acc, part, xsum[0], my_sc, rg, c, gc, gshift, in_group, gi, g);
       }
     }
   }
@@ -323,54 +345,47 @@ __global__ void __launch_bounds__(256) w4_gemv_regs(
 
 // cp.async pipeline: each lane copies its own 16-byte quads (L2 -> smem, no registers held,
 // not tracked by L1) D - 1 chunks ahead into the warp's ring [D][R][32].
-template <bool BF16, int MT, int R, int D>
+template <bool BF16, int MT, int R, int D, bool IL>
 __global__ void __launch_bounds__(256) w4_gemv_async(
     const uint4* __restrict__ qw, const __half* __restrict__ sc,
     const typename Num<BF16>::T* __restrict__ x, typename Num<BF16>::T* __restrict__ y,
     float* __restrict__ ws, int* __restrict__ arrivals, int M, int N, int K, int ldx, int ldy,
-    int gc) {
+    int gc, int gshift) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
-  const int g = lane >> 2, t = lane & 3, rb = blockIdx.x;
-  const int NC = K >> 6, G = (NC + gc - 1) / gc;
-  const Range rg = warp_range(NC, gc, W, warp);
+  TM_WARP_CHUNKS
   uint4* ring = reinterpret_cast<uint4*>(smem) + (size_t)warp * D * R * 32;
   __half* my_sc = reinterpret_cast<__half*>(reinterpret_cast<uint4*>(smem) + (size_t)W * D * R * 32) +
-                  (size_t)warp * R * rg.maxg * 16;
-  const uint4* wp[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) wp[r] = qw + ((size_t)(rb * R + r) * NC) * 32 + lane;
-  auto issue = [&](int c) {
+                  (IL ? 0 : (size_t)warp * R * rg.maxg * 16);
+  auto issue = [&](int n) {  // the warp's n-th chunk
+    const int c = first + n * step;
     if (c < rg.c_end) {
-      const int slot = (c - rg.c_begin) & (D - 1);
+      const int slot = n & (D - 1);
 #pragma unroll
       for (int r = 0; r < R; ++r) cp_async16(ring + (slot * R + r) * 32 + lane, wp[r] + (size_t)c * 32);
     }
     cp_async_commit();  // empty groups keep the count uniform
   };
 #pragma unroll
-  for (int s = 0; s < D - 1; ++s) issue(rg.c_begin + s);
-  load_scales<R>(my_sc, sc, rg, G, rb, lane);
+  for (int s = 0; s < D - 1; ++s) issue(s);
+  load_scales<R, IL>(my_sc, sc, rg, G, rb, lane);
 
   float acc[R][MT][4], part[R][MT][4], xsum[1][MT][4];
   zero(acc);
   zero(part);
   zero(xsum);
   int in_group = 0, gi = 0;
-  for (int c = rg.c_begin; c < rg.c_end; ++c) {
+  int n = 0;
+  for (int c = first; c < rg.c_end; c += step, ++n) {
     uint4 xv[MT][2];
     load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
-    issue(c + D - 1);  // into the slot chunk c - 1 was read from
+    issue(n + D - 1);  // into the slot chunk n - 1 was read from
     cp_async_wait<D - 1>();
-    const int slot = (c - rg.c_begin) & (D - 1);
+    const int slot = n & (D - 1);
     uint4 w[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) w[r] = ring[(slot * R + r) * 32 + lane];
     chunk_products<BF16, MT, R>(part, xsum[0], w, xv);
-    if (++in_group == gc || c + 1 == rg.c_end) {
-      close_group<BF16, MT, R>(acc, part, xsum[0], my_sc, rg.maxg, gi++, g);
-      in_group = 0;
-    }
+    after_chunk<BF16, MT, R, IL>(acc, part, xsum[0], my_sc, rg, c, gc, gshift, in_group, gi, g);
   }
   cp_async_wait<0>();
   finish<BF16, MT, R>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy);
@@ -417,17 +432,20 @@ __global__ void w4_dequant_kernel(const uint4* __restrict__ qw, const __half* __
   o1[4] = reinterpret_cast<uint4*>(hi)[1];
 }
 
-template <bool BF16, int MT, int R, int D, bool ASYNC>
+template <bool BF16, int MT, int R, int D, bool ASYNC, bool IL>
 int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                 int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits,
                 cudaStream_t stream) {
   using T = typename Num<BF16>::T;
-  const int NC = K / 64, G = (NC + gc - 1) / gc, P = splits * warps, maxg = (G + P - 1) / P;
-  const size_t sc_bytes = (size_t)warps * R * maxg * 16 * sizeof(__half);
+  const int NC = K / 64, G = (NC + gc - 1) / gc, P = splits * (IL ? 1 : warps);
+  const int maxg = (G + P - 1) / P;
+  if (IL && (gc & (gc - 1))) return -1;  // interleaved chunks find their group by a shift
+  const int gshift = __builtin_ctz(gc);
+  const size_t sc_bytes = (size_t)(IL ? 1 : warps) * R * maxg * 16 * sizeof(__half);
   const size_t ring_bytes = ASYNC ? (size_t)warps * D * R * 32 * 16 : 0;
   const size_t red_bytes = (size_t)warps * R * MT * 4 * 32 * sizeof(float);
   const size_t bytes = ring_bytes + sc_bytes > red_bytes ? ring_bytes + sc_bytes : red_bytes;
-  auto kernel = ASYNC ? w4_gemv_async<BF16, MT, R, D> : w4_gemv_regs<BF16, MT, R, D>;
+  auto kernel = ASYNC ? w4_gemv_async<BF16, MT, R, D, IL> : w4_gemv_regs<BF16, MT, R, D, IL>;
   if (bytes > 48 * 1024) {
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
@@ -437,20 +455,26 @@ int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws
   kernel<<<grid, warps * 32, bytes, stream>>>(
       static_cast<const uint4*>(qw), static_cast<const __half*>(sc), static_cast<const T*>(x),
       static_cast<T*>(y), static_cast<float*>(ws), static_cast<int*>(arrivals), M, N, K, ldx, ldy,
-      gc);
+      gc, gshift);
   return (int)cudaGetLastError();
 }
 
-// depth: 2 or 4 register-held chunks (mode 0), 4 or 8 smem ring slots (mode 1).
+// mode: 0 register pipeline (depth 2 or 4), 1 cp.async ring (depth 4 or 8); + 2: interleaved
+// chunks (the CTA's warps take turns along one run).
 template <bool BF16, int MT, int R>
 int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                  int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
                  int mode, cudaStream_t s) {
-#define TM_GEMV(D, ASYNC) \
-  launch_gemv<BF16, MT, R, D, ASYNC>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, \
-                                     splits, s)
-  if (mode == 1) return depth >= 8 ? TM_GEMV(8, true) : TM_GEMV(4, true);
-  return depth >= 4 ? TM_GEMV(4, false) : TM_GEMV(2, false);
+#define TM_GEMV(D, ASYNC, IL) \
+  launch_gemv<BF16, MT, R, D, ASYNC, IL>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, \
+                                         warps, splits, s)
+  switch (mode) {
+    case 0: return depth >= 4 ? TM_GEMV(4, false, false) : TM_GEMV(2, false, false);
+    case 1: return depth >= 8 ? TM_GEMV(8, true, false) : TM_GEMV(4, true, false);
+    case 2: return depth >= 4 ? TM_GEMV(4, false, true) : TM_GEMV(2, false, true);
+    case 3: return depth >= 8 ? TM_GEMV(8, true, true) : TM_GEMV(4, true, true);
+    default: return -1;
+  }
 #undef TM_GEMV
 }
 
@@ -475,7 +499,7 @@ extern "C" {
 // y[M, N] = x[M, K] @ W^T. Returns a cudaError_t (0: launched; -1: bad arguments).
 // rows_per_cta 1 or 2 (N a multiple of 16 * rows_per_cta); warps 1..8; splits >= 1 (> 1 needs
 // ws and arrivals, zeroed, sized N / 16 * MT * 128 floats and N / 16 ints); mode 0 (register
-// pipeline, depth 2 or 4) or 1 (cp.async ring, depth 4 or 8).
+// pipeline, depth 2 or 4) or 1 (cp.async ring, depth 4 or 8), + 2 for interleaved chunks.
 int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                int M, int N, int K, int ldx, int ldy, int gc, int bf16, int rows_per_cta,
                int warps, int splits, int depth, int mode, void* stream) {

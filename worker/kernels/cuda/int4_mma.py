@@ -30,7 +30,9 @@ class MmaTiling:
     """How one (N, K) weight is cut: `rows` 16-row tiles per CTA (1 or 2), `warps` per CTA
     splitting its K, `splits` CTAs per row block splitting K (> 1: an fp32 workspace and the last
     CTA writes), `mode` 0 (weights loaded into registers, `depth` 2 or 4 chunks in flight per
-    warp) or 1 (cp.async into a shared-memory ring of `depth` 4 or 8 chunks per warp)."""
+    warp) or 1 (cp.async into a shared-memory ring of `depth` 4 or 8 chunks per warp), plus 2
+    for interleaved chunks (the CTA's warps take turns along one contiguous run; groups of a
+    power-of-two multiple of 64)."""
 
     rows: int = 2
     warps: int = 8
