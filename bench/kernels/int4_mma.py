@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     began = time.perf_counter()
     int4_mma._library(torch.device("cuda"))
     report["build_s"] = time.perf_counter() - began
+    start = time.perf_counter()  # the budget is for measuring, not for the build
     report["copy_gb_s"] = copy_bandwidth() / 1e9
     bandwidth = report["copy_gb_s"] * 1e9
     report["decode"] = {}

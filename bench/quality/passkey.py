@@ -16,7 +16,7 @@ TurboQuant K/V codes past each sequence's anchor and window pages).
 
     python -m bench.quality.passkey                          # the full gate (hours on a 2-core CPU)
     python -m bench.quality.passkey --lengths 2048 --trials 4 --ppl-tokens 2048   # a quick look
-    python -m bench.quality.passkey --device cuda --lengths 4096 8176 --batch 20  # on a GPU
+    python -m bench.quality.passkey --device cuda --lengths 4096 8176 --ppl-tokens 8000 --batch 20  # on a GPU
 
 On a GPU the weights are bf16 (fp32 on a CPU) and the KV pool is sized as on a CPU (room for
 `--batch` whole sequences; staged: their recent pages plus as many compressed), not from the

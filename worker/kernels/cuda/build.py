@@ -52,6 +52,12 @@ def load(source: Path, arch: str) -> ctypes.CDLL:
         ).stdout
         digest = hashlib.sha256(source.read_bytes() + version.encode() + arch.encode()).hexdigest()
         out = cache_dir() / f"{source.stem}-sm{arch}-{digest[:16]}.so"
+        if out.exists():
+            try:
+                lib = _loaded[key] = ctypes.CDLL(str(out))
+                return lib
+            except OSError:  # built on another machine whose libraries differ: rebuild here
+                out.unlink(missing_ok=True)
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
