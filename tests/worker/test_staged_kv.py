@@ -347,6 +347,11 @@ def test_triton_staged_decode_mixed_pages(fraction: float):
     check_staged_decode("cpu", [5, 70, 33], fraction, 4, 2, 64, 4)
 
 
+def test_triton_staged_decode_three_kv_heads():
+    """SmolLM2's shape: 9 query heads over 3 KV heads, 16-token pages."""
+    check_staged_decode("cpu", [40, 70], 0.6, 9, 3, 64, 16)
+
+
 def test_triton_staged_decode_split_partitions():
     check_staged_decode("cpu", [150, 9], 0.5, 6, 2, 64, 8, partition=64)
 
@@ -365,6 +370,15 @@ def test_triton_staged_prefill_via_scratch():
     want = reference.staged_attention_prefill(q, cache, cu, ctx, tables, positions, 0.125)
     got = tq_kernels.staged_attention_prefill(q, cache, cu, ctx, tables, positions, 0.125)
     assert rel_err(got, want) < 2e-2
+
+
+def test_triton_scratch_pages_of_three_kv_heads():
+    """SmolLM2's 3 KV heads: a page's rows (block_size x 3) are not a power of two."""
+    tq_kernels = triton_module()
+    cache, tables, _ = staged_case([9, 20], 0.5, 3, 3, 64, 4)
+    keys, values, _ = tq_kernels.staged_scratch(cache, tables, torch.float32)
+    want_k, want_v, _ = reference.staged_scratch(cache, tables, torch.float32)
+    assert rel_err(keys, want_k) < 1e-5 and rel_err(values, want_v) < 1e-5
 
 
 # ---------------------------------------------------------------- the 27B shape on a GPU

@@ -392,6 +392,7 @@ def _scratch_kernel(
     num_recent,
     D: tl.constexpr,
     ROWS: tl.constexpr,  # block_size * Hkv
+    ROWS_P: tl.constexpr,  # ROWS rounded up to a power of two (e.g. 3 KV heads)
     K_BITS: tl.constexpr,
     V_BITS: tl.constexpr,
     PDL: tl.constexpr,
@@ -401,21 +402,22 @@ def _scratch_kernel(
     e = tl.program_id(0)
     page = tl.load(block_tables + e)
     packed = page >= num_recent
-    r = tl.arange(0, ROWS)
+    r = tl.arange(0, ROWS_P)
+    valid = r < ROWS
     offs_d = tl.arange(0, D)
-    comp = tl.full([ROWS], 0, tl.int32) + packed.to(tl.int32) > 0
-    plain = ~comp
+    comp = (tl.full([ROWS_P], 0, tl.int32) + packed.to(tl.int32) > 0) & valid
+    plain = (~comp) & valid
     row = page.to(tl.int64) * ROWS + r
     crow = tl.where(comp, (page - num_recent).to(tl.int64) * ROWS + r, 0)
     dst = (e.to(tl.int64) * ROWS + r)[:, None] * D + offs_d[None, :]
     k_plain = tl.load(k_cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0)
     k_comp = _dequant_tile(k_codes, k_norms, k_centroids, crow, comp, D, K_BITS)
     k = tl.where(comp[:, None], k_comp, k_plain.to(tl.float32) * k_scale)
-    tl.store(k_out + dst, k.to(k_out.dtype.element_ty))
+    tl.store(k_out + dst, k.to(k_out.dtype.element_ty), mask=valid[:, None])
     v_plain = tl.load(v_cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0)
     v_comp = _dequant_tile(v_codes, v_norms, v_centroids, crow, comp, D, V_BITS)
     v = tl.where(comp[:, None], v_comp, v_plain.to(tl.float32) * v_scale)
-    tl.store(v_out + dst, v.to(v_out.dtype.element_ty))
+    tl.store(v_out + dst, v.to(v_out.dtype.element_ty), mask=valid[:, None])
 
 
 def staged_scratch(
@@ -426,8 +428,6 @@ def staged_scratch(
     batch, width = block_tables.shape
     _, block_size, hkv, dim = cache.k_cache.shape
     rows = block_size * hkv
-    if triton.next_power_of_2(rows) != rows:
-        raise ValueError(f"unsupported page shape {tuple(cache.k_cache.shape)}")
     shape = (batch * width, block_size, hkv, dim)
     keys = torch.empty(shape, dtype=dtype, device=block_tables.device)
     values = torch.empty_like(keys)
@@ -452,6 +452,7 @@ def staged_scratch(
         cache.num_recent_blocks,
         D=dim,
         ROWS=rows,
+        ROWS_P=triton.next_power_of_2(rows),
         K_BITS=cache.k_bits,
         V_BITS=cache.v_bits,
         num_warps=4,
