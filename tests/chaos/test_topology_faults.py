@@ -104,8 +104,14 @@ def assert_exact(
     )
     print(summary, f"quota {settled.overshoot}")
     assert not load.hung, f"hung: {load.hung[:3]}; {summary}"
-    # >= 5% of the requests admitted hung up (HANG_UP of the streams, 3 in 5 requests)
-    assert count["hung_up"] >= 0.05 * (len(load.outcomes) - count["refused"]), summary
+    # Hang-ups among the requests admitted (not those that reached no gateway: a connection
+    # refused by a dead one has no id): HANG_UP of the streams, 3 in 5 requests, 7.2%; at least
+    # the expected count less 3 standard deviations of its binomial spread (~5% of the ~1,100
+    # requests most faults admit; a dead gateway's test admits half as many).
+    admitted = len([o for o in load.outcomes if o.request_id and o.result != "refused"])
+    share = HANG_UP * ROUTES.count("chat_stream") / len(ROUTES)
+    expected = admitted * share
+    assert count["hung_up"] >= expected - 3 * (expected * (1 - share)) ** 0.5, summary
     assert report.requests >= count["ok"], summary
     assert not report.mismatches and report.pending == 0, summary
     assert report.match_rate == 1.0, summary
