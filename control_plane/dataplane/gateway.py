@@ -24,8 +24,8 @@ exact. A worker that dies mid-stream (its heartbeat stops, or no worker accepts 
 `accept_timeout_s`) is billed for what was delivered and reported `worker_lost`. A gateway that
 dies before billing leaves the request unbilled (nothing shows it reached the client); its
 workers stop generating for it within the gateway lease (see `worker.serve`), and
-`tokenmill reconcile` lists it as gateway lost, its generated tokens as waste. Requests refused before dispatch ran nothing and are not
-metered.
+`tokenmill reconcile` lists it as gateway lost, its generated tokens as waste. Requests
+refused before dispatch ran nothing and are not metered.
 
 Size: The gateway's side of one request from dispatch to bill (relay, conclude, report) in one
 module, so that the billing rule, what was delivered, reads in one place.

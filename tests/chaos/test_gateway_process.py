@@ -1,6 +1,6 @@
-"""`tokenmill serve` processes, stopped and killed around requests: a SIGTERM flushes the
-delivery reports still batched; a SIGKILL mid-stream leaves the worker to notice the silent
-gateway, stop within the bound and record the waste, with nothing billed. Read straight from
+"""`tokenmill serve` processes, stopped and killed around requests: the bill carries its
+delivery record and waits for no batch; a SIGKILL mid-stream leaves the worker to notice the
+silent gateway, stop within the bound and record the waste, with nothing billed. Read straight from
 the usage stream (the projectors ran in the dead process)."""
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class Install:
             "TOKENMILL_DATABASE_URL": database_url,
             "TOKENMILL_ADMIN_TOKEN": ADMIN,
             "TOKENMILL_STREAM_PREFIX": self.prefix,
-            # Completed answers are reported in batches this far apart: only a flush gets them out.
+            # Completed answers reach the outcome listeners in batches this far apart: the bill
+            # and its delivery record must not wait for them.
             "TOKENMILL_GATEWAY_REPORT_EVERY_S": "30",
             "TOKENMILL_GATEWAY_WORKER_DEAD_S": "1",
         }
@@ -111,7 +112,7 @@ async def usage_events(install: Install, within: float, until: Any) -> list[Any]
         await nc.close()
 
 
-def test_sigterm_flushes_reports_and_sigkill_stops_the_workers_generation(
+def test_the_bill_carries_its_delivery_and_sigkill_stops_the_workers_generation(
     install: Install,
 ) -> None:
     gateway = install.serve()
@@ -126,8 +127,8 @@ def test_sigterm_flushes_reports_and_sigkill_stops_the_workers_generation(
         assert time.monotonic() < deadline, r.text
         time.sleep(0.2)
     done = r.headers["x-request-id"]
-    # Stopped right after: the bill, with its delivery record in it, is out (or goes out on
-    # the way down).
+    # Stopped right after: the bill, its delivery record in it, is out (or goes out on the way
+    # down), with no delivery record apart.
     gateway.send_signal(signal.SIGTERM)
     gateway.wait(timeout=15)
     events = asyncio.run(

@@ -239,8 +239,9 @@ def large_quota(tmp_path: Path) -> Iterator[Topology]:
 
 @pytest.mark.timeout(900)
 def test_every_fault_in_turn_over_10000_requests(large_quota: Topology) -> None:
-    """The faults of one node in turn (the gateway's aside, see above) under one load: more
-    than 10,000 requests reach a worker, and they all reconcile exactly."""
+    """The faults of one node in turn (a gateway's SIGKILL aside: its clients fail from then
+    on, see test_gateway_sigkill_the_other_serves) under one load: more than 10,000 requests
+    reach a worker, and they all reconcile exactly."""
     top = large_quota
 
     def restart_projector() -> None:
