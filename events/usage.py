@@ -1,6 +1,9 @@
-"""Usage events, three independent records per dispatched request: what the worker generated
-(WorkerGenerated), what the gateway wrote to the client (GatewayDelivered), and the bill
-(RequestFinished, from the gateway: what was delivered). Reconciliation compares them.
+"""Usage events, three records per dispatched request: what the worker generated
+(WorkerGenerated), what the gateway wrote to the client (its `Delivery`), and the bill
+(RequestFinished, from the gateway: what was delivered). The gateway's delivery record travels
+inside its bill (`RequestFinished.delivered`), so a gateway that dies loses both or neither;
+GatewayDelivered is the delivery record older gateways published on its own. Reconciliation
+compares them.
 
 Evolve only by adding fields with defaults (msgspec decodes old messages unchanged)."""
 
@@ -31,6 +34,21 @@ class _RequestCounts(msgspec.Struct, kw_only=True, frozen=True):
     finish_reason: FinishReason
 
 
+class Delivery(msgspec.Struct, kw_only=True, frozen=True):
+    """What the gateway wrote to the client's connection, as the gateway records it: carried in
+    the bill it publishes in the same message (projected into `gateway_deliveries`), so that no
+    bill is ever stored without its delivery record."""
+
+    gateway_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: FinishReason
+    client_disconnected: bool = False
+    # The worker stopped answering (the gateway billed what it had delivered, and has no
+    # worker count to compare with).
+    worker_lost: bool = False
+
+
 class RequestFinished(_RequestCounts, tag="request.finished", kw_only=True, frozen=True):
     """The bill: the tokens delivered to the client. Published by the gateway that answered
     the request (older workers published it themselves). Dedupe id: `req:<request_id>`."""
@@ -42,6 +60,9 @@ class RequestFinished(_RequestCounts, tag="request.finished", kw_only=True, froz
     # Completion tokens the worker generated that never reached the client (it hung up, the
     # stream failed): not billed, counted here and in tokenmill_unbilled_waste_tokens_total.
     unbilled_waste_tokens: int = 0
+    # The gateway's delivery record (None from gateways and workers that published it apart,
+    # as GatewayDelivered, or not at all).
+    delivered: Delivery | None = None
 
 
 class WorkerGenerated(_RequestCounts, tag="worker.generated", kw_only=True, frozen=True):
@@ -50,6 +71,9 @@ class WorkerGenerated(_RequestCounts, tag="worker.generated", kw_only=True, froz
 
     # The worker stopped because the request's gateway went silent (see worker.serve).
     gateway_lost: bool = False
+    # The gateway that dispatched the request ("" from older workers): reconciliation tells a
+    # gateway that died from one that left a request unreported.
+    gateway_id: str = ""
     ttft_ms: float | None = None
     e2e_ms: float
     started_at: datetime
@@ -57,7 +81,9 @@ class WorkerGenerated(_RequestCounts, tag="worker.generated", kw_only=True, froz
 
 
 class GatewayDelivered(msgspec.Struct, tag="gateway.delivered", kw_only=True, frozen=True):
-    """Published by the gateway: the tokens it relayed to the client. Dedupe id: `gw:<request_id>`."""
+    """The delivery record as older gateways published it, apart from the bill (batched, so a
+    killed gateway could lose it while its bill survived); still projected. Dedupe id:
+    `gw:<request_id>`."""
 
     schema_version: int = 1
     request_id: str

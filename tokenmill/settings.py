@@ -225,8 +225,9 @@ class GatewaySettings:
     silence_timeout_s: float = field(
         default_factory=lambda: env_float("TOKENMILL_GATEWAY_SILENCE_TIMEOUT_S", 300.0)
     )
-    # TOKENMILL_GATEWAY_REPORT_EVERY_S: ended requests are reported (GatewayDelivered,
-    # outcome listeners) together this often (see `Gateway._report_ended`); 0: each at once.
+    # TOKENMILL_GATEWAY_REPORT_EVERY_S: ended requests are reported to the outcome listeners
+    # (metrics) together this often (see `Gateway._report_ended`); 0: each at once. The bill
+    # and its delivery record are not batched.
     report_every_s: float = field(
         default_factory=lambda: env_float("TOKENMILL_GATEWAY_REPORT_EVERY_S", 0.05)
     )
@@ -239,7 +240,9 @@ class GatewaySettings:
     reservations_every_s: float = field(
         default_factory=lambda: env_float("TOKENMILL_GATEWAY_RESERVATIONS_EVERY_S", 1.0)
     )
-    # TOKENMILL_GATEWAY_ID: this replica's id in GatewayDelivered; default host-pid-random.
+    # TOKENMILL_GATEWAY_ID: this replica's id in its delivery records and its requests; default
+    # host-pid-random. Give each process its own: reconciliation reads a gateway id that
+    # reports again later as a gateway still alive (pricing.reconcile.metering).
     gateway_id: str = field(
         default_factory=lambda: (
             os.environ.get("TOKENMILL_GATEWAY_ID")

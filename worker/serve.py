@@ -255,6 +255,7 @@ class Worker:
             # the bill knows no "tool_calls": the model stopped by itself
             finish_reason="stop" if state.finish_reason == "tool_calls" else state.finish_reason,
             gateway_lost=state.gateway_lost,
+            gateway_id=request.gateway_id,
             ttft_ms=None
             if state.first_token_at is None
             else (state.first_token_at - t0 + admitted_lag) * 1000,

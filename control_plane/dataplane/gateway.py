@@ -3,16 +3,18 @@ reached the client, exactly once, whatever happens to the client or the worker.
 
 Billing follows delivery
 ------------------------
-Each dispatched request leaves three independent records on the usage stream:
+Each dispatched request leaves three records on the usage stream, in two messages:
 
 - `WorkerGenerated` (`wk:<request_id>`, from the worker): the tokens it generated;
-- `GatewayDelivered` (`gw:<request_id>`, from this gateway): the tokens written to the
-  client's connection (a stream's chunks handed to the socket; a whole answer's body; 0 for an
-  error answer), reported in batches (see `_report_ended`);
 - `RequestFinished` (`req:<request_id>`, from this gateway, published at once): the bill, the
   delivered tokens, with the completion tokens generated but not delivered as
   `unbilled_waste_tokens`. Prompt tokens are billed when anything was delivered (a token, or a
   whole answer); a request answered with an error before any token bills nothing.
+- its `delivered` (a `Delivery`, in the same message): the gateway's delivery record, the
+  tokens written to the client's connection (a stream's chunks handed to the socket; a whole
+  answer's body; 0 for an error answer). One message, so a gateway killed at any moment
+  leaves a request with both or neither: never a bill without its delivery record (older
+  gateways batched it apart, as GatewayDelivered, and a kill could lose it alone).
 
 Only the gateway bills, once per request id: JetStream's dedupe window
 (`StreamLayout.usage_dedupe_window_s`, 2 h) drops retries and the ledger's unique request id
@@ -22,8 +24,8 @@ exact. A worker that dies mid-stream (its heartbeat stops, or no worker accepts 
 `accept_timeout_s`) is billed for what was delivered and reported `worker_lost`. A gateway that
 dies before billing leaves the request unbilled (nothing shows it reached the client); its
 workers stop generating for it within the gateway lease (see `worker.serve`), and
-`tokenmill reconcile` lists it. Requests refused before dispatch ran nothing and are not
-metered.
+`tokenmill reconcile` lists it as gateway lost, its generated tokens as waste. Requests
+refused before dispatch ran nothing and are not metered.
 
 Size: The gateway's side of one request from dispatch to bill (relay, conclude, report) in one
 module, so that the billing rule, what was delivered, reads in one place.
@@ -55,8 +57,8 @@ from control_plane.dataplane.dispatch import (
 )
 from events.publish import UsagePublisher
 from events.usage import (
+    Delivery,
     FinishReason,
-    GatewayDelivered,
     RequestFinished,
     UsageEvent,
 )
@@ -120,8 +122,8 @@ class Gateway:
         )
         self._listeners: list[OutcomeListener] = []
         self._background: set[asyncio.Task[object]] = set()
-        # Ended requests not yet reported (see `_report_ended`).
-        self._ended: list[tuple[Outcome, GatewayDelivered]] = []
+        # Ended requests not yet reported to the outcome listeners (see `_report_ended`).
+        self._ended: list[Outcome] = []
         self._reporting: asyncio.Task[None] | None = None
         self._leasing: asyncio.Task[None] | None = None
 
@@ -137,8 +139,8 @@ class Gateway:
             self._reporting = asyncio.create_task(self._report_ended())
 
     async def close(self, within: float = 10.0) -> None:
-        """Reports the ended requests still waiting and lets in-flight usage publications
-        finish (they retry until acked)."""
+        """Reports the ended requests still waiting to the listeners and lets in-flight usage
+        publications finish (they retry until acked)."""
         if self._reporting is not None:
             self._reporting.cancel()
         self._report_now()
@@ -213,41 +215,32 @@ class Gateway:
         finished_at = datetime.now(UTC)
         if relay.reservation is not None:
             relay.reservation.finish(prompt, cached, delivered)
-        self._publish(self._bill(outcome, prompt, cached, relay.started_at, finished_at))
-        self._after(
-            outcome,
-            GatewayDelivered(
-                request_id=d.request_id,
-                tenant_id=d.request.tenant_id,
-                key_id=d.request.key_id,
-                sku_id=d.request.sku_id,
-                gateway_id=self.gateway_id,
-                prompt_tokens=prompt,
-                completion_tokens=delivered,
-                finish_reason=reason,
-                client_disconnected=client_disconnected,
-                finished_at=finished_at,
-                worker_lost=worker_lost,
-            ),
+        record = Delivery(
+            gateway_id=self.gateway_id,
+            prompt_tokens=prompt,
+            completion_tokens=delivered,
+            finish_reason=reason,
+            client_disconnected=client_disconnected,
+            worker_lost=worker_lost,
         )
+        self._publish(self._bill(outcome, prompt, cached, relay.started_at, finished_at, record))
+        self._after(outcome)
 
-    def _after(self, outcome: Outcome, delivered: GatewayDelivered) -> None:
+    def _after(self, outcome: Outcome) -> None:
         # Batching pays off only for an answer whose client goes on to its next request; any
-        # other end (a hang-up, an error) is reported at once, so a kill loses less.
-        quiet = delivered.client_disconnected or delivered.finish_reason in ("cancelled", "error")
+        # other end (a hang-up, an error) has no next request waiting, so it is reported at once.
+        quiet = outcome.client_disconnected or outcome.finish_reason in ("cancelled", "error")
         if quiet or self._reporting is None or self._reporting.done():
-            self._report([(outcome, delivered)])
+            self._report([outcome])
         else:
-            self._ended.append((outcome, delivered))
+            self._ended.append(outcome)
 
     async def _report_ended(self) -> None:
-        """Ended requests are reported (GatewayDelivered published, outcome listeners called)
-        together every `report_every_s`, not each as it ends. A streamed request ends when its
-        client is about to send the next one: work done then (the listeners' metrics, the
-        event's JetStream write and ack, the projector's read and Postgres insert, all on the
-        same few cores) runs exactly while that next request waits for its first token.
-        Nothing is billed from these (the bill, RequestFinished, is published at once);
-        reconciliation reads them seconds later."""
+        """Ended requests are reported to the outcome listeners (metrics) together every
+        `report_every_s`, not each as it ends. A streamed request ends when its client is about
+        to send the next one: work done then runs exactly while that next request waits for
+        its first token. No record waits here: the bill and its delivery record go out at once,
+        in one message (`_conclude`)."""
         while True:
             await asyncio.sleep(self.settings.report_every_s)
             self._report_now()
@@ -256,9 +249,8 @@ class Gateway:
         ended, self._ended = self._ended, []
         self._report(ended)
 
-    def _report(self, ended: list[tuple[Outcome, GatewayDelivered]]) -> None:
-        for outcome, delivered in ended:
-            self._publish(delivered)
+    def _report(self, ended: list[Outcome]) -> None:
+        for outcome in ended:
             for listener in self._listeners:
                 try:
                     listener(outcome)
@@ -267,7 +259,12 @@ class Gateway:
 
     @staticmethod
     def _bill(
-        o: Outcome, prompt: int, cached: int, started_at: datetime, finished_at: datetime
+        o: Outcome,
+        prompt: int,
+        cached: int,
+        started_at: datetime,
+        finished_at: datetime,
+        delivered: Delivery,
     ) -> RequestFinished:
         r = o.request
         return RequestFinished(
@@ -286,6 +283,7 @@ class Gateway:
             started_at=started_at,
             finished_at=finished_at,
             unbilled_waste_tokens=o.unbilled_waste_tokens,
+            delivered=delivered,
         )
 
     def _publish(self, event: UsageEvent) -> None:

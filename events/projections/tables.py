@@ -195,6 +195,10 @@ class WorkerGenerationRow(SQLModel, table=True):
     gateway_lost: bool = Field(sa_type=Boolean)
     finished_at: datetime = Field(sa_type=TIMESTAMPTZ)
     stream_seq: int = Field(sa_type=BigInteger)
+    # The gateway that dispatched it ("" from older workers; see pricing.reconcile.metering).
+    gateway_id: str = Field(
+        default="", sa_type=Text, sa_column_kwargs={"server_default": text("''"), "info": ADDED}
+    )
 
 
 # -- the projector's bookkeeping -----------------------------------------------------------

@@ -1,6 +1,7 @@
 """The usage ledger: one row per request (from RequestFinished, the bill: what was delivered),
-one per gateway delivery (GatewayDelivered) and one per worker generation (WorkerGenerated),
-the last two for reconciliation.
+one per gateway delivery (the bill's `delivered`, or an older gateway's GatewayDelivered) and
+one per worker generation (WorkerGenerated), the last two for reconciliation. A bill and the
+delivery record it carries are written in the same transaction.
 
 Ingest is the hot path of the projections: a batch is COPYed into an unlogged-per-session
 staging table and moved with one INSERT ... ON CONFLICT DO NOTHING, so a request id that
@@ -86,6 +87,23 @@ class UsageLedgerProjection:
                         e.unbilled_waste_tokens,
                     )
                 )
+                if (d := e.delivered) is not None:
+                    deliveries.append(
+                        (
+                            e.request_id,
+                            e.tenant_id,
+                            e.key_id,
+                            e.sku_id,
+                            d.gateway_id,
+                            d.prompt_tokens,
+                            d.completion_tokens,
+                            d.finish_reason,
+                            d.client_disconnected,
+                            e.finished_at,
+                            seq,
+                            d.worker_lost,
+                        )
+                    )
             elif isinstance(e, GatewayDelivered):
                 deliveries.append(
                     (
@@ -117,6 +135,7 @@ class UsageLedgerProjection:
                         e.gateway_lost,
                         e.finished_at,
                         seq,
+                        e.gateway_id,
                     )
                 )
         if ledger:

@@ -13,10 +13,11 @@ from pricing.reconcile.billing import (
     check_billing,
     check_rebuild,
 )
-from pricing.reconcile.metering import Mismatch, Report, main, reconcile
+from pricing.reconcile.metering import GatewayLost, Mismatch, Report, main, reconcile
 
 __all__ = [
     "BillingCheck",
+    "GatewayLost",
     "Mismatch",
     "RebuildCheck",
     "ReconciliationReport",

@@ -132,7 +132,10 @@ class ReconciliationReport:
                 "delivered_completion_tokens": m.delivered_completion_tokens,
                 "generated_completion_tokens": m.generated_completion_tokens,
                 "unbilled_waste_tokens": m.unbilled_waste_tokens,
+                "gateway_lost": len(m.gateway_lost),
+                "gateway_lost_completion_tokens": m.gateway_lost_tokens,
                 "mismatches": [x.__dict__ for x in m.mismatches[:50]],
+                "gateway_lost_requests": [x.__dict__ for x in m.gateway_lost[:50]],
             },
             "billing": [
                 {**c.__dict__, "billed_percent": str(c.billed_percent)} for c in self.billing

@@ -1,6 +1,7 @@
 """A gateway that goes silent mid-stream (its NATS connection closes, as when its process
 dies): the worker stops generating within the lease bound, records what it generated as
-waste, and nothing is billed beyond what was delivered (here: nothing, no gateway billed)."""
+waste, and nothing is billed beyond what was delivered (here: nothing, no gateway billed);
+reconciliation classifies it as gateway lost."""
 
 from __future__ import annotations
 
@@ -57,8 +58,11 @@ async def test_a_dead_gateways_requests_stop_on_the_worker(stack: Stack) -> None
         "SELECT count(*) FROM usage_ledger WHERE request_id = $1", request_id
     )
     assert billed == 0
-    # Reconciliation lists it: generated, neither delivered nor billed.
+    # Reconciliation lists it as gateway lost (not a mismatch): generated, neither delivered
+    # nor billed, its tokens counted as waste.
     report = await reconcile(stack.services.pool, grace=timedelta(0))
-    (m,) = [m for m in report.mismatches if m.request_id == request_id]
-    assert "gateway went silent" in m.problem
+    assert request_id not in [m.request_id for m in report.mismatches]
+    (lost,) = [g for g in report.gateway_lost if g.request_id == request_id]
+    assert lost.lease_stopped and lost.gateway_id == stack.plane.gateway.gateway_id
+    assert lost.generated_completion_tokens == row["completion_tokens"]
     assert report.unbilled_waste_tokens >= row["completion_tokens"]

@@ -1,6 +1,6 @@
-"""`tokenmill serve` processes, stopped and killed around requests: a SIGTERM flushes the
-delivery reports still batched; a SIGKILL mid-stream leaves the worker to notice the silent
-gateway, stop within the bound and record the waste, with nothing billed. Read straight from
+"""`tokenmill serve` processes, stopped and killed around requests: the bill carries its
+delivery record and waits for no batch; a SIGKILL mid-stream leaves the worker to notice the
+silent gateway, stop within the bound and record the waste, with nothing billed. Read straight from
 the usage stream (the projectors ran in the dead process)."""
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class Install:
             "TOKENMILL_DATABASE_URL": database_url,
             "TOKENMILL_ADMIN_TOKEN": ADMIN,
             "TOKENMILL_STREAM_PREFIX": self.prefix,
-            # Completed answers are reported in batches this far apart: only a flush gets them out.
+            # Completed answers reach the outcome listeners in batches this far apart: the bill
+            # and its delivery record must not wait for them.
             "TOKENMILL_GATEWAY_REPORT_EVERY_S": "30",
             "TOKENMILL_GATEWAY_WORKER_DEAD_S": "1",
         }
@@ -111,7 +112,7 @@ async def usage_events(install: Install, within: float, until: Any) -> list[Any]
         await nc.close()
 
 
-def test_sigterm_flushes_reports_and_sigkill_stops_the_workers_generation(
+def test_the_bill_carries_its_delivery_and_sigkill_stops_the_workers_generation(
     install: Install,
 ) -> None:
     gateway = install.serve()
@@ -126,15 +127,19 @@ def test_sigterm_flushes_reports_and_sigkill_stops_the_workers_generation(
         assert time.monotonic() < deadline, r.text
         time.sleep(0.2)
     done = r.headers["x-request-id"]
-    # Stopped right after: the batched delivery report goes out on the way down.
+    # Stopped right after: the bill, its delivery record in it, is out (or goes out on the way
+    # down), with no delivery record apart.
     gateway.send_signal(signal.SIGTERM)
     gateway.wait(timeout=15)
     events = asyncio.run(
         usage_events(
-            install, 10, lambda ev: any(isinstance(e, GatewayDelivered) and e.request_id == done for e in ev)
+            install, 10, lambda ev: any(isinstance(e, RequestFinished) and e.request_id == done for e in ev)
         )
     )  # fmt: skip
-    assert [e.completion_tokens for e in events if isinstance(e, GatewayDelivered) and e.request_id == done] == [3]  # fmt: skip
+    (bill,) = [e for e in events if isinstance(e, RequestFinished) and e.request_id == done]
+    assert bill.delivered is not None and bill.delivered.completion_tokens == bill.completion_tokens == 3  # fmt: skip
+    # and no delivery record apart from it
+    assert not [e for e in events if isinstance(e, GatewayDelivered)]
 
     # A new gateway; killed mid-stream.
     gateway = install.serve()

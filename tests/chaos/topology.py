@@ -10,7 +10,8 @@ token quota; `quota_overshoot` says how far its bill went past it.
 
 After a fault, `settle` waits for the three records of every request (worker, gateway,
 ledger) and returns the reconciliation (pricing.reconcile), with the requests the clients saw
-answered that the ledger lacks.
+answered that the ledger lacks (those of a gateway that died before billing them, which
+reconciliation lists as gateway lost, apart).
 """
 
 from __future__ import annotations
@@ -334,7 +335,8 @@ class Topology:
     async def settle(
         self, since: datetime, answered: list[str], within: float = 60.0, grace_s: float = 5.0
     ) -> Settled:
-        """Wait until nothing is pending and the ledger holds every request answered; the last
+        """Wait until nothing is pending and the ledger holds every request answered (but those
+        of a gateway that died before billing them: not billed, by policy); the last
         reconciliation, the answered requests the ledger lacks and the quota overshoot."""
         conn = await _connect_retrying(self.postgres.url, within)
         try:
@@ -347,11 +349,13 @@ class Topology:
                         "SELECT request_id FROM usage_ledger WHERE request_id = ANY($1)", answered
                     )
                 }
-                unbilled = sorted(set(answered) - billed)
+                lost = {g.request_id for g in report.gateway_lost}
+                unbilled = sorted(set(answered) - billed - lost)
                 if (report.pending == 0 and not unbilled) or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(1.0)
-            return Settled(report, unbilled, await self.quota_overshoot(conn))
+            answered_lost = sorted(set(answered) & lost)
+            return Settled(report, unbilled, await self.quota_overshoot(conn), answered_lost)
         finally:
             await conn.close()
 
@@ -387,8 +391,11 @@ class Overshoot:
 @dataclass
 class Settled:
     report: Report
-    unbilled: list[str]  # answered to a client, not in the ledger
+    unbilled: list[str]  # answered to a client, not in the ledger, nor gateway lost
     overshoot: Overshoot
+    # answered to a client, then its gateway died before billing it (reconciliation: gateway
+    # lost; not billed: nothing shows the client got it)
+    answered_lost: list[str] = field(default_factory=list)
 
     def problems(self) -> list[str]:
         out = [m.problem + f" ({m.request_id})" for m in self.report.mismatches[:10]]
@@ -396,6 +403,11 @@ class Settled:
             out.append(f"{self.report.pending} still pending")
         if self.unbilled:
             out.append(f"{len(self.unbilled)} answered but not billed: {self.unbilled[:5]}")
+        if self.report.gateway_lost:
+            out.append(
+                f"{len(self.report.gateway_lost)} gateway lost "
+                f"({len(self.answered_lost)} of them answered)"
+            )
         if self.overshoot.beyond_bound:
             out.append(f"quota {self.overshoot.quota} overshot: billed {self.overshoot.billed}")
         return out

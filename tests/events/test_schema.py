@@ -174,6 +174,7 @@ EXPECTED_COLUMNS = {
         "gateway_lost boolean NOT NULL",
         "finished_at timestamp with time zone NOT NULL",
         "stream_seq bigint NOT NULL",
+        "gateway_id text NOT NULL DEFAULT ''::text",
     ],
 }
 EXPECTED_INDEXES = [
@@ -240,12 +241,20 @@ async def test_created_schema_has_the_tables_columns_and_indexes(database_url: s
     assert indexes == EXPECTED_INDEXES
 
 
+# The columns added to the usage tables after they were first deployed.
+ADDED_COLUMNS = {
+    "usage_ledger": ("unbilled_waste_tokens",),
+    "gateway_deliveries": ("worker_lost",),
+    "worker_generations": ("gateway_id",),
+}
+
+
 async def test_an_older_database_catches_up(database_url: str) -> None:
     """Tables created before a column was added get it; the retired tenant_limits goes."""
     conn = await asyncpg.connect(database_url)
     try:
         old = {
-            name: [c for c in cols if c.split()[0] not in ("unbilled_waste_tokens", "worker_lost")]
+            name: [c for c in cols if c.split()[0] not in ADDED_COLUMNS.get(name, ())]
             for name, cols in EXPECTED_COLUMNS.items()
             if name in UsageLedgerProjection.tables
         }
