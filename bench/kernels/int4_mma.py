@@ -61,8 +61,7 @@ def candidates(n: int, k: int) -> list[MmaTiling]:
         for warps in (4, 8):
             for ctas_per_sm in (1, 2):
                 splits = max(1, min(-(-ctas_per_sm * 132 // blocks), groups // warps))
-                # each pipeline at its best depth so far, the interleaved ones at two
-                for depth, mode in ((2, 0), (4, 1), (2, 2), (4, 2), (4, 3), (8, 3)):
+                for depth, mode in ((2, 0), (4, 1), (2, 2), (4, 2)):  # the built variants
                     out.add(MmaTiling(rows, warps, splits, depth, mode))
     return sorted(out, key=lambda t: (t.mode, t.rows, t.warps, t.splits, t.depth))
 

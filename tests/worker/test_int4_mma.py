@@ -145,7 +145,16 @@ def test_cpu_models_keep_the_nibble_layout() -> None:
 @pytest.mark.parametrize("m", [1, 8, 13, 16, 24, 64])
 @pytest.mark.parametrize(("n", "k"), [(256, 512), (5120, 6144), (34816, 5120)])
 @pytest.mark.parametrize(
-    "tiling", [None, (1, 4, 1, 2, 0), (2, 8, 3, 4, 0), (2, 4, 2, 8, 1), (1, 8, 1, 4, 1)]
+    "tiling",
+    [
+        None,
+        (1, 4, 1, 2, 0),
+        (2, 8, 3, 2, 0),
+        (2, 4, 2, 4, 1),
+        (1, 8, 1, 4, 1),
+        (2, 8, 1, 2, 2),
+        (2, 4, 3, 4, 2),
+    ],
 )
 def test_gemv_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int, int] | None) -> None:
     from worker.kernels.cuda import int4_mma

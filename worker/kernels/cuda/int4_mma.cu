@@ -459,8 +459,10 @@ int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws
   return (int)cudaGetLastError();
 }
 
-// mode: 0 register pipeline (depth 2 or 4), 1 cp.async ring (depth 4 or 8); + 2: interleaved
-// chunks (the CTA's warps take turns along one run).
+// mode: 0 register pipeline (2 chunks in flight per warp), 1 cp.async ring (4 slots), 2 the
+// register pipeline with interleaved chunks (the CTA's warps take turns along one run; depth 2
+// or 4). The variants that lost on one H200 (deeper rings, interleaved cp.async) are not built:
+// each costs compile time at the worker's first start.
 template <bool BF16, int MT, int R>
 int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                  int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
@@ -469,10 +471,9 @@ int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* w
   launch_gemv<BF16, MT, R, D, ASYNC, IL>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, \
                                          warps, splits, s)
   switch (mode) {
-    case 0: return depth >= 4 ? TM_GEMV(4, false, false) : TM_GEMV(2, false, false);
-    case 1: return depth >= 8 ? TM_GEMV(8, true, false) : TM_GEMV(4, true, false);
+    case 0: return TM_GEMV(2, false, false);
+    case 1: return TM_GEMV(4, true, false);
     case 2: return depth >= 4 ? TM_GEMV(4, false, true) : TM_GEMV(2, false, true);
-    case 3: return depth >= 8 ? TM_GEMV(8, true, true) : TM_GEMV(4, true, true);
     default: return -1;
   }
 #undef TM_GEMV
@@ -488,7 +489,8 @@ int gemv_by_rows(const void* qw, const void* sc, const void* x, void* y, void* w
   if (M <= 8) return TM_ROWS(1);
   if (M <= 16) return TM_ROWS(2);
   if (M <= 32) return TM_ROWS(4);
-  return TM_ROWS(8);
+  if constexpr (R == 1) return TM_ROWS(8);
+  else return -1;  // 8 token groups x 2 tiles spill registers: callers use one tile per CTA
 #undef TM_ROWS
 }
 
@@ -498,8 +500,8 @@ extern "C" {
 
 // y[M, N] = x[M, K] @ W^T. Returns a cudaError_t (0: launched; -1: bad arguments).
 // rows_per_cta 1 or 2 (N a multiple of 16 * rows_per_cta); warps 1..8; splits >= 1 (> 1 needs
-// ws and arrivals, zeroed, sized N / 16 * MT * 128 floats and N / 16 ints); mode 0 (register
-// pipeline, depth 2 or 4) or 1 (cp.async ring, depth 4 or 8), + 2 for interleaved chunks.
+// ws and arrivals, zeroed, sized N / 16 * MT * 128 floats and N / 16 ints); mode 0, 1 or 2
+// (gemv_by_mode); M > 32 needs rows_per_cta 1.
 int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                int M, int N, int K, int ldx, int ldy, int gc, int bf16, int rows_per_cta,
                int warps, int splits, int depth, int mode, void* stream) {

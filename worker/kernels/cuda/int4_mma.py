@@ -29,15 +29,15 @@ KERNEL_SWITCH = "TOKENMILL_INT4_KERNEL"
 class MmaTiling:
     """How one (N, K) weight is cut: `rows` 16-row tiles per CTA (1 or 2), `warps` per CTA
     splitting its K, `splits` CTAs per row block splitting K (> 1: an fp32 workspace and the last
-    CTA writes), `mode` 0 (weights loaded into registers, `depth` 2 or 4 chunks in flight per
-    warp) or 1 (cp.async into a shared-memory ring of `depth` 4 or 8 chunks per warp), plus 2
-    for interleaved chunks (the CTA's warps take turns along one contiguous run; groups of a
-    power-of-two multiple of 64)."""
+    CTA writes), `mode` 0 (weights loaded into registers, 2 chunks in flight per warp), 1
+    (cp.async into a shared-memory ring of 4 chunks per warp) or 2 (the register pipeline with
+    interleaved chunks: the CTA's warps take turns along one contiguous run, `depth` 2 or 4
+    chunks in flight; groups of a power-of-two multiple of 64)."""
 
     rows: int = 2
     warps: int = 8
     splits: int = 1
-    depth: int = 8
+    depth: int = 4
     mode: int = 1
 
 
