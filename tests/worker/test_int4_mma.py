@@ -133,8 +133,18 @@ def test_cpu_models_keep_the_nibble_layout() -> None:
     """On CPU the registry picks the reference for int4_mma_linear: nothing is repacked."""
     model = nn.Sequential(Int4Linear.from_linear(nn.Linear(128, 32), 128))
     assert ops.select("int4_mma_linear", torch.device("cpu"), torch.bfloat16).name == "reference"
-    assert use_mma_kernels(model, torch.bfloat16) == 0
+    assert use_mma_kernels(model, torch.bfloat16, 8) == 0
     assert model[0].layout == NIBBLE
+
+
+def test_the_kernel_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.kernels.cuda import int4_mma
+
+    monkeypatch.setenv("TOKENMILL_INT4_KERNEL", "cutlass")
+    with pytest.raises(ValueError, match="auto, mma or triton"):
+        int4_mma.kernel_choice()
+    monkeypatch.setenv("TOKENMILL_INT4_KERNEL", "triton")
+    assert int4_mma.available(torch.device("cpu")) == (False, "TOKENMILL_INT4_KERNEL=triton")
 
 
 # --- compiled, on a GPU ----------------------------------------------------------------------------

@@ -118,7 +118,7 @@ class LLMEngine:
         if config.fuse_projections and hasattr(model, "fuse_projections"):
             model.fuse_projections()
         # int4 layers in the mma kernels' layout where those run (after fusing: it joins rows)
-        use_mma_kernels(model, model_dtype(model))
+        use_mma_kernels(model, model_dtype(model), config.max_num_seqs)
         config.max_model_len = context_limit(config, model)
         self.kv_staging_bits = kv_staging_bits(config.kv_staging)
         if config.enable_prefix_caching and self.kv_staging_bits is not None:

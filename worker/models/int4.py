@@ -368,13 +368,18 @@ def quantize_int4(
     return model
 
 
-def use_mma_kernels(model: nn.Module, dtype: torch.dtype) -> int:
+def use_mma_kernels(model: nn.Module, dtype: torch.dtype, max_decode_rows: int) -> int:
     """Repack every Int4Linear the int4-mma kernels take (symmetric, N % 16, K % 64, groups of
     a multiple of 64) when the registry picks those kernels for the model's device and `dtype`
-    (activations); returns how many. Others keep the nibble layout and the triton kernels.
-    Call after `fuse_projections`."""
+    (activations) and, with `TOKENMILL_INT4_KERNEL=auto`, decode batches stay within the rows
+    where they win (`max_decode_rows`, the engine's max_num_seqs); returns how many. Others
+    keep the nibble layout and the triton kernels. Call after `fuse_projections`."""
+    from worker.kernels.cuda.int4_mma import AUTO_MAX_ROWS, kernel_choice
+
     layers = [m for m in model.modules() if isinstance(m, Int4Linear) and m.layout == NIBBLE]
     if not layers:
+        return 0
+    if kernel_choice() == "auto" and max_decode_rows > AUTO_MAX_ROWS:
         return 0
     impl = ops.select("int4_mma_linear", layers[0].qweight.device, dtype)
     if impl.name == "reference":  # plain PyTorch would unpack per call: keep the nibble kernels

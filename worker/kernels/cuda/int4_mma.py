@@ -21,8 +21,20 @@ from worker.kernels.cuda.build import load, nvcc
 
 SOURCE = Path(__file__).with_name("int4_mma.cu")
 MAX_ROWS = 64
-# "mma" (default where it can run) or "triton": which int4 decode kernel family the models use
+# Which int4 decode kernels the models use: "auto" (default: the mma GEMV when decode batches
+# are at most AUTO_MAX_ROWS rows, the engine's max_num_seqs), "mma" or "triton".
 KERNEL_SWITCH = "TOKENMILL_INT4_KERNEL"
+# On one H200 (bench/results/2026-12-01-h200-787858e-int4_mma.json) the mma GEMV beats the
+# triton one by 7-12% at M = 1..8 and loses from M = 16 (gate|up 64 vs 50 us): its 2-8 token
+# groups double the x operands and products per weight word.
+AUTO_MAX_ROWS = 8
+
+
+def kernel_choice() -> str:
+    choice = os.environ.get(KERNEL_SWITCH, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "mma", "triton"):
+        raise ValueError(f"{KERNEL_SWITCH}={choice!r}: expected auto, mma or triton")
+    return choice
 
 
 @dataclass(frozen=True)
@@ -72,7 +84,7 @@ def _arch(device: torch.device) -> str:
 
 def available(device: torch.device) -> tuple[bool, str]:
     """Whether the mma kernels can run on `device` (the registry's reason string)."""
-    if os.environ.get(KERNEL_SWITCH, "mma").strip().lower() == "triton":
+    if kernel_choice() == "triton":
         return False, f"{KERNEL_SWITCH}=triton"
     if device.type != "cuda":
         return False, f"needs CUDA, got {device.type}"
