@@ -10,6 +10,8 @@ Each kernel runs twice (compile/warm, then the same again), so both launches are
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from worker.kernels import reference
@@ -28,6 +30,9 @@ MMA = {
 
 
 def main() -> None:
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
