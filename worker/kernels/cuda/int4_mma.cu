@@ -276,7 +276,14 @@ __device__ __forceinline__ void zero(float (&a)[R][MT][4]) {
 // A warp's chunks: first, first + step, ... below rg.c_end (IL: its turn among the CTA's warps).
 // Scales: per warp [R][maxg][16] (each warp its own groups) or, IL, per CTA (all warps share).
 // gshift: log2(chunks per group), used when IL (its chunks change group every step).
+// Both pipelines' parameters, and their start.
+#define TM_GEMV_PARAMS                                                                    \
+  const uint4 *__restrict__ qw, const __half *__restrict__ sc,                            \
+      const typename Num<BF16>::T *__restrict__ x, typename Num<BF16>::T *__restrict__ y, \
+      float *__restrict__ ws, int *__restrict__ arrivals, int M, int N, int K, int ldx,   \
+      int ldy, int gc, int gshift
 #define TM_WARP_CHUNKS                                                                    \
+  extern __shared__ __align__(16) unsigned char smem[];                                   \
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;        \
   const int g = lane >> 2, t = lane & 3, rb = blockIdx.x;                                 \
   const int NC = K >> 6, G = (NC + gc - 1) / gc;                                          \
@@ -301,12 +308,7 @@ __device__ __forceinline__ void after_chunk(float (&acc)[R][MT][4], float (&part
 // Register pipeline: MT token groups of 8 (M <= 8 MT), R row tiles per CTA, D chunks of weight
 // in flight per warp in registers (16-byte loads that skip L1).
 template <bool BF16, int MT, int R, int D, bool IL>
-__global__ void __launch_bounds__(256) w4_gemv_regs(
-    const uint4* __restrict__ qw, const __half* __restrict__ sc,
-    const typename Num<BF16>::T* __restrict__ x, typename Num<BF16>::T* __restrict__ y,
-    float* __restrict__ ws, int* __restrict__ arrivals, int M, int N, int K, int ldx, int ldy,
-    int gc, int gshift) {
-  extern __shared__ __align__(16) unsigned char smem[];
+__global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS) {
   TM_WARP_CHUNKS
   __half* my_sc = reinterpret_cast<__half*>(smem) + (IL ? 0 : (size_t)warp * R * rg.maxg * 16);
 
@@ -346,12 +348,7 @@ __global__ void __launch_bounds__(256) w4_gemv_regs(
 // cp.async pipeline: each lane copies its own 16-byte quads (L2 -> smem, no registers held,
 // not tracked by L1) D - 1 chunks ahead into the warp's ring [D][R][32].
 template <bool BF16, int MT, int R, int D, bool IL>
-__global__ void __launch_bounds__(256) w4_gemv_async(
-    const uint4* __restrict__ qw, const __half* __restrict__ sc,
-    const typename Num<BF16>::T* __restrict__ x, typename Num<BF16>::T* __restrict__ y,
-    float* __restrict__ ws, int* __restrict__ arrivals, int M, int N, int K, int ldx, int ldy,
-    int gc, int gshift) {
-  extern __shared__ __align__(16) unsigned char smem[];
+__global__ void __launch_bounds__(256) w4_gemv_async(TM_GEMV_PARAMS) {
   TM_WARP_CHUNKS
   uint4* ring = reinterpret_cast<uint4*>(smem) + (size_t)warp * D * R * 32;
   __half* my_sc = reinterpret_cast<__half*>(reinterpret_cast<uint4*>(smem) + (size_t)W * D * R * 32) +
