@@ -63,6 +63,9 @@ def candidates(n: int, k: int) -> list[MmaTiling]:
                 splits = max(1, min(-(-ctas_per_sm * 132 // blocks), groups // warps))
                 for depth, mode in ((2, 0), (4, 1), (2, 2), (4, 2)):  # the built variants
                     out.add(MmaTiling(rows, warps, splits, depth, mode))
+            for ctas_per_sm in (2, 4):  # stream-K
+                for depth in (2, 4):
+                    out.add(MmaTiling(rows, warps, ctas_per_sm, depth, 3))
     return sorted(out, key=lambda t: (t.mode, t.rows, t.warps, t.splits, t.depth))
 
 

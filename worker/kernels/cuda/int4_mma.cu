@@ -211,16 +211,20 @@ __device__ __forceinline__ void close_group(float (&acc)[R][MT][4], float (&part
     for (int q = 0; q < 4; ++q) xsum[mt][q] = 0.f;
 }
 
-// Reduce the CTA's warps (smem red[W][V][32], V = R * MT * 4 values per lane), then with
-// gridDim.y > 1 add into the workspace; the CTA that completes a row block writes it.
+// Reduce the CTA's warps (smem red[W][V][32], V = R * MT * 4 values per lane) for row block rb,
+// of which this CTA computed `count` of `total` parts: a whole block is written at once; a part
+// is added into the workspace, and the CTA that completes the block writes it and re-zeroes the
+// workspace and the counter. Ends with a barrier: smem and `last` are free for the caller again.
 template <bool BF16, int MT, int R>
 __device__ __forceinline__ void finish(const float (&acc)[R][MT][4], float* red,
                                        typename Num<BF16>::T* __restrict__ y, float* ws,
-                                       int* arrivals, int M, int N, int ldy) {
+                                       int* arrivals, int M, int N, int ldy, int rb, int count,
+                                       int total) {
   using T = typename Num<BF16>::T;
   constexpr int V = R * MT * 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
-  const int g = lane >> 2, t = lane & 3, rb = blockIdx.x, splits = gridDim.y;
+  const int g = lane >> 2, t = lane & 3;
+  const bool whole = count == total;
   __syncthreads();  // smem is reused
 #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -231,36 +235,38 @@ __device__ __forceinline__ void finish(const float (&acc)[R][MT][4], float* red,
         red[((size_t)warp * V + (r * MT + mt) * 4 + q) * 32 + lane] = acc[r][mt][q];
   __syncthreads();
   __shared__ int last;
-  if (splits > 1) {
+  if (!whole) {
     float* slab = ws + (size_t)rb * V * 32;
     for (int v = warp; v < V; v += W) {
-      float total = 0.f;
-      for (int w = 0; w < W; ++w) total += red[((size_t)w * V + v) * 32 + lane];
-      atomicAdd(slab + v * 32 + lane, total);
+      float sum = 0.f;
+      for (int w = 0; w < W; ++w) sum += red[((size_t)w * V + v) * 32 + lane];
+      atomicAdd(slab + v * 32 + lane, sum);
     }
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(arrivals + rb, 1) == splits - 1;
+    if (threadIdx.x == 0) last = atomicAdd(arrivals + rb, count) + count == total;
     __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (last) __threadfence();
   }
-  for (int v = warp; v < V; v += W) {
-    float total;
-    if (splits > 1) {
-      float* cell = ws + ((size_t)rb * V + v) * 32 + lane;
-      total = __ldcg(cell);
-      *cell = 0.f;
-    } else {
-      total = 0.f;
-      for (int w = 0; w < W; ++w) total += red[((size_t)w * V + v) * 32 + lane];
+  if (whole || last) {
+    for (int v = warp; v < V; v += W) {
+      float sum;
+      if (!whole) {
+        float* cell = ws + ((size_t)rb * V + v) * 32 + lane;
+        sum = __ldcg(cell);
+        *cell = 0.f;
+      } else {
+        sum = 0.f;
+        for (int w = 0; w < W; ++w) sum += red[((size_t)w * V + v) * 32 + lane];
+      }
+      const int q = v & 3, rmt = v >> 2, r = rmt / MT, mt = rmt % MT;
+      const int row = (rb * R + r) * 16 + g + 8 * (q >> 1);
+      const int m = mt * 8 + 2 * t + (q & 1);
+      if (m < M && row < N) y[(size_t)m * ldy + row] = (T)sum;
     }
-    const int q = v & 3, rmt = v >> 2, r = rmt / MT, mt = rmt % MT;
-    const int row = (rb * R + r) * 16 + g + 8 * (q >> 1);
-    const int m = mt * 8 + 2 * t + (q & 1);
-    if (m < M && row < N) y[(size_t)m * ldy + row] = (T)total;
+    if (!whole && threadIdx.x == 0) arrivals[rb] = 0;
   }
-  if (splits > 1 && threadIdx.x == 0) arrivals[rb] = 0;
+  __syncthreads();
 }
 
 template <int R, int MT>
@@ -342,7 +348,8 @@ __global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS) {
       }
     }
   }
-  finish<BF16, MT, R>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy);
+  finish<BF16, MT, R>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy, rb, 1,
+                      gridDim.y);
 }
 
 // cp.async pipeline: each lane copies its own 16-byte quads (L2 -> smem, no registers held,
@@ -385,7 +392,72 @@ __global__ void __launch_bounds__(256) w4_gemv_async(TM_GEMV_PARAMS) {
     after_chunk<BF16, MT, R, IL>(acc, part, xsum[0], my_sc, rg, c, gc, gshift, in_group, gi, g);
   }
   cp_async_wait<0>();
-  finish<BF16, MT, R>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy);
+  finish<BF16, MT, R>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy, rb, 1,
+                      gridDim.y);
+}
+
+// Stream-K: gridDim.x CTAs (a few per SM, all resident) split the N / 16R row blocks x K / 64
+// chunks evenly, in row-block order; each CTA runs its range as segments of one row block, its
+// warps taking the segment's chunks in turn (register pipeline, D in flight), and finishes each
+// segment as a part of its row block. No partial last wave, whatever the shape.
+template <bool BF16, int MT, int R, int D>
+__global__ void __launch_bounds__(256) w4_gemv_streamk(TM_GEMV_PARAMS) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int NC = K >> 6, G = (NC + gc - 1) / gc, blocks = N / (16 * R);
+  const long long U = (long long)blocks * NC, P = gridDim.x;
+  const long long u_end = U * (blockIdx.x + 1) / P;
+  const int maxg = (int)((U + P - 1) / P) / gc + 2;  // groups one segment can touch
+  __half* cta_sc = reinterpret_cast<__half*>(smem);
+  for (long long u = U * blockIdx.x / P; u < u_end;) {
+    const int rb = (int)(u / NC), c0 = (int)(u % NC);
+    const int c1 = (int)min((long long)NC, c0 + (u_end - u));
+    Range rg;
+    rg.g0 = c0 >> gshift;
+    rg.g1 = ((c1 - 1) >> gshift) + 1;
+    rg.c_begin = c0;
+    rg.c_end = c1;
+    rg.maxg = maxg;
+    const uint4* wp[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) wp[r] = qw + ((size_t)(rb * R + r) * NC) * 32 + lane;
+    const int first = c0 + warp;
+    uint4 wbuf[D][R];
+#pragma unroll
+    for (int s = 0; s < D; ++s)
+      if (first + s * W < c1)
+#pragma unroll
+        for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(first + s * W) * 32);
+    load_scales<R, true>(cta_sc, sc, rg, G, rb, lane);
+
+    float acc[R][MT][4], part[R][MT][4], xsum[1][MT][4];
+    zero(acc);
+    zero(part);
+    zero(xsum);
+    int in_group = 0, gi = 0;
+    for (int base = first; base < c1; base += D * W) {
+#pragma unroll
+      for (int s = 0; s < D; ++s) {
+        const int c = base + s * W;
+        if (c < c1) {
+          uint4 wcur[R], xv[MT][2];
+#pragma unroll
+          for (int r = 0; r < R; ++r) wcur[r] = wbuf[s][r];
+          load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
+          if (c + D * W < c1)
+#pragma unroll
+            for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(c + D * W) * 32);
+          chunk_products<BF16, MT, R>(part, xsum[0], wcur, xv);
+          after_chunk<BF16, MT, R, true>(acc, part, xsum[0], cta_sc, rg, c, gc, gshift, in_group,
+                                         gi, g);
+        }
+      }
+    }
+    finish<BF16, MT, R>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy, rb,
+                        c1 - c0, NC);
+    u += c1 - c0;
+  }
 }
 
 // One thread per 16-byte word quad: rows (g, g + 8) of its tile, 16 consecutive k each.
@@ -456,9 +528,40 @@ int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws
   return (int)cudaGetLastError();
 }
 
+template <bool BF16, int MT, int R, int D>
+int launch_streamk(const void* qw, const void* sc, const void* x, void* y, void* ws,
+                   void* arrivals, int M, int N, int K, int ldx, int ldy, int gc, int warps,
+                   int ctas_per_sm, cudaStream_t stream) {
+  using T = typename Num<BF16>::T;
+  if (gc & (gc - 1)) return -1;
+  static int sms = 0;
+  if (sms == 0) {
+    int device = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  }
+  const long long U = (long long)(N / (16 * R)) * (K / 64);
+  const int P = (int)(U < (long long)sms * ctas_per_sm ? U : (long long)sms * ctas_per_sm);
+  const int maxg = (int)((U + P - 1) / P) / gc + 2;
+  const size_t sc_bytes = (size_t)R * maxg * 16 * sizeof(__half);
+  const size_t red_bytes = (size_t)warps * R * MT * 4 * 32 * sizeof(float);
+  const size_t bytes = sc_bytes > red_bytes ? sc_bytes : red_bytes;
+  auto kernel = w4_gemv_streamk<BF16, MT, R, D>;
+  if (bytes > 48 * 1024) {
+    cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    if (err != cudaSuccess) return (int)err;
+  }
+  kernel<<<P, warps * 32, bytes, stream>>>(
+      static_cast<const uint4*>(qw), static_cast<const __half*>(sc), static_cast<const T*>(x),
+      static_cast<T*>(y), static_cast<float*>(ws), static_cast<int*>(arrivals), M, N, K, ldx, ldy,
+      gc, __builtin_ctz(gc));
+  return (int)cudaGetLastError();
+}
+
 // mode: 0 register pipeline (2 chunks in flight per warp), 1 cp.async ring (4 slots), 2 the
 // register pipeline with interleaved chunks (the CTA's warps take turns along one run; depth 2
-// or 4). The variants that lost on one H200 (deeper rings, interleaved cp.async) are not built:
+// or 4), 3 stream-K over that pipeline (`splits` CTAs per SM; depth 2 or 4). The variants that lost on one H200 (deeper rings, interleaved cp.async) are not built:
 // each costs compile time at the worker's first start.
 template <bool BF16, int MT, int R>
 int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
@@ -471,6 +574,11 @@ int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* w
     case 0: return TM_GEMV(2, false, false);
     case 1: return TM_GEMV(4, true, false);
     case 2: return depth >= 4 ? TM_GEMV(4, false, true) : TM_GEMV(2, false, true);
+    case 3:  // stream-K: `splits` is CTAs per SM
+      return depth >= 4 ? launch_streamk<BF16, MT, R, 4>(qw, sc, x, y, ws, arrivals, M, N, K, ldx,
+                                                         ldy, gc, warps, splits, s)
+                        : launch_streamk<BF16, MT, R, 2>(qw, sc, x, y, ws, arrivals, M, N, K, ldx,
+                                                         ldy, gc, warps, splits, s);
     default: return -1;
   }
 #undef TM_GEMV

@@ -44,7 +44,8 @@ class MmaTiling:
     CTA writes), `mode` 0 (weights loaded into registers, 2 chunks in flight per warp), 1
     (cp.async into a shared-memory ring of 4 chunks per warp) or 2 (the register pipeline with
     interleaved chunks: the CTA's warps take turns along one contiguous run, `depth` 2 or 4
-    chunks in flight; groups of a power-of-two multiple of 64)."""
+    chunks in flight; groups of a power-of-two multiple of 64) or 3 (stream-K over mode 2's
+    pipeline: `splits` CTAs per SM share all row blocks x chunks evenly, no partial wave)."""
 
     rows: int = 2
     warps: int = 8
@@ -153,7 +154,7 @@ def gemv(
         t = dataclasses.replace(t, rows=1)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = arrivals = None
-    if t.splits > 1:
+    if t.splits > 1 or t.mode == 3:  # split K, or stream-K's parts of row blocks
         token_groups = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8  # the kernel's MT
         ws = _zeroed(_workspaces, x.device, n // 16 * token_groups * 128, torch.float32)
         arrivals = _zeroed(_arrivals, x.device, n // 16, torch.int32)
