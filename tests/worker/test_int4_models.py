@@ -264,3 +264,18 @@ async def test_w4_random_model_serves_a_request() -> None:
         assert 1 <= progress[-1].completion_tokens <= 5
     finally:
         await backend.close()
+
+
+@pytest.mark.parametrize("config", [TINY_QWEN3_5, TINY_LLAMA], ids=lambda c: c.name)
+def test_fused_model_in_the_mma_layout_answers_as_nibble(config) -> None:
+    """The engine repacks after fusing (worker.models.int4.use_mma_kernels): every layer the
+    mma kernels take gives the same logits from the int4-mma layout (the reference op here)."""
+    model = quantize_int4(build_random(config, "cpu", torch.float32, seed=3), 64, lm_head="int4")
+    model.fuse_projections()
+    want = prefill_logits(model)
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    taken = [m for m in layers if m.mma_layout_supported()[0]]
+    assert taken and len(taken) >= len(layers) // 2
+    for layer in taken:
+        layer.to_mma_layout()
+    assert torch.equal(prefill_logits(model), want)
