@@ -288,3 +288,42 @@ def test_smollm2_writes_schema_valid_json_and_forced_calls() -> None:
     _, calls = parse_tool_calls(out.text, ["get_weather"])
     assert [c.name for c in calls] == ["get_weather"], out.text
     jsonschema.validate(json.loads(calls[0].arguments), json.loads(TOOLS[0][1] or "{}"))
+
+
+@pytest.mark.parametrize("mode", ["lazy", "thread"])
+def test_both_fill_modes_constrain_the_same_tokens(
+    tokenizer: Tokenizer, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mask a sequence samples under is the same whether filled when the sampler asks
+    (lazy, on the engine's thread) or in the background after each token."""
+    monkeypatch.setenv("TOKENMILL_GRAMMAR_FILL", mode)
+    spec = response_format_grammar("json_schema", json.dumps(SCHEMA), strict=True)
+    params = [
+        SamplingParams(temperature=0, max_tokens=120, grammar=spec),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=120, grammar=spec),
+    ]
+    outs = run(make_engine(tokenizer), params)
+    monkeypatch.setenv("TOKENMILL_GRAMMAR_FILL", "lazy" if mode == "thread" else "thread")
+    again = run(make_engine(tokenizer), params)
+    assert [o.text for o in outs] == [o.text for o in again]
+    for out in outs:
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+def test_a_lazy_state_fills_only_when_asked(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from worker.structured import Grammars
+
+    monkeypatch.setenv("TOKENMILL_GRAMMAR_FILL", "lazy")
+    grammars = Grammars(tokenizer, tokenizer.vocab_size)
+    spec = response_format_grammar("json_schema", json.dumps(SCHEMA), strict=True)
+    state = grammars.state(spec)
+    assert state.fills == 0  # nothing filled ahead of the sampler
+    first = state.next_mask().clone()
+    assert state.fills == 1 and state.next_mask() is state.mask and state.fills == 1
+    brace = tokenizer.encode("{", add_special_tokens=False)[0]
+    assert state.accept(brace) and state.fills == 1
+    after = state.next_mask()
+    assert state.fills == 2 and not torch.equal(first, after)
+    monkeypatch.setenv("TOKENMILL_GRAMMAR_FILL", "eager")
+    with pytest.raises(ValueError, match="lazy or thread"):
+        grammars.state(spec)

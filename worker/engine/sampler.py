@@ -32,8 +32,9 @@ class Sampler:
     created on first use and kept on the sequence (it survives preemption).
 
     A constrained sequence (`seq.grammar`) has the tokens its grammar forbids masked to -inf
-    first, whatever its temperature; after the draw its grammar accepts the token and starts
-    filling the next mask in the background (see `worker.structured.grammar`). Sequences that
+    first, whatever its temperature (its mask is filled here, on the engine's thread, while the
+    device computes the forward); after the draw its grammar accepts the token (see
+    `worker.structured.grammar`). Sequences that
     ask for logprobs get `TokenLogprobs` appended to `seq.pending_logprobs`.
     """
 

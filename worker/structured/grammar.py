@@ -19,11 +19,16 @@ The library is xgrammar (over llguidance and outlines-core), chosen by measureme
 The cost: it depends on torch (here already) and transformers (only for tokenizers we do not
 use it for: `tokenizer_info` builds the vocabulary from our own tokenizer).
 
-Overlap: a sequence's next mask depends only on the tokens it has accepted, so right after the
-sampler accepts a token it hands the fill to one background thread (`GrammarState.accept`).
-The host goes on with detokenizing, stop checks, scheduling and launching the next forward;
-the next sampler call waits for the mask (usually long done) just before it reads the logits,
-so on a GPU the fill runs while the device computes that forward.
+Overlap: a sequence's next mask depends only on the tokens it has accepted, and the sampler
+runs after the step's forward is launched, so the mask is filled when the next sampler call
+asks for it (`GrammarState.next_mask`), on the engine's thread, while the device computes that
+forward (`TOKENMILL_GRAMMAR_FILL=lazy`, the default; not yet measured on a GPU). The first
+design (`thread`: a background thread fills right after the token is accepted) ran the H200
+json_schema load point at 0.72 of unconstrained decoding without overlap, its fills reporting
+5.7 ms a step, where the same fills along that run's own reply take ~0.1 ms a step on a CPU.
+The fill thread's clock includes its waits for the GIL, which it gets back only at Python's
+switch interval (5 ms) while the engine's thread runs Python: 8 fills beside a busy thread
+read 5.2 ms at the median on a 2-core machine, 0.07 ms alone. Lazy fills hand nothing over.
 """
 
 from __future__ import annotations
@@ -197,18 +202,25 @@ _executor: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
 
 
+def fill_mode() -> str:
+    """Where masks are filled (`TOKENMILL_GRAMMAR_FILL`): "lazy" (default) on the caller's
+    thread when the sampler asks, or "thread" in a background thread right after a token."""
+    mode = os.environ.get("TOKENMILL_GRAMMAR_FILL", "lazy").strip().lower() or "lazy"
+    if mode not in ("lazy", "thread"):
+        raise ValueError(f"TOKENMILL_GRAMMAR_FILL={mode!r}: expected lazy or thread")
+    return mode
+
+
 def mask_threads() -> int:
-    """Threads filling masks (`TOKENMILL_GRAMMAR_THREADS`, default 1). A fill releases the GIL;
-    most take tens of us, but about one in a hundred takes ~20 ms (a free-text state of a 248K
-    vocabulary). Measured on one H200 at the load point (json_schema over unconstrained
-    without overlap): 1 thread 0.72, 4 threads 0.71, the fills then slower each (mask fill
-    5.7 vs 8.0 ms a step of 8), so one thread is the default."""
+    """Background fill threads (`TOKENMILL_GRAMMAR_THREADS`, default 1; fill mode "thread").
+    On one H200 4 threads did no better than 1 (0.71 against 0.72 of unconstrained decoding
+    without overlap), each fill slower."""
     raw = os.environ.get("TOKENMILL_GRAMMAR_THREADS", "").strip()
     return max(1, int(raw)) if raw else 1
 
 
 def _mask_executor() -> ThreadPoolExecutor:
-    """The pool that fills sequences' next masks while the forward runs."""
+    """The pool that fills sequences' next masks in the background (fill mode "thread")."""
     global _executor
     with _executor_lock:
         if _executor is None:
@@ -218,7 +230,8 @@ def _mask_executor() -> ThreadPoolExecutor:
 
 class GrammarState:
     """One sequence's matcher and its next-token bitmask (int32 words, bit j of word w allows
-    token 32 w + j), filled in the background after each accepted token."""
+    token 32 w + j), filled for each next token: when asked (`overlap`, fill mode "lazy"), in
+    the background after the token is accepted ("thread"), or at once (`overlap=False`)."""
 
     def __init__(self, compiled: xgrammar.CompiledGrammar, words: int, overlap: bool = True):
         import xgrammar as xgr
@@ -226,9 +239,12 @@ class GrammarState:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.mask = torch.full((1, words), -1, dtype=torch.int32)
         self.overlap = overlap
+        self.lazy = overlap and fill_mode() == "lazy"
         self.rejected: int | None = None  # a sampled token the grammar refused (a bug)
         self.fill_seconds = 0.0  # time spent filling masks (benchmarks)
+        self.fills = 0
         self._pending: Future[None] | None = None
+        self._stale = False  # lazy: the mask is for an earlier token
         self._prepare()
 
     @property
@@ -241,11 +257,14 @@ class GrammarState:
         began = time.perf_counter()
         self.matcher.fill_next_token_bitmask(self.mask, 0)
         self.fill_seconds += time.perf_counter() - began
+        self.fills += 1
 
     def _prepare(self) -> None:
         if self.terminated:
             return
-        if self.overlap:
+        if self.lazy:
+            self._stale = True
+        elif self.overlap:
             self._pending = _mask_executor().submit(self._fill)
         else:
             self._fill()
@@ -256,12 +275,17 @@ class GrammarState:
             pending.result()
 
     def next_mask(self) -> torch.Tensor:
-        """[1, words]: the tokens allowed next (waits for a fill still running)."""
+        """[1, words]: the tokens allowed next (filled now if lazy, else waits for the fill)."""
         self._wait()
+        if self._stale:
+            self._stale = False
+            if not self.terminated:
+                self._fill()
         return self.mask
 
     def accept(self, token_id: int) -> bool:
-        """Advance by a sampled token and start filling the next mask."""
+        """Advance by a sampled token; the next mask is filled when asked (lazy), started in the
+        background (thread) or filled now (no overlap)."""
         self._wait()  # the matcher must not move while a fill reads it
         if self.terminated:
             return True  # tokens past the end (ignore_eos, stop strings) are not the grammar's
