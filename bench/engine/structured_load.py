@@ -24,7 +24,7 @@ request at max_tokens in every mode, so tok/s compares the same token counts).
 
 Reported per mode: median output tok/s over the repeats (and each repeat's), completion tokens,
 the sampler's host time per step; for json_schema also the mask fill per sequence-token and per
-step (the batch's fills, run one after another on the background thread), fill p99, and the
+step (the batch's fills, one after another in the sampler or the background thread), fill p99, and the
 sampler's time per step (the wait for a fill still running is in it). Ratios: json_schema /
 free (the target) and json_schema / free_sync.
 
@@ -247,13 +247,17 @@ def structured_load(args: argparse.Namespace, config: Any, budget: float) -> dic
             "sampler_ms_per_step_mean": (1e3 * statistics.mean(full_calls) if full_calls else None),
         }
     states, fills = grammar_log.states, grammar_log.fills
-    for s in states:
-        s.next_mask()  # waits for a fill still running (the one after a request's last token)
+    lazy = bool(states) and states[0].lazy
+    if not lazy:
+        for s in states:
+            s.next_mask()  # waits for a fill still running (the one after a request's last token)
     json_mode = result["modes"]["json_schema"]
     tokens = json_mode["completion_tokens"]
-    # timed fills are those after each accepted token (the first, in the state's constructor,
-    # is not): one per token sampled under a mask, less the token that completed a document
-    constrained_tokens = len(fills) + sum(bool(s.terminated) for s in states)
+    # lazy: one timed fill per token sampled under a mask (filled when the sampler asks);
+    # thread: one after each accepted token (the first, in the state's constructor, is not
+    # timed), so one per token sampled under a mask less the token that completed a document
+    terminated = sum(bool(s.terminated) for s in states)
+    constrained_tokens = len(fills) if lazy else len(fills) + terminated
     json_mode.update(
         {
             "requests": len(states),
