@@ -3,7 +3,7 @@
 `int4_mma_linear` is the op: M <= 64 rows go through the GEMV (weights streamed once, A operands
 in mma fragment order, see the .cu header), more rows through a bf16/fp16 dequantization into a
 per-device scratch and cuBLAS. Tilings per (N, K) come from `MMA_DECODE_TILINGS`
-(bench/kernels/int4.py sweeps them), else from `default_tiling`.
+(bench/kernels/int4_mma.py sweeps them), else from `default_tiling`.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ MMA_DECODE_TILINGS: dict[tuple[int, int], MmaTiling] = {}
 
 
 def default_tiling(n: int, k: int, group_size: int, sms: int = 132) -> MmaTiling:
-    """Two row tiles per CTA where N allows, 4 warps, K split over CTAs until ~2 CTAs per SM
-    stream weight (every warp keeping at least one group)."""
+    """Two row tiles per CTA where N allows, 8 warps on the cp.async ring, K split over CTAs
+    until ~2 CTAs per SM stream weight (every warp keeping at least one group)."""
     rows = 2 if n % 32 == 0 else 1
     blocks = n // (16 * rows)
     groups = -(-k // group_size)
@@ -152,6 +152,9 @@ def gemv(
     t = tiling or MMA_DECODE_TILINGS.get((n, k)) or default_tiling(n, k, group_size)
     if m > 32 and t.rows == 2:  # 8 token groups x 2 tiles spill registers: one tile per CTA
         t = dataclasses.replace(t, rows=1)
+    gc = group_size // 64
+    if t.mode >= 2 and gc & (gc - 1):  # interleaved chunks find their group by a shift
+        t = dataclasses.replace(t, mode=1, splits=1 if t.mode == 3 else t.splits)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = arrivals = None
     if t.splits > 1 or t.mode == 3:  # split K, or stream-K's parts of row blocks
@@ -161,7 +164,7 @@ def gemv(
     code = _library(x.device).tm_w4_gemv(
         qweight.data_ptr(), scales.data_ptr(), x.data_ptr(), out.data_ptr(),
         None if ws is None else ws.data_ptr(), None if arrivals is None else arrivals.data_ptr(),
-        m, n, k, x.stride(0), out.stride(0), group_size // 64, int(x.dtype == torch.bfloat16),
+        m, n, k, x.stride(0), out.stride(0), gc, int(x.dtype == torch.bfloat16),
         t.rows, t.warps, t.splits, t.depth, t.mode, torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     _check(code, "int4-mma gemv")
