@@ -7,7 +7,8 @@ some clients hanging up mid-stream; the third tenant has a token quota.
 Reports the success rate (answered among the requests neither refused by quota nor hung up by
 their client), the hung requests (no answer nor error within the deadline), the three-way
 reconciliation, the quota tenant's bill against its quota and each process's RSS slope after
-the warm-up (least squares over samples, in MB per 10 minutes). Prints a table, writes JSON.
+the warm-up and over the run's last half (least squares over samples, in MB per 10 minutes).
+Prints a table, writes JSON (with every RSS sample).
 
     python -m bench.gateway.soak --minutes 30
 
@@ -128,6 +129,9 @@ async def soak(top: Topology, args: argparse.Namespace) -> dict[str, Any]:
             "rss_mb_first": samples[0][1] / MB,
             "rss_mb_last": samples[-1][1] / MB,
             "slope_mb_per_10min": slope_mb_per_10min([s for s in samples if s[0] >= warmup]),
+            # The last half alone: a bounded high-water mark still filling after the warm-up
+            # shows here as a slope falling towards 0, a leak as one that does not.
+            "slope_last_half": slope_mb_per_10min([s for s in samples if s[0] >= seconds / 2]),
             "rss_mb": [[round(t), round(r / MB, 2)] for t, r in samples],
         }
         for name, samples in sorted(rss.items())
@@ -191,7 +195,7 @@ def process_env(args: argparse.Namespace) -> dict[str, dict[str, str]]:
 PROCESSES = ("gateway0", "gateway1", "projector0", "projector1", "scheduler", "worker0", "worker1")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--warmup-minutes", type=float, help="default: a third, at most 5")
@@ -216,7 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated process names to profile (default all)",
     )
     ap.add_argument("--memory-profile-every-s", type=float, default=60.0)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="tokenmill-soak-") as tmp:
         top = Topology(
             Path(tmp), workers=args.workers, quota=args.quota, process_env=process_env(args)
@@ -247,10 +255,15 @@ def main(argv: list[str] | None = None) -> int:
             p["rss_mb_first"],
             p["rss_mb_last"],
             "-" if p["slope_mb_per_10min"] is None else f"{p['slope_mb_per_10min']:.2f}",
+            "-" if p["slope_last_half"] is None else f"{p['slope_last_half']:.2f}",
         )
         for name, p in result["processes"].items()
     ]
-    print_table(("process", "RSS MB start", "RSS MB end", "MB/10 min"), rows, (12, 14, 12, 11))
+    print_table(
+        ("process", "RSS MB start", "RSS MB end", "MB/10 min", "last half"),
+        rows,
+        (12, 14, 12, 11, 11),
+    )
     path = write_result(result_path("gateway_soak", args.out, gpu="cpu"), result)
     print(f"wrote {path}")
     return 0
