@@ -27,6 +27,8 @@ from pathlib import Path
 
 from tokenmill.settings import MemoryProfileSettings
 
+KIB, MIB = 1024, 1024 * 1024  # as the soak's tables count
+
 # What the probe itself allocates, and import machinery, are not the process's growth.
 _IGNORED = (tracemalloc.__file__, __file__, "<frozen importlib._bootstrap>", "<unknown>")
 
@@ -126,8 +128,8 @@ class MemoryProbe:
 
     def snapshot(self) -> None:
         """Take one snapshot and append its block."""
-        head = f"== t={time.monotonic() - self._started:.0f}s rss={rss_bytes() / 1e6:.1f}MB "
-        head += " ".join(f"{k}={v / 1e6:.1f}MB" for k, v in malloc_stats().items())
+        head = f"== t={time.monotonic() - self._started:.0f}s rss={rss_bytes() / MIB:.1f}MB "
+        head += " ".join(f"{k}={v / MIB:.1f}MB" for k, v in malloc_stats().items())
         if not tracemalloc.is_tracing():
             with self.path.open("a") as f:
                 f.write(f"{head} snapshot={self.snapshots}\n")
@@ -137,8 +139,8 @@ class MemoryProbe:
         key = "traceback" if self.frames > 1 else "lineno"
         traced, peak = tracemalloc.get_traced_memory()
         lines = [
-            f"{head} traced={traced / 1e6:.1f}MB peak={peak / 1e6:.1f}MB "
-            f"tracemalloc={tracemalloc.get_tracemalloc_memory() / 1e6:.1f}MB "
+            f"{head} traced={traced / MIB:.1f}MB peak={peak / MIB:.1f}MB "
+            f"tracemalloc={tracemalloc.get_tracemalloc_memory() / MIB:.1f}MB "
             f"snapshot={self.snapshots}"
         ]
         for title, base in (("since first", self._first), ("since previous", self._previous)):
@@ -152,8 +154,8 @@ class MemoryProbe:
                     f"{_short(f.filename)}:{f.lineno}" for f in reversed(s.traceback)
                 )
                 lines.append(
-                    f"{s.size_diff / 1e3:+10.1f} kB {s.count_diff:+8d} blocks "
-                    f"({s.size / 1e3:.1f} kB now) {where}"
+                    f"{s.size_diff / KIB:+10.1f} kB {s.count_diff:+8d} blocks "
+                    f"({s.size / KIB:.1f} kB now) {where}"
                 )
         with self.path.open("a") as f:
             f.write("\n".join(lines) + "\n")
