@@ -205,6 +205,9 @@ class Topology:
             # Fixed-rate answers have no prefill: a request whose worker sent nothing for 5 s
             # lost its replies (the default, 300 s, outwaits any model's prefill).
             "TOKENMILL_GATEWAY_SILENCE_TIMEOUT_S": "5",
+            # glibc's heap as deploy/Dockerfile sets it (docs/deploy.md, the soak).
+            "MALLOC_MMAP_THRESHOLD_": "65536",
+            "MALLOC_TRIM_THRESHOLD_": "65536",
         }
 
     def _proc(self, name: str, args: list[str]) -> Proc:
