@@ -482,25 +482,51 @@ def choose_points(
 
 def throughput_from_ledger(rows: Iterable[LedgerRow], sku_id: str) -> list[Throughput]:
     """Per worker of the SKU: output tokens / busy seconds, busy = the union of its requests'
-    [started_at, finished_at] intervals (so concurrency counts once), with the request mix."""
+    [started_at, finished_at] intervals (so concurrency counts once), with the request mix.
+    (`BillingStore.worker_busy` computes the same per worker in SQL, over a window of the
+    ledger too large to hold.)"""
     by_worker: dict[str, list[LedgerRow]] = {}
     for row in rows:
         if row.sku_id == sku_id:
             by_worker.setdefault(row.worker_id or "?", []).append(row)
+    return throughput_from_busy(
+        sku_id,
+        [
+            WorkerBusy(
+                worker_id,
+                _busy_seconds((utc(r.started_at), utc(r.finished_at)) for r in worker_rows),
+                sum(r.completion_tokens for r in worker_rows),
+                sum(r.prompt_tokens for r in worker_rows),
+            )
+            for worker_id, worker_rows in by_worker.items()
+        ],
+    )
+
+
+@dataclass(frozen=True)
+class WorkerBusy:
+    """One worker's requests in a window: the seconds it was busy (the union of their
+    intervals) and the tokens they read and wrote."""
+
+    worker_id: str
+    busy_seconds: Decimal
+    completion_tokens: int
+    prompt_tokens: int
+
+
+def throughput_from_busy(sku_id: str, workers: Iterable[WorkerBusy]) -> list[Throughput]:
+    """The throughput of each worker that was busy and wrote something, by worker id."""
     measured: list[Throughput] = []
-    for worker_id in sorted(by_worker):
-        worker_rows = by_worker[worker_id]
-        busy = _busy_seconds((utc(r.started_at), utc(r.finished_at)) for r in worker_rows)
-        output = sum(r.completion_tokens for r in worker_rows)
-        if busy <= 0 or output <= 0:
+    for w in sorted(workers, key=lambda w: w.worker_id):
+        if w.busy_seconds <= 0 or w.completion_tokens <= 0:
             continue
-        prompt = sum(r.prompt_tokens for r in worker_rows)
+        output = Decimal(w.completion_tokens)
         measured.append(
             Throughput(
                 sku_id=sku_id,
-                output_tokens_per_second=_q4(Decimal(output) / busy),
-                source=f"ledger:{worker_id}",
-                input_tokens_per_output_token=_q4(Decimal(prompt) / Decimal(output)),
+                output_tokens_per_second=_q4(output / w.busy_seconds),
+                source=f"ledger:{w.worker_id}",
+                input_tokens_per_output_token=_q4(Decimal(w.prompt_tokens) / output),
             )
         )
     return measured

@@ -40,7 +40,7 @@ from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
 from events.nats_cluster import ensure_key_value
-from pricing.capacity import CapacityInputs, Throughput, project, throughput_from_ledger
+from pricing.capacity import CapacityInputs, Throughput, project, throughput_from_busy
 from pricing.events import finalized_event, publish_finalized, read_finalized
 from pricing.invoices import (
     Invoice,
@@ -274,8 +274,7 @@ async def measured_throughput(
 ) -> Throughput | None:
     """The SKU's throughput in the ledger's [start, end): its best worker's (an idle-heavy one
     understates what the GPU can do), or None without usage."""
-    rows = await store.ledger_rows(sku_id=sku_id, start=start, end=end)
-    measured = throughput_from_ledger(rows, sku_id)
+    measured = throughput_from_busy(sku_id, await store.worker_busy(sku_id, start, end))
     return max(measured, key=lambda t: t.output_tokens_per_second) if measured else None
 
 

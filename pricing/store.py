@@ -35,6 +35,7 @@ from events.projections.tables import (
     table_names,
 )
 from events.store import StreamLayout
+from pricing.capacity import WorkerBusy
 from pricing.events import InvoiceFinalized, decode_invoice_event
 from pricing.invoices import Invoice, InvoiceBasis, LedgerRow, invoice_from_json, invoice_json
 from pricing.plans import PriceBook, PricePlan
@@ -97,6 +98,32 @@ async def upsert_invoice(
     )
 
 
+# Busy time as the union of intervals (gaps and islands): in each worker's rows ordered by
+# (started_at, finished_at), a row starts an island when it starts after every earlier row
+# ended; an island lasts from its first start to its last end.
+_WORKER_BUSY = """
+WITH rows AS (
+    SELECT coalesce(worker_id, '?') AS worker_id, started_at, finished_at,
+           completion_tokens, prompt_tokens,
+           max(finished_at) OVER (PARTITION BY coalesce(worker_id, '?')
+                                  ORDER BY started_at, finished_at
+                                  ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS ended
+    FROM usage_ledger WHERE sku_id = $1 AND finished_at >= $2 AND finished_at < $3
+), islands AS (
+    SELECT *, count(*) FILTER (WHERE ended IS NULL OR started_at > ended)
+                  OVER (PARTITION BY worker_id ORDER BY started_at, finished_at
+                        ROWS UNBOUNDED PRECEDING) AS island
+    FROM rows
+), spans AS (
+    SELECT worker_id, max(finished_at) - min(started_at) AS span,
+           sum(completion_tokens) AS completion, sum(prompt_tokens) AS prompt
+    FROM islands GROUP BY worker_id, island
+)
+SELECT worker_id, sum(extract(epoch FROM span)) AS busy,
+       sum(completion) AS completion, sum(prompt) AS prompt
+FROM spans GROUP BY worker_id ORDER BY worker_id"""
+
+
 def _ledger_row(record: asyncpg.Record) -> LedgerRow:
     return LedgerRow(**dict(record))
 
@@ -156,6 +183,17 @@ class BillingStore:
             cut_seq,
         )
         return [_ledger_row(r) for r in records]
+
+    async def worker_busy(self, sku_id: str, start: datetime, end: datetime) -> list[WorkerBusy]:
+        """Per worker of the SKU, over the rows that finished in [start, end): the union of
+        their [started_at, finished_at] intervals in seconds and their tokens, as
+        `pricing.capacity.throughput_from_ledger` counts them, computed in the database: the
+        capacity window (a day by default) can hold more rows than a scheduler should."""
+        records = await self.pool.fetch(_WORKER_BUSY, sku_id, start, end)
+        return [
+            WorkerBusy(r["worker_id"], r["busy"], int(r["completion"]), int(r["prompt"]))
+            for r in records
+        ]
 
     async def invoice_rows(self, basis: InvoiceBasis) -> list[LedgerRow]:
         """A superset of what `basis` bills (build_invoice picks exactly): the tenant's rows

@@ -43,6 +43,7 @@ from control_plane.embedded import EmbeddedNats, EmbeddedPostgres
 from control_plane.services import Services
 from events.projections import ProjectionLocked, Projector, all_projections, dead_letters
 from pricing.cli import capacity_main, invoices_main, scheduler_main
+from tokenmill.memory_profile import start_from_settings as start_memory_profile
 from tokenmill.settings import Settings
 
 log = logging.getLogger("tokenmill")
@@ -323,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    start_memory_profile()  # TOKENMILL_MEMORY_PROFILE: off unless set
     settings = Settings()
     data_dir = getattr(args, "sub_data_dir", None) or args.data_dir
     if data_dir:

@@ -11,6 +11,7 @@ place and every part reads variables the same way (`env`, `env_float`, `env_int`
 - `ObservabilitySettings`: /metrics and the operator's page.
 - `BillingSettings`: invoices, capacity and reconciliation jobs.
 - `WorkerSettings`: a worker process (`tokenmill worker`, `python -m worker.serve`).
+- `MemoryProfileSettings`: the opt-in allocation probe of any `tokenmill` process.
 
 The engine's own knobs (TOKENMILL_ENGINE_*) are fields of `worker.engine.EngineConfig`,
 documented there beside what they tune, and read with the helpers here.
@@ -341,3 +342,24 @@ class BillingSettings:
     @property
     def grace(self) -> timedelta:
         return timedelta(seconds=self.grace_s)
+
+
+@dataclass(frozen=True)
+class MemoryProfileSettings:
+    """The opt-in memory probe (tokenmill/memory_profile.py), for finding what grows in a
+    long-running process; off unless TOKENMILL_MEMORY_PROFILE is set."""
+
+    # TOKENMILL_MEMORY_PROFILE: a file; set, the process traces its allocations (tracemalloc,
+    # slower) and appends its RSS and the allocation sites that grew most there. "{pid}" in
+    # it is replaced by the process id. Unset (the default): no tracing.
+    path: str | None = field(default_factory=lambda: env("TOKENMILL_MEMORY_PROFILE"))
+    # TOKENMILL_MEMORY_PROFILE_EVERY_S: seconds between snapshots (the first after one period).
+    every_s: float = field(
+        default_factory=lambda: env_float("TOKENMILL_MEMORY_PROFILE_EVERY_S", 60.0)
+    )
+    # TOKENMILL_MEMORY_PROFILE_TOP: allocation sites written per comparison.
+    top: int = field(default_factory=lambda: env_int("TOKENMILL_MEMORY_PROFILE_TOP", 15))
+    # TOKENMILL_MEMORY_PROFILE_FRAMES: frames of traceback kept per allocation (1: the line
+    # only; more tells apart who called a shared helper, at more cost). 0: no tracing, only
+    # the RSS and C heap line each period (no cost to measure, as the soak's RSS is).
+    frames: int = field(default_factory=lambda: env_int("TOKENMILL_MEMORY_PROFILE_FRAMES", 1))

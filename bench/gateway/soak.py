@@ -7,9 +7,18 @@ some clients hanging up mid-stream; the third tenant has a token quota.
 Reports the success rate (answered among the requests neither refused by quota nor hung up by
 their client), the hung requests (no answer nor error within the deadline), the three-way
 reconciliation, the quota tenant's bill against its quota and each process's RSS slope after
-the warm-up (least squares over samples, in MB per 10 minutes). Prints a table, writes JSON.
+the warm-up and over the run's last half (least squares over samples, in MB per 10 minutes).
+Prints a table, writes JSON (with every RSS sample).
 
     python -m bench.gateway.soak --minutes 30
+
+To see what grows: `--memory-profile DIR` has the chosen processes write their allocation
+diffs there (TOKENMILL_MEMORY_PROFILE, tokenmill/memory_profile.py), and `--env
+PROC:VAR=VALUE` gives a process any other variable, such as a shorter job interval:
+
+    python -m bench.gateway.soak --minutes 8 --memory-profile /tmp/mem \
+        --memory-profile-processes scheduler,gateway0 \
+        --env scheduler:TOKENMILL_BILLING_CAPACITY_INTERVAL_S=60
 """
 
 from __future__ import annotations
@@ -120,6 +129,10 @@ async def soak(top: Topology, args: argparse.Namespace) -> dict[str, Any]:
             "rss_mb_first": samples[0][1] / MB,
             "rss_mb_last": samples[-1][1] / MB,
             "slope_mb_per_10min": slope_mb_per_10min([s for s in samples if s[0] >= warmup]),
+            # The last half alone: a bounded high-water mark still filling after the warm-up
+            # shows here as a slope falling towards 0, a leak as one that does not.
+            "slope_last_half": slope_mb_per_10min([s for s in samples if s[0] >= seconds / 2]),
+            "rss_mb": [[round(t), round(r / MB, 2)] for t, r in samples],
         }
         for name, samples in sorted(rss.items())
     }
@@ -160,7 +173,29 @@ async def soak(top: Topology, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def process_env(args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """Extra variables by process name from --env and --memory-profile."""
+    out: dict[str, dict[str, str]] = {}
+    for item in args.env:
+        proc, sep, assignment = item.partition(":")
+        var, eq, value = assignment.partition("=")
+        if not sep or not eq or not var:
+            raise SystemExit(f"--env {item!r}: expected PROC:VAR=VALUE")
+        out.setdefault("*" if proc == "all" else proc, {})[var] = value
+    if args.memory_profile:
+        folder = Path(args.memory_profile).resolve()
+        names = args.memory_profile_processes.split(",")
+        for name in PROCESSES if names == ["all"] else names:
+            out.setdefault(name, {})
+            out[name]["TOKENMILL_MEMORY_PROFILE"] = str(folder / f"{name}.txt")
+            out[name]["TOKENMILL_MEMORY_PROFILE_EVERY_S"] = str(args.memory_profile_every_s)
+    return out
+
+
+PROCESSES = ("gateway0", "gateway1", "projector0", "projector1", "scheduler", "worker0", "worker1")
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--warmup-minutes", type=float, help="default: a third, at most 5")
@@ -171,12 +206,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample-s", type=float, default=10.0, help="RSS sampling period")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", help="results folder (default $OUT, else bench/results)")
-    args = ap.parse_args(argv)
+    ap.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="PROC:VAR=VALUE",
+        help="a variable for one process (gateway0, scheduler, ...; all: every one); repeatable",
+    )
+    ap.add_argument("--memory-profile", metavar="DIR", help="allocation diffs, one file a process")
+    ap.add_argument(
+        "--memory-profile-processes",
+        default="all",
+        help="comma-separated process names to profile (default all)",
+    )
+    ap.add_argument("--memory-profile-every-s", type=float, default=60.0)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="tokenmill-soak-") as tmp:
-        top = Topology(Path(tmp), workers=args.workers, quota=args.quota)
+        top = Topology(
+            Path(tmp), workers=args.workers, quota=args.quota, process_env=process_env(args)
+        )
         try:
             top.start()
             result = asyncio.run(soak(top, args))
+            result["process_env"] = top.process_env
         finally:
             top.stop()
     rec, quota = result["reconciliation"], result["quota"]
@@ -199,10 +255,15 @@ def main(argv: list[str] | None = None) -> int:
             p["rss_mb_first"],
             p["rss_mb_last"],
             "-" if p["slope_mb_per_10min"] is None else f"{p['slope_mb_per_10min']:.2f}",
+            "-" if p["slope_last_half"] is None else f"{p['slope_last_half']:.2f}",
         )
         for name, p in result["processes"].items()
     ]
-    print_table(("process", "RSS MB start", "RSS MB end", "MB/10 min"), rows, (12, 14, 12, 11))
+    print_table(
+        ("process", "RSS MB start", "RSS MB end", "MB/10 min", "last half"),
+        rows,
+        (12, 14, 12, 11, 11),
+    )
     path = write_result(result_path("gateway_soak", args.out, gpu="cpu"), result)
     print(f"wrote {path}")
     return 0

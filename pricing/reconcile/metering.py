@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -191,6 +193,27 @@ def _problem(r: Any) -> str | None:
     return "; ".join(diffs) or None
 
 
+async def _compared(
+    conn: asyncpg.Connection | asyncpg.Pool, since: datetime, until: datetime
+) -> AsyncIterator[asyncpg.Record]:
+    """QUERY's rows through a cursor, a batch at a time: the window (a day, for the scheduler's
+    job) can hold more requests than a process should load at once."""
+    if isinstance(conn, asyncpg.Pool):
+        async with conn.acquire() as c:
+            async for r in _compared(c, since, until):
+                yield r
+        return
+    # A cursor lives in a transaction: the caller's, else one of its own.
+    async with contextlib.AsyncExitStack() as stack:
+        if not conn.is_in_transaction():
+            await stack.enter_async_context(conn.transaction(readonly=True))
+        async for r in conn.cursor(QUERY, since, until, prefetch=CURSOR_BATCH):
+            yield r
+
+
+CURSOR_BATCH = 2000
+
+
 async def reconcile(
     conn: asyncpg.Connection | asyncpg.Pool,
     since: datetime | None = None,
@@ -204,7 +227,7 @@ async def reconcile(
     last_reports = {
         r["gateway_id"]: r["last_report"] for r in await conn.fetch(LAST_REPORTS, since)
     }
-    for r in await conn.fetch(QUERY, since, until):
+    async for r in _compared(conn, since, until):
         report.requests += 1
         report.billed_completion_tokens += r["billed_completion"] or 0
         report.delivered_completion_tokens += r["delivered_completion"] or 0

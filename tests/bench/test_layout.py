@@ -89,3 +89,24 @@ def test_percentile_median_and_table(capsys: pytest.CaptureFixture[str]) -> None
     assert common.median([0.001, 0.003, 0.002], 1e3) == 2.0
     common.print_table(("", "a", "b"), [("row", 1.0, "x")], (6, 6, 4))
     assert capsys.readouterr().out.splitlines() == ["           a   b", "row     1.00   x"]
+
+
+def test_soak_gives_variables_to_the_processes_named() -> None:
+    from bench.gateway.soak import parser, process_env
+
+    args = parser().parse_args(
+        [
+            *("--env", "scheduler:TOKENMILL_BILLING_CAPACITY_INTERVAL_S=60"),
+            *("--env", "all:TOKENMILL_LOG_LEVEL=INFO"),
+            *("--memory-profile", "/tmp/mem", "--memory-profile-every-s", "30"),
+            *("--memory-profile-processes", "scheduler,gateway0"),
+        ]
+    )
+    env = process_env(args)
+    assert env["*"] == {"TOKENMILL_LOG_LEVEL": "INFO"}
+    assert env["scheduler"]["TOKENMILL_BILLING_CAPACITY_INTERVAL_S"] == "60"
+    assert env["scheduler"]["TOKENMILL_MEMORY_PROFILE"] == "/tmp/mem/scheduler.txt"
+    assert env["gateway0"]["TOKENMILL_MEMORY_PROFILE_EVERY_S"] == "30.0"
+    assert set(env) == {"*", "scheduler", "gateway0"}
+    with pytest.raises(SystemExit):
+        process_env(parser().parse_args(["--env", "TOKENMILL_X=1"]))

@@ -158,8 +158,12 @@ class Topology:
         gateways: int = 2,
         workers: int = 2,
         quota: int = 2500,
+        process_env: dict[str, dict[str, str]] | None = None,
     ) -> None:
         self.root = root
+        # Extra variables by process name ("gateway0", "scheduler"...; "*": every process),
+        # e.g. the memory probe or shorter job intervals for the soak.
+        self.process_env = process_env or {}
         self.logs = root / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.prefix = "X" + uuid.uuid4().hex[:10].upper()
@@ -201,11 +205,15 @@ class Topology:
             # Fixed-rate answers have no prefill: a request whose worker sent nothing for 5 s
             # lost its replies (the default, 300 s, outwaits any model's prefill).
             "TOKENMILL_GATEWAY_SILENCE_TIMEOUT_S": "5",
+            # glibc's heap as deploy/Dockerfile sets it (docs/deploy.md, the soak).
+            "MALLOC_MMAP_THRESHOLD_": "65536",
+            "MALLOC_TRIM_THRESHOLD_": "65536",
         }
 
     def _proc(self, name: str, args: list[str]) -> Proc:
         cmd = [sys.executable, "-m", "tokenmill.cli", *args]
-        return Proc(name, cmd, self.env(), self.logs / f"{name}.log")
+        env = self.env() | self.process_env.get("*", {}) | self.process_env.get(name, {})
+        return Proc(name, cmd, env, self.logs / f"{name}.log")
 
     def gateway(self, i: int) -> Proc:
         port = self.gateway_ports[i]

@@ -14,6 +14,7 @@ from decimal import Decimal
 
 from events.projections import Projector
 from events.usage import GatewayDelivered, RequestFinished
+from pricing.capacity import throughput_from_busy, throughput_from_ledger
 from pricing.events import read_finalized
 from pricing.invoices import invoice_json
 from pricing.jobs import (
@@ -231,6 +232,43 @@ async def test_capacity_projection_from_measured_throughput(rig: BillingRig) -> 
         "SELECT document->>'margin_per_period' FROM capacity_projections WHERE sku_id = 'qwen'"
     )
     assert stored == qwen["margin_per_period"]
+
+
+async def test_worker_busy_in_sql_counts_as_the_ledger_rows_do(rig: BillingRig) -> None:
+    """The capacity job measures busy time in the database (it no longer loads the window's
+    rows): on random overlapping, nested, touching and disjoint requests of three workers
+    and another SKU, the same throughput as `throughput_from_ledger` over the rows."""
+    await setup_catalogue(rig)
+    await rig.control(sku("other"))
+    now = at(2026, 3, 20, 12)
+    rng = random.Random(7)
+    events = []
+    for i in range(300):
+        start = now - timedelta(seconds=rng.uniform(1, 3000), microseconds=rng.randrange(10**6))
+        length = timedelta(seconds=rng.choice([0, 0.5, 3, 30, 200]) * rng.random())
+        worker, sku_id = rng.choice(["w1", "w2", "w3"]), rng.choice(["qwen", "qwen", "other"])
+        events.append(
+            finished(f"b{i}", start + length, started=start, worker_id=worker, sku_id=sku_id,
+                     completion=rng.randrange(0, 500), prompt=rng.randrange(0, 900))
+        )  # fmt: skip
+    # Two that touch (one starts when the other ends) and one outside the window.
+    events += [
+        finished("t1", now - timedelta(seconds=9), started=now - timedelta(seconds=19), worker_id="w4"),
+        finished("t2", now - timedelta(seconds=2), started=now - timedelta(seconds=9), worker_id="w4"),
+        finished("old", now - timedelta(days=2), started=now - timedelta(days=3), worker_id="w4"),
+    ]  # fmt: skip
+    await rig.usage(events)
+    await rig.project()
+    start = now - timedelta(hours=1)
+    for sku_id in ("qwen", "other"):
+        rows = await rig.ctx.store.ledger_rows(sku_id=sku_id, start=start, end=now)
+        assert len(rows) > 50
+        expected = throughput_from_ledger(rows, sku_id)
+        got = throughput_from_busy(sku_id, await rig.ctx.store.worker_busy(sku_id, start, now))
+        assert got == expected
+    # Touching requests are one busy span: 17 s (10 + 7), the old one outside the window.
+    busy = {w.worker_id: w for w in await rig.ctx.store.worker_busy("qwen", start, now)}
+    assert busy["w4"].busy_seconds == 17 and busy["w4"].completion_tokens == 200
 
 
 async def test_one_scheduler_leads_and_another_takes_over(rig: BillingRig) -> None:
