@@ -104,13 +104,18 @@ SIGNATURES = {
 }
 
 
+_libraries: dict[torch.device, ctypes.CDLL] = {}
+
+
 def _library(device: torch.device) -> ctypes.CDLL:
-    lib = load(SOURCE, _arch(device))
-    if not getattr(lib, "_tm_typed", False):
+    """The typed library for `device`, looked up once per device (every eager launch asks)."""
+    lib = _libraries.get(device)
+    if lib is None:
+        lib = load(SOURCE, _arch(device))
         for name, argtypes in SIGNATURES.items():
             getattr(lib, name).argtypes = argtypes
             getattr(lib, name).restype = _I
-        setattr(lib, "_tm_typed", True)  # noqa: B010 (CDLL takes attributes; mypy does not know)
+        _libraries[device] = lib
     return lib
 
 
