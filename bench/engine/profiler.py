@@ -17,18 +17,18 @@ from worker.engine.sequence import SamplingParams
 class StepLog:
     """Wraps runner.execute: wall time of every step, tagged prefill (any prefill chunk) or
     decode (the number of decodes). The sampler's host copy ends every step, so wall = GPU.
-    Also wraps runner.launch_decode (overlapped decode, which does not wait for its step):
+    Also wraps runner.launch_forward (overlapped decode, which does not wait for its step):
     the time from one launch to the next is that step's wall time."""
 
     def __init__(self, runner: Any) -> None:
         self.runner, self.inner = runner, runner.execute
-        self.inner_launch = runner.launch_decode
+        self.inner_launch = runner.launch_forward
         self.steps: list[tuple[str, int, float]] = []
         self.profile_prefill = False  # profile the next prefill step's kernels (once)
         self.prefill_profile: dict[str, Any] | None = None
         self.last_launch: tuple[int, float] | None = None  # (decodes, start) of the last launch
         runner.execute = self
-        runner.launch_decode = self.launch
+        runner.launch_forward = self.launch
 
     def launch(self, batch: Any) -> Any:
         t0 = time.perf_counter()

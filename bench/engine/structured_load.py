@@ -9,12 +9,14 @@ alternate between the modes, one warm-up round of each first, repeats while the 
 - `free`: unconstrained greedy decoding, the load point as the fp8 section measures it
   (greedy sequences decode overlapped: the next step is launched before the last one's
   tokens are read);
-- `free_sync`: the same with overlapped decode off, the path a constrained sequence takes
-  (its sampler must see the logits before the next step): what the mask itself costs is
-  json_schema against this, what losing the overlap costs is this against `free`;
+- `free_sync`: the same with overlapped decode off: what losing the overlap costs is this
+  against `free`;
 - `json_schema`: every request with `response_format` json_schema (`SCHEMA`, an order export:
   nested objects, enums, bounded strings, an array of at least 64 orders), compiled once in
-  the warm-up as a worker compiles before admitting.
+  the warm-up as a worker compiles before admitting; greedy under the mask, so overlapped
+  (the engine queues the masked argmax behind the forward and fills the masks meanwhile);
+- `json_schema_sync`: the same with overlapped decode off (`overlap_constrained` off: the path
+  every constrained sequence took before), its sampler seeing the logits before the next step.
 
 The weights are random, so the grammar alone decides what is sampled: the schema's
 `minItems` makes every reply longer than 256 tokens, so the grammar is live for every token
@@ -26,7 +28,7 @@ Reported per mode: median output tok/s over the repeats (and each repeat's), com
 the sampler's host time per step; for json_schema also the mask fill per sequence-token and per
 step (the batch's fills, one after another in the sampler or the background thread), fill p99, and the
 sampler's time per step (the wait for a fill still running is in it). Ratios: json_schema /
-free (the target) and json_schema / free_sync.
+free (the target), json_schema_sync / free_sync (the mask's own cost without overlap).
 
     python -m bench.engine.suite --sections structured                 # on the GPU
     python -m bench.engine.suite --sections structured --preset tiny-qwen3_5 --device cpu \\
@@ -48,7 +50,8 @@ from bench.engine.configs import build_model, load_point_engine
 from bench.engine.load_point import RepeatResult, random_prompts, run_round
 from worker.engine.sequence import SamplingParams
 
-MODES = ("free", "free_sync", "json_schema")
+MODES = ("free", "free_sync", "json_schema", "json_schema_sync")
+CONSTRAINED = ("json_schema", "json_schema_sync")
 MIN_ORDERS = 64  # each order is 20+ tokens: no document completes within 256 tokens
 
 SCHEMA: dict[str, Any] = {
@@ -179,13 +182,13 @@ def structured_load(args: argparse.Namespace, config: Any, budget: float) -> dic
     vocab = config.vocab_size
 
     def params(mode: str, max_tokens: int) -> SamplingParams:
-        grammar = spec if mode == "json_schema" else None
+        grammar = spec if mode in CONSTRAINED else None
         return SamplingParams(
             temperature=0, max_tokens=max_tokens, ignore_eos=True, grammar=grammar
         )
 
     def round_(mode: str, n: int, max_tokens: int) -> RepeatResult:
-        engine.overlap_decode = overlap and mode == "free"
+        engine.overlap_decode = overlap and mode in ("free", "json_schema")
         prompts = random_prompts(n, args.prompt_len, vocab, rng)
         try:
             return run_round(engine, prompts, args.concurrency, params(mode, max_tokens))
@@ -200,6 +203,8 @@ def structured_load(args: argparse.Namespace, config: Any, budget: float) -> dic
 
     runs: dict[str, list[RepeatResult]] = {m: [] for m in MODES}
     sampler_s: dict[str, list[tuple[int, float]]] = {m: [] for m in MODES}
+    mode_states: dict[str, list[Any]] = {m: [] for m in CONSTRAINED}
+    mode_fills: dict[str, list[float]] = {m: [] for m in CONSTRAINED}
     cycles: list[float] = []
     while len(cycles) < args.repeats:
         spent = time.perf_counter() - began
@@ -211,6 +216,13 @@ def structured_load(args: argparse.Namespace, config: Any, budget: float) -> dic
             r = round_(mode, args.num_requests, args.max_tokens)
             runs[mode].append(r)
             sampler_s[mode] += sampler.calls
+            if mode in CONSTRAINED:
+                if grammar_log.states and not grammar_log.states[0].lazy:
+                    for state in grammar_log.states:
+                        state.next_mask()  # waits for a fill still running (after the last token)
+                mode_states[mode] += grammar_log.states
+                mode_fills[mode] += grammar_log.fills
+            grammar_log.states, grammar_log.fills = [], []
             print(
                 f"  {mode:<11} repeat {len(runs[mode])}: {r.output_tok_s:.1f} tok/s, "
                 f"{r.completion_tokens} tokens, {r.wall_s:.1f} s",
@@ -246,36 +258,21 @@ def structured_load(args: argparse.Namespace, config: Any, budget: float) -> dic
             "sampler_ms_per_step_p50": median(full_calls, 1e3),
             "sampler_ms_per_step_mean": (1e3 * statistics.mean(full_calls) if full_calls else None),
         }
-    states, fills = grammar_log.states, grammar_log.fills
-    lazy = bool(states) and states[0].lazy
-    if not lazy:
-        for s in states:
-            s.next_mask()  # waits for a fill still running (the one after a request's last token)
+    for mode in CONSTRAINED:
+        grammar_stats(result["modes"][mode], mode_states[mode], mode_fills[mode], full)
     json_mode = result["modes"]["json_schema"]
-    tokens = json_mode["completion_tokens"]
-    # lazy: one timed fill per token sampled under a mask (filled when the sampler asks);
-    # thread: one after each accepted token (the first, in the state's constructor, is not
-    # timed), so one per token sampled under a mask less the token that completed a document
-    terminated = sum(bool(s.terminated) for s in states)
-    constrained_tokens = len(fills) if lazy else len(fills) + terminated
-    json_mode.update(
-        {
-            "requests": len(states),
-            "constrained_tokens": constrained_tokens,
-            "constrained_fraction": constrained_tokens / tokens if tokens else None,
-            "documents_completed": sum(bool(s.terminated) for s in states),
-            "rejected_tokens": sum(s.rejected is not None for s in states),
-            "fill_us_per_token_p50": median(fills, 1e6),
-            "fill_us_per_token_mean": 1e6 * statistics.mean(fills) if fills else None,
-            "fill_us_per_token_p99": 1e6 * percentile(fills, 99) if fills else None,
-            "fill_ms_per_step_mean": (1e3 * statistics.mean(fills) * full if fills else None),
-        }
-    )
     free = result["modes"]["free"]["output_tok_s"]
     sync = result["modes"]["free_sync"]["output_tok_s"]
     constrained = json_mode["output_tok_s"]
     result["ratio_json_vs_free"] = constrained / free if constrained and free else None
+    constrained_sync = result["modes"]["json_schema_sync"]["output_tok_s"]
     result["ratio_json_vs_free_sync"] = constrained / sync if constrained and sync else None
+    result["ratio_json_sync_vs_free_sync"] = (
+        constrained_sync / sync if constrained_sync and sync else None
+    )
+    result["ratio_json_vs_json_sync"] = (
+        constrained / constrained_sync if constrained and constrained_sync else None
+    )
     result["ratio_free_sync_vs_free"] = sync / free if sync and free else None
     result["target_ratio"] = 0.95
     result["target_met"] = (
@@ -283,6 +280,31 @@ def structured_load(args: argparse.Namespace, config: Any, budget: float) -> dic
     )
     result["sample_reply"] = sample_reply(engine, tokenizer, spec, args, vocab, rng)
     return result
+
+
+def grammar_stats(row: dict[str, Any], states: list[Any], fills: list[float], full: int) -> None:
+    """A constrained mode's grammar figures into its row: tokens sampled under a mask, the
+    fills per token and per step of `full` sequences."""
+    lazy = bool(states) and states[0].lazy
+    tokens = row["completion_tokens"]
+    # lazy: one timed fill per token sampled under a mask (filled when asked); thread: one
+    # after each accepted token (the first, in the state's constructor, is not timed), so one
+    # per token sampled under a mask less the token that completed a document
+    terminated = sum(bool(s.terminated) for s in states)
+    constrained_tokens = len(fills) if lazy else len(fills) + terminated
+    row.update(
+        {
+            "requests": len(states),
+            "constrained_tokens": constrained_tokens,
+            "constrained_fraction": constrained_tokens / tokens if tokens else None,
+            "documents_completed": terminated,
+            "rejected_tokens": sum(s.rejected is not None for s in states),
+            "fill_us_per_token_p50": median(fills, 1e6),
+            "fill_us_per_token_mean": 1e6 * statistics.mean(fills) if fills else None,
+            "fill_us_per_token_p99": 1e6 * percentile(fills, 99) if fills else None,
+            "fill_ms_per_step_mean": (1e3 * statistics.mean(fills) * full if fills else None),
+        }
+    )
 
 
 def sample_reply(
@@ -300,12 +322,12 @@ def sample_reply(
 
 def print_table(r: dict[str, Any]) -> None:
     print(f"structured ({r['model']}, {r['repeats']} repeats, median output tok/s):")
-    print("mode        | output tok/s | tokens | sampler ms/step p50 | preemptions")
+    print("mode             | output tok/s | tokens | sampler ms/step p50 | preemptions")
     for mode, m in r["modes"].items():
         tok_s = f"{m['output_tok_s']:.1f}" if m["output_tok_s"] else "-"
         step = m["sampler_ms_per_step_p50"]
         print(
-            f"{mode:<11} | {tok_s:>12} | {m['completion_tokens']:>6} | "
+            f"{mode:<16} | {tok_s:>12} | {m['completion_tokens']:>6} | "
             f"{(f'{step:.3f}' if step is not None else '-'):>19} | {m['preemptions']}"
         )
     j = r["modes"]["json_schema"]
@@ -326,5 +348,6 @@ def print_table(r: dict[str, Any]) -> None:
         f"json_schema / free {ratio(r['ratio_json_vs_free'])} (target >= 0.95: "
         f"{'met' if r['target_met'] else 'not met'}), json_schema / free_sync "
         f"{ratio(r['ratio_json_vs_free_sync'])}, free_sync / free "
-        f"{ratio(r['ratio_free_sync_vs_free'])}"
+        f"{ratio(r['ratio_free_sync_vs_free'])}, json_schema / json_schema_sync "
+        f"{ratio(r['ratio_json_vs_json_sync'])}"
     )

@@ -70,12 +70,30 @@ NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\nWhat is the pass key? The pass key is"
 ANSWER_TOKENS = 6  # a 5-digit key and its leading space: SmolLM2 spells digits one a token
 
-# KV modes: EngineConfig overrides
+# KV modes: EngineConfig overrides. "staged" is the engine's default staging; variants are
+# named staged-k<K bits>v<V bits>[-w<window pages>][-a<anchor pages>] (mode_overrides).
 MODES: dict[str, dict[str, Any]] = {
     "16-bit": {"kv_dtype": torch.bfloat16},
     "fp8": {"kv_dtype": FP8},
     "staged": {"kv_dtype": FP8, "kv_staging": "k4v3"},
 }
+_VARIANT = re.compile(r"^staged-(k\dv\d)(?:-w(\d+))?(?:-a(\d+))?$")
+
+
+def mode_overrides(mode: str) -> dict[str, Any]:
+    """EngineConfig overrides of a KV mode: one of MODES or a staged variant."""
+    if mode in MODES:
+        return MODES[mode]
+    match = _VARIANT.match(mode)
+    if match is None:
+        raise ValueError(f"unknown KV mode {mode!r}: {', '.join(MODES)} or staged-k4v3-w16-a1")
+    widths, window, anchor = match.groups()
+    out: dict[str, Any] = {"kv_dtype": FP8, "kv_staging": widths}
+    if window:
+        out["kv_staging_window_pages"] = int(window)
+    if anchor:
+        out["kv_staging_anchor_pages"] = int(anchor)
+    return out
 
 
 def engine_config(
@@ -163,7 +181,7 @@ def run_passkey(
     batch: int = 1,
 ) -> list[bool]:
     """Whether each trial's greedy answer is its key: `batch` trials in flight at once."""
-    cfg = engine_config(max_model_len, chunk, batch, **MODES[mode])
+    cfg = engine_config(max_model_len, chunk, batch, **mode_overrides(mode))
     engine = LLMEngine(model, tokenizer, cfg)
     params = SamplingParams(temperature=0, max_tokens=ANSWER_TOKENS, ignore_eos=True)
     results = []
@@ -213,7 +231,7 @@ def chunked_nll(engine: LLMEngine, token_ids: Seq[int], chunk: int) -> tuple[flo
 
 
 def run_perplexity(model: Any, token_ids: list[int], mode: str, chunk: int) -> float:
-    engine = LLMEngine(model, None, engine_config(len(token_ids), chunk, **MODES[mode]))
+    engine = LLMEngine(model, None, engine_config(len(token_ids), chunk, **mode_overrides(mode)))
     total, count = chunked_nll(engine, token_ids, chunk)
     del engine
     free_gpu()
@@ -306,6 +324,14 @@ def gate(
         }
         result["passkey"][mode] = {
             "correct": per,
+            "missed_depths": {
+                str(n): [
+                    round(t.depth, 3)
+                    for h, t in zip(hits, ordered, strict=True)
+                    if t.length == n and not h
+                ]
+                for n in lengths
+            },
             "seconds": time.perf_counter() - began,
             "seconds_per_length": seconds,
         }
@@ -317,7 +343,8 @@ def gate(
         from worker.quantize.perplexity import held_out_text
 
         ids = list(tokenizer.encode(held_out_text()))[:ppl_tokens]
-        for mode in ("fp8", "staged"):
+        staged_modes = [m for m in modes if m.startswith("staged")] or ["staged"]
+        for mode in ["fp8", *staged_modes]:
             began = time.perf_counter()
             result["perplexity"][mode] = run_perplexity(model, ids, mode, chunk)
             if log:
@@ -327,19 +354,25 @@ def gate(
                 )
             if progress:
                 progress(result)
+    # The gate judges "staged" (the engine's default); variants get the same checks, reported
     checks: dict[str, bool] = {}
-    if "16-bit" in result["passkey"] and "staged" in result["passkey"]:
-        base, staged = (
-            result["passkey"]["16-bit"]["correct"],
-            result["passkey"]["staged"]["correct"],
-        )
-        for n in lengths:
-            checks[f"passkey@{n}"] = staged[str(n)] >= base[str(n)] - 1
-    if ppl_tokens:
-        ppl = result["perplexity"]
-        result["perplexity"]["staged_vs_fp8"] = ppl["staged"] / ppl["fp8"] - 1
-        checks["perplexity"] = ppl["staged"] <= ppl["fp8"] * 1.01
+    variants: dict[str, dict[str, bool]] = {}
+    for mode in [m for m in modes if m.startswith("staged")]:
+        mine = checks if mode == "staged" else variants.setdefault(mode, {})
+        if "16-bit" in result["passkey"] and mode in result["passkey"]:
+            base, staged = (
+                result["passkey"]["16-bit"]["correct"],
+                result["passkey"][mode]["correct"],
+            )
+            for n in lengths:
+                mine[f"passkey@{n}"] = staged[str(n)] >= base[str(n)] - 1
+        if ppl_tokens:
+            ppl = result["perplexity"]
+            suffix = "" if mode == "staged" else f"_{mode}"
+            ppl[f"staged_vs_fp8{suffix}"] = ppl[mode] / ppl["fp8"] - 1
+            mine["perplexity"] = ppl[mode] <= ppl["fp8"] * 1.01
     result["checks"] = checks
+    result["variant_checks"] = variants
     result["ok"] = all(checks.values())
     return result
 
@@ -354,10 +387,13 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     ppl = result["perplexity"]
     if ppl:
-        lines.append(
-            f"\nperplexity of {cfg['ppl_tokens']} tokens: FP8 KV {ppl['fp8']:.4f}, staged "
-            f"{ppl['staged']:.4f} ({100 * ppl['staged_vs_fp8']:+.2f}%)"
-        )
+        lines.append(f"\nperplexity of {cfg['ppl_tokens']} tokens: FP8 KV {ppl['fp8']:.4f}")
+        for mode, value in ppl.items():
+            if mode.startswith("staged") and not mode.startswith("staged_vs"):
+                key = "staged_vs_fp8" + ("" if mode == "staged" else f"_{mode}")
+                lines.append(f"  {mode} {value:.4f} ({100 * ppl[key]:+.2f}%)")
+    for mode, checks in result.get("variant_checks", {}).items():
+        lines.append(f"{mode} checks: {checks}")
     lines.append(f"checks: {result['checks']} -> {'ok' if result['ok'] else 'FAILED'}")
     return "\n".join(lines)
 
@@ -368,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=20, help="trials per context length")
     ap.add_argument("--ppl-tokens", type=int, default=8000)  # + the answer within 8,192 positions
     ap.add_argument("--chunk", type=int, default=512, help="prefill tokens per step")
-    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    ap.add_argument(
+        "--modes", nargs="+", default=list(MODES), help="16-bit, fp8, staged, staged-k3v4-w16 ..."
+    )
     ap.add_argument("--batch", type=int, default=1, help="trials of one length in flight")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--gguf", type=Path, help="the SmolLM2 GGUF (default: the demo model cache)")
@@ -381,6 +419,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="default: $OUT, else bench/results")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args(argv)
+    try:
+        for mode in args.modes:
+            mode_overrides(mode)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.out is None:

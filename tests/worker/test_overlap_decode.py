@@ -36,15 +36,15 @@ def make_engine(overlap: bool, tokenizer: Any = None, **config: Any) -> LLMEngin
 
 
 def counting_launches(engine: LLMEngine) -> list[int]:
-    """Wrap the runner's launch_decode; the list grows by one per overlapped launch."""
+    """Wrap the runner's launch_forward; the list grows by one per overlapped launch."""
     launches: list[int] = []
-    inner = engine.runner.launch_decode
+    inner = engine.runner.launch_forward
 
     def launch(batch: Any) -> Any:
         launches.append(len(batch.decodes))
         return inner(batch)
 
-    engine.runner.launch_decode = launch  # type: ignore[method-assign]
+    engine.runner.launch_forward = launch  # type: ignore[method-assign]
     return launches
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import jsonschema
 import pytest
@@ -84,13 +85,13 @@ class NoiseLM(torch.nn.Module):
         return torch.stack(rows)
 
 
-def make_engine(tokenizer: Tokenizer, eos_bias: float = 0.0, vocab_pad: int = 8):
+def make_engine(tokenizer: Tokenizer, eos_bias: float = 0.0, vocab_pad: int = 8, **config: Any):
     eos = next(iter(tokenizer.eos_token_ids))
     # the logits are wider than the tokenizer (padded vocabularies are common): padding ids
     # must never be sampled under a grammar
     model = NoiseLM(tokenizer.vocab_size + vocab_pad, eos, eos_bias)
     config = EngineConfig(
-        block_size=4, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512
+        block_size=4, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, **config
     )
     return LLMEngine(model, tokenizer, config)
 
@@ -327,3 +328,50 @@ def test_a_lazy_state_fills_only_when_asked(tokenizer: Tokenizer, monkeypatch: p
     monkeypatch.setenv("TOKENMILL_GRAMMAR_FILL", "eager")
     with pytest.raises(ValueError, match="lazy or thread"):
         grammars.state(spec)
+
+
+@pytest.mark.parametrize("fill", ["lazy", "thread"])
+def test_overlapped_constrained_decode_gives_the_synchronous_tokens(
+    tokenizer: Tokenizer, fill: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy constrained sequences run overlapped decode (their masked argmax queued behind
+    the forward, the mask filled after the previous token is read back) and get exactly the
+    tokens of synchronous steps, beside an unconstrained greedy neighbour and a sampled one
+    (which keeps the batch synchronous while it runs)."""
+    monkeypatch.setenv("TOKENMILL_GRAMMAR_FILL", fill)
+    spec = response_format_grammar("json_schema", json.dumps(SCHEMA), strict=True)
+    params = [
+        SamplingParams(temperature=0, max_tokens=120, grammar=spec),
+        SamplingParams(
+            temperature=0, max_tokens=90, grammar=response_format_grammar("json_object")
+        ),
+        SamplingParams(temperature=0, max_tokens=40),
+        SamplingParams(temperature=0, max_tokens=120, grammar=spec, ignore_eos=True),
+    ]
+
+    def serve(overlap: bool, extra: list[SamplingParams]) -> tuple[list[Any], list[int]]:
+        engine = make_engine(tokenizer, overlap_decode=overlap, pad_decode=True)
+        assert engine.overlap_decode is overlap
+        masked: list[int] = []
+        inner = engine.runner.launch_masked
+
+        def launch_masked(logits: Any, rows: list[int], masks: list[Any]) -> None:
+            masked.append(len(rows))
+            inner(logits, rows, masks)
+
+        engine.runner.launch_masked = launch_masked  # type: ignore[method-assign]
+        return run(engine, params + extra), masked
+
+    sync, none = serve(False, [])
+    overlapped, masked = serve(True, [])
+    assert not none and len(masked) > 50  # the constrained rows ran overlapped steps
+    assert [o.new_token_ids for o in overlapped] == [o.new_token_ids for o in sync]
+    assert [o.finish_reason for o in overlapped] == [o.finish_reason for o in sync]
+    assert [o.usage.completion_tokens for o in overlapped] == [len(o.new_token_ids) for o in sync]
+    assert overlapped[0].finish_reason == "stop"  # the grammar ends in the end token
+    jsonschema.validate(json.loads(overlapped[0].text), SCHEMA)
+    # a sampled neighbour: synchronous steps while it runs, the same tokens either way
+    sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=20, grammar=spec)
+    mixed_sync, _ = serve(False, [sampled])
+    mixed, _ = serve(True, [sampled])
+    assert [o.new_token_ids for o in mixed] == [o.new_token_ids for o in mixed_sync]

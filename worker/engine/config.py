@@ -168,6 +168,12 @@ class EngineConfig:
     # input ids the GPU takes from step N's tokens. Stop rules apply one step late: a token
     # computed past a stop is discarded, never emitted nor counted.
     overlap_decode: bool | None = None
+    # Constrained sequences (a grammar mask, temperature 0) in overlapped decode too
+    # (TOKENMILL_ENGINE_OVERLAP_CONSTRAINED=0 turns off): the step's forward is launched first,
+    # then the host reads step N-1's tokens, advances the grammars, fills their masks while the
+    # forward runs and queues a masked argmax of their rows behind it. Off: they run in
+    # synchronous steps, the GPU idle while the host samples and schedules.
+    overlap_constrained: bool = True
     # Before serving, one step of each kernel specialization class (`LLMEngine.warm_up`), so
     # that kernels compile then, not under a user's request (TOKENMILL_ENGINE_WARM_UP; default:
     # on for a CUDA device, off elsewhere, where no kernel compiles). Block-table widths are warmed up to warm_up_max_len tokens
@@ -211,6 +217,7 @@ class EngineConfig:
             "cuda_graphs": _env_bool("TOKENMILL_ENGINE_CUDA_GRAPHS"),
             "fuse_projections": _env_bool("TOKENMILL_ENGINE_FUSE_PROJECTIONS"),
             "overlap_decode": _env_bool("TOKENMILL_ENGINE_OVERLAP_DECODE"),
+            "overlap_constrained": _env_bool("TOKENMILL_ENGINE_OVERLAP_CONSTRAINED"),
             "warm_up": _env_bool("TOKENMILL_ENGINE_WARM_UP"),
             "warm_up_max_len": _env_int("TOKENMILL_ENGINE_WARM_UP_MAX_LEN"),
             "prefill_gather_s": env_float("TOKENMILL_ENGINE_PREFILL_GATHER_MS", 25) / 1e3,

@@ -478,7 +478,20 @@ class LLMEngine:
         return (
             self.overlap_decode
             and not batch.prefills
-            and all(e.seq.params.greedy for e in batch.decodes)
+            and all(self._argmax_on_device(e.seq) for e in batch.decodes)
+        )
+
+    def _argmax_on_device(self, seq: Sequence) -> bool:
+        """Whether the device's argmax is the sequence's token (overlapped decode): greedy, or
+        greedy under a grammar mask when constrained sequences overlap too."""
+        params = seq.params
+        if params.greedy:
+            return True
+        return (
+            self.config.overlap_constrained
+            and params.temperature == 0
+            and params.logprobs is None
+            and seq.grammar is not None
         )
 
     def _can_launch_ahead(self) -> bool:
@@ -492,7 +505,7 @@ class LLMEngine:
             return False
         new_blocks = 0
         for seq in sched.running:
-            if not seq.params.greedy or seq.num_uncomputed_tokens != 1:
+            if not self._argmax_on_device(seq) or seq.num_uncomputed_tokens != 1:
                 return False
             if (
                 seq.num_output_tokens >= seq.params.max_tokens
@@ -503,9 +516,13 @@ class LLMEngine:
         return new_blocks <= self.block_manager.num_free_blocks
 
     def _launch(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        """Launch `batch` without waiting, then settle the step before it."""
+        """Launch `batch` without waiting, then settle the step before it. Constrained rows
+        are re-picked under their masks once the settled tokens have advanced their grammars:
+        the masks are filled while the device runs the forward."""
+        constrained = [i for i, e in enumerate(batch.decodes) if e.seq.grammar is not None]
         try:
-            tokens = self.runner.launch_decode(batch)
+            logits = self.runner.launch_forward(batch)
+            tokens = None if constrained else self.runner.launch_tokens(len(batch.decodes))
         except Exception as exc:
             log.exception("engine step %d failed", batch.step)
             return self._settle() + self._fail(batch, f"{type(exc).__name__}: {exc}")
@@ -513,8 +530,22 @@ class LLMEngine:
         self.scheduler.complete(batch, [PENDING_TOKEN] * len(batch.decodes))
         # tail checkpoints: queued behind the step on the device, so they copy its state
         self.runner.copy_states(batch.state_saves)
-        previous, self._in_flight = self._in_flight, _InFlight(batch, tokens, index)
-        return self._settle(previous) if previous is not None else []
+        previous, self._in_flight = self._in_flight, None
+        outputs = self._settle(previous) if previous is not None else []
+        if constrained:
+            # a sequence the settled token finished drops this step's token: any mask will do
+            rows = [i for i in constrained if not batch.decodes[i].seq.is_finished]
+            try:
+                if rows:
+                    masks = [batch.decodes[i].seq.grammar.next_mask() for i in rows]
+                    self.runner.launch_masked(logits, rows, masks)
+                tokens = self.runner.launch_tokens(len(batch.decodes))
+            except Exception as exc:
+                log.exception("engine step %d failed", batch.step)
+                return outputs + self._fail(batch, f"{type(exc).__name__}: {exc}")
+        assert tokens is not None
+        self._in_flight = _InFlight(batch, tokens, index)
+        return outputs
 
     def _settle(self, in_flight: _InFlight | None = None) -> list[RequestOutput]:
         """Read back an in-flight step's tokens (default: the current one) and apply them:
@@ -532,6 +563,8 @@ class LLMEngine:
             if seq.is_finished:  # stopped on an earlier token, or aborted
                 continue
             seq.output_token_ids[index] = token
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                log.error("sequence %d: the grammar refused its token %d", seq.seq_id, token)
             # The output as it stood when this token was sampled: a later pending token,
             # already launched, is dropped if this one stops the sequence.
             later = seq.output_token_ids[index + 1 :]

@@ -426,13 +426,31 @@ class ModelRunner:
         return self._run_decode(batch)
 
     @torch.inference_mode()
-    def launch_decode(self, batch: ScheduledBatch) -> SampledTokens:
-        """Start a greedy decode-only step without waiting for it: its tokens stay on the device
-        (the next step feeds them itself) and come back to the host through a non-blocking copy,
-        read by `SampledTokens.tolist()` once the host needs them."""
+    def launch_forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Start a greedy decode-only step without waiting for it: forward, logits and greedy
+        tokens, queued; its logits [B, vocab] (the graph's own buffer). Its tokens stay on the
+        device (the next step feeds them itself) and come back to the host through
+        `launch_tokens`, read by `SampledTokens.tolist()` once the host needs them."""
         assert self.decode_inputs is not None
-        self._run_decode(batch)
-        n = len(batch.decodes)
+        return self._run_decode(batch)
+
+    @torch.inference_mode()
+    def launch_masked(
+        self, logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor]
+    ) -> None:
+        """Re-pick the greedy token of `rows` of a launched step under their grammar masks
+        (same order), queued behind its forward: what the next step feeds and reads back."""
+        from worker.structured import apply_masks
+
+        assert self.decode_inputs is not None
+        apply_masks(logits, rows, masks)
+        index = torch.tensor(rows, device=logits.device)
+        picked = torch.argmax(logits.index_select(0, index), dim=-1)
+        self.decode_inputs.last_sampled.index_copy_(0, index, picked)
+
+    def launch_tokens(self, n: int) -> SampledTokens:
+        """The last launched step's n tokens, on their way to pinned host memory."""
+        assert self.decode_inputs is not None
         host = self._token_buffers[0] if self._last_buffer == 1 else self._token_buffers[1]
         self._last_buffer = 0 if self._last_buffer == 1 else 1
         host[:n].copy_(self.decode_inputs.last_sampled[:n], non_blocking=True)

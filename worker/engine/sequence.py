@@ -75,8 +75,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """The device's argmax is all the host needs: temperature 0 and nothing to do per token
-        on the host (a grammar mask, logprobs). Only such sequences run overlapped decode,
-        whose tokens never pass through the Sampler."""
+        on the host (a grammar mask, logprobs). Such sequences, and greedy ones under a grammar
+        (whose masked argmax the engine queues itself), run overlapped decode, whose tokens
+        never pass through the Sampler."""
         return self.temperature == 0 and self.grammar is None and self.logprobs is None
 
 
