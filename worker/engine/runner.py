@@ -444,7 +444,9 @@ class ModelRunner:
 
         assert self.decode_inputs is not None
         apply_masks(logits, rows, masks)
-        index = torch.tensor(rows, device=logits.device)
+        index = torch.tensor(rows)
+        if index.device != logits.device:  # pinned: a pageable copy would wait for the forward
+            index = index.pin_memory().to(logits.device, non_blocking=True)
         picked = torch.argmax(logits.index_select(0, index), dim=-1)
         self.decode_inputs.last_sampled.index_copy_(0, index, picked)
 

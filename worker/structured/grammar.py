@@ -297,16 +297,25 @@ class GrammarState:
 
 
 def apply_masks(logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor]) -> None:
-    """Set to -inf, in place, the logits of `rows` that their mask (same order) forbids."""
+    """Set to -inf, in place, the logits of `rows` that their mask (same order) forbids.
+
+    On a GPU the bitmask and the row indices travel from pinned memory without waiting: a copy
+    from pageable memory would make the host wait for the forward queued before it (which
+    overlapped decode fills the masks beside)."""
     import xgrammar as xgr
 
     words = masks[0].shape[1]
-    bitmask = torch.full((logits.shape[0], words), -1, dtype=torch.int32)
+    on_host = logits.device.type == "cpu"
+    bitmask = torch.empty((logits.shape[0], words), dtype=torch.int32, pin_memory=not on_host)
+    bitmask.fill_(-1)
     bitmask[rows] = torch.cat(masks)
-    if logits.device.type != "cpu":
+    index: list[int] | torch.Tensor = rows
+    if not on_host:
         bitmask = bitmask.to(logits.device, non_blocking=True)
+        pinned = torch.tensor(rows, dtype=torch.int32).pin_memory()
+        index = pinned.to(logits.device, non_blocking=True)
     width = min(logits.shape[1], words * 32)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=index)
 
 
 class Grammars:
