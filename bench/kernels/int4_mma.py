@@ -197,7 +197,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="store the winners as int4_mma_decode_tilings in the package's tuning file",
     )
     args = parser.parse_args(argv)
+    # --out: a JSON file, or a folder for the dated name
     out = Path(args.out) if args.out else result_path("int4_mma")
+    if out.is_dir():
+        out = result_path("int4_mma", out)
     start = time.perf_counter()
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     began = time.perf_counter()

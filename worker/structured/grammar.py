@@ -19,16 +19,15 @@ The library is xgrammar (over llguidance and outlines-core), chosen by measureme
 The cost: it depends on torch (here already) and transformers (only for tokenizers we do not
 use it for: `tokenizer_info` builds the vocabulary from our own tokenizer).
 
-Overlap: a sequence's next mask depends only on the tokens it has accepted, and the sampler
-runs after the step's forward is launched, so the mask is filled when the next sampler call
-asks for it (`GrammarState.next_mask`), on the engine's thread, while the device computes that
-forward (`TOKENMILL_GRAMMAR_FILL=lazy`, the default; not yet measured on a GPU). The first
-design (`thread`: a background thread fills right after the token is accepted) ran the H200
-json_schema load point at 0.72 of unconstrained decoding without overlap, its fills reporting
-5.7 ms a step, where the same fills along that run's own reply take ~0.1 ms a step on a CPU.
-The fill thread's clock includes its waits for the GIL, which it gets back only at Python's
-switch interval (5 ms) while the engine's thread runs Python: 8 fills beside a busy thread
-read 5.2 ms at the median on a 2-core machine, 0.07 ms alone. Lazy fills hand nothing over.
+Overlap: a sequence's next mask depends only on the tokens it has accepted. In overlapped
+decode the engine launches a step's forward, then reads the previous step's tokens, has the
+grammars accept them and fills their masks (`GrammarState.next_mask`, on the engine's thread,
+`TOKENMILL_GRAMMAR_FILL=lazy`, the default) while that forward runs; a synchronous step's
+sampler fills them likewise after its forward is launched. `thread` fills in a background
+thread after each token instead: it measured no better on one H200 (its fills wait for the GIL,
+which a thread gets back only at Python's switch interval while the engine's thread runs
+Python). On one H200 json_schema decoding runs at 0.996 of unconstrained at the load point
+(docs/performance.md, "Structured output at the load point").
 """
 
 from __future__ import annotations
