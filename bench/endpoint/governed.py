@@ -215,6 +215,58 @@ async def worker_view(b: Bench, results: list[dict[str, Any]]) -> None:
             r["worker_e2e_s"] = row["e2e_ms"] / 1000
 
 
+def worker_config(a: argparse.Namespace) -> dict[str, Any]:
+    """The torch_runtime backend's config: what the worker and the engine-alone rounds run."""
+    config: dict[str, Any] = {
+        "model_path": f"random:{a.preset}",
+        "device": a.device,
+        "dtype": a.dtype,
+        "max_num_seqs": max([a.concurrency, *a.sweep]),
+        "max_model_len": a.prompt_tokens * 2 + a.max_tokens,
+    }
+    if a.quantize != "none":
+        config["quantize"] = a.quantize
+    if a.kv_dtype != "none":
+        config["kv_dtype"] = a.kv_dtype
+    return config
+
+
+def engine_alone(a: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
+    """The worker's engine (its backend's config, warm-up and all) in this process, before the
+    stack starts: one warm round, then `--engine-rounds` timed rounds of the load point, with
+    the same prompts tokenized; its GPU memory is given back before the worker starts."""
+    import gc
+
+    import torch
+
+    from bench.engine.load_point import run_round
+    from worker.backends.torch_runtime import TorchRuntimeBackend
+    from worker.engine.sequence import SamplingParams
+
+    began = time.perf_counter()
+    llm, tokenizer = TorchRuntimeBackend(**worker_config(a)).build_engine()
+    build_s = time.perf_counter() - began
+    ids = [list(tokenizer.encode(p)) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=a.max_tokens)
+    run_round(llm, ids, a.concurrency, params)
+    rounds = []
+    for i in range(a.engine_rounds):
+        r = run_round(llm, ids, a.concurrency, params)
+        rounds.append(r)
+        print(f"engine alone round {i + 1}: {r.output_tok_s:.1f} tok/s", flush=True)
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {
+        "build_s": build_s,
+        "output_tokens_per_s": statistics.median(r.output_tok_s for r in rounds),
+        "output_tokens_per_s_rounds": [r.output_tok_s for r in rounds],
+        "ttft_s_p50": percentile([t for r in rounds for t in r.ttft_s], 50),
+        "completion_tokens": sum(r.completion_tokens for r in rounds),
+    }
+
+
 def start_worker(b: Bench, a: argparse.Namespace) -> dict[str, Any]:
     name = f"{a.preset}-{a.quantize}".replace("none", "bf16")
     sku = b.admin(
@@ -222,18 +274,8 @@ def start_worker(b: Bench, a: argparse.Namespace) -> dict[str, Any]:
         "/skus",
         {"name": name, "model": a.preset, "runtime": "torch_runtime", "gpu_type": a.gpu_type},
     )
-    config = {
-        "model_path": f"random:{a.preset}",
-        "device": a.device,
-        "dtype": a.dtype,
-        "max_num_seqs": max([a.concurrency, *a.sweep]),
-        "max_model_len": a.prompt_tokens * 2 + a.max_tokens,
-    }
+    config = worker_config(a)
     b.env = {**b.env, "TOKENMILL_ENGINE_SLOW_STEP_S": str(a.slow_step_s)}
-    if a.quantize != "none":
-        config["quantize"] = a.quantize
-    if a.kv_dtype != "none":
-        config["kv_dtype"] = a.kv_dtype
     b.spawn(
         "-m", "worker.serve", "--nats-url", b.nats_url, "--prefix", b.prefix, "--sku-id", sku["sku_id"],
         "--model", name, "--backend", "torch_runtime", "--config", json.dumps(config), log="worker.log",
@@ -322,11 +364,18 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=result_path("gpu_endpoint"))
     ap.add_argument("--sweep", default="", help="concurrencies to measure after the load point")
     ap.add_argument("--slow-step-s", type=float, default=0.25, help="worker steps logged as slow")
+    ap.add_argument(
+        "--engine-rounds",
+        type=int,
+        default=0,
+        help="rounds of the worker's engine alone in this process first (the worker's ceiling)",
+    )
     a = ap.parse_args()
     a.sweep = [int(c) for c in a.sweep.split(",") if c]
     a.uvloop = False
     prompts = [prompt_text(a.prompt_tokens, i) for i in range(a.requests)]
     runs: dict[str, list[tuple[list[dict[str, Any]], float]]] = {"direct": [], "gateway": []}
+    alone = engine_alone(a, prompts) if a.engine_rounds else None
     with ExitStack() as stack:
         b = Bench(a, stack)
         b.start()
@@ -387,6 +436,11 @@ def main() -> int:
         },
     }
     result["sweep"] = sweep_rows
+    if alone is not None:
+        result["engine_alone"] = alone
+        result["worker_vs_engine"] = (
+            modes["direct"]["output_tokens_per_s"] / alone["output_tokens_per_s"]
+        )
     result["slow_steps_after_warm_up"] = slow_steps(worker_log, ready_at)
     if a.device == "cuda":
         import torch
@@ -436,6 +490,11 @@ def main() -> int:
     if sweep_rows:
         print_sweep(sweep_rows)
     print(f"gateway cost: {cost:.2f}% of output tok/s")
+    if alone is not None:
+        print(
+            f"engine alone: {alone['output_tokens_per_s']:.1f} tok/s (median of "
+            f"{a.engine_rounds}); worker (direct) / engine {result['worker_vs_engine']:.3f}"
+        )
     print(
         f"reconciliation: {rc['requests']} requests ({rc['client_hung_up']} hung up): "
         f"{rc['match_rate_pct']:.2f}% matched, {len(report.mismatches)} mismatches, {rc['pending']} pending"

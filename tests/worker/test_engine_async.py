@@ -70,3 +70,27 @@ async def test_close_fails_streams_still_open(engine):
     with pytest.raises(RuntimeError, match="shut down"):
         while True:
             await anext(stream)
+
+
+async def test_a_step_wakes_the_event_loop_once_for_all_its_streams(engine):
+    """Every output of a step reaches its stream through one call into the loop: wake-ups
+    grow with steps, not with steps x streams."""
+    loop = asyncio.get_running_loop()
+    calls: list[int] = []
+    inner = loop.call_soon_threadsafe
+
+    def counted(callback, *args):  # type: ignore[no-untyped-def]
+        calls.append(len(args[0]) if args and isinstance(args[0], list) else 0)
+        return inner(callback, *args)
+
+    loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+    try:
+        results = await asyncio.gather(*(collect(engine, [i, i + 1], 8, f"w{i}") for i in range(3)))
+    finally:
+        del loop.call_soon_threadsafe
+    for i, outs in enumerate(results):
+        assert [t for o in outs for t in o.new_token_ids] == greedy_reference([i, i + 1], 8)
+    deliveries = [n for n in calls if n]
+    assert sum(deliveries) == sum(len(outs) for outs in results)
+    assert max(deliveries) == 3  # the three streams' tokens of a step in one call
+    assert len(deliveries) < sum(len(outs) for outs in results)

@@ -113,9 +113,19 @@ class TorchRuntimeBackend:
         self.engine, self.tokenizer = await asyncio.to_thread(self._load)
 
     def _load(self) -> tuple[Any, Any]:
+        from worker.engine.async_engine import AsyncLLMEngine
+
+        llm, tokenizer = self.build_engine()
+        engine = AsyncLLMEngine(llm)
+        engine.start()
+        log.info("loaded %s on %s (%s)", self.model_path, self.device, self.dtype)
+        return engine, tokenizer
+
+    def build_engine(self) -> tuple[Any, Any]:
+        """(LLMEngine, tokenizer) as this backend serves them, warmed up: also what a
+        benchmark runs to compare the engine alone with the worker around it."""
         import torch
 
-        from worker.engine.async_engine import AsyncLLMEngine
         from worker.engine.engine import EngineConfig, LLMEngine
         from worker.loading import load_model
 
@@ -147,10 +157,7 @@ class TorchRuntimeBackend:
                 len(compositions),
                 time.perf_counter() - began,
             )
-        engine = AsyncLLMEngine(llm)
-        engine.start()
-        log.info("loaded %s on %s (%s)", self.model_path, self.device, self.dtype)
-        return engine, tokenizer
+        return llm, tokenizer
 
     async def close(self) -> None:
         if self.engine is not None:

@@ -2,7 +2,10 @@
 
 One background thread owns the engine and steps it while there is work; torch releases the GIL
 in its kernels, so the event loop stays responsive. Requests and aborts reach the thread through
-a queue and are applied between steps; every step's outputs go to per-request asyncio queues.
+a queue and are applied between steps; every step's outputs go to per-request asyncio queues,
+handed to each event loop in one call per step (one wake-up of the loop, not one per request:
+each wake-up is Python run on the loop's thread, which then holds the GIL the engine's thread
+needs to launch its next step).
 """
 
 from __future__ import annotations
@@ -111,8 +114,7 @@ class AsyncLLMEngine:
                     log.exception("engine step failed")
                     self._fail_all(exc)
                     continue
-                for out in outputs:
-                    self._deliver(out)
+                self._deliver(outputs)
 
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):
@@ -125,13 +127,18 @@ class AsyncLLMEngine:
             return
         self._streams[command.request_id] = command
 
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is None:
-            return
-        if out.finished:
-            del self._streams[out.request_id]
-        stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their streams: one call into each event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            by_loop.setdefault(stream.loop, []).append((stream.outputs, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):
@@ -142,3 +149,8 @@ class AsyncLLMEngine:
             self.engine.step()  # nothing is scheduled: only collects the abort outputs
         except Exception:
             log.exception("engine could not drain after a failure")
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue_, out in items:
+        queue_.put_nowait(out)
