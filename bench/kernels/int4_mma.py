@@ -54,7 +54,7 @@ def weights(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tenso
 def candidates(n: int, k: int) -> list[MmaTiling]:
     groups = k // GROUP
     out = {int4_mma.default_tiling(n, k, GROUP)}
-    for rows in (1, 2):
+    for rows in (1, 2, 4):
         if n % (16 * rows):
             continue
         blocks = n // (16 * rows)

@@ -593,9 +593,12 @@ int gemv_by_rows(const void* qw, const void* sc, const void* x, void* y, void* w
                             depth, mode, s)
   if (M <= 8) return TM_ROWS(1);
   if (M <= 16) return TM_ROWS(2);
-  if (M <= 32) return TM_ROWS(4);
-  if constexpr (R == 1) return TM_ROWS(8);
-  else return -1;  // 8 token groups x 2 tiles spill registers: callers use one tile per CTA
+  if constexpr (R == 4) return -1;  // 4 tiles x 4+ token groups spill: callers use fewer tiles
+  else {
+    if (M <= 32) return TM_ROWS(4);
+    if constexpr (R == 1) return TM_ROWS(8);
+    else return -1;  // 8 token groups x 2 tiles spill registers: callers use one tile per CTA
+  }
 #undef TM_ROWS
 }
 
@@ -604,18 +607,21 @@ int gemv_by_rows(const void* qw, const void* sc, const void* x, void* y, void* w
 extern "C" {
 
 // y[M, N] = x[M, K] @ W^T. Returns a cudaError_t (0: launched; -1: bad arguments).
-// rows_per_cta 1 or 2 (N a multiple of 16 * rows_per_cta); warps 1..8; splits >= 1 (> 1 needs
-// ws and arrivals, zeroed, sized N / 16 * MT * 128 floats and N / 16 ints); mode 0, 1 or 2
-// (gemv_by_mode); M > 32 needs rows_per_cta 1.
+// rows_per_cta 1, 2 or 4 (N a multiple of 16 * rows_per_cta; more tiles per CTA share each x
+// operand load); warps 1..8; splits >= 1 (> 1 needs ws and arrivals, zeroed, sized
+// N / 16 * MT * 128 floats and N / 16 ints); mode 0-3 (gemv_by_mode); M > 16 needs
+// rows_per_cta <= 2, M > 32 rows_per_cta 1.
 int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                int M, int N, int K, int ldx, int ldy, int gc, int bf16, int rows_per_cta,
                int warps, int splits, int depth, int mode, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (M < 1 || M > 64 || K % 64 || gc < 1 || warps < 1 || warps > 8 || splits < 1) return -1;
-  if ((rows_per_cta != 1 && rows_per_cta != 2) || N % (16 * rows_per_cta)) return -1;
+  if ((rows_per_cta != 1 && rows_per_cta != 2 && rows_per_cta != 4) || N % (16 * rows_per_cta))
+    return -1;
 #define TM_CALL(B, R) \
   gemv_by_rows<B, R>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, depth, \
                      mode, s)
+  if (rows_per_cta == 4) return bf16 ? TM_CALL(true, 4) : TM_CALL(false, 4);
   if (rows_per_cta == 2) return bf16 ? TM_CALL(true, 2) : TM_CALL(false, 2);
   return bf16 ? TM_CALL(true, 1) : TM_CALL(false, 1);
 #undef TM_CALL

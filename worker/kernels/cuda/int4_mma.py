@@ -39,7 +39,8 @@ def kernel_choice() -> str:
 
 @dataclass(frozen=True)
 class MmaTiling:
-    """How one (N, K) weight is cut: `rows` 16-row tiles per CTA (1 or 2), `warps` per CTA
+    """How one (N, K) weight is cut: `rows` 16-row tiles per CTA (1, 2 or 4: each x operand
+    loaded once serves them all; 4 up to M = 16, 2 up to 32), `warps` per CTA
     splitting its K, `splits` CTAs per row block splitting K (> 1: an fp32 workspace and the last
     CTA writes), `mode` 0 (weights loaded into registers, 2 chunks in flight per warp), 1
     (cp.async into a shared-memory ring of 4 chunks per warp) or 2 (the register pipeline with
@@ -155,6 +156,8 @@ def gemv(
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()
     t = tiling or MMA_DECODE_TILINGS.get((n, k)) or default_tiling(n, k, group_size)
+    if m > 16 and t.rows == 4:  # 4 tiles x 4 token groups spill registers
+        t = dataclasses.replace(t, rows=2)
     if m > 32 and t.rows == 2:  # 8 token groups x 2 tiles spill registers: one tile per CTA
         t = dataclasses.replace(t, rows=1)
     gc = group_size // 64
