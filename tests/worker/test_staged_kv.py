@@ -331,15 +331,84 @@ def test_triton_restage(bits: tuple[int, int]):
 
 def check_staged_decode(
     device: str, contexts: list[int], fraction: float, hq: int, hkv: int, dim: int, bs: int,
-    partition: int | None = None, kv_dtype: torch.dtype = FP8,
-):  # fmt: skip
+    partition: int | None = None, kv_dtype: torch.dtype = FP8, k_bits: int = 4, v_bits: int = 3,
+    block_n: int | None = None, tol: float = 2e-2,
+) -> tuple[StagedAttentionCache, torch.Tensor]:  # fmt: skip
     tq_kernels = triton_module()
-    cache, tables, _ = staged_case(contexts, fraction, hq, hkv, dim, bs, device, kv_dtype)
+    cache, tables, _ = staged_case(
+        contexts, fraction, hq, hkv, dim, bs, device, kv_dtype, k_bits=k_bits, v_bits=v_bits
+    )
     q = torch.randn(len(contexts), hq, dim, device=device).bfloat16()
     ctx = torch.tensor(contexts, dtype=torch.int32, device=device)
     want = reference.staged_attention_decode(q, cache, ctx, tables, dim**-0.5)
-    got = tq_kernels.staged_attention_decode(q, cache, ctx, tables, dim**-0.5, partition)
-    assert rel_err(got, want) < 2e-2
+    got = tq_kernels.staged_attention_decode(
+        q, cache, ctx, tables, dim**-0.5, partition, block_n=block_n
+    )
+    err = rel_err(got, want)
+    assert err < tol, err
+    return cache, tables
+
+
+def tile_kinds(
+    cache: StagedAttentionCache, tables: torch.Tensor, contexts: list[int], bn: int, part: int
+) -> set[str]:
+    """What the decode kernel's tiles of bn tokens (within partitions of `part`) hold."""
+    bs, recent = cache.k_cache.shape[1], cache.num_recent_blocks
+    kinds = set()
+    for b, n in enumerate(contexts):
+        packed = tables[b, torch.arange(n) // bs].cpu() >= recent
+        for start in range(0, n, part):
+            for t0 in range(start, min(start + part, n), bn):
+                tile = packed[t0 : min(t0 + bn, start + part, n)]
+                kinds.add("codes" if tile.all() else "fp8" if not tile.any() else "mixed")
+    return kinds
+
+
+# the decode kernel's code paths by width: K/V bits, every head-dim the models use, GQA groups of
+# 1 and 6 query heads, 3 KV heads (SmolLM2); 16-token pages, 32-token tiles, 64-token splits:
+# tiles all codes, all FP8 (the window) and mixed (page 4 of 10 compressed, page 5 not)
+@pytest.mark.parametrize(
+    ("k_bits", "v_bits", "dim", "hq", "hkv"),
+    [
+        (4, 3, 64, 12, 2),
+        (4, 3, 256, 6, 1),
+        (3, 3, 128, 9, 3),
+        (4, 4, 64, 2, 2),
+        (2, 2, 64, 12, 2),
+        (2, 1, 128, 9, 3),
+    ],
+)
+def test_triton_staged_decode_widths_and_tiles(k_bits, v_bits, dim, hq, hkv):
+    contexts = [150, 40, 16, 33]  # 33: a tile of one FP8 token after two compressed pages
+    cache, tables = check_staged_decode(
+        "cpu", contexts, 0.5, hq, hkv, dim, 16, partition=64, k_bits=k_bits, v_bits=v_bits,
+        block_n=32, tol=1e-2,
+    )  # fmt: skip
+    assert tile_kinds(cache, tables, contexts, 32, 64) == {"codes", "fp8", "mixed"}
+
+
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_triton_staged_decode_tile_sizes(block_n: int):
+    check_staged_decode("cpu", [150, 70], 0.5, 12, 2, 64, 16, k_bits=4, v_bits=3, block_n=block_n)
+
+
+def test_triton_staged_decode_tile_of_one_compressed_token():
+    """Every page compressed, the last holding one token: its tile has a single code row."""
+    check_staged_decode("cpu", [33, 65], 1.0, 12, 2, 64, 16, block_n=32, tol=1e-2)
+
+
+@pytest.mark.parametrize("bits", [(4, 3), (3, 3), (4, 4), (2, 2), (1, 2)])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_triton_scratch_decodes_every_width(bits: tuple[int, int], dim: int):
+    """The gather-free code decoding (word loads, select tree on the folded bits, the sign
+    xor-ed in) against the reference's table lookup: every code of every width, exactly."""
+    tq_kernels = triton_module()
+    cache, tables, _ = staged_case([24, 9], 1.0, 2, 2, dim, 4, k_bits=bits[0], v_bits=bits[1])
+    for pool in (cache.k_codes, cache.v_codes):  # every code value, not only the likely ones
+        pool.random_(0, 256)
+    keys, values, _ = tq_kernels.staged_scratch(cache, tables, torch.float32)
+    want_k, want_v, _ = reference.staged_scratch(cache, tables, torch.float32)
+    assert rel_err(keys, want_k) < 1e-6 and rel_err(values, want_v) < 1e-6
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.6, 1.0])

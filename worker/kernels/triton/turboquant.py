@@ -7,12 +7,18 @@ basis (worker/kvcache/turboquant.py). References: worker.kernels.reference.
   of coordinate (8j + t) // b; each packed bit is computed from its own coordinate, so no
   register shuffles are needed).
 - `staged_attention_decode`: flash-decoding as `paged_attention_decode` (grid (sequence,
-  kv head, split), the GQA group's query heads as the rows of one dot), reading each token of a
-  tile from whichever pool its page is in: both loads are masked, so a token costs only its own
-  pool's bytes, and the tile's keys and values are merged before the dots. The query is
-  already rotated and the output stays rotated (the layer un-rotates it once per head).
-- `staged_attention_prefill`: compressed pages dequantized into a scratch of every page the
-  batch's tables name (`_scratch_kernel`), then the plain prefill kernel over the scratch.
+  kv head, split), the GQA group's query heads as the rows of one dot). A tile's codes load
+  as whole words (8 coordinates per 32-bit word at 4 bits; the 3 bytes of 8 coordinates at 3
+  bits) and decode in registers, without gathers (`_decode_codes`: shifts and a select tree
+  on each code's bits over the 2^(b-1) magnitudes of the symmetric codebook, loaded once per
+  program, the sign xor-ed in); the dots take the centroids and the per-vector norms scale the
+  scores (K) and the probabilities (V). A tile runs the code dots only if it holds compressed
+  tokens and the FP8 dots only if it holds recent ones (one kind, except where a sequence's
+  anchor or window pages meet its compressed ones). The query is already rotated and the
+  output stays rotated (the layer un-rotates it once per head).
+- `staged_attention_prefill`: compressed pages dequantized (the same `_decode_codes`) into a
+  scratch of every page the batch's tables name (`_scratch_kernel`), then the plain prefill
+  kernel over the scratch.
 
 Importing this module registers the three ops with `worker.kernels.ops`.
 
@@ -37,7 +43,13 @@ from worker.kernels.triton.paged_attention import (
 )
 from worker.models.cache import StagedAttentionCache
 
-_TOKENS_PER_STEP = 64
+# the decode kernel's defaults (tokens per tile, warps, pipelining depth): at the 27B shape
+# (D = 256, GQA 6, K4/V3) 32 x 4 compiles to the fewest instructions per coordinate on the
+# code path with the least spilling (docs/performance.md); bench/engine/staged_kv.py times others
+_TOKENS_PER_STEP = 32
+_NUM_WARPS = 4
+_NUM_STAGES = 2
+_INT32_SIGN = tl.constexpr(-(1 << 31))  # the fp32 sign bit as an int32
 
 
 @triton.jit
@@ -158,29 +170,103 @@ def turboquant_restage(
 
 
 @triton.jit
-def _dequant_tile(
-    codes,
-    norms,
-    centroids,
-    crow,
-    mask,
-    D: tl.constexpr,
-    BITS: tl.constexpr,
-):
+def _half_codebook(centroids, BITS: tl.constexpr):
+    """The lower half of a symmetric codebook (c[2^b - 1 - i] = -c[i]) as 8 fp32 scalars
+    c[0..2^(b-1)) (negative, ascending), repeated past 2^(b-1): loaded once per program."""
+    H: tl.constexpr = 1 << (BITS - 1)
+    return (
+        tl.load(centroids + 0 % H),
+        tl.load(centroids + 1 % H),
+        tl.load(centroids + 2 % H),
+        tl.load(centroids + 3 % H),
+        tl.load(centroids + 4 % H),
+        tl.load(centroids + 5 % H),
+        tl.load(centroids + 6 % H),
+        tl.load(centroids + 7 % H),
+    )
+
+
+@triton.jit
+def _code_groups(codes, crow, mask, D: tl.constexpr, BITS: tl.constexpr):
+    """[R, D / 8] int32: the codes of coordinates 8g..8g+7 of rows crow [R] (0 where ~mask),
+    as the b bytes of the LSB-first stream that hold them (bits 8b..32 zero)."""
+    G: tl.constexpr = D // 8
+    g = tl.arange(0, G)
+    m = mask[:, None]
+    if BITS == 4:  # one aligned word per group
+        ptr = codes.to(tl.pointer_type(tl.int32)) + crow[:, None] * G + g[None, :]
+        t = tl.load(ptr, mask=m, other=0)
+    elif BITS == 2:
+        ptr = codes.to(tl.pointer_type(tl.int16)) + crow[:, None] * G + g[None, :]
+        t = tl.load(ptr, mask=m, other=0).to(tl.int32) & 0xFFFF
+    elif BITS == 1:
+        t = tl.load(codes + crow[:, None] * G + g[None, :], mask=m, other=0).to(tl.int32)
+    else:  # 3 bits: 3 bytes per group, not word-aligned
+        ptr = codes + crow[:, None] * (G * BITS) + (g * BITS)[None, :]
+        t = tl.load(ptr, mask=m, other=0).to(tl.int32)
+        t = t | (tl.load(ptr + 1, mask=m, other=0).to(tl.int32) << 8)
+        t = t | (tl.load(ptr + 2, mask=m, other=0).to(tl.int32) << 16)
+    return t
+
+
+@triton.jit
+def _slot(t, x, cb, SLOT: tl.constexpr, BITS: tl.constexpr):
+    """Centroid of code SLOT of each group: a select tree on the folded magnitude bits, the
+    sign bit (the code's top bit) xor-ed into the float."""
+    s: tl.constexpr = SLOT * BITS
+    if BITS == 1:
+        mag = tl.zeros(t.shape, tl.float32) + cb[0]
+    else:
+        p0 = (x & (1 << s)) != 0
+        if BITS == 2:
+            mag = tl.where(p0, cb[1], cb[0])
+        else:
+            a = tl.where(p0, cb[1], cb[0])
+            b = tl.where(p0, cb[3], cb[2])
+            p1 = (x & (1 << (s + 1))) != 0
+            if BITS == 3:
+                mag = tl.where(p1, b, a)
+            else:
+                c = tl.where(p0, cb[5], cb[4])
+                d = tl.where(p0, cb[7], cb[6])
+                p2 = (x & (1 << (s + 2))) != 0
+                mag = tl.where(p2, tl.where(p1, d, c), tl.where(p1, b, a))
+    top: tl.constexpr = s + BITS - 1
+    sign = (t << (31 - top)) & _INT32_SIGN
+    return (mag.to(tl.int32, bitcast=True) ^ sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _decode_codes(t, cb, D: tl.constexpr, BITS: tl.constexpr):
+    """Unit-vector coordinates [R, D] fp32 (centroids, no norm) of the code groups t [R, D / 8]
+    (`_code_groups`), in the natural coordinate order, with no gathers: code i of a group is
+    bits [b i, b i + b) of its int; a code in the upper half of the codebook is the mirror
+    (bits xor 2^(b-1) - 1) of one in the lower half, negated, so the tree has 2^(b-1) leaves."""
+    if BITS == 1:
+        x = t
+    else:
+        low: tl.constexpr = ((1 << (8 * BITS)) - 1) // ((1 << BITS) - 1)  # bit 0 of each code
+        x = t ^ (((t >> (BITS - 1)) & low) * ((1 << (BITS - 1)) - 1))
+    v0 = _slot(t, x, cb, 0, BITS)
+    v1 = _slot(t, x, cb, 1, BITS)
+    v2 = _slot(t, x, cb, 2, BITS)
+    v3 = _slot(t, x, cb, 3, BITS)
+    v4 = _slot(t, x, cb, 4, BITS)
+    v5 = _slot(t, x, cb, 5, BITS)
+    v6 = _slot(t, x, cb, 6, BITS)
+    v7 = _slot(t, x, cb, 7, BITS)
+    # [R, G, 2, 2, 2], index (d1, d2, d3) = slot 4 d1 + 2 d2 + d3: row-major = natural order
+    r0 = tl.join(tl.join(v0, v4), tl.join(v2, v6))
+    r1 = tl.join(tl.join(v1, v5), tl.join(v3, v7))
+    return tl.reshape(tl.join(r0, r1), [t.shape[0], D])
+
+
+@triton.jit
+def _dequant_tile(codes, norms, cb, crow, mask, D: tl.constexpr, BITS: tl.constexpr):
     """Rotated-basis vectors [R, D] fp32 of compressed rows crow [R] (0 where ~mask)."""
-    offs_d = tl.arange(0, D)
-    nbytes: tl.constexpr = D * BITS // 8
-    bit = offs_d * BITS
-    lo = bit >> 3
-    ptr = codes + crow[:, None] * nbytes + lo[None, :]
-    word = tl.load(ptr, mask=mask[:, None], other=0).to(tl.int32)
-    if 8 % BITS != 0:  # a code may straddle two bytes
-        hi_ok = mask[:, None] & ((lo + 1) < nbytes)[None, :]
-        word = word | (tl.load(ptr + 1, mask=hi_ok, other=0).to(tl.int32) << 8)
-    code = (word >> (bit & 7)[None, :]) & ((1 << BITS) - 1)
-    value = tl.load(centroids + code)
+    unit = _decode_codes(_code_groups(codes, crow, mask, D, BITS), cb, D, BITS)
     norm = tl.load(norms + crow, mask=mask, other=0.0).to(tl.float32)
-    return value * norm[:, None]
+    return unit * norm[:, None]
 
 
 @kernel
@@ -218,8 +304,11 @@ def _staged_decode_kernel(
     V_BITS: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     DOT: tl.constexpr,
+    STAGES: tl.constexpr,  # the loop's software-pipelining depth (its loads prefetched)
     PDL: tl.constexpr,
 ):
+    k_cb = _half_codebook(k_centroids, K_BITS)
+    v_cb = _half_codebook(v_centroids, V_BITS)
     pdl_wait(PDL)
     b = tl.program_id(0)
     hkv = tl.program_id(1)
@@ -241,36 +330,56 @@ def _staged_decode_kernel(
     m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, D], dtype=tl.float32)
-    for t0 in range(start, end, BN):
+    for t0 in tl.range(start, end, BN, num_stages=STAGES):
         tokens = t0 + tl.arange(0, BN)
         valid = tokens < end
         page = tl.load(block_tables + b * stride_bt + tokens // BLOCK_SIZE, mask=valid, other=0)
         packed = page >= num_recent
         plain = valid & ~packed
         comp = valid & packed
+        # which pools the tile holds: all codes (the bulk of a long context), all FP8 (anchors,
+        # window), or both (a tile across the boundary): each pool's dot runs only if present
+        n_plain = tl.sum(plain.to(tl.int32), 0)
+        n_comp = tl.sum(comp.to(tl.int32), 0)
         offset = tokens % BLOCK_SIZE
         row = (page.to(tl.int64) * BLOCK_SIZE + offset) * HKV + hkv
         crow = ((page - num_recent).to(tl.int64) * BLOCK_SIZE + offset) * HKV + hkv
         crow = tl.where(comp, crow, 0)
-
-        k_plain = tl.load(
-            k_cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0
-        )
-        k_comp = _dequant_tile(k_codes, k_norms, k_centroids, crow, comp, D, K_BITS)
-        b_k = tl.where(packed[:, None], k_comp, k_plain.to(tl.float32) * k_scale)
-        scores = tl.dot(b_q, tl.trans(b_k.to(DOT))) * softmax_scale
+        # the codes' loads at the loop's top level, where the pipeliner prefetches them (a
+        # masked lane moves no bytes); FP8 tiles (a sequence's anchor and window pages) load
+        # inside their branch, so the code path carries none of their registers
+        k_groups = _code_groups(k_codes, crow, comp, D, K_BITS)
+        k_norm = tl.load(k_norms + crow, mask=comp, other=0.0).to(tl.float32)
+        # per-token factors, not per-coordinate ones: the code dot runs on the centroids (unit
+        # vectors) and the norm scales the score; a factor is 0 off its pool (the FP8 rows
+        # there load as 0, the code rows decode to finite centroids), so the two dots add up
+        scores = tl.zeros([GP, BN], dtype=tl.float32)
+        if n_comp > 0:
+            k_unit = _decode_codes(k_groups, k_cb, D, K_BITS).to(DOT)
+            scores += tl.dot(b_q, tl.trans(k_unit)) * (k_norm * softmax_scale)[None, :]
+        if n_plain > 0:
+            k_plain = tl.load(
+                k_cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0
+            )
+            scores += tl.dot(b_q, tl.trans(k_plain.to(DOT))) * (k_scale * softmax_scale)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        v_plain = tl.load(
-            v_cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0
-        )
-        v_comp = _dequant_tile(v_codes, v_norms, v_centroids, crow, comp, D, V_BITS)
-        b_v = tl.where(packed[:, None], v_comp, v_plain.to(tl.float32) * v_scale)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), b_v.to(DOT))
+        v_groups = _code_groups(v_codes, crow, comp, D, V_BITS)
+        v_norm = tl.load(v_norms + crow, mask=comp, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None]
+        if n_comp > 0:  # the norm scales p, not each coordinate of v
+            v_unit = _decode_codes(v_groups, v_cb, D, V_BITS).to(DOT)
+            acc = tl.dot((p * v_norm[None, :]).to(DOT), v_unit, acc)
+        if n_plain > 0:
+            v_plain = tl.load(
+                v_cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0
+            )
+            p_plain = p * tl.where(plain, v_scale, 0.0)[None, :]
+            acc = tl.dot(p_plain.to(DOT), v_plain.to(DOT), acc)
         m_i = m_new
 
     if SINGLE_SPLIT:
@@ -305,8 +414,13 @@ def staged_attention_decode(
     block_tables: torch.Tensor,
     scale: float,
     partition: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Rotated q [B, Hq, D] over mixed pages; the rotated output [B, Hq, D]."""
+    """Rotated q [B, Hq, D] over mixed pages; the rotated output [B, Hq, D]. block_n (tokens
+    per tile, a power of two >= 16), num_warps and num_stages default to the module's
+    `_TOKENS_PER_STEP`, `_NUM_WARPS`, `_NUM_STAGES` (the bench varies them)."""
     batch, hq, dim = q.shape
     _, block_size, hkv, _ = cache.k_cache.shape
     if q.stride(2) != 1 or not (cache.k_cache.is_contiguous() and cache.v_cache.is_contiguous()):
@@ -351,14 +465,14 @@ def staged_attention_decode(
         D=dim,
         BLOCK_SIZE=block_size,
         GP=max(16, triton.next_power_of_2(hq // hkv)),
-        BN=_TOKENS_PER_STEP,
+        BN=block_n or _TOKENS_PER_STEP,
         PARTITION=partition,
         K_BITS=cache.k_bits,
         V_BITS=cache.v_bits,
         SINGLE_SPLIT=single,
         DOT=_dot(cache, q),
-        num_warps=4,
-        num_stages=2,
+        STAGES=num_stages or _NUM_STAGES,
+        num_warps=num_warps or _NUM_WARPS,
     )
     if not single:
         _combine_kernel[(batch * hq,)](
@@ -398,6 +512,8 @@ def _scratch_kernel(
     PDL: tl.constexpr,
 ):
     """Scratch page e (entry e of the flattened tables) = the page the entry names, decoded."""
+    k_cb = _half_codebook(k_centroids, K_BITS)
+    v_cb = _half_codebook(v_centroids, V_BITS)
     pdl_wait(PDL)
     e = tl.program_id(0)
     page = tl.load(block_tables + e)
@@ -411,11 +527,11 @@ def _scratch_kernel(
     crow = tl.where(comp, (page - num_recent).to(tl.int64) * ROWS + r, 0)
     dst = (e.to(tl.int64) * ROWS + r)[:, None] * D + offs_d[None, :]
     k_plain = tl.load(k_cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0)
-    k_comp = _dequant_tile(k_codes, k_norms, k_centroids, crow, comp, D, K_BITS)
+    k_comp = _dequant_tile(k_codes, k_norms, k_cb, crow, comp, D, K_BITS)
     k = tl.where(comp[:, None], k_comp, k_plain.to(tl.float32) * k_scale)
     tl.store(k_out + dst, k.to(k_out.dtype.element_ty), mask=valid[:, None])
     v_plain = tl.load(v_cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0)
-    v_comp = _dequant_tile(v_codes, v_norms, v_centroids, crow, comp, D, V_BITS)
+    v_comp = _dequant_tile(v_codes, v_norms, v_cb, crow, comp, D, V_BITS)
     v = tl.where(comp[:, None], v_comp, v_plain.to(tl.float32) * v_scale)
     tl.store(v_out + dst, v.to(v_out.dtype.element_ty), mask=valid[:, None])
 
