@@ -290,7 +290,7 @@ def section_encode(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # staged decode kernel variants timed beside the default: (tokens per tile, warps, stages)
-DECODE_VARIANTS = [(64, 4, 2), (64, 8, 2), (32, 8, 2), (16, 4, 2), (32, 4, 3), (32, 4, 1)]
+DECODE_VARIANTS = [(32, 4, 2), (64, 8, 2), (32, 8, 2), (16, 4, 2), (64, 4, 3), (64, 4, 1)]
 
 
 def section_decode(args: argparse.Namespace) -> dict[str, Any]:

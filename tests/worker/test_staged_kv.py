@@ -462,7 +462,9 @@ def test_gpu_restage_27b_shape():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fraction", [0.0, 0.9])
-def test_gpu_staged_decode_27b_shape(fraction: float):
+@pytest.mark.parametrize("block_n", [None, 32])
+def test_gpu_staged_decode_27b_shape(fraction: float, block_n: int | None):
     check_staged_decode(
-        "cuda", [4096, 1000, 33, 2048, 17, 3000, 512, 4095], fraction, 24, 4, 256, 16
-    )
+        "cuda", [4096, 1000, 33, 2048, 17, 3000, 512, 4095], fraction, 24, 4, 256, 16,
+        block_n=block_n,
+    )  # fmt: skip

@@ -44,9 +44,10 @@ from worker.kernels.triton.paged_attention import (
 from worker.models.cache import StagedAttentionCache
 
 # the decode kernel's defaults (tokens per tile, warps, pipelining depth): at the 27B shape
-# (D = 256, GQA 6, K4/V3) 32 x 4 compiles to the fewest instructions per coordinate on the
-# code path with the least spilling (docs/performance.md); bench/engine/staged_kv.py times others
-_TOKENS_PER_STEP = 32
+# (D = 256, GQA 6, K4/V3) 64 x 4 compiles to the fewest instructions per coordinate on the
+# code path, without spills under Triton 3.6 (docs/performance.md); bench/engine/staged_kv.py
+# times the others
+_TOKENS_PER_STEP = 64
 _NUM_WARPS = 4
 _NUM_STAGES = 2
 _INT32_SIGN = tl.constexpr(-(1 << 31))  # the fp32 sign bit as an int32
@@ -329,7 +330,10 @@ def _staged_decode_kernel(
 
     m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GP], dtype=tl.float32)
-    acc = tl.zeros([GP, D], dtype=tl.float32)
+    # the output transposed, [D, GP]: the PV dot as V^T p^T has M = D, so on Hopper it runs as a
+    # warpgroup MMA with the decoded V tile as stored (p V compiled to 17-23% more instructions
+    # on the code path, and 16-bit shared-memory stores of the V tile under Triton 3.6)
+    acc = tl.zeros([D, GP], dtype=tl.float32)
     for t0 in tl.range(start, end, BN, num_stages=STAGES):
         tokens = t0 + tl.arange(0, BN)
         valid = tokens < end
@@ -370,24 +374,24 @@ def _staged_decode_kernel(
 
         v_groups = _code_groups(v_codes, crow, comp, D, V_BITS)
         v_norm = tl.load(v_norms + crow, mask=comp, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None]
+        acc = acc * alpha[None, :]
         if n_comp > 0:  # the norm scales p, not each coordinate of v
             v_unit = _decode_codes(v_groups, v_cb, D, V_BITS).to(DOT)
-            acc = tl.dot((p * v_norm[None, :]).to(DOT), v_unit, acc)
+            acc = tl.dot(tl.trans(v_unit), tl.trans((p * v_norm[None, :]).to(DOT)), acc)
         if n_plain > 0:
             v_plain = tl.load(
                 v_cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0
             )
             p_plain = p * tl.where(plain, v_scale, 0.0)[None, :]
-            acc = tl.dot(p_plain.to(DOT), v_plain.to(DOT), acc)
+            acc = tl.dot(tl.trans(v_plain.to(DOT)), tl.trans(p_plain.to(DOT)), acc)
         m_i = m_new
 
     if SINGLE_SPLIT:
-        result = acc / l_i[:, None]
+        result = acc / l_i[None, :]
         tl.store(
-            out + (b * HQ + heads[:, None]) * D + offs_d[None, :],
+            out + (b * HQ + heads[None, :]) * D + offs_d[:, None],
             result.to(out.dtype.element_ty),
-            mask=in_group[:, None],
+            mask=in_group[None, :],
         )
     else:
         safe_l = tl.where(l_i > 0, l_i, 1.0)
@@ -395,9 +399,9 @@ def _staged_decode_kernel(
         slot = (b * HQ + heads) * num_splits + split
         tl.store(part_lse + slot, lse, mask=in_group)
         tl.store(
-            part_out + slot[:, None] * D + offs_d[None, :],
-            acc / safe_l[:, None],
-            mask=in_group[:, None],
+            part_out + slot[None, :] * D + offs_d[:, None],
+            acc / safe_l[None, :],
+            mask=in_group[None, :],
         )
 
 
