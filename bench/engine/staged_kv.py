@@ -289,8 +289,19 @@ def section_encode(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-# staged decode kernel variants timed beside the default: (tokens per tile, warps, stages)
-DECODE_VARIANTS = [(32, 4, 2), (64, 8, 2), (32, 8, 2), (16, 4, 2), (64, 4, 3), (64, 4, 1)]
+# staged decode kernel variants timed beside the default: (tokens per tile, warps, stages,
+# 4-bit key lookup)
+DECODE_VARIANTS = [
+    (64, 4, 2, "prmt"),
+    (32, 4, 2, "prmt"),
+    (64, 8, 2, "prmt"),
+    (32, 4, 2, "tree"),
+    (64, 8, 2, "tree"),
+    (32, 8, 2, "tree"),
+    (16, 4, 2, "tree"),
+    (64, 4, 3, "tree"),
+    (64, 4, 1, "tree"),
+]
 
 
 def section_decode(args: argparse.Namespace) -> dict[str, Any]:
@@ -311,9 +322,9 @@ def section_decode(args: argparse.Namespace) -> dict[str, Any]:
     def fp8() -> None:
         paged_attention_decode(q, case["k"], case["v"], ctx, case["tables"], scale)
 
-    def staged_with(bn: int, warps: int, stages: int) -> Callable[[], Any]:
+    def staged_with(bn: int, warps: int, stages: int, lookup: str) -> Callable[[], Any]:
         return lambda: tk.staged_attention_decode(
-            q, cache, ctx, tables, scale, block_n=bn, num_warps=warps, num_stages=stages
+            q, cache, ctx, tables, scale, None, bn, warps, stages, lookup
         )
 
     def staged_rotated() -> None:  # the layer's whole cost: rotate q, attend, un-rotate
@@ -321,21 +332,21 @@ def section_decode(args: argparse.Namespace) -> dict[str, Any]:
         out = tk.staged_attention_decode(q_rot, cache, ctx, tables, scale)
         (out.float() @ rot.T).to(q.dtype)
 
-    default = (tk._TOKENS_PER_STEP, tk._NUM_WARPS, tk._NUM_STAGES)
+    default = (tk._TOKENS_PER_STEP, tk._NUM_WARPS, tk._NUM_STAGES, tk._LOOKUP)
     variants = [default] + [v for v in DECODE_VARIANTS if v != default]
     # every variant checked against the reference at this shape before it is timed
     want = reference.staged_attention_decode(q, cache, ctx, tables, scale)
     result: dict[str, Any] = {"batch": args.batch, "context": args.context, "variants": {}}
     fns: list[tuple[str, Callable[[], Any]]] = [("fp8", fp8)]
-    for bn, warps, stages in variants:
-        name = f"staged bn{bn} w{warps} s{stages}"
+    for bn, warps, stages, lookup in variants:
+        name = f"staged bn{bn} w{warps} s{stages} {lookup}"
         try:
-            err = rel_err(staged_with(bn, warps, stages)(), want)
+            err = rel_err(staged_with(bn, warps, stages, lookup)(), want)
         except Exception as exc:
             result["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"}
             continue
         result["variants"][name] = {"rel_err_vs_reference": err, "ok": err < 2e-2}
-        fns.append((name, staged_with(bn, warps, stages)))
+        fns.append((name, staged_with(bn, warps, stages, lookup)))
     fns.append(("staged_with_rotations", staged_rotated))
     for name, fn in fns:
         row = result["variants"].setdefault(name, {}) if name.startswith("staged ") else {}
@@ -346,9 +357,7 @@ def section_decode(args: argparse.Namespace) -> dict[str, Any]:
             row["error"] = f"{type(exc).__name__}: {exc}"
         if not name.startswith("staged "):
             result[name] = row
-    result["staged"] = dict(
-        result["variants"][f"staged bn{default[0]} w{default[1]} s{default[2]}"]
-    )
+    result["staged"] = dict(result["variants"]["staged bn{} w{} s{} {}".format(*default)])
     bytes_fp8 = args.batch * args.context * s["hkv"] * s["dim"] * 2
     fp8_us = result["fp8"].get("us_per_layer")
     if fp8_us:
