@@ -24,6 +24,7 @@ from bench.engine.profiler import (
     engine_phases,
     overlap_check,
 )
+from worker.engine.block_manager import staged_recent_blocks
 from worker.engine.engine import EngineConfig, LLMEngine
 from worker.engine.sequence import SamplingParams
 
@@ -56,42 +57,67 @@ def load_point_engine(
     batched_tokens: int,
     pad_decode: bool | None = None,
     tokenizer: Any = None,
+    kv_staging: str | None = None,
 ) -> LLMEngine:
     """An engine for the load point's lengths: KV for `max_num_seqs` whole sequences (fp8
     unless bf16 weights), `batched_tokens` a step; a tokenizer only where the section needs
-    text (grammars)."""
+    text (grammars). With `kv_staging` ("k4v3") the pool is staged: the recent pages the
+    sequences need on top of room for them all compressed, so no page stays FP8 for want of a
+    compressed one."""
     max_model_len = args.prompt_len + args.max_tokens
+    blocks = -(-max_model_len // 16) * max_num_seqs
+    if kv_staging is not None:
+        blocks += staged_recent_blocks(
+            max_num_seqs,
+            16,
+            batched_tokens,
+            EngineConfig.kv_staging_window_pages,
+            EngineConfig.kv_staging_anchor_pages,
+        )
     return LLMEngine(
         model,
         tokenizer,
         EngineConfig(
             block_size=16,
-            num_kv_blocks=-(-max_model_len // 16) * max_num_seqs,
+            num_kv_blocks=blocks,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=batched_tokens,
             max_model_len=max_model_len,
             kv_dtype=FP8_E4M3 if precision != "bf16" else None,
             device=args.device,
             pad_decode=pad_decode,
+            kv_staging=kv_staging,
         ),
     )
 
 
 def engine_config(
-    args: argparse.Namespace, config: Any, precision: str, budget: float
+    args: argparse.Namespace,
+    config: Any,
+    precision: str,
+    budget: float,
+    kv_staging: str | None = None,
 ) -> dict[str, Any]:
     """The engine at the load point with `precision` weights: "bf16", "fp8" (e4m3 per channel)
     or "w4" (int4 group 128 with the FP8 LM head, `quantize_int4`'s default scheme); fp8 and w4
-    run an fp8 KV cache."""
+    run an fp8 KV cache, staged when `kv_staging` is set (the `staged` section: "k4v3")."""
     began = time.perf_counter()
     device, dtype, model = build_model(args, config, precision)
     fp8 = precision == "fp8"
     build_s = time.perf_counter() - began
     # pad_decode on CPU too, so the plumbing check covers the same path
     engine = load_point_engine(
-        model, args, precision, args.concurrency, args.prompt_len * args.concurrency, True
+        model,
+        args,
+        precision,
+        args.concurrency,
+        args.prompt_len * args.concurrency,
+        True,
+        kv_staging=kv_staging,
     )
     result: dict[str, Any] = {
+        "kv_staging": kv_staging,
+        "num_compressed_blocks": engine.block_manager.num_compressed_blocks,
         "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / GIB,
         "kv_dtype": str(engine.runner.kv_dtype),
         "state_dtype": str(engine.runner.state_dtype),

@@ -14,7 +14,9 @@ prefill chunks hold until they are restaged (worker/engine/block_manager.py stag
 GPU sections (each guarded: a failure is recorded and the next runs; the JSON is rewritten after
 each): check (kernels vs references at real shapes), encode (pages re-encoded per second),
 decode (one attention layer's decode at 8 x 32K context: FP8 paged decode vs staged decode with
-every page past the window compressed, the rotations included; x16 for the step's share).
+every page past the window compressed, the default tile / warps / stages and the
+DECODE_VARIANTS, each checked against the reference at that shape before it is timed; the
+rotations included once; x16 for the step's share).
 """
 
 from __future__ import annotations
@@ -287,9 +289,26 @@ def section_encode(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# staged decode kernel variants timed beside the default: (tokens per tile, warps, stages,
+# 4-bit key lookup)
+DECODE_VARIANTS = [
+    (64, 4, 2, "prmt"),
+    (32, 4, 2, "prmt"),
+    (64, 8, 2, "prmt"),
+    (32, 4, 2, "tree"),
+    (64, 8, 2, "tree"),
+    (32, 8, 2, "tree"),
+    (16, 4, 2, "tree"),
+    (64, 4, 3, "tree"),
+    (64, 4, 1, "tree"),
+]
+
+
 def section_decode(args: argparse.Namespace) -> dict[str, Any]:
+    from tests.worker.numerics import rel_err
+    from worker.kernels import reference
+    from worker.kernels.triton import turboquant as tk
     from worker.kernels.triton.paged_attention import paged_attention_decode
-    from worker.kernels.triton.turboquant import staged_attention_decode
 
     case = build_case(
         args.batch, args.context, args.window, args.anchor, args.k_bits, args.v_bits, args.device
@@ -298,29 +317,54 @@ def section_decode(args: argparse.Namespace) -> dict[str, Any]:
     q = torch.randn(args.batch, s["hq"], s["dim"], device=args.device).bfloat16()
     scale = s["dim"] ** -0.5
     rot = cache.rotation
+    ctx, tables = case["ctx"], case["staged_tables"]
 
     def fp8() -> None:
-        paged_attention_decode(q, case["k"], case["v"], case["ctx"], case["tables"], scale)
+        paged_attention_decode(q, case["k"], case["v"], ctx, case["tables"], scale)
 
-    def staged() -> None:
-        staged_attention_decode(q, cache, case["ctx"], case["staged_tables"], scale)
+    def staged_with(bn: int, warps: int, stages: int, lookup: str) -> Callable[[], Any]:
+        return lambda: tk.staged_attention_decode(
+            q, cache, ctx, tables, scale, None, bn, warps, stages, lookup
+        )
 
     def staged_rotated() -> None:  # the layer's whole cost: rotate q, attend, un-rotate
         q_rot = (q.float() @ rot).to(q.dtype)
-        out = staged_attention_decode(q_rot, cache, case["ctx"], case["staged_tables"], scale)
+        out = tk.staged_attention_decode(q_rot, cache, ctx, tables, scale)
         (out.float() @ rot.T).to(q.dtype)
 
-    result: dict[str, Any] = {"batch": args.batch, "context": args.context}
-    for name, fn in (("fp8", fp8), ("staged", staged), ("staged_with_rotations", staged_rotated)):
+    default = (tk._TOKENS_PER_STEP, tk._NUM_WARPS, tk._NUM_STAGES, tk._LOOKUP)
+    variants = [default] + [v for v in DECODE_VARIANTS if v != default]
+    # every variant checked against the reference at this shape before it is timed
+    want = reference.staged_attention_decode(q, cache, ctx, tables, scale)
+    result: dict[str, Any] = {"batch": args.batch, "context": args.context, "variants": {}}
+    fns: list[tuple[str, Callable[[], Any]]] = [("fp8", fp8)]
+    for bn, warps, stages, lookup in variants:
+        name = f"staged bn{bn} w{warps} s{stages} {lookup}"
+        try:
+            err = rel_err(staged_with(bn, warps, stages, lookup)(), want)
+        except Exception as exc:
+            result["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        result["variants"][name] = {"rel_err_vs_reference": err, "ok": err < 2e-2}
+        fns.append((name, staged_with(bn, warps, stages, lookup)))
+    fns.append(("staged_with_rotations", staged_rotated))
+    for name, fn in fns:
+        row = result["variants"].setdefault(name, {}) if name.startswith("staged ") else {}
         try:
             us = bench_us(fn, args.device)
-            result[name] = {"us_per_layer": us, "ms_per_step_16_layers": us * s["layers"] / 1e3}
+            row.update(us_per_layer=us, ms_per_step_16_layers=us * s["layers"] / 1e3)
         except Exception as exc:
-            result[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        if not name.startswith("staged "):
+            result[name] = row
+    result["staged"] = dict(result["variants"]["staged bn{} w{} s{} {}".format(*default)])
     bytes_fp8 = args.batch * args.context * s["hkv"] * s["dim"] * 2
     fp8_us = result["fp8"].get("us_per_layer")
     if fp8_us:
         result["fp8"]["gb_per_s"] = bytes_fp8 / (fp8_us * 1e-6) / 1e9
+        for row in (result["staged"], *result["variants"].values()):
+            if "us_per_layer" in row:
+                row["vs_fp8"] = row["us_per_layer"] / fp8_us
     return result
 
 
@@ -388,12 +432,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     d = report["sections"].get("decode", {})
     if "fp8" in d:
         title = f"decode, one layer, {args.batch} x {args.context}"
-        print(f"{title:34} {'us':>10} {'ms/step x16':>12}")
-        for name in ("fp8", "staged", "staged_with_rotations"):
-            row = d.get(name, {})
+        print(f"{title:34} {'us':>10} {'ms/step x16':>12} {'x FP8':>7} {'rel err':>9}")
+        rows = [("fp8", d["fp8"]), *d.get("variants", {}).items()]
+        rows.append(("staged_with_rotations", d.get("staged_with_rotations", {})))
+        for name, row in rows:
             if "us_per_layer" in row:
+                ratio = row["us_per_layer"] / d["fp8"]["us_per_layer"]
+                err = row.get("rel_err_vs_reference")
                 print(
-                    f"{name:34} {row['us_per_layer']:>10.1f} {row['ms_per_step_16_layers']:>12.3f}"
+                    f"{name:34} {row['us_per_layer']:>10.1f} "
+                    f"{row['ms_per_step_16_layers']:>12.3f} {ratio:>7.2f} "
+                    + (f"{err:>9.2e}" if err is not None else f"{'':>9}")
                 )
             else:
                 print(f"{name:34} {row.get('error', '?')}")

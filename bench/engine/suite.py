@@ -21,7 +21,7 @@ rewritten after every section, so a killed run still leaves what it measured):
    gemv: every decode GEMV shape's tilings timed alone (and the MLP's fused gate|up activation
    against two launches); gdn: the DeltaNet recurrence's decode and chunked-prefill launch
    settings at the model's shape; each stores its winners where the kernels read them.
-3. bf16, fp8: the engine at the load point (32 requests, 8 in flight, 512 prompt + 256 output
+3. bf16, fp8 (staged: fp8 with staged KV, k4v3; only when named): the engine at the load point (32 requests, 8 in flight, 512 prompt + 256 output
    tokens; one warm-up round, then up to 5 repeats while the section's time budget lasts), with
    CUDA-graph decode whose setup (GEMV tilings, PDL on/off) is chosen by timing the captured
    step itself (`decode_setup`); plus phases: decode step as a graph replay, the same step eager, a
@@ -79,6 +79,12 @@ SECTIONS: dict[str, Section] = {
     "fp8_gemm": (lambda args, config, budget: fp8_gemm(args, config), 0.1),
     "w4_gemv": (lambda args, config, budget: w4_gemv(args, budget), 0.1),
     "fp8": (lambda args, config, budget: engine_config(args, config, "fp8", budget), 0.35),
+    # the fp8 section with staged KV (FP8 recent pages + K4/V3 codes): `--sections fp8,staged`
+    # measures both in one call
+    "staged": (
+        lambda args, config, budget: engine_config(args, config, "fp8", budget, "k4v3"),
+        0.5,
+    ),
     "w4": (lambda args, config, budget: engine_config(args, config, "w4", budget), 0.5),
     "bf16": (lambda args, config, budget: engine_config(args, config, "bf16", budget), 0.9),
     "sweep_fp8": (lambda args, config, budget: concurrency_sweep(args, config, "fp8", budget), 0.5),
@@ -138,7 +144,9 @@ def print_table(report: dict[str, Any]) -> None:
     cols = ("output tok/s", "TTFT p50/p95 s", "E2E p50/p95 s", "weights GiB", "KV GiB@1M",
             "state MiB/seq", "GPU-h/1M tok", "decode ms (graph/eager)")  # fmt: skip
     print(" | ".join(["config", *cols]))
-    for name in ("bf16", "fp8", "w4", "hf"):
+    for name in ("bf16", "fp8", "staged", "w4", "hf"):
+        if name == "staged" and name not in s:
+            continue
         r = s.get(name, {})
         if "output_tok_s" not in r:
             print(f"{name} | {r.get('error', 'not run')}")
@@ -177,6 +185,10 @@ def print_table(report: dict[str, Any]) -> None:
     w4, fp8 = s.get("w4", {}), s.get("fp8", {})
     if "output_tok_s" in w4 and "output_tok_s" in fp8:
         print(f"W4 / FP8 output tok/s: {w4['output_tok_s'] / fp8['output_tok_s']:.3f}")
+    staged = s.get("staged", {})
+    if "output_tok_s" in staged and "output_tok_s" in fp8:
+        ratio = staged["output_tok_s"] / fp8["output_tok_s"]
+        print(f"staged KV (k4v3) / FP8 KV output tok/s: {ratio:.3f} (target >= 0.97)")
     if "modes" in s.get("structured", {}):
         from bench.engine.structured_load import print_table as structured_table
 

@@ -331,15 +331,88 @@ def test_triton_restage(bits: tuple[int, int]):
 
 def check_staged_decode(
     device: str, contexts: list[int], fraction: float, hq: int, hkv: int, dim: int, bs: int,
-    partition: int | None = None, kv_dtype: torch.dtype = FP8,
-):  # fmt: skip
+    partition: int | None = None, kv_dtype: torch.dtype = FP8, k_bits: int = 4, v_bits: int = 3,
+    block_n: int | None = None, tol: float = 2e-2, lookup: str | None = None,
+) -> tuple[StagedAttentionCache, torch.Tensor]:  # fmt: skip
     tq_kernels = triton_module()
-    cache, tables, _ = staged_case(contexts, fraction, hq, hkv, dim, bs, device, kv_dtype)
+    cache, tables, _ = staged_case(
+        contexts, fraction, hq, hkv, dim, bs, device, kv_dtype, k_bits=k_bits, v_bits=v_bits
+    )
     q = torch.randn(len(contexts), hq, dim, device=device).bfloat16()
     ctx = torch.tensor(contexts, dtype=torch.int32, device=device)
     want = reference.staged_attention_decode(q, cache, ctx, tables, dim**-0.5)
-    got = tq_kernels.staged_attention_decode(q, cache, ctx, tables, dim**-0.5, partition)
-    assert rel_err(got, want) < 2e-2
+    got = tq_kernels.staged_attention_decode(
+        q, cache, ctx, tables, dim**-0.5, partition, block_n=block_n, lookup=lookup
+    )
+    err = rel_err(got, want)
+    assert err < tol, err
+    return cache, tables
+
+
+def tile_kinds(
+    cache: StagedAttentionCache, tables: torch.Tensor, contexts: list[int], bn: int, part: int
+) -> set[str]:
+    """What the decode kernel's tiles of bn tokens (within partitions of `part`) hold."""
+    bs, recent = cache.k_cache.shape[1], cache.num_recent_blocks
+    kinds = set()
+    for b, n in enumerate(contexts):
+        packed = tables[b, torch.arange(n) // bs].cpu() >= recent
+        for start in range(0, n, part):
+            for t0 in range(start, min(start + part, n), bn):
+                tile = packed[t0 : min(t0 + bn, start + part, n)]
+                kinds.add("codes" if tile.all() else "fp8" if not tile.any() else "mixed")
+    return kinds
+
+
+# the decode kernel's code paths by width: K/V bits, every head-dim the models use, GQA groups of
+# 1 and 6 query heads, 3 KV heads (SmolLM2); 16-token pages, 32-token tiles, 64-token splits:
+# tiles all codes, all FP8 (the window) and mixed (page 4 of 10 compressed, page 5 not)
+@pytest.mark.parametrize(
+    ("k_bits", "v_bits", "dim", "hq", "hkv"),
+    [
+        (4, 3, 64, 12, 2),
+        (4, 3, 256, 6, 1),
+        (3, 3, 128, 9, 3),
+        (4, 4, 64, 2, 2),
+        (2, 2, 64, 12, 2),
+        (2, 1, 128, 9, 3),
+    ],
+)
+def test_triton_staged_decode_widths_and_tiles(k_bits, v_bits, dim, hq, hkv):
+    contexts = [150, 40, 16, 33]  # 33: a tile of one FP8 token after two compressed pages
+    cache, tables = check_staged_decode(
+        "cpu", contexts, 0.5, hq, hkv, dim, 16, partition=64, k_bits=k_bits, v_bits=v_bits,
+        block_n=32, tol=1e-2,
+    )  # fmt: skip
+    assert tile_kinds(cache, tables, contexts, 32, 64) == {"codes", "fp8", "mixed"}
+
+
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_triton_staged_decode_tile_sizes(block_n: int):
+    check_staged_decode("cpu", [150, 70], 0.5, 12, 2, 64, 16, k_bits=4, v_bits=3, block_n=block_n)
+
+
+def test_triton_staged_decode_prmt_lookup_falls_back_on_cpu():
+    check_staged_decode("cpu", [150, 40], 0.5, 12, 2, 64, 16, block_n=32, lookup="prmt")
+
+
+def test_triton_staged_decode_tile_of_one_compressed_token():
+    """Every page compressed, the last holding one token: its tile has a single code row."""
+    check_staged_decode("cpu", [33, 65], 1.0, 12, 2, 64, 16, block_n=32, tol=1e-2)
+
+
+@pytest.mark.parametrize("bits", [(4, 3), (3, 3), (4, 4), (2, 2), (1, 2)])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_triton_scratch_decodes_every_width(bits: tuple[int, int], dim: int):
+    """The gather-free code decoding (word loads, select tree on the folded bits, the sign
+    xor-ed in) against the reference's table lookup: every code of every width, exactly."""
+    tq_kernels = triton_module()
+    cache, tables, _ = staged_case([24, 9], 1.0, 2, 2, dim, 4, k_bits=bits[0], v_bits=bits[1])
+    for pool in (cache.k_codes, cache.v_codes):  # every code value, not only the likely ones
+        pool.random_(0, 256)
+    keys, values, _ = tq_kernels.staged_scratch(cache, tables, torch.float32)
+    want_k, want_v, _ = reference.staged_scratch(cache, tables, torch.float32)
+    assert rel_err(keys, want_k) < 1e-6 and rel_err(values, want_v) < 1e-6
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.6, 1.0])
@@ -393,7 +466,83 @@ def test_gpu_restage_27b_shape():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fraction", [0.0, 0.9])
-def test_gpu_staged_decode_27b_shape(fraction: float):
+@pytest.mark.parametrize(
+    ("block_n", "lookup"), [(None, None), (32, "tree"), (64, "prmt"), (32, "prmt")]
+)
+def test_gpu_staged_decode_27b_shape(fraction: float, block_n: int | None, lookup: str | None):
     check_staged_decode(
-        "cuda", [4096, 1000, 33, 2048, 17, 3000, 512, 4095], fraction, 24, 4, 256, 16
-    )
+        "cuda", [4096, 1000, 33, 2048, 17, 3000, 512, 4095], fraction, 24, 4, 256, 16,
+        block_n=block_n, lookup=lookup,
+    )  # fmt: skip
+
+
+def run_ptx(asm: str, args: dict[int, int]) -> dict[int, int]:
+    """A tiny interpreter of the b32/b16 PTX the byte-permute decoder uses (and, shr, shl,
+    prmt in its default mode, lop3, mov into a 16-bit pair): $N operands in, outputs out."""
+    regs: dict[str, int] = {f"${n}": v & 0xFFFFFFFF for n, v in args.items()}
+
+    def val(op: str) -> int:
+        return int(op, 0) if op[0].isdigit() else regs[op]
+
+    def prmt(a: int, b: int, c: int) -> int:
+        src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+        out = 0
+        for k in range(4):
+            sel = (c >> 4 * k) & 0xF
+            byte = src[sel & 7]
+            if sel & 8:  # replicate the byte's sign bit
+                byte = 0xFF if byte & 0x80 else 0
+            out |= byte << 8 * k
+        return out
+
+    for line in asm.replace("{", "").replace("}", "").split(";"):
+        parts = line.strip().replace(",", " ").split()
+        if not parts or parts[0] == ".reg":
+            continue
+        op, dst, *src = parts
+        if op == "mov.b32":  # mov.b32 {$a, $b}, r: the low half to $a
+            lo_reg, hi_reg, word = dst, src[0], val(src[1])
+            regs[lo_reg], regs[hi_reg] = word & 0xFFFF, word >> 16
+            continue
+        a = [val(x) for x in src]
+        if op == "and.b32":
+            r = a[0] & a[1]
+        elif op == "shr.u32":
+            r = a[0] >> a[1]
+        elif op == "shl.b32":
+            r = a[0] << a[1]
+        elif op == "prmt.b32":
+            r = prmt(*a)
+        elif op == "lop3.b32":
+            lut = a[3]
+            r = 0
+            for bit in range(32):
+                i = ((a[0] >> bit & 1) << 2) | ((a[1] >> bit & 1) << 1) | (a[2] >> bit & 1)
+                r |= (lut >> i & 1) << bit
+        else:
+            raise AssertionError(f"unknown instruction {op}")
+        regs[dst] = r & 0xFFFFFFFF
+    return {n: regs[f"${n}"] for n in range(8)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prmt_decoder_ptx_gives_every_centroid(dtype: torch.dtype):
+    """The inline PTX of `_decode_codes_prmt` (CUDA only), run by a small interpreter: every
+    code in every slot of a word decodes to the 16-bit centroid bits the reference's."""
+    tq_kernels = triton_module()
+    from worker.kvcache import turboquant as tq
+
+    centroids, _ = tq.codebook(256, 4)
+    bits = [int(c.to(dtype).view(torch.int16)) & 0xFFFF for c in centroids]
+    lo = [sum((bits[4 * w + k] & 0xFF) << 8 * k for k in range(4)) for w in range(2)]
+    hi = [sum((bits[4 * w + k] >> 8) << 8 * k for k in range(4)) for w in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randint(0, 16, (600, 8), generator=gen).tolist()
+    words += [[c] * 8 for c in range(16)]
+    for codes in words:
+        t = sum(c << 4 * i for i, c in enumerate(codes))
+        signed = t - (1 << 32) if t >> 31 else t
+        x = (signed ^ (((signed >> 3) & 0x11111111) * 7)) & 0xFFFFFFFF  # the kernel's fold
+        args = {8: t, 9: x, 10: lo[0], 11: lo[1], 12: hi[0], 13: hi[1]}
+        got = run_ptx(tq_kernels._PRMT_4BIT.value, args)
+        assert [got[i] for i in range(8)] == [bits[c] for c in codes], codes

@@ -142,7 +142,8 @@ class EngineConfig:
     # their last write, from kv_dtype pages to TurboQuant codes of K and V bits ("k4v3": 4 and 3
     # bits per coordinate, 1-4 each; worker/kvcache/), ~2.2x fewer bytes per token than FP8 KV.
     # Off by default until its GPU speed is measured in the engine: the Triton decode over
-    # mixed pages ran 34x slower than FP8 KV decode on an H200 (docs/performance.md).
+    # mixed pages ran 34x slower than FP8 KV decode on an H200; its gather-free rewrite is
+    # predicted near FP8 KV's speed, not yet measured (docs/performance.md).
     kv_staging: str | None = None
     kv_staging_window_pages: int = 8
     kv_staging_anchor_pages: int = 1

@@ -7,12 +7,18 @@ basis (worker/kvcache/turboquant.py). References: worker.kernels.reference.
   of coordinate (8j + t) // b; each packed bit is computed from its own coordinate, so no
   register shuffles are needed).
 - `staged_attention_decode`: flash-decoding as `paged_attention_decode` (grid (sequence,
-  kv head, split), the GQA group's query heads as the rows of one dot), reading each token of a
-  tile from whichever pool its page is in: both loads are masked, so a token costs only its own
-  pool's bytes, and the tile's keys and values are merged before the dots. The query is
-  already rotated and the output stays rotated (the layer un-rotates it once per head).
-- `staged_attention_prefill`: compressed pages dequantized into a scratch of every page the
-  batch's tables name (`_scratch_kernel`), then the plain prefill kernel over the scratch.
+  kv head, split), the GQA group's query heads as the rows of one dot). A tile's codes load
+  as whole words (8 coordinates per 32-bit word at 4 bits; the 3 bytes of 8 coordinates at 3
+  bits) and decode in registers, without gathers (`_decode_codes`: shifts and a select tree
+  on each code's bits over the 2^(b-1) magnitudes of the symmetric codebook, loaded once per
+  program, the sign xor-ed in); the dots take the centroids and the per-vector norms scale the
+  scores (K) and the probabilities (V). A tile runs the code dots only if it holds compressed
+  tokens and the FP8 dots only if it holds recent ones (one kind, except where a sequence's
+  anchor or window pages meet its compressed ones). The query is already rotated and the
+  output stays rotated (the layer un-rotates it once per head).
+- `staged_attention_prefill`: compressed pages dequantized (the same `_decode_codes`) into a
+  scratch of every page the batch's tables name (`_scratch_kernel`), then the plain prefill
+  kernel over the scratch.
 
 Importing this module registers the three ops with `worker.kernels.ops`.
 
@@ -37,7 +43,18 @@ from worker.kernels.triton.paged_attention import (
 )
 from worker.models.cache import StagedAttentionCache
 
+# the decode kernel's defaults (tokens per tile, warps, pipelining depth): at the 27B shape
+# (D = 256, GQA 6, K4/V3) 64 x 4 compiles to the fewest instructions per coordinate on the
+# code path, without spills under Triton 3.6 (docs/performance.md); bench/engine/staged_kv.py
+# times the others
 _TOKENS_PER_STEP = 64
+_NUM_WARPS = 4
+_NUM_STAGES = 2
+# 4-bit keys' centroid lookup on CUDA: "tree" (select tree) or "prmt" (byte permutes, inline
+# PTX: ~25% fewer instructions on the code path, a third fewer on the integer pipe, by SASS
+# count; not yet run on a GPU)
+_LOOKUP = "tree"
+_INT32_SIGN = tl.constexpr(-(1 << 31))  # the fp32 sign bit as an int32
 
 
 @triton.jit
@@ -158,29 +175,162 @@ def turboquant_restage(
 
 
 @triton.jit
-def _dequant_tile(
-    codes,
-    norms,
-    centroids,
-    crow,
-    mask,
-    D: tl.constexpr,
-    BITS: tl.constexpr,
-):
+def _half_codebook(centroids, BITS: tl.constexpr):
+    """The lower half of a symmetric codebook (c[2^b - 1 - i] = -c[i]) as 8 fp32 scalars
+    c[0..2^(b-1)) (negative, ascending), repeated past 2^(b-1): loaded once per program."""
+    H: tl.constexpr = 1 << (BITS - 1)
+    return (
+        tl.load(centroids + 0 % H),
+        tl.load(centroids + 1 % H),
+        tl.load(centroids + 2 % H),
+        tl.load(centroids + 3 % H),
+        tl.load(centroids + 4 % H),
+        tl.load(centroids + 5 % H),
+        tl.load(centroids + 6 % H),
+        tl.load(centroids + 7 % H),
+    )
+
+
+@triton.jit
+def _code_groups(codes, crow, mask, D: tl.constexpr, BITS: tl.constexpr):
+    """[R, D / 8] int32: the codes of coordinates 8g..8g+7 of rows crow [R] (0 where ~mask),
+    as the b bytes of the LSB-first stream that hold them (bits 8b..32 zero)."""
+    G: tl.constexpr = D // 8
+    g = tl.arange(0, G)
+    m = mask[:, None]
+    if BITS == 4:  # one aligned word per group
+        ptr = codes.to(tl.pointer_type(tl.int32)) + crow[:, None] * G + g[None, :]
+        t = tl.load(ptr, mask=m, other=0)
+    elif BITS == 2:
+        ptr = codes.to(tl.pointer_type(tl.int16)) + crow[:, None] * G + g[None, :]
+        t = tl.load(ptr, mask=m, other=0).to(tl.int32) & 0xFFFF
+    elif BITS == 1:
+        t = tl.load(codes + crow[:, None] * G + g[None, :], mask=m, other=0).to(tl.int32)
+    else:  # 3 bits: 3 bytes per group, not word-aligned
+        ptr = codes + crow[:, None] * (G * BITS) + (g * BITS)[None, :]
+        t = tl.load(ptr, mask=m, other=0).to(tl.int32)
+        t = t | (tl.load(ptr + 1, mask=m, other=0).to(tl.int32) << 8)
+        t = t | (tl.load(ptr + 2, mask=m, other=0).to(tl.int32) << 16)
+    return t
+
+
+@triton.jit
+def _slot(t, x, cb, SLOT: tl.constexpr, BITS: tl.constexpr):
+    """Centroid of code SLOT of each group: a select tree on the folded magnitude bits, the
+    sign bit (the code's top bit) xor-ed into the float."""
+    s: tl.constexpr = SLOT * BITS
+    if BITS == 1:
+        mag = tl.zeros(t.shape, tl.float32) + cb[0]
+    else:
+        p0 = (x & (1 << s)) != 0
+        if BITS == 2:
+            mag = tl.where(p0, cb[1], cb[0])
+        else:
+            a = tl.where(p0, cb[1], cb[0])
+            b = tl.where(p0, cb[3], cb[2])
+            p1 = (x & (1 << (s + 1))) != 0
+            if BITS == 3:
+                mag = tl.where(p1, b, a)
+            else:
+                c = tl.where(p0, cb[5], cb[4])
+                d = tl.where(p0, cb[7], cb[6])
+                p2 = (x & (1 << (s + 2))) != 0
+                mag = tl.where(p2, tl.where(p1, d, c), tl.where(p1, b, a))
+    top: tl.constexpr = s + BITS - 1
+    sign = (t << (31 - top)) & _INT32_SIGN
+    return (mag.to(tl.int32, bitcast=True) ^ sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _decode_codes(t, cb, D: tl.constexpr, BITS: tl.constexpr):
+    """Unit-vector coordinates [R, D] fp32 (centroids, no norm) of the code groups t [R, D / 8]
+    (`_code_groups`), in the natural coordinate order, with no gathers: code i of a group is
+    bits [b i, b i + b) of its int; a code in the upper half of the codebook is the mirror
+    (bits xor 2^(b-1) - 1) of one in the lower half, negated, so the tree has 2^(b-1) leaves."""
+    if BITS == 1:
+        x = t
+    else:
+        low: tl.constexpr = ((1 << (8 * BITS)) - 1) // ((1 << BITS) - 1)  # bit 0 of each code
+        x = t ^ (((t >> (BITS - 1)) & low) * ((1 << (BITS - 1)) - 1))
+    v0 = _slot(t, x, cb, 0, BITS)
+    v1 = _slot(t, x, cb, 1, BITS)
+    v2 = _slot(t, x, cb, 2, BITS)
+    v3 = _slot(t, x, cb, 3, BITS)
+    v4 = _slot(t, x, cb, 4, BITS)
+    v5 = _slot(t, x, cb, 5, BITS)
+    v6 = _slot(t, x, cb, 6, BITS)
+    v7 = _slot(t, x, cb, 7, BITS)
+    # [R, G, 2, 2, 2], index (d1, d2, d3) = slot 4 d1 + 2 d2 + d3: row-major = natural order
+    r0 = tl.join(tl.join(v0, v4), tl.join(v2, v6))
+    r1 = tl.join(tl.join(v1, v5), tl.join(v3, v7))
+    return tl.reshape(tl.join(r0, r1), [t.shape[0], D])
+
+
+# 4-bit codes by byte permutes (PTX `prmt`): per group (8 codes, one word t, x the folded
+# word of `_decode_codes`), the fp16/bf16 bytes of the 8 magnitudes are two 8-entry byte tables
+# (lo: $10 $11, hi: $12 $13); x's nibbles (top bits masked) select 4 bytes per prmt, the code's
+# top bits become sign masks by prmt's sign-replicate mode (bit 7 of each byte of t and t << 4),
+# and two prmts per pair interleave lo and hi bytes into half2 words: 20 integer instructions
+# per 8 coordinates, where the select tree takes ~8 per coordinate.
+_PRMT_4BIT: tl.constexpr = tl.constexpr(
+    "{\n.reg .b32 s03, s47, l03, h03, l47, h47, t4, g03, g47, p01, p23, p45, p67;\n"
+    "and.b32 s03, $9, 0x7777;\nshr.u32 s47, $9, 16;\nand.b32 s47, s47, 0x7777;\n"
+    "prmt.b32 l03, $10, $11, s03;\nprmt.b32 h03, $12, $13, s03;\n"
+    "prmt.b32 l47, $10, $11, s47;\nprmt.b32 h47, $12, $13, s47;\n"
+    "shl.b32 t4, $8, 4;\nprmt.b32 g03, t4, $8, 0xD9C8;\nprmt.b32 g47, t4, $8, 0xFBEA;\n"
+    "lop3.b32 h03, h03, g03, 0x80808080, 0x78;\nlop3.b32 h47, h47, g47, 0x80808080, 0x78;\n"
+    "prmt.b32 p01, l03, h03, 0x5140;\nprmt.b32 p23, l03, h03, 0x7362;\n"
+    "prmt.b32 p45, l47, h47, 0x5140;\nprmt.b32 p67, l47, h47, 0x7362;\n"
+    "mov.b32 {$0, $1}, p01;\nmov.b32 {$2, $3}, p23;\n"
+    "mov.b32 {$4, $5}, p45;\nmov.b32 {$6, $7}, p67;\n}"
+)
+_PRMT_CONSTRAINTS: tl.constexpr = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r")
+
+
+@triton.jit
+def _byte_tables(cb, DOT: tl.constexpr):
+    """The 8 magnitudes of a 4-bit codebook in DOT (16-bit) as 4 words of byte tables: lo bytes
+    of c[0..3], of c[4..7], hi bytes of c[0..3], of c[4..7] (for `_decode_codes_prmt`)."""
+    h0 = cb[0].to(DOT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    h1 = cb[1].to(DOT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    h2 = cb[2].to(DOT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    h3 = cb[3].to(DOT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    h4 = cb[4].to(DOT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    h5 = cb[5].to(DOT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    h6 = cb[6].to(DOT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    h7 = cb[7].to(DOT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    lo0 = (h0 & 0xFF) | ((h1 & 0xFF) << 8) | ((h2 & 0xFF) << 16) | ((h3 & 0xFF) << 24)
+    lo1 = (h4 & 0xFF) | ((h5 & 0xFF) << 8) | ((h6 & 0xFF) << 16) | ((h7 & 0xFF) << 24)
+    hi0 = (h0 >> 8) | ((h1 >> 8) << 8) | ((h2 >> 8) << 16) | ((h3 >> 8) << 24)
+    hi1 = (h4 >> 8) | ((h5 >> 8) << 8) | ((h6 >> 8) << 16) | ((h7 >> 8) << 24)
+    return lo0, lo1, hi0, hi1
+
+
+@triton.jit
+def _decode_codes_prmt(t, tables, D: tl.constexpr, DOT: tl.constexpr):
+    """`_decode_codes` of 4-bit codes, in DOT, by byte permutes (CUDA only: inline PTX)."""
+    x = t ^ (((t >> 3) & 0x11111111) * 7)
+    zero = t * 0
+    args = [t, x, zero + tables[0], zero + tables[1], zero + tables[2], zero + tables[3]]
+    if DOT == tl.bfloat16:
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _PRMT_4BIT, _PRMT_CONSTRAINTS, args, (tl.bfloat16,) * 8, True, 1
+        )
+    else:
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _PRMT_4BIT, _PRMT_CONSTRAINTS, args, (tl.float16,) * 8, True, 1
+        )
+    r0 = tl.join(tl.join(v0, v4), tl.join(v2, v6))
+    r1 = tl.join(tl.join(v1, v5), tl.join(v3, v7))
+    return tl.reshape(tl.join(r0, r1), [t.shape[0], D])
+
+
+@triton.jit
+def _dequant_tile(codes, norms, cb, crow, mask, D: tl.constexpr, BITS: tl.constexpr):
     """Rotated-basis vectors [R, D] fp32 of compressed rows crow [R] (0 where ~mask)."""
-    offs_d = tl.arange(0, D)
-    nbytes: tl.constexpr = D * BITS // 8
-    bit = offs_d * BITS
-    lo = bit >> 3
-    ptr = codes + crow[:, None] * nbytes + lo[None, :]
-    word = tl.load(ptr, mask=mask[:, None], other=0).to(tl.int32)
-    if 8 % BITS != 0:  # a code may straddle two bytes
-        hi_ok = mask[:, None] & ((lo + 1) < nbytes)[None, :]
-        word = word | (tl.load(ptr + 1, mask=hi_ok, other=0).to(tl.int32) << 8)
-    code = (word >> (bit & 7)[None, :]) & ((1 << BITS) - 1)
-    value = tl.load(centroids + code)
+    unit = _decode_codes(_code_groups(codes, crow, mask, D, BITS), cb, D, BITS)
     norm = tl.load(norms + crow, mask=mask, other=0.0).to(tl.float32)
-    return value * norm[:, None]
+    return unit * norm[:, None]
 
 
 @kernel
@@ -218,8 +368,14 @@ def _staged_decode_kernel(
     V_BITS: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     DOT: tl.constexpr,
+    STAGES: tl.constexpr,  # the loop's software-pipelining depth (its loads prefetched)
+    PRMT: tl.constexpr,  # 4-bit keys by byte permutes (`_decode_codes_prmt`), CUDA only
     PDL: tl.constexpr,
 ):
+    k_cb = _half_codebook(k_centroids, K_BITS)
+    if PRMT:
+        k_tables = _byte_tables(k_cb, DOT)
+    v_cb = _half_codebook(v_centroids, V_BITS)
     pdl_wait(PDL)
     b = tl.program_id(0)
     hkv = tl.program_id(1)
@@ -240,45 +396,71 @@ def _staged_decode_kernel(
 
     m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GP], dtype=tl.float32)
-    acc = tl.zeros([GP, D], dtype=tl.float32)
-    for t0 in range(start, end, BN):
+    # the output transposed, [D, GP]: the PV dot as V^T p^T has M = D, so on Hopper it runs as a
+    # warpgroup MMA with the decoded V tile as stored (p V compiled to 17-23% more instructions
+    # on the code path, and 16-bit shared-memory stores of the V tile under Triton 3.6)
+    acc = tl.zeros([D, GP], dtype=tl.float32)
+    for t0 in tl.range(start, end, BN, num_stages=STAGES):
         tokens = t0 + tl.arange(0, BN)
         valid = tokens < end
         page = tl.load(block_tables + b * stride_bt + tokens // BLOCK_SIZE, mask=valid, other=0)
         packed = page >= num_recent
         plain = valid & ~packed
         comp = valid & packed
+        # which pools the tile holds: all codes (the bulk of a long context), all FP8 (anchors,
+        # window), or both (a tile across the boundary): each pool's dot runs only if present
+        n_plain = tl.sum(plain.to(tl.int32), 0)
+        n_comp = tl.sum(comp.to(tl.int32), 0)
         offset = tokens % BLOCK_SIZE
         row = (page.to(tl.int64) * BLOCK_SIZE + offset) * HKV + hkv
         crow = ((page - num_recent).to(tl.int64) * BLOCK_SIZE + offset) * HKV + hkv
         crow = tl.where(comp, crow, 0)
-
-        k_plain = tl.load(
-            k_cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0
-        )
-        k_comp = _dequant_tile(k_codes, k_norms, k_centroids, crow, comp, D, K_BITS)
-        b_k = tl.where(packed[:, None], k_comp, k_plain.to(tl.float32) * k_scale)
-        scores = tl.dot(b_q, tl.trans(b_k.to(DOT))) * softmax_scale
+        # the codes' loads at the loop's top level, where the pipeliner prefetches them (a
+        # masked lane moves no bytes); FP8 tiles (a sequence's anchor and window pages) load
+        # inside their branch, so the code path carries none of their registers
+        k_groups = _code_groups(k_codes, crow, comp, D, K_BITS)
+        k_norm = tl.load(k_norms + crow, mask=comp, other=0.0).to(tl.float32)
+        # per-token factors, not per-coordinate ones: the code dot runs on the centroids (unit
+        # vectors) and the norm scales the score; a factor is 0 off its pool (the FP8 rows
+        # there load as 0, the code rows decode to finite centroids), so the two dots add up
+        scores = tl.zeros([GP, BN], dtype=tl.float32)
+        if n_comp > 0:
+            if PRMT:
+                k_unit = _decode_codes_prmt(k_groups, k_tables, D, DOT)
+            else:
+                k_unit = _decode_codes(k_groups, k_cb, D, K_BITS).to(DOT)
+            scores += tl.dot(b_q, tl.trans(k_unit)) * (k_norm * softmax_scale)[None, :]
+        if n_plain > 0:
+            k_plain = tl.load(
+                k_cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0
+            )
+            scores += tl.dot(b_q, tl.trans(k_plain.to(DOT))) * (k_scale * softmax_scale)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        v_plain = tl.load(
-            v_cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0
-        )
-        v_comp = _dequant_tile(v_codes, v_norms, v_centroids, crow, comp, D, V_BITS)
-        b_v = tl.where(packed[:, None], v_comp, v_plain.to(tl.float32) * v_scale)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), b_v.to(DOT))
+        v_groups = _code_groups(v_codes, crow, comp, D, V_BITS)
+        v_norm = tl.load(v_norms + crow, mask=comp, other=0.0).to(tl.float32)
+        acc = acc * alpha[None, :]
+        if n_comp > 0:  # the norm scales p, not each coordinate of v
+            v_unit = _decode_codes(v_groups, v_cb, D, V_BITS).to(DOT)
+            acc = tl.dot(tl.trans(v_unit), tl.trans((p * v_norm[None, :]).to(DOT)), acc)
+        if n_plain > 0:
+            v_plain = tl.load(
+                v_cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0
+            )
+            p_plain = p * tl.where(plain, v_scale, 0.0)[None, :]
+            acc = tl.dot(tl.trans(v_plain.to(DOT)), tl.trans(p_plain.to(DOT)), acc)
         m_i = m_new
 
     if SINGLE_SPLIT:
-        result = acc / l_i[:, None]
+        result = acc / l_i[None, :]
         tl.store(
-            out + (b * HQ + heads[:, None]) * D + offs_d[None, :],
+            out + (b * HQ + heads[None, :]) * D + offs_d[:, None],
             result.to(out.dtype.element_ty),
-            mask=in_group[:, None],
+            mask=in_group[None, :],
         )
     else:
         safe_l = tl.where(l_i > 0, l_i, 1.0)
@@ -286,9 +468,9 @@ def _staged_decode_kernel(
         slot = (b * HQ + heads) * num_splits + split
         tl.store(part_lse + slot, lse, mask=in_group)
         tl.store(
-            part_out + slot[:, None] * D + offs_d[None, :],
-            acc / safe_l[:, None],
-            mask=in_group[:, None],
+            part_out + slot[None, :] * D + offs_d[:, None],
+            acc / safe_l[None, :],
+            mask=in_group[None, :],
         )
 
 
@@ -305,8 +487,16 @@ def staged_attention_decode(
     block_tables: torch.Tensor,
     scale: float,
     partition: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    lookup: str | None = None,
 ) -> torch.Tensor:
-    """Rotated q [B, Hq, D] over mixed pages; the rotated output [B, Hq, D]."""
+    """Rotated q [B, Hq, D] over mixed pages; the rotated output [B, Hq, D]. block_n (tokens
+    per tile, a power of two >= 16), num_warps and num_stages default to the module's
+    `_TOKENS_PER_STEP`, `_NUM_WARPS`, `_NUM_STAGES` (the bench varies them); lookup (default
+    `_LOOKUP`) "prmt" decodes 4-bit keys by byte permutes on CUDA, "tree" by the select tree
+    (always on CPU, and for other widths)."""
     batch, hq, dim = q.shape
     _, block_size, hkv, _ = cache.k_cache.shape
     if q.stride(2) != 1 or not (cache.k_cache.is_contiguous() and cache.v_cache.is_contiguous()):
@@ -351,14 +541,15 @@ def staged_attention_decode(
         D=dim,
         BLOCK_SIZE=block_size,
         GP=max(16, triton.next_power_of_2(hq // hkv)),
-        BN=_TOKENS_PER_STEP,
+        BN=block_n or _TOKENS_PER_STEP,
         PARTITION=partition,
         K_BITS=cache.k_bits,
         V_BITS=cache.v_bits,
         SINGLE_SPLIT=single,
         DOT=_dot(cache, q),
-        num_warps=4,
-        num_stages=2,
+        STAGES=num_stages or _NUM_STAGES,
+        PRMT=(lookup or _LOOKUP) == "prmt" and q.is_cuda and cache.k_bits == 4,
+        num_warps=num_warps or _NUM_WARPS,
     )
     if not single:
         _combine_kernel[(batch * hq,)](
@@ -398,6 +589,8 @@ def _scratch_kernel(
     PDL: tl.constexpr,
 ):
     """Scratch page e (entry e of the flattened tables) = the page the entry names, decoded."""
+    k_cb = _half_codebook(k_centroids, K_BITS)
+    v_cb = _half_codebook(v_centroids, V_BITS)
     pdl_wait(PDL)
     e = tl.program_id(0)
     page = tl.load(block_tables + e)
@@ -411,11 +604,11 @@ def _scratch_kernel(
     crow = tl.where(comp, (page - num_recent).to(tl.int64) * ROWS + r, 0)
     dst = (e.to(tl.int64) * ROWS + r)[:, None] * D + offs_d[None, :]
     k_plain = tl.load(k_cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0)
-    k_comp = _dequant_tile(k_codes, k_norms, k_centroids, crow, comp, D, K_BITS)
+    k_comp = _dequant_tile(k_codes, k_norms, k_cb, crow, comp, D, K_BITS)
     k = tl.where(comp[:, None], k_comp, k_plain.to(tl.float32) * k_scale)
     tl.store(k_out + dst, k.to(k_out.dtype.element_ty), mask=valid[:, None])
     v_plain = tl.load(v_cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0)
-    v_comp = _dequant_tile(v_codes, v_norms, v_centroids, crow, comp, D, V_BITS)
+    v_comp = _dequant_tile(v_codes, v_norms, v_cb, crow, comp, D, V_BITS)
     v = tl.where(comp[:, None], v_comp, v_plain.to(tl.float32) * v_scale)
     tl.store(v_out + dst, v.to(v_out.dtype.element_ty), mask=valid[:, None])
 
