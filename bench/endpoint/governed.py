@@ -222,7 +222,7 @@ def worker_config(a: argparse.Namespace) -> dict[str, Any]:
         "device": a.device,
         "dtype": a.dtype,
         "max_num_seqs": max([a.concurrency, *a.sweep]),
-        "max_model_len": a.prompt_tokens * 2 + a.max_tokens,
+        "max_model_len": max(a.prompt_tokens * 2 + a.max_tokens, a.long_prompt_tokens + 256),
     }
     if a.quantize != "none":
         config["quantize"] = a.quantize
@@ -264,6 +264,22 @@ def engine_alone(a: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
         "output_tokens_per_s_rounds": [r.output_tok_s for r in rounds],
         "ttft_s_p50": percentile([t for r in rounds for t in r.ttft_s], 50),
         "completion_tokens": sum(r.completion_tokens for r in rounds),
+    }
+
+
+def long_prompt_through_gateway(b: Bench, sku: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+    """One prompt of ~`--long-prompt-tokens` tokens, streamed through the gateway with 16 output
+    tokens, alone on the worker, then reconciled against the ledger."""
+    one = argparse.Namespace(**{**vars(a), "max_tokens": 16, "concurrency": 1})
+    since = datetime.now(UTC)
+    text = prompt_text(a.long_prompt_tokens, 7)
+    results, wall = asyncio.run(through_gateway(b.url, b.key, sku["name"], [text], one, set()))
+    report = b.reconcile(1, since)
+    return {
+        **results[0],
+        "prompt_chars": len(text),
+        "wall_s": wall,
+        **reconciled(report, mismatches_kept=5),
     }
 
 
@@ -365,6 +381,13 @@ def main() -> int:
     ap.add_argument("--sweep", default="", help="concurrencies to measure after the load point")
     ap.add_argument("--slow-step-s", type=float, default=0.25, help="worker steps logged as slow")
     ap.add_argument(
+        "--long-prompt-tokens",
+        type=int,
+        default=0,
+        help="then one prompt of about this many tokens through the gateway (16 output tokens), "
+        "reconciled; the worker's context limit is raised to fit it",
+    )
+    ap.add_argument(
         "--engine-rounds",
         type=int,
         default=0,
@@ -410,6 +433,7 @@ def main() -> int:
             through_gateway(b.url, b.key, sku["name"], prompts, a, hang_up)
         )
         report = b.reconcile(len(prompts), since)
+        long_prompt = long_prompt_through_gateway(b, sku, a) if a.long_prompt_tokens else None
         sweep_rows = concurrency_sweep(b, sku, a) if a.sweep else []
         worker_log = (b.tmp / "worker.log").read_text(errors="replace")
     modes = {
@@ -436,6 +460,7 @@ def main() -> int:
         },
     }
     result["sweep"] = sweep_rows
+    result["long_prompt"] = long_prompt
     if alone is not None:
         result["engine_alone"] = alone
         result["worker_vs_engine"] = (
@@ -489,6 +514,13 @@ def main() -> int:
         print("  " + line)
     if sweep_rows:
         print_sweep(sweep_rows)
+    if long_prompt is not None:
+        lp = long_prompt
+        print(
+            f"long prompt through the gateway: {lp['prompt_tokens']} prompt tokens, TTFT "
+            f"{lp['ttft_s']} s, E2E {lp['e2e_s']:.1f} s, {lp['completion_tokens']} output tokens, "
+            f"error {lp['error'] or 'none'}; reconciled {lp['match_rate_pct']:.2f}%"
+        )
     print(f"gateway cost: {cost:.2f}% of output tok/s")
     if alone is not None:
         print(

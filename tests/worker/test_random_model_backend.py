@@ -66,7 +66,7 @@ def test_the_governed_endpoint_bench_runs_end_to_end_on_cpu(tmp_path: Path) -> N
         "--preset", "tiny-qwen3.5", "--device", "cpu", "--dtype", "float32", "--quantize", "fp8",
         "--kv-dtype", "fp8", "--requests", "4", "--concurrency", "2", "--prompt-tokens", "16",
         "--max-tokens", "8", "--rounds", "1", "--hang-up", "2", "--engine-rounds", "1",
-        "--out", str(out),
+        "--long-prompt-tokens", "600", "--out", str(out),
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
     subprocess.run(
@@ -79,6 +79,9 @@ def test_the_governed_endpoint_bench_runs_end_to_end_on_cpu(tmp_path: Path) -> N
     alone = report["engine_alone"]  # the worker's engine in the bench's process first
     assert alone["completion_tokens"] > 0 and alone["output_tokens_per_s"] > 0
     assert report["worker_vs_engine"] > 0
+    long = report["long_prompt"]  # past the load point's context, through the gateway
+    assert long["ok"] and not long["error"] and long["completion_tokens"] > 0
+    assert long["prompt_tokens"] >= 500 and long["match_rate_pct"] == 100.0
     recon = report["reconciliation"]
     assert recon["client_hung_up"] == 2 and recon["match_rate_pct"] == 100.0
     assert recon["billed_completion_tokens"] == recon["delivered_completion_tokens"]
