@@ -247,3 +247,36 @@ def test_a_slow_step_is_logged_with_its_batch(monkeypatch, caplog):
         engine.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0, max_tokens=2))
     assert "2 prefill chunks (5 tokens) and 0 decodes" in caplog.text  # the first step
     assert "0 prefill chunks (0 tokens) and 2 decodes" in caplog.text
+
+
+def test_a_slow_step_names_the_kernels_it_compiled(monkeypatch, caplog):
+    """A compile seen during a slow step (triton's post-compile hook, as it calls it) is named
+    in the step's warning with its specialization, so a log says which class warm-up missed."""
+    from types import SimpleNamespace
+
+    from worker.engine import engine as engine_module
+    from worker.kernels.triton import _launch
+
+    engine, _ = make_engine()
+    monkeypatch.setattr(engine_module, "SLOW_STEP_S", 0.0)
+    inner = engine.runner.execute
+
+    def compiling(batch):  # type: ignore[no-untyped-def]
+        _launch._count_compile(
+            key=None,
+            repr="_decode_kernel[num_warps=4](q: *bf16)",
+            fn=SimpleNamespace(name="_decode_kernel"),
+        )
+        return inner(batch)
+
+    engine.runner.execute = compiling  # type: ignore[method-assign]
+    before = _launch.compiles()
+    with caplog.at_level("WARNING", logger="worker.engine.engine"):
+        engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=1))
+    assert _launch.compiles() == before + 1
+    assert (
+        "(1 kernel compiles; _decode_kernel: _decode_kernel[num_warps=4](q: *bf16))" in caplog.text
+    )
+    assert _launch.compiled_since(_launch.compiles()) == []
+    _launch._count_compile(already_compiled=True)  # a cache hit is no compile
+    assert _launch.compiles() == before + 1

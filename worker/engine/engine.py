@@ -433,13 +433,14 @@ class LLMEngine:
             b = self._last_batch
             log.warning(
                 "slow engine step %d: %.2f s for %d prefill chunks (%d tokens) and %d decodes "
-                "(%d kernel compiles)",
+                "(%d kernel compiles%s)",
                 b.step,
                 took,
                 len(b.prefills),
                 sum(e.num_tokens for e in b.prefills),
                 len(b.decodes),
                 _compiles() - compiled,
+                "".join(f"; {name}: {spec}" for name, spec in _compiled_since(compiled)),
             )
         return outputs
 
@@ -670,6 +671,11 @@ def _compiles() -> int:
     imported them (a step must not pay for importing triton)."""
     launch = sys.modules.get("worker.kernels.triton._launch")
     return 0 if launch is None else launch.compiles()
+
+
+def _compiled_since(count: int) -> list[tuple[str, str]]:
+    launch = sys.modules.get("worker.kernels.triton._launch")
+    return [] if launch is None else launch.compiled_since(count)
 
 
 def _bucket(n: int) -> int:

@@ -11,6 +11,7 @@ interpreter for the duration of a CPU launch.
 
 from __future__ import annotations
 
+import collections
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -64,18 +65,29 @@ PER_STEP_SIZES = frozenset(
 )
 
 _compiles = 0
+# What the last compilations were: (kernel name, its specialization as triton prints it)
+_compiled: collections.deque[tuple[str, str]] = collections.deque(maxlen=64)
 
 
 def _count_compile(*args: Any, **kwargs: Any) -> None:
     global _compiles
     if not kwargs.get("already_compiled", False):
         _compiles += 1
+        fn = kwargs.get("fn")
+        _compiled.append((str(getattr(fn, "name", "?")), str(kwargs.get("repr", ""))))
 
 
 def compiles() -> int:
     """Kernel compilations seen in this process (triton's post-compile hook): a count that
     grows while serving means a step waited on a compile."""
     return _compiles
+
+
+def compiled_since(count: int) -> list[tuple[str, str]]:
+    """(kernel name, specialization) of the compilations after the `count`-th (at most the
+    last 64): what a slow step waited on, for its log line."""
+    new = _compiles - count
+    return list(_compiled)[-new:] if new > 0 else []
 
 
 def _install_compile_hook() -> None:
