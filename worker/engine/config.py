@@ -141,9 +141,8 @@ class EngineConfig:
     # (TOKENMILL_ENGINE_KV_STAGING_ANCHOR_PAGES / _WINDOW_PAGES) are re-encoded, a step after
     # their last write, from kv_dtype pages to TurboQuant codes of K and V bits ("k4v3": 4 and 3
     # bits per coordinate, 1-4 each; worker/kvcache/), ~2.2x fewer bytes per token than FP8 KV.
-    # Off by default until its GPU speed is measured in the engine: the Triton decode over
-    # mixed pages ran 34x slower than FP8 KV decode on an H200; its gather-free rewrite is
-    # predicted near FP8 KV's speed, not yet measured (docs/performance.md).
+    # Off by default: on one H200 the Triton decode over mixed pages takes 3.4x FP8 KV's time
+    # at 8 x 32K, and the load point runs at 0.886x FP8 KV's output tok/s (docs/performance.md).
     kv_staging: str | None = None
     kv_staging_window_pages: int = 8
     kv_staging_anchor_pages: int = 1
