@@ -93,6 +93,59 @@ def test_lane_emulation_matches_reference(m: int, n: int, k: int, group: int) ->
     assert torch.allclose(got, want, rtol=1e-9, atol=1e-9)
 
 
+XS_PAD, XS_SLICES = 32, 4  # int4_mma.cu: staged token rows' padding (elements), x's slices
+
+
+@pytest.mark.parametrize(("k", "splits", "gc"), [(5120, 1, 2), (17408, 4, 2), (6144, 7, 1)])
+def test_staged_x_addresses(k: int, splits: int, gc: int) -> None:
+    """Mode 4 (x staged in shared memory): for each CTA of a row block, the element a lane reads
+    from its staged copy of x is the one load_x reads from global memory; the padded rows keep
+    each quarter-warp's 16-byte reads on distinct banks; each step's chunks are in the slices
+    waited for; the staged copy fits beside 2 CTAs per SM where the bench runs it (M = 8, bf16)."""
+    import re
+
+    from worker.kernels.cuda import int4_mma
+
+    source = int4_mma.SOURCE.read_text()
+    for name, value in (("XS_PAD", XS_PAD), ("XS_SLICES", XS_SLICES)):
+        assert re.search(rf"constexpr int {name} = {value};", source), name
+    chunks, groups = k // 64, -(-(k // 64) // gc)
+    maxg = -(-groups // splits)
+    for p in range(splits):  # warp_range<IL = true>: the CTA's range, whole groups
+        g0, g1 = groups * p // splits, groups * (p + 1) // splits
+        c_begin, c_end = g0 * gc, min(chunks, g1 * gc)
+        nck = c_end - c_begin
+        assert nck <= min(chunks, maxg * gc)  # what launch_xs allocates
+        xrow = nck * 64 + XS_PAD
+        staged = {}  # smem element -> (token, k), as the cp.async loop copies
+        for m in range(8):
+            for piece in range(nck * 8):
+                for e in range(8):
+                    staged[m * xrow + piece * 8 + e] = (m, c_begin * 64 + piece * 8 + e)
+        for c in (c_begin, (c_begin + c_end) // 2, c_end - 1):
+            for half in (0, 1):
+                banks = []
+                for lane in range(32):
+                    g, t = lane >> 2, lane & 3
+                    at = g * xrow + 8 * t + (c - c_begin) * 64 + 32 * half
+                    for e in range(8):  # the 16-byte read: x[g, 64 c + 8 t + 32 half + e]
+                        assert staged[at + e] == (g, 64 * c + 8 * t + 32 * half + e)
+                    banks.append({(2 * at // 4 + w) % 32 for w in range(4)})
+                for quarter in range(4):
+                    seen = [b for bs in banks[8 * quarter : 8 * quarter + 8] for b in bs]
+                    assert len(seen) == len(set(seen)) == 32
+        for unit in (4, 8, 16):  # D * W: x arrives in XS_SLICES slices on whole steps
+            bound = [min(nck, (nck * j // XS_SLICES + unit - 1) // unit * unit) for j in range(5)]
+            assert bound[0] == 0 and bound[-1] == nck and bound == sorted(bound)
+            slice_ = 0
+            for o in range(0, nck, unit):  # the kernel's wait before each step
+                while slice_ + 1 < XS_SLICES and bound[slice_ + 1] <= o:
+                    slice_ += 1
+                assert min(o + unit, nck) <= bound[slice_ + 1]  # the step's chunks are in
+        if splits == 1 and k == 5120:
+            assert 2 * (8 * xrow * 2 + 4 * maxg * 32 + 1024) <= 228 * 1024
+
+
 def test_int4_linear_in_mma_layout_answers_as_nibble() -> None:
     layer = Int4Linear.from_linear(nn.Linear(128, 48, bias=False).bfloat16(), 64)
     x = torch.randn(3, 128).bfloat16()
@@ -168,6 +221,13 @@ def test_the_kernel_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         (2, 4, 3, 4, 2),
         (2, 8, 3, 2, 3),
         (1, 4, 2, 4, 3),
+        (4, 8, 1, 2, 4),
+        (4, 4, 3, 2, 4),
+        (8, 4, 2, 2, 4),
+        (8, 8, 1, 1, 4),
+        (8, 4, 3, 2, 2),
+        (2, 8, 2, 2, 4),
+        (8, 8, 1, 2, 0),
     ],
 )
 def test_gemv_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int, int] | None) -> None:

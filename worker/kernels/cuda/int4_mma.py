@@ -39,14 +39,16 @@ def kernel_choice() -> str:
 
 @dataclass(frozen=True)
 class MmaTiling:
-    """How one (N, K) weight is cut: `rows` 16-row tiles per CTA (1, 2 or 4: each x operand
-    loaded once serves them all; 4 up to M = 16, 2 up to 32), `warps` per CTA
-    splitting its K, `splits` CTAs per row block splitting K (> 1: an fp32 workspace and the last
-    CTA writes), `mode` 0 (weights loaded into registers, 2 chunks in flight per warp), 1
-    (cp.async into a shared-memory ring of 4 chunks per warp) or 2 (the register pipeline with
-    interleaved chunks: the CTA's warps take turns along one contiguous run, `depth` 2 or 4
-    chunks in flight; groups of a power-of-two multiple of 64) or 3 (stream-K over mode 2's
-    pipeline: `splits` CTAs per SM share all row blocks x chunks evenly, no partial wave)."""
+    """How one (N, K) weight is cut: `rows` 16-row tiles per CTA (1, 2, 4 or 8: each x operand
+    loaded once serves them all; 8 up to M = 8 with modes 2 and 4, 4 up to M = 16, 2 up to 32),
+    `warps` per CTA splitting its K, `splits` CTAs per row block splitting K (> 1: an fp32
+    workspace and the last CTA writes), `mode` 0 (weights loaded into registers, 2 chunks in
+    flight per warp), 1 (cp.async into a shared-memory ring of 4 chunks per warp) or 2 (the
+    register pipeline with interleaved chunks: the CTA's warps take turns along one contiguous
+    run, `depth` 2 or 4 chunks in flight; groups of a power-of-two multiple of 64) or 3
+    (stream-K over mode 2's pipeline: `splits` CTAs per SM share all row blocks x chunks evenly,
+    no partial wave) or 4 (mode 2 with the CTA's K range of x staged once in shared memory: M <=
+    8, rows 4 or 8, depth 2, or 1 with rows 8; the kernel runs mode 2 where it does not apply)."""
 
     rows: int = 2
     warps: int = 8
@@ -156,13 +158,17 @@ def gemv(
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()
     t = tiling or MMA_DECODE_TILINGS.get((n, k)) or default_tiling(n, k, group_size)
+    if t.rows == 8 and (m > 8 or t.mode not in (2, 4)):  # 8 tiles: one token group, modes 2, 4
+        t = dataclasses.replace(t, rows=4)
     if m > 16 and t.rows == 4:  # 4 tiles x 4 token groups spill registers
         t = dataclasses.replace(t, rows=2)
     if m > 32 and t.rows == 2:  # 8 token groups x 2 tiles spill registers: one tile per CTA
         t = dataclasses.replace(t, rows=1)
     gc = group_size // 64
     if t.mode >= 2 and gc & (gc - 1):  # interleaved chunks find their group by a shift
-        t = dataclasses.replace(t, mode=1, splits=1 if t.mode == 3 else t.splits)
+        t = dataclasses.replace(
+            t, mode=1, rows=min(t.rows, 4), splits=1 if t.mode == 3 else t.splits
+        )
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = arrivals = None
     if t.splits > 1 or t.mode == 3:  # split K, or stream-K's parts of row blocks
