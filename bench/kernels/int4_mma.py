@@ -65,12 +65,14 @@ KNOWN = [
 
 
 def candidates(n: int, k: int) -> list[MmaTiling]:
-    """The new tilings first (x staged in shared memory, mode 4; 8 row tiles), then today's
-    winners and the default, so a short budget still times the new ones."""
+    """The new tilings first (x staged in shared memory: mode 4, and mode 5 with a cp.async
+    weight ring; 8 row tiles), then today's winners and the default, so a short budget still
+    times the new ones."""
     groups = k // GROUP
     new: list[MmaTiling] = []
     for rows, warps, depth, mode in (
         (4, 8, 2, 4), (8, 4, 2, 4), (8, 4, 1, 4), (8, 8, 1, 4), (4, 4, 2, 4),
+        (4, 8, 8, 5), (8, 8, 4, 5), (8, 4, 4, 5), (4, 4, 8, 5),
         (8, 4, 2, 2), (8, 8, 2, 2),
     ):  # fmt: skip
         if n % (16 * rows):

@@ -146,6 +146,32 @@ def test_staged_x_addresses(k: int, splits: int, gc: int) -> None:
             assert 2 * (8 * xrow * 2 + 4 * maxg * 32 + 1024) <= 228 * 1024
 
 
+@pytest.mark.parametrize("ring", [4, 8])
+@pytest.mark.parametrize("nck", [1, 2, 7, 40, 80])
+def test_ring_commit_groups(ring: int, nck: int) -> None:
+    """Mode 5's waits (int4_mma.cu, w4_gemv_xs_ring): each thread's cp.async groups are the
+    weights of steps 0..D-2, x's 4 slices, then one weight group per step; `cp.async.wait_group
+    N` leaves at most the N newest pending. At every step the waits the kernel issues complete
+    that step's weight group and every x slice its chunks read."""
+    for warps in (4, 8):
+        bound = [min(nck, (nck * j // XS_SLICES + warps - 1) // warps * warps) for j in range(5)]
+        groups = [("w", s) for s in range(ring - 1)] + [("x", j) for j in range(XS_SLICES)]
+        complete = 0  # groups[:complete] are done
+        slice_ = -1
+        for n in range(-(-nck // warps)):
+            groups.append(("w", n + ring - 1))
+            need = max(slice_, 0)
+            while need + 1 < XS_SLICES and bound[need + 1] <= n * warps:
+                need += 1
+            if need > slice_:
+                complete = max(complete, len(groups) - min(4 - need + n, ring + 3))
+                slice_ = need
+            complete = max(complete, len(groups) - (ring + 3 if n <= ring - 2 else ring - 1))
+            assert groups.index(("w", n)) < complete
+            assert all(groups.index(("x", j)) < complete for j in range(slice_ + 1))
+            assert bound[slice_ + 1] >= min(n * warps + warps, nck)  # the step's x is staged
+
+
 def test_int4_linear_in_mma_layout_answers_as_nibble() -> None:
     layer = Int4Linear.from_linear(nn.Linear(128, 48, bias=False).bfloat16(), 64)
     x = torch.randn(3, 128).bfloat16()
@@ -228,6 +254,10 @@ def test_the_kernel_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         (8, 4, 3, 2, 2),
         (2, 8, 2, 2, 4),
         (8, 8, 1, 2, 0),
+        (4, 8, 1, 8, 5),
+        (4, 4, 3, 4, 5),
+        (8, 4, 2, 4, 5),
+        (8, 8, 1, 4, 5),
     ],
 )
 def test_gemv_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int, int] | None) -> None:

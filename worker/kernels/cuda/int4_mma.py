@@ -48,7 +48,9 @@ class MmaTiling:
     run, `depth` 2 or 4 chunks in flight; groups of a power-of-two multiple of 64) or 3
     (stream-K over mode 2's pipeline: `splits` CTAs per SM share all row blocks x chunks evenly,
     no partial wave) or 4 (mode 2 with the CTA's K range of x staged once in shared memory: M <=
-    8, rows 4 or 8, depth 2, or 1 with rows 8; the kernel runs mode 2 where it does not apply)."""
+    8, rows 4 or 8, depth 2, or 1 with rows 8) or 5 (mode 4's staged x and the weights through a
+    per-warp cp.async ring of `depth` slots: 4 or 8 with rows 4, 4 with rows 8); modes 4 and 5
+    run mode 2 where they do not apply or their shared memory does not fit."""
 
     rows: int = 2
     warps: int = 8
@@ -158,7 +160,7 @@ def gemv(
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()
     t = tiling or MMA_DECODE_TILINGS.get((n, k)) or default_tiling(n, k, group_size)
-    if t.rows == 8 and (m > 8 or t.mode not in (2, 4)):  # 8 tiles: one token group, modes 2, 4
+    if t.rows == 8 and (m > 8 or t.mode not in (2, 4, 5)):  # 8 tiles: one token group
         t = dataclasses.replace(t, rows=4)
     if m > 16 and t.rows == 4:  # 4 tiles x 4 token groups spill registers
         t = dataclasses.replace(t, rows=2)
