@@ -72,7 +72,7 @@ def candidates(n: int, k: int) -> list[MmaTiling]:
     new: list[MmaTiling] = []
     for rows, warps, depth, mode in (
         (4, 8, 2, 4), (8, 4, 2, 4), (8, 4, 1, 4), (8, 8, 1, 4), (4, 4, 2, 4),
-        (4, 8, 8, 5), (8, 8, 4, 5), (8, 4, 4, 5), (4, 4, 8, 5),
+        (4, 8, 8, 5), (8, 8, 4, 5), (8, 4, 4, 5), (4, 4, 8, 5), (4, 8, 4, 5),
         (8, 4, 2, 2), (8, 8, 2, 2),
     ):  # fmt: skip
         if n % (16 * rows):
@@ -80,7 +80,9 @@ def candidates(n: int, k: int) -> list[MmaTiling]:
         blocks = n // (16 * rows)
         for ctas_per_sm in (1, 2, 4):
             splits = max(1, min(-(-ctas_per_sm * 132 // blocks), groups // warps))
-            new.append(MmaTiling(rows, warps, splits, depth, mode))
+            t = MmaTiling(rows, warps, splits, depth, mode)
+            if mode < 4 or int4_mma.staged_smem_bytes(t, k, GROUP) <= int4_mma.SMEM_PER_CTA:
+                new.append(t)  # (staged x that does not fit runs mode 2: not a new tiling)
     old = [t for t in KNOWN if n % (16 * t.rows) == 0]
     old.append(int4_mma.default_tiling(n, k, GROUP))
     return list(dict.fromkeys(new + old))  # in order, without repeats

@@ -142,6 +142,11 @@ def test_staged_x_addresses(k: int, splits: int, gc: int) -> None:
                 while slice_ + 1 < XS_SLICES and bound[slice_ + 1] <= o:
                     slice_ += 1
                 assert min(o + unit, nck) <= bound[slice_ + 1]  # the step's chunks are in
+        staged_x = int4_mma.MmaTiling(4, 8, splits, 2, 4)
+        per_cta = -(-(4 * maxg * 32) // 16) * 16 + 8 * (min(chunks, maxg * gc) * 64 + XS_PAD) * 2
+        assert int4_mma.staged_smem_bytes(staged_x, k, 64 * gc) == per_cta
+        ring = int4_mma.MmaTiling(4, 8, splits, 8, 5)  # + 8 warps x 8 slots x 4 tiles x 512 B
+        assert int4_mma.staged_smem_bytes(ring, k, 64 * gc) == per_cta + 8 * 8 * 4 * 512
         if splits == 1 and k == 5120:
             assert 2 * (8 * xrow * 2 + 4 * maxg * 32 + 1024) <= 228 * 1024
 

@@ -75,6 +75,22 @@ def default_tiling(n: int, k: int, group_size: int, sms: int = 132) -> MmaTiling
     return MmaTiling(rows, warps, splits)
 
 
+SMEM_PER_CTA = 227 * 1024  # H100 / H200 opt-in maximum
+
+
+def staged_smem_bytes(t: MmaTiling, k: int, group_size: int, dtype_bytes: int = 2) -> int:
+    """Shared memory of a mode 4 / 5 CTA (int4_mma.cu, launch_xs: scales, 8 padded token rows of
+    x for the CTA's K range, mode 5's ring); where it exceeds the GPU's opt-in maximum the
+    kernel runs mode 2 instead."""
+    chunks, gc = k // 64, group_size // 64
+    groups = -(-chunks // gc)
+    maxg = -(-groups // t.splits)
+    ring = (8 if t.depth >= 8 and t.rows == 4 else 4) if t.mode == 5 else 0
+    scales = -(-(t.rows * maxg * 16 * 2) // 16) * 16
+    x = 8 * (min(chunks, maxg * gc) * 64 + 32) * dtype_bytes
+    return max(scales + x + t.warps * ring * t.rows * 32 * 16, t.warps * t.rows * 4 * 32 * 4)
+
+
 def supports(n: int, k: int, group_size: int) -> tuple[bool, str]:
     if n % 16 or k % 64:
         return False, f"needs N % 16 == 0 and K % 64 == 0, got N={n}, K={k}"
