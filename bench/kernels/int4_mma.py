@@ -88,8 +88,10 @@ def candidates(n: int, k: int) -> list[MmaTiling]:
         if n % (16 * rows):
             continue
         blocks = n // (16 * rows)
-        for ctas_per_sm in (1, 2, 4):
-            splits = max(1, min(-(-ctas_per_sm * 132 // blocks), groups // warps))
+        per_sm = [max(1, min(-(-c * 132 // blocks), groups // warps)) for c in (1, 2, 3, 4)]
+        # staged x: also 3 splits (gate|up at rows 8: 816 CTAs, 3.09 waves of 264, not 2.06)
+        chosen = {*per_sm, 3} if mode >= 4 else {per_sm[0], per_sm[1], per_sm[3]}
+        for splits in sorted(chosen):
             t = MmaTiling(rows, warps, splits, depth, mode)
             if mode < 4 or int4_mma.staged_smem_bytes(t, k, GROUP) <= int4_mma.SMEM_PER_CTA:
                 new.append(t)  # (staged x that does not fit runs mode 2: not a new tiling)
