@@ -264,6 +264,7 @@ def test_the_kernel_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         (8, 4, 2, 4, 5),
         (8, 8, 1, 4, 5),
     ],
+    ids=lambda t: "default" if t is None else "r{}w{}s{}d{}m{}".format(*t),
 )
 def test_gemv_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int, int] | None) -> None:
     from worker.kernels.cuda import int4_mma
@@ -279,6 +280,24 @@ def test_gemv_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int, i
     ws, arrivals = int4_mma._workspaces.get(x.device), int4_mma._arrivals.get(x.device)
     assert ws is None or ws.count_nonzero() == 0
     assert arrivals is None or arrivals.count_nonzero() == 0
+
+
+@GPU
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize(
+    "tiling", [(4, 8, 2, 2, 4), (8, 4, 1, 1, 4), (4, 8, 1, 8, 5), (8, 4, 3, 4, 5)]
+)
+def test_staged_x_modes_in_fp16_on_gpu(m: int, tiling: tuple[int, int, int, int, int]) -> None:
+    from worker.kernels.cuda import int4_mma
+
+    torch.manual_seed(0)
+    q = quantize_rtn(torch.randn(5120, 6144, device="cuda") * 0.02, 128, True)
+    words, mma_scales = reference.int4_mma_pack(q.qweight, q.scales)
+    x = torch.randn(m, 6144, device="cuda").half()
+    got = int4_mma.gemv(x, words, mma_scales, 128, int4_mma.MmaTiling(*tiling))
+    want = x.float() @ reference.int4_dequantize(q.qweight, q.scales, None, 128).T
+    assert rel_err(got.float(), want) < 1e-2
 
 
 @GPU
