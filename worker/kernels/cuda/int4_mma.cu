@@ -795,7 +795,7 @@ int launch_streamk(const void* qw, const void* sc, const void* x, void* y, void*
 // the weights through a cp.async ring (`depth` 4 or 8 slots per warp with 4 tiles, 4 with 8);
 // modes 4 and 5 run mode 2 elsewhere, or where their shared memory does not fit. The variants
 // that lost on one H200 (deeper rings, interleaved cp.async) are not built: each costs compile
-// time at the worker's first start. 8 row tiles per CTA: modes 2 and 4 only (M <= 8).
+// time at the worker's first start. 8 row tiles per CTA: modes 2 (depth 2), 4 and 5 (M <= 8).
 template <bool BF16, int MT, int R>
 int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                  int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
@@ -818,9 +818,9 @@ int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* w
     mode = 2;
   }
 #undef TM_XS
-  if constexpr (R == 8) {  // built for the interleaved pipeline only
+  if constexpr (R == 8) {  // built for the interleaved pipeline only, depth 2
     if (mode != 2) return -1;
-    return depth >= 4 ? -1 : TM_GEMV(2, false, true);
+    return TM_GEMV(2, false, true);
   } else {
     switch (mode) {
       case 0: return TM_GEMV(2, false, false);

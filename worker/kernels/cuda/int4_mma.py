@@ -40,7 +40,7 @@ def kernel_choice() -> str:
 @dataclass(frozen=True)
 class MmaTiling:
     """How one (N, K) weight is cut: `rows` 16-row tiles per CTA (1, 2, 4 or 8: each x operand
-    loaded once serves them all; 8 up to M = 8 with modes 2 and 4, 4 up to M = 16, 2 up to 32),
+    loaded once serves them all; 8 up to M = 8 with modes 2, 4, 5, 4 up to M = 16, 2 up to 32),
     `warps` per CTA splitting its K, `splits` CTAs per row block splitting K (> 1: an fp32
     workspace and the last CTA writes), `mode` 0 (weights loaded into registers, 2 chunks in
     flight per warp), 1 (cp.async into a shared-memory ring of 4 chunks per warp) or 2 (the
@@ -182,6 +182,8 @@ def gemv(
         t = dataclasses.replace(t, rows=2)
     if m > 32 and t.rows == 2:  # 8 token groups x 2 tiles spill registers: one tile per CTA
         t = dataclasses.replace(t, rows=1)
+    while n % (16 * t.rows):  # a tiling meant for another N
+        t = dataclasses.replace(t, rows=t.rows // 2)
     gc = group_size // 64
     if t.mode >= 2 and gc & (gc - 1):  # interleaved chunks find their group by a shift
         t = dataclasses.replace(
