@@ -51,53 +51,22 @@ def weights(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tenso
     return out
 
 
-# Today's winners (bench/results/2026-12-01-h200-8b2f9ef-int4_mma.json) and their close seconds:
-# the older modes are timed only at these, so the sweep stays short.
-KNOWN = [
-    MmaTiling(4, 8, 1, 2, 2),
-    MmaTiling(4, 4, 1, 4, 1),
-    MmaTiling(4, 4, 4, 2, 2),
-    MmaTiling(4, 8, 2, 2, 3),
-    MmaTiling(1, 8, 1, 2, 0),
-    MmaTiling(1, 8, 1, 4, 2),
-    MmaTiling(2, 8, 1, 2, 0),
-]
-
-
-# Today's winner per shape, timed first as the run's own baseline.
-WINNERS = {
-    (34816, 5120): MmaTiling(4, 8, 1, 2, 2),
-    (5120, 17408): MmaTiling(4, 4, 4, 2, 2),
-    (16384, 5120): MmaTiling(4, 8, 1, 2, 2),
-    (14336, 5120): MmaTiling(4, 8, 1, 2, 2),
-    (5120, 6144): MmaTiling(1, 8, 1, 2, 0),
-}
-
-
 def candidates(n: int, k: int) -> list[MmaTiling]:
-    """Today's winner for the shape, the new tilings (x staged in shared memory: mode 4, and
-    mode 5 with a cp.async weight ring; 8 row tiles), then today's other winners and the
-    default, so a short budget still times the new ones against the baseline."""
     groups = k // GROUP
-    new: list[MmaTiling] = [WINNERS[(n, k)]] if (n, k) in WINNERS else []
-    for rows, warps, depth, mode in (
-        (4, 8, 2, 4), (8, 4, 2, 4), (8, 4, 1, 4), (8, 8, 1, 4), (4, 4, 2, 4),
-        (4, 8, 8, 5), (8, 8, 4, 5), (8, 4, 4, 5), (4, 4, 8, 5), (4, 8, 4, 5),
-        (8, 4, 2, 2), (8, 8, 2, 2),
-    ):  # fmt: skip
+    out = {int4_mma.default_tiling(n, k, GROUP)}
+    for rows in (1, 2, 4):
         if n % (16 * rows):
             continue
         blocks = n // (16 * rows)
-        per_sm = [max(1, min(-(-c * 132 // blocks), groups // warps)) for c in (1, 2, 3, 4)]
-        # staged x: also 3 splits (gate|up at rows 8: 816 CTAs, 3.09 waves of 264, not 2.06)
-        chosen = {*per_sm, 3} if mode >= 4 else {per_sm[0], per_sm[1], per_sm[3]}
-        for splits in sorted(chosen):
-            t = MmaTiling(rows, warps, splits, depth, mode)
-            if mode < 4 or int4_mma.staged_smem_bytes(t, k, GROUP) <= int4_mma.SMEM_PER_CTA:
-                new.append(t)  # (staged x that does not fit runs mode 2: not a new tiling)
-    old = [t for t in KNOWN if n % (16 * t.rows) == 0]
-    old.append(int4_mma.default_tiling(n, k, GROUP))
-    return list(dict.fromkeys(new + old))  # in order, without repeats
+        for warps in (4, 8):
+            for ctas_per_sm in (1, 2):
+                splits = max(1, min(-(-ctas_per_sm * 132 // blocks), groups // warps))
+                for depth, mode in ((2, 0), (4, 1), (2, 2), (4, 2)):  # the built variants
+                    out.add(MmaTiling(rows, warps, splits, depth, mode))
+            for ctas_per_sm in (2, 4):  # stream-K
+                for depth in (2, 4):
+                    out.add(MmaTiling(rows, warps, ctas_per_sm, depth, 3))
+    return sorted(out, key=lambda t: (t.mode, t.rows, t.warps, t.splits, t.depth))
 
 
 def time_mma(m: int, n: int, k: int, ws: list[Any], x: torch.Tensor, ref: torch.Tensor,

@@ -93,90 +93,6 @@ def test_lane_emulation_matches_reference(m: int, n: int, k: int, group: int) ->
     assert torch.allclose(got, want, rtol=1e-9, atol=1e-9)
 
 
-XS_PAD, XS_SLICES = 32, 4  # int4_mma.cu: staged token rows' padding (elements), x's slices
-
-
-@pytest.mark.parametrize(("k", "splits", "gc"), [(5120, 1, 2), (17408, 4, 2), (6144, 7, 1)])
-def test_staged_x_addresses(k: int, splits: int, gc: int) -> None:
-    """Mode 4 (x staged in shared memory): for each CTA of a row block, the element a lane reads
-    from its staged copy of x is the one load_x reads from global memory; the padded rows keep
-    each quarter-warp's 16-byte reads on distinct banks; each step's chunks are in the slices
-    waited for; the staged copy fits beside 2 CTAs per SM where the bench runs it (M = 8, bf16)."""
-    import re
-
-    from worker.kernels.cuda import int4_mma
-
-    source = int4_mma.SOURCE.read_text()
-    for name, value in (("XS_PAD", XS_PAD), ("XS_SLICES", XS_SLICES)):
-        assert re.search(rf"constexpr int {name} = {value};", source), name
-    chunks, groups = k // 64, -(-(k // 64) // gc)
-    maxg = -(-groups // splits)
-    for p in range(splits):  # warp_range<IL = true>: the CTA's range, whole groups
-        g0, g1 = groups * p // splits, groups * (p + 1) // splits
-        c_begin, c_end = g0 * gc, min(chunks, g1 * gc)
-        nck = c_end - c_begin
-        assert nck <= min(chunks, maxg * gc)  # what launch_xs allocates
-        xrow = nck * 64 + XS_PAD
-        staged = {}  # smem element -> (token, k), as the cp.async loop copies
-        for m in range(8):
-            for piece in range(nck * 8):
-                for e in range(8):
-                    staged[m * xrow + piece * 8 + e] = (m, c_begin * 64 + piece * 8 + e)
-        for c in (c_begin, (c_begin + c_end) // 2, c_end - 1):
-            for half in (0, 1):
-                banks = []
-                for lane in range(32):
-                    g, t = lane >> 2, lane & 3
-                    at = g * xrow + 8 * t + (c - c_begin) * 64 + 32 * half
-                    for e in range(8):  # the 16-byte read: x[g, 64 c + 8 t + 32 half + e]
-                        assert staged[at + e] == (g, 64 * c + 8 * t + 32 * half + e)
-                    banks.append({(2 * at // 4 + w) % 32 for w in range(4)})
-                for quarter in range(4):
-                    seen = [b for bs in banks[8 * quarter : 8 * quarter + 8] for b in bs]
-                    assert len(seen) == len(set(seen)) == 32
-        for unit in (4, 8, 16):  # D * W: x arrives in XS_SLICES slices on whole steps
-            bound = [min(nck, (nck * j // XS_SLICES + unit - 1) // unit * unit) for j in range(5)]
-            assert bound[0] == 0 and bound[-1] == nck and bound == sorted(bound)
-            slice_ = 0
-            for o in range(0, nck, unit):  # the kernel's wait before each step
-                while slice_ + 1 < XS_SLICES and bound[slice_ + 1] <= o:
-                    slice_ += 1
-                assert min(o + unit, nck) <= bound[slice_ + 1]  # the step's chunks are in
-        staged_x = int4_mma.MmaTiling(4, 8, splits, 2, 4)
-        per_cta = -(-(4 * maxg * 32) // 16) * 16 + 8 * (min(chunks, maxg * gc) * 64 + XS_PAD) * 2
-        assert int4_mma.staged_smem_bytes(staged_x, k, 64 * gc) == per_cta
-        ring = int4_mma.MmaTiling(4, 8, splits, 8, 5)  # + 8 warps x 8 slots x 4 tiles x 512 B
-        assert int4_mma.staged_smem_bytes(ring, k, 64 * gc) == per_cta + 8 * 8 * 4 * 512
-        if splits == 1 and k == 5120:
-            assert 2 * (8 * xrow * 2 + 4 * maxg * 32 + 1024) <= 228 * 1024
-
-
-@pytest.mark.parametrize("ring", [4, 8])
-@pytest.mark.parametrize("nck", [1, 2, 7, 40, 80])
-def test_ring_commit_groups(ring: int, nck: int) -> None:
-    """Mode 5's waits (int4_mma.cu, w4_gemv_xs_ring): each thread's cp.async groups are the
-    weights of steps 0..D-2, x's 4 slices, then one weight group per step; `cp.async.wait_group
-    N` leaves at most the N newest pending. At every step the waits the kernel issues complete
-    that step's weight group and every x slice its chunks read."""
-    for warps in (4, 8):
-        bound = [min(nck, (nck * j // XS_SLICES + warps - 1) // warps * warps) for j in range(5)]
-        groups = [("w", s) for s in range(ring - 1)] + [("x", j) for j in range(XS_SLICES)]
-        complete = 0  # groups[:complete] are done
-        slice_ = -1
-        for n in range(-(-nck // warps)):
-            groups.append(("w", n + ring - 1))
-            need = max(slice_, 0)
-            while need + 1 < XS_SLICES and bound[need + 1] <= n * warps:
-                need += 1
-            if need > slice_:
-                complete = max(complete, len(groups) - min(4 - need + n, ring + 3))
-                slice_ = need
-            complete = max(complete, len(groups) - (ring + 3 if n <= ring - 2 else ring - 1))
-            assert groups.index(("w", n)) < complete
-            assert all(groups.index(("x", j)) < complete for j in range(slice_ + 1))
-            assert bound[slice_ + 1] >= min(n * warps + warps, nck)  # the step's x is staged
-
-
 def test_int4_linear_in_mma_layout_answers_as_nibble() -> None:
     layer = Int4Linear.from_linear(nn.Linear(128, 48, bias=False).bfloat16(), 64)
     x = torch.randn(3, 128).bfloat16()
@@ -252,19 +168,7 @@ def test_the_kernel_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         (2, 4, 3, 4, 2),
         (2, 8, 3, 2, 3),
         (1, 4, 2, 4, 3),
-        (4, 8, 1, 2, 4),
-        (4, 4, 3, 2, 4),
-        (8, 4, 2, 2, 4),
-        (8, 8, 1, 1, 4),
-        (8, 4, 3, 2, 2),
-        (2, 8, 2, 2, 4),
-        (8, 8, 1, 2, 0),
-        (4, 8, 1, 8, 5),
-        (4, 4, 3, 4, 5),
-        (8, 4, 2, 4, 5),
-        (8, 8, 1, 4, 5),
     ],
-    ids=lambda t: "default" if t is None else "r{}w{}s{}d{}m{}".format(*t),
 )
 def test_gemv_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int, int] | None) -> None:
     from worker.kernels.cuda import int4_mma
@@ -280,24 +184,6 @@ def test_gemv_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int, i
     ws, arrivals = int4_mma._workspaces.get(x.device), int4_mma._arrivals.get(x.device)
     assert ws is None or ws.count_nonzero() == 0
     assert arrivals is None or arrivals.count_nonzero() == 0
-
-
-@GPU
-@needs_cuda
-@pytest.mark.parametrize("m", [1, 8])
-@pytest.mark.parametrize(
-    "tiling", [(4, 8, 2, 2, 4), (8, 4, 1, 1, 4), (4, 8, 1, 8, 5), (8, 4, 3, 4, 5)]
-)
-def test_staged_x_modes_in_fp16_on_gpu(m: int, tiling: tuple[int, int, int, int, int]) -> None:
-    from worker.kernels.cuda import int4_mma
-
-    torch.manual_seed(0)
-    q = quantize_rtn(torch.randn(5120, 6144, device="cuda") * 0.02, 128, True)
-    words, mma_scales = reference.int4_mma_pack(q.qweight, q.scales)
-    x = torch.randn(m, 6144, device="cuda").half()
-    got = int4_mma.gemv(x, words, mma_scales, 128, int4_mma.MmaTiling(*tiling))
-    want = x.float() @ reference.int4_dequantize(q.qweight, q.scales, None, 128).T
-    assert rel_err(got.float(), want) < 1e-2
 
 
 @GPU

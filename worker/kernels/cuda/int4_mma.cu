@@ -396,183 +396,6 @@ __global__ void __launch_bounds__(256) w4_gemv_async(TM_GEMV_PARAMS) {
                       gridDim.y);
 }
 
-// x staged in shared memory (mode 4; M <= 8): the CTA copies its K range of x once (cp.async,
-// L2 -> smem, in 4 slices, while its first weight chunks are in flight), so the loop's x operands are
-// shared-memory loads (~30 cycles) instead of L1/L2 round trips issued just before their
-// mma: with interleaved chunks each x chunk is read by one warp of the CTA, so it rarely hit
-// L1. Token rows are padded by 64 bytes: the 8 lanes of a quarter-warp (tokens g, g + 1,
-// t = 0..3) hit distinct banks. Otherwise mode 2's register pipeline (D chunks in flight).
-constexpr int XS_PAD = 32;  // elements per token row beyond the CTA's K range
-constexpr int XS_SLICES = 4;  // x arrives in slices: the first chunks' mma need not wait for all
-__host__ __device__ constexpr size_t align16(size_t n) { return (n + 15) & ~size_t(15); }
-
-template <bool BF16, int R, int D>
-__global__ void __launch_bounds__(256) w4_gemv_xs(TM_GEMV_PARAMS) {
-  constexpr bool IL = true;
-  constexpr int MT = 1;
-  using T = typename Num<BF16>::T;
-  TM_WARP_CHUNKS
-  __half* cta_sc = reinterpret_cast<__half*>(smem);
-  const int nck = rg.c_end - rg.c_begin, xrow = nck * 64 + XS_PAD;
-  T* xs = reinterpret_cast<T*>(smem + align16((size_t)R * rg.maxg * 16 * sizeof(__half)));
-
-  uint4 wbuf[D][R];
-#pragma unroll
-  for (int s = 0; s < D; ++s)
-    if (first + s * step < rg.c_end)
-#pragma unroll
-      for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(first + s * step) * 32);
-  // x in XS_SLICES commit groups, slice j = chunks [bound(j), bound(j + 1)) of the CTA's range,
-  // bounds on whole steps of D * W chunks: the loop starts once the first slice is in and waits
-  // for the next at the step that first reads it (a CTA-uniform point, so barriers match).
-  const int unit = D * W;
-  auto bound = [&](int j) { return min(nck, (nck * j / XS_SLICES + unit - 1) / unit * unit); };
-#pragma unroll 1
-  for (int j = 0; j < XS_SLICES; ++j) {
-    const int p0 = bound(j) * 8, p1 = bound(j + 1) * 8;
-    for (int m = 0; m < M; ++m) {
-      const T* src = x + (size_t)m * ldx + (size_t)rg.c_begin * 64;
-      for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x)
-        cp_async16(xs + (size_t)m * xrow + p * 8, src + p * 8);
-    }
-    cp_async_commit();
-  }
-  load_scales<R, IL>(cta_sc, sc, rg, G, rb, lane);
-  cp_async_wait<XS_SLICES - 1>();
-  __syncthreads();
-
-  const bool live = g < M;  // tokens past M read zeros (their rows are not staged)
-  const T* xl = xs + (size_t)g * xrow + 8 * t;
-  float acc[R][MT][4], part[R][MT][4], xsum[1][MT][4];
-  zero(acc);
-  zero(part);
-  zero(xsum);
-  int in_group = 0, gi = 0, slice = 0;
-  for (int o = 0; o < nck; o += unit) {  // the same steps for every warp
-    int need = slice;
-    while (need + 1 < XS_SLICES && bound(need + 1) <= o) ++need;
-    if (need > slice) {
-      static_assert(XS_SLICES == 4, "the waits below");
-      if (need == 1) cp_async_wait<2>();
-      else if (need == 2) cp_async_wait<1>();
-      else cp_async_wait<0>();
-      __syncthreads();
-      slice = need;
-    }
-#pragma unroll
-    for (int s = 0; s < D; ++s) {
-      const int c = rg.c_begin + o + warp + s * W;
-      if (c < rg.c_end) {
-        uint4 wcur[R], xv[MT][2];
-#pragma unroll
-        for (int r = 0; r < R; ++r) wcur[r] = wbuf[s][r];
-        if (c + D * step < rg.c_end)
-#pragma unroll
-          for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(c + D * step) * 32);
-        const uint4* xp = reinterpret_cast<const uint4*>(xl + (c - rg.c_begin) * 64);
-        xv[0][0] = live ? xp[0] : make_uint4(0, 0, 0, 0);
-        xv[0][1] = live ? xp[4] : make_uint4(0, 0, 0, 0);
-        chunk_products<BF16, MT, R>(part, xsum[0], wcur, xv);
-        after_chunk<BF16, MT, R, IL>(acc, part, xsum[0], cta_sc, rg, c, gc, gshift, in_group, gi, g);
-      }
-    }
-  }
-  cp_async_wait<0>();
-  finish<BF16, MT, R>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy, rb, 1,
-                      gridDim.y);
-}
-
-// cp.async.wait_group min(n, N): the count must be an immediate.
-template <int N>
-__device__ __forceinline__ void cp_async_wait_upto(int n) {
-  if constexpr (N == 0) {
-    cp_async_wait<0>();
-  } else {
-    if (n >= N) cp_async_wait<N>();
-    else cp_async_wait_upto<N - 1>(n);
-  }
-}
-
-// Mode 5: mode 4's staged x, and the weights through a per-warp cp.async ring of D slots (D - 1
-// chunks in flight per warp in shared memory, not in registers: the register pipelines keep
-// ~64 KB in flight per SM whatever their depth, as registers cap their occupancy). Commit
-// groups per thread: weights W0..W(D-2), x slices X0..X3, then one weight group per step, so
-// step n waits for Wn with D + 3 groups pending while n <= D - 2 and D - 1 after, and for slice
-// j with 4 - j + n (then a barrier: other threads copied it). Each lane reads only the ring
-// quads it copied itself, so the weights need no barrier.
-template <bool BF16, int R, int D>
-__global__ void __launch_bounds__(256) w4_gemv_xs_ring(TM_GEMV_PARAMS) {
-  constexpr bool IL = true;
-  constexpr int MT = 1;
-  using T = typename Num<BF16>::T;
-  TM_WARP_CHUNKS
-  __half* cta_sc = reinterpret_cast<__half*>(smem);
-  const int nck = rg.c_end - rg.c_begin, xrow = nck * 64 + XS_PAD;
-  T* xs = reinterpret_cast<T*>(smem + align16((size_t)R * rg.maxg * 16 * sizeof(__half)));
-  uint4* ring = reinterpret_cast<uint4*>(xs + (size_t)8 * xrow) + (size_t)warp * D * R * 32;
-  auto issue = [&](int n) {  // the warp's n-th chunk
-    const int c = first + n * step;
-    if (c < rg.c_end) {
-      const int slot = n & (D - 1);
-#pragma unroll
-      for (int r = 0; r < R; ++r) cp_async16(ring + (slot * R + r) * 32 + lane, wp[r] + (size_t)c * 32);
-    }
-    cp_async_commit();  // empty groups keep the count uniform
-  };
-#pragma unroll
-  for (int s = 0; s < D - 1; ++s) issue(s);
-  const int unit = W;  // chunks per step
-  auto bound = [&](int j) { return min(nck, (nck * j / XS_SLICES + unit - 1) / unit * unit); };
-#pragma unroll 1
-  for (int j = 0; j < XS_SLICES; ++j) {
-    const int p0 = bound(j) * 8, p1 = bound(j + 1) * 8;
-    for (int m = 0; m < M; ++m) {
-      const T* src = x + (size_t)m * ldx + (size_t)rg.c_begin * 64;
-      for (int p = p0 + threadIdx.x; p < p1; p += blockDim.x)
-        cp_async16(xs + (size_t)m * xrow + p * 8, src + p * 8);
-    }
-    cp_async_commit();
-  }
-  load_scales<R, IL>(cta_sc, sc, rg, G, rb, lane);
-
-  const bool live = g < M;  // tokens past M read zeros (their rows are not staged)
-  const T* xl = xs + (size_t)g * xrow + 8 * t;
-  float acc[R][MT][4], part[R][MT][4], xsum[1][MT][4];
-  zero(acc);
-  zero(part);
-  zero(xsum);
-  int in_group = 0, gi = 0, slice = -1;
-  const int steps = (nck + unit - 1) / unit;  // the same for every warp
-  for (int n = 0; n < steps; ++n) {
-    issue(n + D - 1);  // into the slot step n - 1 read
-    int need = slice < 0 ? 0 : slice;
-    while (need + 1 < XS_SLICES && bound(need + 1) <= n * unit) ++need;
-    if (need > slice) {
-      static_assert(XS_SLICES == 4, "the group counts above");
-      cp_async_wait_upto<D + 3>(4 - need + n);
-      __syncthreads();
-      slice = need;
-    }
-    if (n <= D - 2) cp_async_wait<D + 3>();
-    else cp_async_wait<D - 1>();
-    const int c = first + n * step;
-    if (c < rg.c_end) {
-      const int slot = n & (D - 1);
-      uint4 w[R], xv[MT][2];
-#pragma unroll
-      for (int r = 0; r < R; ++r) w[r] = ring[(slot * R + r) * 32 + lane];
-      const uint4* xp = reinterpret_cast<const uint4*>(xl + (c - rg.c_begin) * 64);
-      xv[0][0] = live ? xp[0] : make_uint4(0, 0, 0, 0);
-      xv[0][1] = live ? xp[4] : make_uint4(0, 0, 0, 0);
-      chunk_products<BF16, MT, R>(part, xsum[0], w, xv);
-      after_chunk<BF16, MT, R, IL>(acc, part, xsum[0], cta_sc, rg, c, gc, gshift, in_group, gi, g);
-    }
-  }
-  cp_async_wait<0>();
-  finish<BF16, MT, R>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy, rb, 1,
-                      gridDim.y);
-}
-
 // Stream-K: gridDim.x CTAs (a few per SM, all resident) split the N / 16R row blocks x K / 64
 // chunks evenly, in row-block order; each CTA runs its range as segments of one row block, its
 // warps taking the segment's chunks in turn (register pipeline, D in flight), and finishes each
@@ -691,10 +514,7 @@ int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws
   const size_t ring_bytes = ASYNC ? (size_t)warps * D * R * 32 * 16 : 0;
   const size_t red_bytes = (size_t)warps * R * MT * 4 * 32 * sizeof(float);
   const size_t bytes = ring_bytes + sc_bytes > red_bytes ? ring_bytes + sc_bytes : red_bytes;
-  auto kernel = [] {
-    if constexpr (ASYNC) return w4_gemv_async<BF16, MT, R, D, IL>;
-    else return w4_gemv_regs<BF16, MT, R, D, IL>;
-  }();
+  auto kernel = ASYNC ? w4_gemv_async<BF16, MT, R, D, IL> : w4_gemv_regs<BF16, MT, R, D, IL>;
   if (bytes > 48 * 1024) {
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
@@ -705,55 +525,6 @@ int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws
       static_cast<const uint4*>(qw), static_cast<const __half*>(sc), static_cast<const T*>(x),
       static_cast<T*>(y), static_cast<float*>(ws), static_cast<int*>(arrivals), M, N, K, ldx, ldy,
       gc, gshift);
-  return (int)cudaGetLastError();
-}
-
-// Modes 4 and 5's launch (RING: mode 5's ring slots per warp, 0 for mode 4); returns 1
-// (nothing launched) where their shared memory would not fit, so the caller runs mode 2.
-template <bool BF16, int R, int D, int RING>
-int launch_xs(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
-              int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits,
-              cudaStream_t stream) {
-  using T = typename Num<BF16>::T;
-  if (gc & (gc - 1)) return 1;
-  static int optin = 0;
-  if (optin == 0) {
-    int device = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  }
-  const int NC = K / 64, G = (NC + gc - 1) / gc, maxg = (G + splits - 1) / splits;
-  const int cta_chunks = min(NC, maxg * gc);
-  const size_t xs_bytes = align16((size_t)R * maxg * 16 * sizeof(__half)) +
-                          (size_t)8 * (cta_chunks * 64 + XS_PAD) * sizeof(T) +
-                          (size_t)warps * RING * R * 32 * 16;
-  const size_t red_bytes = (size_t)warps * R * 4 * 32 * sizeof(float);
-  const size_t bytes = xs_bytes > red_bytes ? xs_bytes : red_bytes;
-  if (bytes > (size_t)optin) return 1;
-  auto kernel = [] {
-    if constexpr (RING > 0) return w4_gemv_xs_ring<BF16, R, RING>;
-    else return w4_gemv_xs<BF16, R, D>;
-  }();
-  // Attributes only grow, so a launch under graph capture repeats an eager one's without a call.
-  static bool carved = false;
-  static size_t allowed = 48 * 1024;
-  if (!carved) {  // shared memory over L1: weights skip L1 and x is staged, so L1 holds nothing
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                           (int)cudaSharedmemCarveoutMaxShared);
-    if (err != cudaSuccess) return (int)err;
-    carved = true;
-  }
-  if (bytes > allowed) {
-    cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
-    if (err != cudaSuccess) return (int)err;
-    allowed = bytes;
-  }
-  dim3 grid(N / (16 * R), splits);
-  kernel<<<grid, warps * 32, bytes, stream>>>(
-      static_cast<const uint4*>(qw), static_cast<const __half*>(sc), static_cast<const T*>(x),
-      static_cast<T*>(y), static_cast<float*>(ws), static_cast<int*>(arrivals), M, N, K, ldx, ldy,
-      gc, __builtin_ctz(gc));
   return (int)cudaGetLastError();
 }
 
@@ -790,12 +561,8 @@ int launch_streamk(const void* qw, const void* sc, const void* x, void* y, void*
 
 // mode: 0 register pipeline (2 chunks in flight per warp), 1 cp.async ring (4 slots), 2 the
 // register pipeline with interleaved chunks (the CTA's warps take turns along one run; depth 2
-// or 4), 3 stream-K over that pipeline (`splits` CTAs per SM; depth 2 or 4), 4 mode 2 with x
-// staged in shared memory (M <= 8 and 4 or 8 tiles, depth 2, or 1 with 8 tiles), 5 mode 4 with
-// the weights through a cp.async ring (`depth` 4 or 8 slots per warp with 4 tiles, 4 with 8);
-// modes 4 and 5 run mode 2 elsewhere, or where their shared memory does not fit. The variants
-// that lost on one H200 (deeper rings, interleaved cp.async) are not built: each costs compile
-// time at the worker's first start. 8 row tiles per CTA: modes 2 (depth 2), 4 and 5 (M <= 8).
+// or 4), 3 stream-K over that pipeline (`splits` CTAs per SM; depth 2 or 4). The variants that lost on one H200 (deeper rings, interleaved cp.async) are not built:
+// each costs compile time at the worker's first start.
 template <bool BF16, int MT, int R>
 int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                  int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
@@ -803,36 +570,16 @@ int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* w
 #define TM_GEMV(D, ASYNC, IL) \
   launch_gemv<BF16, MT, R, D, ASYNC, IL>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, \
                                          warps, splits, s)
-#define TM_XS(D, RING) \
-  launch_xs<BF16, R, D, RING>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, s)
-  if (mode == 4 || mode == 5) {  // built for 4 and 8 tiles (x staged once serves all of them)
-    int done = 1;
-    if constexpr (MT == 1 && R == 8) {
-      if (mode == 5) done = TM_XS(0, 4);
-      else done = depth >= 2 ? TM_XS(2, 0) : TM_XS(1, 0);
-    } else if constexpr (MT == 1 && R == 4) {
-      if (mode == 5) done = depth >= 8 ? TM_XS(0, 8) : TM_XS(0, 4);
-      else done = TM_XS(2, 0);
-    }
-    if (done != 1) return done;
-    mode = 2;
-  }
-#undef TM_XS
-  if constexpr (R == 8) {  // built for the interleaved pipeline only, depth 2
-    if (mode != 2) return -1;
-    return TM_GEMV(2, false, true);
-  } else {
-    switch (mode) {
-      case 0: return TM_GEMV(2, false, false);
-      case 1: return TM_GEMV(4, true, false);
-      case 2: return depth >= 4 ? TM_GEMV(4, false, true) : TM_GEMV(2, false, true);
-      case 3:  // stream-K: `splits` is CTAs per SM
-        return depth >= 4 ? launch_streamk<BF16, MT, R, 4>(qw, sc, x, y, ws, arrivals, M, N, K,
-                                                           ldx, ldy, gc, warps, splits, s)
-                          : launch_streamk<BF16, MT, R, 2>(qw, sc, x, y, ws, arrivals, M, N, K,
-                                                           ldx, ldy, gc, warps, splits, s);
-      default: return -1;
-    }
+  switch (mode) {
+    case 0: return TM_GEMV(2, false, false);
+    case 1: return TM_GEMV(4, true, false);
+    case 2: return depth >= 4 ? TM_GEMV(4, false, true) : TM_GEMV(2, false, true);
+    case 3:  // stream-K: `splits` is CTAs per SM
+      return depth >= 4 ? launch_streamk<BF16, MT, R, 4>(qw, sc, x, y, ws, arrivals, M, N, K, ldx,
+                                                         ldy, gc, warps, splits, s)
+                        : launch_streamk<BF16, MT, R, 2>(qw, sc, x, y, ws, arrivals, M, N, K, ldx,
+                                                         ldy, gc, warps, splits, s);
+    default: return -1;
   }
 #undef TM_GEMV
 }
@@ -845,17 +592,12 @@ int gemv_by_rows(const void* qw, const void* sc, const void* x, void* y, void* w
   gemv_by_mode<BF16, MT, R>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, \
                             depth, mode, s)
   if (M <= 8) return TM_ROWS(1);
-  if constexpr (R == 8) {
-    return -1;  // 8 tiles: M <= 8 only (callers use fewer tiles)
-  } else {
-    if (M <= 16) return TM_ROWS(2);
-    if constexpr (R == 4) {
-      return -1;  // 4 tiles x 4+ token groups spill: callers use fewer tiles
-    } else {
-      if (M <= 32) return TM_ROWS(4);
-      if constexpr (R == 1) return TM_ROWS(8);
-      else return -1;  // 8 token groups x 2 tiles spill registers: one tile per CTA
-    }
+  if (M <= 16) return TM_ROWS(2);
+  if constexpr (R == 4) return -1;  // 4 tiles x 4+ token groups spill: callers use fewer tiles
+  else {
+    if (M <= 32) return TM_ROWS(4);
+    if constexpr (R == 1) return TM_ROWS(8);
+    else return -1;  // 8 token groups x 2 tiles spill registers: callers use one tile per CTA
   }
 #undef TM_ROWS
 }
@@ -865,22 +607,20 @@ int gemv_by_rows(const void* qw, const void* sc, const void* x, void* y, void* w
 extern "C" {
 
 // y[M, N] = x[M, K] @ W^T. Returns a cudaError_t (0: launched; -1: bad arguments).
-// rows_per_cta 1, 2, 4 or 8 (N a multiple of 16 * rows_per_cta; more tiles per CTA share each
-// x operand load); warps 1..8; splits >= 1 (> 1 needs ws and arrivals, zeroed, sized
-// N / 16 * MT * 128 floats and N / 16 ints); mode 0-5 (gemv_by_mode); M > 8 needs
-// rows_per_cta <= 4, M > 16 rows_per_cta <= 2, M > 32 rows_per_cta 1; 8 needs mode 2, 4 or 5.
+// rows_per_cta 1, 2 or 4 (N a multiple of 16 * rows_per_cta; more tiles per CTA share each x
+// operand load); warps 1..8; splits >= 1 (> 1 needs ws and arrivals, zeroed, sized
+// N / 16 * MT * 128 floats and N / 16 ints); mode 0-3 (gemv_by_mode); M > 16 needs
+// rows_per_cta <= 2, M > 32 rows_per_cta 1.
 int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                int M, int N, int K, int ldx, int ldy, int gc, int bf16, int rows_per_cta,
                int warps, int splits, int depth, int mode, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (M < 1 || M > 64 || K % 64 || gc < 1 || warps < 1 || warps > 8 || splits < 1) return -1;
-  if ((rows_per_cta != 1 && rows_per_cta != 2 && rows_per_cta != 4 && rows_per_cta != 8) ||
-      N % (16 * rows_per_cta))
+  if ((rows_per_cta != 1 && rows_per_cta != 2 && rows_per_cta != 4) || N % (16 * rows_per_cta))
     return -1;
 #define TM_CALL(B, R) \
   gemv_by_rows<B, R>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, depth, \
                      mode, s)
-  if (rows_per_cta == 8) return bf16 ? TM_CALL(true, 8) : TM_CALL(false, 8);
   if (rows_per_cta == 4) return bf16 ? TM_CALL(true, 4) : TM_CALL(false, 4);
   if (rows_per_cta == 2) return bf16 ? TM_CALL(true, 2) : TM_CALL(false, 2);
   return bf16 ? TM_CALL(true, 1) : TM_CALL(false, 1);

@@ -39,18 +39,14 @@ def kernel_choice() -> str:
 
 @dataclass(frozen=True)
 class MmaTiling:
-    """How one (N, K) weight is cut: `rows` 16-row tiles per CTA (1, 2, 4 or 8: each x operand
-    loaded once serves them all; 8 up to M = 8 with modes 2, 4, 5, 4 up to M = 16, 2 up to 32),
-    `warps` per CTA splitting its K, `splits` CTAs per row block splitting K (> 1: an fp32
-    workspace and the last CTA writes), `mode` 0 (weights loaded into registers, 2 chunks in
-    flight per warp), 1 (cp.async into a shared-memory ring of 4 chunks per warp) or 2 (the
-    register pipeline with interleaved chunks: the CTA's warps take turns along one contiguous
-    run, `depth` 2 or 4 chunks in flight; groups of a power-of-two multiple of 64) or 3
-    (stream-K over mode 2's pipeline: `splits` CTAs per SM share all row blocks x chunks evenly,
-    no partial wave) or 4 (mode 2 with the CTA's K range of x staged once in shared memory: M <=
-    8, rows 4 or 8, depth 2, or 1 with rows 8) or 5 (mode 4's staged x and the weights through a
-    per-warp cp.async ring of `depth` slots: 4 or 8 with rows 4, 4 with rows 8); modes 4 and 5
-    run mode 2 where they do not apply or their shared memory does not fit."""
+    """How one (N, K) weight is cut: `rows` 16-row tiles per CTA (1, 2 or 4: each x operand
+    loaded once serves them all; 4 up to M = 16, 2 up to 32), `warps` per CTA
+    splitting its K, `splits` CTAs per row block splitting K (> 1: an fp32 workspace and the last
+    CTA writes), `mode` 0 (weights loaded into registers, 2 chunks in flight per warp), 1
+    (cp.async into a shared-memory ring of 4 chunks per warp) or 2 (the register pipeline with
+    interleaved chunks: the CTA's warps take turns along one contiguous run, `depth` 2 or 4
+    chunks in flight; groups of a power-of-two multiple of 64) or 3 (stream-K over mode 2's
+    pipeline: `splits` CTAs per SM share all row blocks x chunks evenly, no partial wave)."""
 
     rows: int = 2
     warps: int = 8
@@ -73,22 +69,6 @@ def default_tiling(n: int, k: int, group_size: int, sms: int = 132) -> MmaTiling
     warps = 8
     splits = max(1, min(-(-2 * sms // blocks), groups // warps))
     return MmaTiling(rows, warps, splits)
-
-
-SMEM_PER_CTA = 227 * 1024  # H100 / H200 opt-in maximum
-
-
-def staged_smem_bytes(t: MmaTiling, k: int, group_size: int, dtype_bytes: int = 2) -> int:
-    """Shared memory of a mode 4 / 5 CTA (int4_mma.cu, launch_xs: scales, 8 padded token rows of
-    x for the CTA's K range, mode 5's ring); where it exceeds the GPU's opt-in maximum the
-    kernel runs mode 2 instead."""
-    chunks, gc = k // 64, group_size // 64
-    groups = -(-chunks // gc)
-    maxg = -(-groups // t.splits)
-    ring = (8 if t.depth >= 8 and t.rows == 4 else 4) if t.mode == 5 else 0
-    scales = -(-(t.rows * maxg * 16 * 2) // 16) * 16
-    x = 8 * (min(chunks, maxg * gc) * 64 + 32) * dtype_bytes
-    return max(scales + x + t.warps * ring * t.rows * 32 * 16, t.warps * t.rows * 4 * 32 * 4)
 
 
 def supports(n: int, k: int, group_size: int) -> tuple[bool, str]:
@@ -176,19 +156,13 @@ def gemv(
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()
     t = tiling or MMA_DECODE_TILINGS.get((n, k)) or default_tiling(n, k, group_size)
-    if t.rows == 8 and (m > 8 or t.mode not in (2, 4, 5)):  # 8 tiles: one token group
-        t = dataclasses.replace(t, rows=4)
     if m > 16 and t.rows == 4:  # 4 tiles x 4 token groups spill registers
         t = dataclasses.replace(t, rows=2)
     if m > 32 and t.rows == 2:  # 8 token groups x 2 tiles spill registers: one tile per CTA
         t = dataclasses.replace(t, rows=1)
-    while n % (16 * t.rows):  # a tiling meant for another N
-        t = dataclasses.replace(t, rows=t.rows // 2)
     gc = group_size // 64
     if t.mode >= 2 and gc & (gc - 1):  # interleaved chunks find their group by a shift
-        t = dataclasses.replace(
-            t, mode=1, rows=min(t.rows, 4), splits=1 if t.mode == 3 else t.splits
-        )
+        t = dataclasses.replace(t, mode=1, splits=1 if t.mode == 3 else t.splits)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = arrivals = None
     if t.splits > 1 or t.mode == 3:  # split K, or stream-K's parts of row blocks
