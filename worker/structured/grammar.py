@@ -308,7 +308,7 @@ def apply_masks(logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor]
     bitmask = torch.empty((logits.shape[0], words), dtype=torch.int32, pin_memory=not on_host)
     bitmask.fill_(-1)
     bitmask[rows] = torch.cat(masks)
-    index: list[int] | torch.Tensor = rows
+    index: Any = rows  # xgrammar's GPU kernels take a device tensor too (its hint says a list)
     if not on_host:
         bitmask = bitmask.to(logits.device, non_blocking=True)
         pinned = torch.tensor(rows, dtype=torch.int32).pin_memory()
