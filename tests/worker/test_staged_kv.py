@@ -333,6 +333,7 @@ def check_staged_decode(
     device: str, contexts: list[int], fraction: float, hq: int, hkv: int, dim: int, bs: int,
     partition: int | None = None, kv_dtype: torch.dtype = FP8, k_bits: int = 4, v_bits: int = 3,
     block_n: int | None = None, tol: float = 2e-2, lookup: str | None = None,
+    code_loads: str | None = None, max_registers: int | None = None,
 ) -> tuple[StagedAttentionCache, torch.Tensor]:  # fmt: skip
     tq_kernels = triton_module()
     cache, tables, _ = staged_case(
@@ -342,8 +343,9 @@ def check_staged_decode(
     ctx = torch.tensor(contexts, dtype=torch.int32, device=device)
     want = reference.staged_attention_decode(q, cache, ctx, tables, dim**-0.5)
     got = tq_kernels.staged_attention_decode(
-        q, cache, ctx, tables, dim**-0.5, partition, block_n=block_n, lookup=lookup
-    )
+        q, cache, ctx, tables, dim**-0.5, partition, block_n=block_n, lookup=lookup,
+        code_loads=code_loads, max_registers=max_registers,
+    )  # fmt: skip
     err = rel_err(got, want)
     assert err < tol, err
     return cache, tables
@@ -378,13 +380,46 @@ def tile_kinds(
         (2, 1, 128, 9, 3),
     ],
 )
-def test_triton_staged_decode_widths_and_tiles(k_bits, v_bits, dim, hq, hkv):
+@pytest.mark.parametrize("code_loads", ["bytes", "words"])
+def test_triton_staged_decode_widths_and_tiles(k_bits, v_bits, dim, hq, hkv, code_loads):
     contexts = [150, 40, 16, 33]  # 33: a tile of one FP8 token after two compressed pages
     cache, tables = check_staged_decode(
         "cpu", contexts, 0.5, hq, hkv, dim, 16, partition=64, k_bits=k_bits, v_bits=v_bits,
-        block_n=32, tol=1e-2,
+        block_n=32, tol=1e-2, code_loads=code_loads,
     )  # fmt: skip
     assert tile_kinds(cache, tables, contexts, 32, 64) == {"codes", "fp8", "mixed"}
+
+
+@pytest.mark.parametrize(("k_bits", "dim"), [(4, 64), (3, 128), (3, 32)])
+def test_triton_staged_decode_word_loads_equal_byte_loads(k_bits: int, dim: int):
+    """3-bit codes loaded as int32 words (3 per 32 coordinates, shifts rebuild each group's 24
+    bits) decode to exactly the bytes' centroids: the same output to the bit, every code value."""
+    tq_kernels = triton_module()
+    cache, tables, _ = staged_case(
+        [70, 33], 1.0, 4, 2, dim, 16, "cpu", FP8, k_bits=k_bits, v_bits=3
+    )
+    for pool in (cache.k_codes, cache.v_codes):  # every code value, not only the likely ones
+        pool.random_(0, 256)
+    q = torch.randn(2, 4, dim).bfloat16()
+    ctx = torch.tensor([70, 33], dtype=torch.int32)
+    out = {
+        loads: tq_kernels.staged_attention_decode(
+            q, cache, ctx, tables, dim**-0.5, 64, block_n=32, code_loads=loads
+        )
+        for loads in ("bytes", "words")
+    }
+    assert torch.equal(out["words"], out["bytes"])
+    want = reference.staged_attention_decode(q, cache, ctx, tables, dim**-0.5)
+    assert rel_err(out["words"], want) < 1e-2
+
+
+def test_triton_staged_decode_knobs_checked_and_register_cap_ignored_on_cpu():
+    check_staged_decode(
+        "cpu", [150, 40], 0.5, 12, 2, 64, 16, partition=64, block_n=32, code_loads="words",
+        max_registers=168,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="code_loads"):
+        check_staged_decode("cpu", [40], 0.5, 12, 2, 64, 16, code_loads="nibbles")
 
 
 @pytest.mark.parametrize("block_n", [16, 64])
@@ -467,12 +502,26 @@ def test_gpu_restage_27b_shape():
 @needs_cuda
 @pytest.mark.parametrize("fraction", [0.0, 0.9])
 @pytest.mark.parametrize(
-    ("block_n", "lookup"), [(None, None), (32, "tree"), (64, "prmt"), (32, "prmt")]
+    ("block_n", "lookup", "code_loads", "max_registers"),
+    [
+        (None, None, None, None),
+        (32, "tree", None, None),
+        (64, "prmt", None, None),
+        (32, "prmt", None, None),
+        (64, "prmt", "words", None),
+        (32, "prmt", "words", 168),
+    ],
 )
-def test_gpu_staged_decode_27b_shape(fraction: float, block_n: int | None, lookup: str | None):
+def test_gpu_staged_decode_27b_shape(
+    fraction: float,
+    block_n: int | None,
+    lookup: str | None,
+    code_loads: str | None,
+    max_registers: int | None,
+):
     check_staged_decode(
         "cuda", [4096, 1000, 33, 2048, 17, 3000, 512, 4095], fraction, 24, 4, 256, 16,
-        block_n=block_n, lookup=lookup,
+        block_n=block_n, lookup=lookup, code_loads=code_loads, max_registers=max_registers,
     )  # fmt: skip
 
 
