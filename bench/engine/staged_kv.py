@@ -300,18 +300,19 @@ DECODE_VARIANTS: list[tuple[int, int, int, str, str, int | None, int | None]] = 
     (64, 4, 2, "prmt", "bytes", None, None),  # the default measured at 1,339 us
     (64, 4, 2, "prmt", "bytes", None, 2048),
     (64, 4, 2, "prmt", "words", None, 2048),
-    (64, 4, 2, "prmt", "words", None, 1024),
-    (64, 4, 1, "prmt", "words", None, None),
     (64, 4, 1, "prmt", "words", None, 2048),
     (64, 4, 2, "tree", "words", None, 2048),
-    (64, 8, 2, "prmt", "words", None, None),
     (64, 8, 2, "prmt", "words", None, 2048),
     (32, 4, 2, "prmt", "words", None, 2048),
-    (32, 4, 2, "prmt", "words", 168, None),
     (32, 4, 1, "prmt", "words", 168, None),
     (32, 4, 2, "prmt", "words", 168, 1024),
     (32, 4, 1, "prmt", "words", 168, 1024),
-    (32, 4, 2, "prmt", "words", 168, 512),
+    (64, 4, 2, "prmt_v3", "words", None, None),
+    (64, 4, 2, "prmt_v3", "words", None, 2048),
+    (64, 8, 2, "prmt_v3", "words", None, 2048),
+    (32, 4, 2, "prmt_v3", "words", None, 2048),
+    (32, 4, 2, "prmt_v3", "words", 168, 1024),
+    (32, 4, 1, "prmt_v3", "words", 168, 1024),
 ]
 
 

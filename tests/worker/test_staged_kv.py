@@ -5,6 +5,7 @@ mixed FP8 / TurboQuant pages, the layer helper, and the Triton kernels under the
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -416,10 +417,12 @@ def test_triton_staged_decode_word_loads_equal_byte_loads(k_bits: int, dim: int)
 def test_triton_staged_decode_knobs_checked_and_register_cap_ignored_on_cpu():
     check_staged_decode(
         "cpu", [150, 40], 0.5, 12, 2, 64, 16, partition=64, block_n=32, code_loads="words",
-        max_registers=168,
+        max_registers=168, lookup="prmt_v3",
     )  # fmt: skip
     with pytest.raises(ValueError, match="code_loads"):
         check_staged_decode("cpu", [40], 0.5, 12, 2, 64, 16, code_loads="nibbles")
+    with pytest.raises(ValueError, match="lookup"):
+        check_staged_decode("cpu", [40], 0.5, 12, 2, 64, 16, lookup="table")
 
 
 @pytest.mark.parametrize("block_n", [16, 64])
@@ -510,6 +513,8 @@ def test_gpu_restage_27b_shape():
         (32, "prmt", None, None),
         (64, "prmt", "words", None),
         (32, "prmt", "words", 168),
+        (64, "prmt_v3", "words", None),
+        (32, "prmt_v3", "bytes", 168),
     ],
 )
 def test_gpu_staged_decode_27b_shape(
@@ -592,6 +597,63 @@ def test_prmt_decoder_ptx_gives_every_centroid(dtype: torch.dtype):
         t = sum(c << 4 * i for i, c in enumerate(codes))
         signed = t - (1 << 32) if t >> 31 else t
         x = (signed ^ (((signed >> 3) & 0x11111111) * 7)) & 0xFFFFFFFF  # the kernel's fold
+        args = {8: t, 9: x, 10: lo[0], 11: lo[1], 12: hi[0], 13: hi[1]}
+        got = run_ptx(tq_kernels._PRMT_4BIT.value, args)
+        assert [got[i] for i in range(8)] == [bits[c] for c in codes], codes
+
+
+_nibbles3: Any = None  # the kernel's callee, set by nibbles3_kernel
+
+
+def nibbles3_kernel():
+    """`_nibbles3` in a kernel of its own (interpreted on CPU tensors; the interpreter resolves
+    the kernel's names in this module's globals)."""
+    import triton.language as tl
+
+    from worker.kernels.triton._launch import kernel
+
+    global _nibbles3
+    _nibbles3 = triton_module()._nibbles3
+
+    @kernel
+    def spread(src, dst, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(dst + i, _nibbles3(tl.load(src + i)))
+
+    return spread
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prmt_decoder_gives_every_3bit_centroid(dtype: torch.dtype):
+    """3-bit values by byte permutes (lookup="prmt_v3", CUDA only): `_nibbles3` (run by the
+    interpreter) spreads a group's codes one per nibble, the top bit copied to bit 3, and the
+    4-bit PTX (run by the small interpreter) with the 3-bit half codebook as its tables gives
+    every code in every slot the reference's centroid, whatever bits 24..32 of the word hold."""
+    tq_kernels = triton_module()
+    from worker.kvcache import turboquant as tq
+
+    centroids, _ = tq.codebook(256, 3)
+    bits = [int(c.to(dtype).view(torch.int16)) & 0xFFFF for c in centroids]
+    half = [bits[i % 4] for i in range(8)]  # `_half_codebook` at 3 bits: c[0..3], repeated
+    lo = [sum((half[4 * w + k] & 0xFF) << 8 * k for k in range(4)) for w in range(2)]
+    hi = [sum((half[4 * w + k] >> 8) << 8 * k for k in range(4)) for w in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    groups = torch.randint(0, 8, (600, 8), generator=gen).tolist()
+    groups += [[c] * 8 for c in range(8)]
+    junk = torch.randint(0, 256, (len(groups),), generator=gen).tolist()
+    words = [
+        sum(c << 3 * i for i, c in enumerate(g)) | (j << 24)
+        for g, j in zip(groups, junk, strict=True)
+    ]
+    src = torch.tensor([w - (1 << 32) if w >> 31 else w for w in words], dtype=torch.int32)
+    n = 1 << (len(words) - 1).bit_length()
+    src = torch.cat([src, torch.zeros(n - len(words), dtype=torch.int32)])
+    dst = torch.empty_like(src)
+    nibbles3_kernel()[(1,)](src, dst, N=n)
+    for codes, spread in zip(groups, dst.tolist()[: len(groups)], strict=True):
+        t = spread & 0xFFFFFFFF
+        assert [(t >> 4 * i) & 0xF for i in range(8)] == [c | (c & 4) << 1 for c in codes]
+        x = (spread ^ (((spread >> 3) & 0x11111111) * 7)) & 0xFFFFFFFF  # the kernel's fold
         args = {8: t, 9: x, 10: lo[0], 11: lo[1], 12: hi[0], 13: hi[1]}
         got = run_ptx(tq_kernels._PRMT_4BIT.value, args)
         assert [got[i] for i in range(8)] == [bits[c] for c in codes], codes

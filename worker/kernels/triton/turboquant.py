@@ -335,6 +335,18 @@ def _byte_tables(cb, DOT: tl.constexpr):
 
 
 @triton.jit
+def _nibbles3(t):
+    """The 8 3-bit codes of a group (bits 3i..3i+3 of t) one per nibble (nibble i), bit 3 of
+    each nibble a copy of the code's top bit: 3-bit codes in the form `_decode_codes_prmt`
+    takes. With the 3-bit half codebook as its tables (c[0..3], repeated), nibble c + 8 (c >= 4)
+    decodes to -c[15 - (c + 8)] = -c[7 - c]: code c's centroid. 8 integer instructions."""
+    x = (t & 0xFFF) | ((t << 4) & 0xFFF0000)  # codes 4..7 to the upper half
+    x = (x & 0x3F003F) | ((x << 2) & 0x3F003F00)  # pairs of codes to bytes
+    x = (x & 0x07070707) | ((x << 1) & 0x70707070)  # codes to nibbles
+    return x | ((x << 1) & -0x77777778)  # 0x88888888: bit 2 of each nibble copied to bit 3
+
+
+@triton.jit
 def _decode_codes_prmt(t, tables, D: tl.constexpr, DOT: tl.constexpr):
     """`_decode_codes` of 4-bit codes, in DOT, by byte permutes (CUDA only: inline PTX)."""
     x = t ^ (((t >> 3) & 0x11111111) * 7)
@@ -398,6 +410,7 @@ def _staged_decode_kernel(
     DOT: tl.constexpr,
     STAGES: tl.constexpr,  # the loop's software-pipelining depth (its loads prefetched)
     PRMT: tl.constexpr,  # 4-bit keys by byte permutes (`_decode_codes_prmt`), CUDA only
+    PRMT_V3: tl.constexpr,  # 3-bit values by byte permutes too (`_nibbles3`), CUDA only
     WORDS3: tl.constexpr,  # 3-bit codes loaded as int32 words (`_code_groups`)
     PDL: tl.constexpr,
 ):
@@ -405,6 +418,8 @@ def _staged_decode_kernel(
     if PRMT:
         k_tables = _byte_tables(k_cb, DOT)
     v_cb = _half_codebook(v_centroids, V_BITS)
+    if PRMT_V3:
+        v_tables = _byte_tables(v_cb, DOT)
     pdl_wait(PDL)
     b = tl.program_id(0)
     hkv = tl.program_id(1)
@@ -474,7 +489,10 @@ def _staged_decode_kernel(
         v_norm = tl.load(v_norms + crow, mask=comp, other=0.0).to(tl.float32)
         acc = acc * alpha[None, :]
         if n_comp > 0:  # the norm scales p, not each coordinate of v
-            v_unit = _decode_codes(v_groups, v_cb, D, V_BITS).to(DOT)
+            if PRMT_V3:
+                v_unit = _decode_codes_prmt(_nibbles3(v_groups), v_tables, D, DOT)
+            else:
+                v_unit = _decode_codes(v_groups, v_cb, D, V_BITS).to(DOT)
             acc = tl.dot(tl.trans(v_unit), tl.trans((p * v_norm[None, :]).to(DOT)), acc)
         if n_plain > 0:
             v_plain = tl.load(
@@ -526,8 +544,8 @@ def staged_attention_decode(
     """Rotated q [B, Hq, D] over mixed pages; the rotated output [B, Hq, D]. block_n (tokens
     per tile, a power of two >= 16), num_warps and num_stages default to the module's
     `_TOKENS_PER_STEP`, `_NUM_WARPS`, `_NUM_STAGES` (the bench varies them); lookup (default
-    `_LOOKUP`) "prmt" decodes 4-bit keys by byte permutes on CUDA, "tree" by the select tree
-    (always on CPU, and for other widths); code_loads (default `_CODE_LOADS`) "words" loads
+    `_LOOKUP`) "prmt" decodes 4-bit keys by byte permutes on CUDA, "prmt_v3" 3-bit values
+    too, "tree" both by the select tree (always on CPU, and for other widths); code_loads (default `_CODE_LOADS`) "words" loads
     3-bit codes as int32 words, "bytes" byte by byte; max_registers caps the registers per
     thread on CUDA (ptxas' maxnreg: more programs per SM, at the risk of spills; partition sets
     the tokens per split, so the programs' count)."""
@@ -539,6 +557,9 @@ def staged_attention_decode(
         raise ValueError(
             f"unsupported shape q {tuple(q.shape)}, cache {tuple(cache.k_cache.shape)}"
         )
+    way = lookup or _LOOKUP
+    if way not in ("tree", "prmt", "prmt_v3"):
+        raise ValueError(f"lookup must be 'tree', 'prmt' or 'prmt_v3', got {way!r}")
     loads = code_loads or _CODE_LOADS
     if loads not in ("words", "bytes"):
         raise ValueError(f"code_loads must be 'words' or 'bytes', got {loads!r}")
@@ -587,7 +608,8 @@ def staged_attention_decode(
         SINGLE_SPLIT=single,
         DOT=_dot(cache, q),
         STAGES=num_stages or _NUM_STAGES,
-        PRMT=(lookup or _LOOKUP) == "prmt" and q.is_cuda and cache.k_bits == 4,
+        PRMT=way in ("prmt", "prmt_v3") and q.is_cuda and cache.k_bits == 4,
+        PRMT_V3=way == "prmt_v3" and q.is_cuda and cache.v_bits == 3,
         WORDS3=loads == "words",
         num_warps=num_warps or _NUM_WARPS,
         **cap,
