@@ -293,8 +293,9 @@ def section_encode(args: argparse.Namespace) -> dict[str, Any]:
 # 4-bit key lookup, 3-bit code loads, register cap or None, tokens per split or None for
 # decode_partition's). At 8 x 32K decode_partition gives 3648 tokens a split: 288 programs for
 # 132 SMs holding 2 each (255 registers x 128 threads), a second wave of 24; 2048 gives 512
-# programs (2 waves of 264, 97% full); a cap of 168 registers fits 3 programs of 4 warps an SM
-# (docs/performance.md, "Current state: staged KV speed on the H200")
+# programs (2 waves of 264, 97% full); a cap of 168 registers fits 3 programs of 4 warps an SM,
+# 128 fits 4 (16-token tiles without pipelining: no spills) (docs/performance.md, "Current
+# state: staged KV speed on the H200")
 DECODE_VARIANTS: list[tuple[int, int, int, str, str, int | None, int | None]] = [
     (64, 4, 2, "prmt", "words", None, None),
     (64, 4, 2, "prmt", "bytes", None, None),  # the default measured at 1,339 us
@@ -313,6 +314,8 @@ DECODE_VARIANTS: list[tuple[int, int, int, str, str, int | None, int | None]] = 
     (32, 4, 2, "prmt_v3", "words", None, 2048),
     (32, 4, 2, "prmt_v3", "words", 168, 1024),
     (32, 4, 1, "prmt_v3", "words", 168, 1024),
+    (16, 4, 1, "prmt", "words", 128, 1024),
+    (16, 4, 1, "prmt_v3", "words", 128, 1024),
 ]
 
 
