@@ -545,10 +545,10 @@ def staged_attention_decode(
     per tile, a power of two >= 16), num_warps and num_stages default to the module's
     `_TOKENS_PER_STEP`, `_NUM_WARPS`, `_NUM_STAGES` (the bench varies them); lookup (default
     `_LOOKUP`) "prmt" decodes 4-bit keys by byte permutes on CUDA, "prmt_v3" 3-bit values
-    too, "tree" both by the select tree (always on CPU, and for other widths); code_loads (default `_CODE_LOADS`) "words" loads
-    3-bit codes as int32 words, "bytes" byte by byte; max_registers caps the registers per
-    thread on CUDA (ptxas' maxnreg: more programs per SM, at the risk of spills; partition sets
-    the tokens per split, so the programs' count)."""
+    too, "tree" both by the select tree (always on CPU, and for other widths); code_loads
+    (default `_CODE_LOADS`) "words" loads 3-bit codes as int32 words, "bytes" byte by byte;
+    max_registers caps the registers per thread on CUDA (ptxas' maxnreg: more programs per SM,
+    at the risk of spills); partition sets the tokens per split, so the programs' count."""
     batch, hq, dim = q.shape
     _, block_size, hkv, _ = cache.k_cache.shape
     if q.stride(2) != 1 or not (cache.k_cache.is_contiguous() and cache.v_cache.is_contiguous()):
