@@ -5,6 +5,7 @@ mixed FP8 / TurboQuant pages, the layer helper, and the Triton kernels under the
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -333,6 +334,7 @@ def check_staged_decode(
     device: str, contexts: list[int], fraction: float, hq: int, hkv: int, dim: int, bs: int,
     partition: int | None = None, kv_dtype: torch.dtype = FP8, k_bits: int = 4, v_bits: int = 3,
     block_n: int | None = None, tol: float = 2e-2, lookup: str | None = None,
+    code_loads: str | None = None, max_registers: int | None = None,
 ) -> tuple[StagedAttentionCache, torch.Tensor]:  # fmt: skip
     tq_kernels = triton_module()
     cache, tables, _ = staged_case(
@@ -342,8 +344,9 @@ def check_staged_decode(
     ctx = torch.tensor(contexts, dtype=torch.int32, device=device)
     want = reference.staged_attention_decode(q, cache, ctx, tables, dim**-0.5)
     got = tq_kernels.staged_attention_decode(
-        q, cache, ctx, tables, dim**-0.5, partition, block_n=block_n, lookup=lookup
-    )
+        q, cache, ctx, tables, dim**-0.5, partition, block_n=block_n, lookup=lookup,
+        code_loads=code_loads, max_registers=max_registers,
+    )  # fmt: skip
     err = rel_err(got, want)
     assert err < tol, err
     return cache, tables
@@ -378,13 +381,48 @@ def tile_kinds(
         (2, 1, 128, 9, 3),
     ],
 )
-def test_triton_staged_decode_widths_and_tiles(k_bits, v_bits, dim, hq, hkv):
+@pytest.mark.parametrize("code_loads", ["bytes", "words"])
+def test_triton_staged_decode_widths_and_tiles(k_bits, v_bits, dim, hq, hkv, code_loads):
     contexts = [150, 40, 16, 33]  # 33: a tile of one FP8 token after two compressed pages
     cache, tables = check_staged_decode(
         "cpu", contexts, 0.5, hq, hkv, dim, 16, partition=64, k_bits=k_bits, v_bits=v_bits,
-        block_n=32, tol=1e-2,
+        block_n=32, tol=1e-2, code_loads=code_loads,
     )  # fmt: skip
     assert tile_kinds(cache, tables, contexts, 32, 64) == {"codes", "fp8", "mixed"}
+
+
+@pytest.mark.parametrize(("k_bits", "dim"), [(4, 64), (3, 128), (3, 32)])
+def test_triton_staged_decode_word_loads_equal_byte_loads(k_bits: int, dim: int):
+    """3-bit codes loaded as int32 words (3 per 32 coordinates, shifts rebuild each group's 24
+    bits) decode to exactly the bytes' centroids: the same output to the bit, every code value."""
+    tq_kernels = triton_module()
+    cache, tables, _ = staged_case(
+        [70, 33], 1.0, 4, 2, dim, 16, "cpu", FP8, k_bits=k_bits, v_bits=3
+    )
+    for pool in (cache.k_codes, cache.v_codes):  # every code value, not only the likely ones
+        pool.random_(0, 256)
+    q = torch.randn(2, 4, dim).bfloat16()
+    ctx = torch.tensor([70, 33], dtype=torch.int32)
+    out = {
+        loads: tq_kernels.staged_attention_decode(
+            q, cache, ctx, tables, dim**-0.5, 64, block_n=32, code_loads=loads
+        )
+        for loads in ("bytes", "words")
+    }
+    assert torch.equal(out["words"], out["bytes"])
+    want = reference.staged_attention_decode(q, cache, ctx, tables, dim**-0.5)
+    assert rel_err(out["words"], want) < 1e-2
+
+
+def test_triton_staged_decode_knobs_checked_and_register_cap_ignored_on_cpu():
+    check_staged_decode(
+        "cpu", [150, 40], 0.5, 12, 2, 64, 16, partition=64, block_n=32, code_loads="words",
+        max_registers=168, lookup="prmt_v3",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="code_loads"):
+        check_staged_decode("cpu", [40], 0.5, 12, 2, 64, 16, code_loads="nibbles")
+    with pytest.raises(ValueError, match="lookup"):
+        check_staged_decode("cpu", [40], 0.5, 12, 2, 64, 16, lookup="table")
 
 
 @pytest.mark.parametrize("block_n", [16, 64])
@@ -467,12 +505,28 @@ def test_gpu_restage_27b_shape():
 @needs_cuda
 @pytest.mark.parametrize("fraction", [0.0, 0.9])
 @pytest.mark.parametrize(
-    ("block_n", "lookup"), [(None, None), (32, "tree"), (64, "prmt"), (32, "prmt")]
+    ("block_n", "lookup", "code_loads", "max_registers"),
+    [
+        (None, None, None, None),
+        (32, "tree", None, None),
+        (64, "prmt", None, None),
+        (32, "prmt", None, None),
+        (64, "prmt", "words", None),
+        (32, "prmt", "words", 168),
+        (64, "prmt_v3", "words", None),
+        (32, "prmt_v3", "bytes", 168),
+    ],
 )
-def test_gpu_staged_decode_27b_shape(fraction: float, block_n: int | None, lookup: str | None):
+def test_gpu_staged_decode_27b_shape(
+    fraction: float,
+    block_n: int | None,
+    lookup: str | None,
+    code_loads: str | None,
+    max_registers: int | None,
+):
     check_staged_decode(
         "cuda", [4096, 1000, 33, 2048, 17, 3000, 512, 4095], fraction, 24, 4, 256, 16,
-        block_n=block_n, lookup=lookup,
+        block_n=block_n, lookup=lookup, code_loads=code_loads, max_registers=max_registers,
     )  # fmt: skip
 
 
@@ -543,6 +597,63 @@ def test_prmt_decoder_ptx_gives_every_centroid(dtype: torch.dtype):
         t = sum(c << 4 * i for i, c in enumerate(codes))
         signed = t - (1 << 32) if t >> 31 else t
         x = (signed ^ (((signed >> 3) & 0x11111111) * 7)) & 0xFFFFFFFF  # the kernel's fold
+        args = {8: t, 9: x, 10: lo[0], 11: lo[1], 12: hi[0], 13: hi[1]}
+        got = run_ptx(tq_kernels._PRMT_4BIT.value, args)
+        assert [got[i] for i in range(8)] == [bits[c] for c in codes], codes
+
+
+_nibbles3: Any = None  # the kernel's callee, set by nibbles3_kernel
+
+
+def nibbles3_kernel():
+    """`_nibbles3` in a kernel of its own (interpreted on CPU tensors; the interpreter resolves
+    the kernel's names in this module's globals)."""
+    import triton.language as tl
+
+    from worker.kernels.triton._launch import kernel
+
+    global _nibbles3
+    _nibbles3 = triton_module()._nibbles3
+
+    @kernel
+    def spread(src, dst, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(dst + i, _nibbles3(tl.load(src + i)))
+
+    return spread
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prmt_decoder_gives_every_3bit_centroid(dtype: torch.dtype):
+    """3-bit values by byte permutes (lookup="prmt_v3", CUDA only): `_nibbles3` (run by the
+    interpreter) spreads a group's codes one per nibble, the top bit copied to bit 3, and the
+    4-bit PTX (run by the small interpreter) with the 3-bit half codebook as its tables gives
+    every code in every slot the reference's centroid, whatever bits 24..32 of the word hold."""
+    tq_kernels = triton_module()
+    from worker.kvcache import turboquant as tq
+
+    centroids, _ = tq.codebook(256, 3)
+    bits = [int(c.to(dtype).view(torch.int16)) & 0xFFFF for c in centroids]
+    half = [bits[i % 4] for i in range(8)]  # `_half_codebook` at 3 bits: c[0..3], repeated
+    lo = [sum((half[4 * w + k] & 0xFF) << 8 * k for k in range(4)) for w in range(2)]
+    hi = [sum((half[4 * w + k] >> 8) << 8 * k for k in range(4)) for w in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    groups = torch.randint(0, 8, (600, 8), generator=gen).tolist()
+    groups += [[c] * 8 for c in range(8)]
+    junk = torch.randint(0, 256, (len(groups),), generator=gen).tolist()
+    words = [
+        sum(c << 3 * i for i, c in enumerate(g)) | (j << 24)
+        for g, j in zip(groups, junk, strict=True)
+    ]
+    src = torch.tensor([w - (1 << 32) if w >> 31 else w for w in words], dtype=torch.int32)
+    n = 1 << (len(words) - 1).bit_length()
+    src = torch.cat([src, torch.zeros(n - len(words), dtype=torch.int32)])
+    dst = torch.empty_like(src)
+    nibbles3_kernel()[(1,)](src, dst, N=n)
+    for codes, spread in zip(groups, dst.tolist()[: len(groups)], strict=True):
+        t = spread & 0xFFFFFFFF
+        assert [(t >> 4 * i) & 0xF for i in range(8)] == [c | (c & 4) << 1 for c in codes]
+        x = (spread ^ (((spread >> 3) & 0x11111111) * 7)) & 0xFFFFFFFF  # the kernel's fold
         args = {8: t, 9: x, 10: lo[0], 11: lo[1], 12: hi[0], 13: hi[1]}
         got = run_ptx(tq_kernels._PRMT_4BIT.value, args)
         assert [got[i] for i in range(8)] == [bits[c] for c in codes], codes

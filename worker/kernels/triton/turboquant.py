@@ -53,6 +53,11 @@ _NUM_STAGES = 2
 # 4-bit keys' centroid lookup on CUDA: "prmt" (byte permutes, inline PTX: 1,339 us a layer at
 # 8 x 32K on one H200, the check against the reference passed) or "tree" (select tree: 1,736)
 _LOOKUP = "prmt"
+# 3-bit codes' loads: "words" (3 int32 loads per 32 coordinates, coalesced, prefetched by the
+# loop's pipeliner: 19% fewer instructions on the code path at 64 x 4 under Triton 3.6, the
+# same output to the bit on CPU) or "bytes" (3 byte loads per 8 coordinates, one row per lane:
+# 32 cache lines per load instruction); bench/engine/staged_kv.py times both
+_CODE_LOADS = "words"
 _INT32_SIGN = tl.constexpr(-(1 << 31))  # the fp32 sign bit as an int32
 
 
@@ -191,13 +196,37 @@ def _half_codebook(centroids, BITS: tl.constexpr):
 
 
 @triton.jit
-def _code_groups(codes, crow, mask, D: tl.constexpr, BITS: tl.constexpr):
+def _code_groups(codes, crow, mask, D: tl.constexpr, BITS: tl.constexpr, WORDS: tl.constexpr):
     """[R, D / 8] int32: the codes of coordinates 8g..8g+7 of rows crow [R] (0 where ~mask),
-    as the b bytes of the LSB-first stream that hold them (bits 8b..32 zero)."""
+    as the b bytes of the LSB-first stream that hold them (bits 8b..32 zero, except at 3 bits
+    with WORDS, where bits 24..32 are left over from the next group: `_decode_codes` reads bits
+    below 8b only)."""
     G: tl.constexpr = D // 8
     g = tl.arange(0, G)
     m = mask[:, None]
-    if BITS == 4:  # one aligned word per group
+    if BITS == 3 and WORDS and G % 4 == 0:
+        # 3 bits as int32 words (rows of 3D/8 bytes are word-aligned when D % 32 == 0): words
+        # 3k..3k+2 hold groups 4k..4k+3 (24 bits each), so a tile is 3 word loads per 4 groups,
+        # not 3 byte loads per group; 4-byte elements also let the loop's pipeliner prefetch them
+        # (cp.async moves 4 bytes or more). The loads are 1-D over (row, k), reshaped after:
+        # under Triton 3.6 that keeps consecutive lanes on one row's words (4 rows per warp
+        # load; [R, Q] loads took the layout the dot propagates back, a row per lane, 32 cache
+        # lines per load) and the decoded V tile reaches shared memory in 16-byte stores
+        R: tl.constexpr = crow.shape[0]
+        Q: tl.constexpr = G // 4
+        flat = tl.arange(0, R * Q)
+        frow = tl.reshape(tl.broadcast_to(crow[:, None], [R, Q]), [R * Q])
+        fmask = tl.reshape(tl.broadcast_to(mask[:, None], [R, Q]), [R * Q])
+        words = codes.to(tl.pointer_type(tl.int32)) + frow * (3 * Q) + 3 * (flat % Q)
+        w0 = tl.reshape(tl.load(words, mask=fmask, other=0), [R, Q])
+        w1 = tl.reshape(tl.load(words + 1, mask=fmask, other=0), [R, Q])
+        w2 = tl.reshape(tl.load(words + 2, mask=fmask, other=0), [R, Q])
+        g1 = ((w0 >> 24) & 0xFF) | (w1 << 8)
+        g2 = ((w1 >> 16) & 0xFFFF) | (w2 << 16)
+        g3 = w2 >> 8
+        # [R, Q, 2, 2], index (a, b) = group 4k + 2a + b: row-major = natural order
+        t = tl.reshape(tl.join(tl.join(w0, g2), tl.join(g1, g3)), [R, G])
+    elif BITS == 4:  # one aligned word per group
         ptr = codes.to(tl.pointer_type(tl.int32)) + crow[:, None] * G + g[None, :]
         t = tl.load(ptr, mask=m, other=0)
     elif BITS == 2:
@@ -306,6 +335,18 @@ def _byte_tables(cb, DOT: tl.constexpr):
 
 
 @triton.jit
+def _nibbles3(t):
+    """The 8 3-bit codes of a group (bits 3i..3i+3 of t) one per nibble (nibble i), bit 3 of
+    each nibble a copy of the code's top bit: 3-bit codes in the form `_decode_codes_prmt`
+    takes. With the 3-bit half codebook as its tables (c[0..3], repeated), nibble c + 8 (c >= 4)
+    decodes to -c[15 - (c + 8)] = -c[7 - c]: code c's centroid. 8 integer instructions."""
+    x = (t & 0xFFF) | ((t << 4) & 0xFFF0000)  # codes 4..7 to the upper half
+    x = (x & 0x3F003F) | ((x << 2) & 0x3F003F00)  # pairs of codes to bytes
+    x = (x & 0x07070707) | ((x << 1) & 0x70707070)  # codes to nibbles
+    return x | ((x << 1) & -0x77777778)  # 0x88888888: bit 2 of each nibble copied to bit 3
+
+
+@triton.jit
 def _decode_codes_prmt(t, tables, D: tl.constexpr, DOT: tl.constexpr):
     """`_decode_codes` of 4-bit codes, in DOT, by byte permutes (CUDA only: inline PTX)."""
     x = t ^ (((t >> 3) & 0x11111111) * 7)
@@ -327,7 +368,7 @@ def _decode_codes_prmt(t, tables, D: tl.constexpr, DOT: tl.constexpr):
 @triton.jit
 def _dequant_tile(codes, norms, cb, crow, mask, D: tl.constexpr, BITS: tl.constexpr):
     """Rotated-basis vectors [R, D] fp32 of compressed rows crow [R] (0 where ~mask)."""
-    unit = _decode_codes(_code_groups(codes, crow, mask, D, BITS), cb, D, BITS)
+    unit = _decode_codes(_code_groups(codes, crow, mask, D, BITS, False), cb, D, BITS)
     norm = tl.load(norms + crow, mask=mask, other=0.0).to(tl.float32)
     return unit * norm[:, None]
 
@@ -369,12 +410,16 @@ def _staged_decode_kernel(
     DOT: tl.constexpr,
     STAGES: tl.constexpr,  # the loop's software-pipelining depth (its loads prefetched)
     PRMT: tl.constexpr,  # 4-bit keys by byte permutes (`_decode_codes_prmt`), CUDA only
+    PRMT_V3: tl.constexpr,  # 3-bit values by byte permutes too (`_nibbles3`), CUDA only
+    WORDS3: tl.constexpr,  # 3-bit codes loaded as int32 words (`_code_groups`)
     PDL: tl.constexpr,
 ):
     k_cb = _half_codebook(k_centroids, K_BITS)
     if PRMT:
         k_tables = _byte_tables(k_cb, DOT)
     v_cb = _half_codebook(v_centroids, V_BITS)
+    if PRMT_V3:
+        v_tables = _byte_tables(v_cb, DOT)
     pdl_wait(PDL)
     b = tl.program_id(0)
     hkv = tl.program_id(1)
@@ -417,7 +462,7 @@ def _staged_decode_kernel(
         # the codes' loads at the loop's top level, where the pipeliner prefetches them (a
         # masked lane moves no bytes); FP8 tiles (a sequence's anchor and window pages) load
         # inside their branch, so the code path carries none of their registers
-        k_groups = _code_groups(k_codes, crow, comp, D, K_BITS)
+        k_groups = _code_groups(k_codes, crow, comp, D, K_BITS, WORDS3)
         k_norm = tl.load(k_norms + crow, mask=comp, other=0.0).to(tl.float32)
         # per-token factors, not per-coordinate ones: the code dot runs on the centroids (unit
         # vectors) and the norm scales the score; a factor is 0 off its pool (the FP8 rows
@@ -440,11 +485,14 @@ def _staged_decode_kernel(
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        v_groups = _code_groups(v_codes, crow, comp, D, V_BITS)
+        v_groups = _code_groups(v_codes, crow, comp, D, V_BITS, WORDS3)
         v_norm = tl.load(v_norms + crow, mask=comp, other=0.0).to(tl.float32)
         acc = acc * alpha[None, :]
         if n_comp > 0:  # the norm scales p, not each coordinate of v
-            v_unit = _decode_codes(v_groups, v_cb, D, V_BITS).to(DOT)
+            if PRMT_V3:
+                v_unit = _decode_codes_prmt(_nibbles3(v_groups), v_tables, D, DOT)
+            else:
+                v_unit = _decode_codes(v_groups, v_cb, D, V_BITS).to(DOT)
             acc = tl.dot(tl.trans(v_unit), tl.trans((p * v_norm[None, :]).to(DOT)), acc)
         if n_plain > 0:
             v_plain = tl.load(
@@ -490,12 +538,17 @@ def staged_attention_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     lookup: str | None = None,
+    code_loads: str | None = None,
+    max_registers: int | None = None,
 ) -> torch.Tensor:
     """Rotated q [B, Hq, D] over mixed pages; the rotated output [B, Hq, D]. block_n (tokens
     per tile, a power of two >= 16), num_warps and num_stages default to the module's
     `_TOKENS_PER_STEP`, `_NUM_WARPS`, `_NUM_STAGES` (the bench varies them); lookup (default
-    `_LOOKUP`) "prmt" decodes 4-bit keys by byte permutes on CUDA, "tree" by the select tree
-    (always on CPU, and for other widths)."""
+    `_LOOKUP`) "prmt" decodes 4-bit keys by byte permutes on CUDA, "prmt_v3" 3-bit values
+    too, "tree" both by the select tree (always on CPU, and for other widths); code_loads
+    (default `_CODE_LOADS`) "words" loads 3-bit codes as int32 words, "bytes" byte by byte;
+    max_registers caps the registers per thread on CUDA (ptxas' maxnreg: more programs per SM,
+    at the risk of spills); partition sets the tokens per split, so the programs' count."""
     batch, hq, dim = q.shape
     _, block_size, hkv, _ = cache.k_cache.shape
     if q.stride(2) != 1 or not (cache.k_cache.is_contiguous() and cache.v_cache.is_contiguous()):
@@ -504,6 +557,14 @@ def staged_attention_decode(
         raise ValueError(
             f"unsupported shape q {tuple(q.shape)}, cache {tuple(cache.k_cache.shape)}"
         )
+    way = lookup or _LOOKUP
+    if way not in ("tree", "prmt", "prmt_v3"):
+        raise ValueError(f"lookup must be 'tree', 'prmt' or 'prmt_v3', got {way!r}")
+    loads = code_loads or _CODE_LOADS
+    if loads not in ("words", "bytes"):
+        raise ValueError(f"code_loads must be 'words' or 'bytes', got {loads!r}")
+    # ptxas' register cap is a compile option of CUDA kernels; the interpreter has none
+    cap = {"maxnreg": max_registers} if max_registers and q.is_cuda else {}
     capacity = block_tables.shape[1] * block_size
     partition = partition or decode_partition(capacity, batch, hkv)
     num_splits = triton.cdiv(capacity, partition)
@@ -547,8 +608,11 @@ def staged_attention_decode(
         SINGLE_SPLIT=single,
         DOT=_dot(cache, q),
         STAGES=num_stages or _NUM_STAGES,
-        PRMT=(lookup or _LOOKUP) == "prmt" and q.is_cuda and cache.k_bits == 4,
+        PRMT=way in ("prmt", "prmt_v3") and q.is_cuda and cache.k_bits == 4,
+        PRMT_V3=way == "prmt_v3" and q.is_cuda and cache.v_bits == 3,
+        WORDS3=loads == "words",
         num_warps=num_warps or _NUM_WARPS,
+        **cap,
     )
     if not single:
         _combine_kernel[(batch * hq,)](
