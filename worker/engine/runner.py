@@ -440,13 +440,11 @@ class ModelRunner:
     ) -> None:
         """Re-pick the greedy token of `rows` of a launched step under their grammar masks
         (same order), queued behind its forward: what the next step feeds and reads back."""
-        from worker.structured import apply_masks
+        from worker.structured.grammar import apply_masks, rows_on
 
         assert self.decode_inputs is not None
-        apply_masks(logits, rows, masks)
-        index = torch.tensor(rows)
-        if index.device != logits.device:  # pinned: a pageable copy would wait for the forward
-            index = index.pin_memory().to(logits.device, non_blocking=True)
+        index = rows_on(logits.device, rows)
+        apply_masks(logits, rows, masks, index)
         picked = torch.argmax(logits.index_select(0, index), dim=-1)
         self.decode_inputs.last_sampled.index_copy_(0, index, picked)
 

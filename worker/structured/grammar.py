@@ -295,12 +295,25 @@ class GrammarState:
         return True
 
 
-def apply_masks(logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor]) -> None:
-    """Set to -inf, in place, the logits of `rows` that their mask (same order) forbids.
+def rows_on(device: torch.device, rows: list[int]) -> torch.Tensor:
+    """`rows` as an index tensor on `device`, from pinned memory on a GPU: a copy from pageable
+    memory would make the host wait for the forward queued before it (which overlapped decode
+    fills the masks beside)."""
+    index = torch.tensor(rows)
+    if device.type == "cpu":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
 
-    On a GPU the bitmask and the row indices travel from pinned memory without waiting: a copy
-    from pageable memory would make the host wait for the forward queued before it (which
-    overlapped decode fills the masks beside)."""
+
+def apply_masks(
+    logits: torch.Tensor,
+    rows: list[int],
+    masks: list[torch.Tensor],
+    index: torch.Tensor | None = None,
+) -> None:
+    """Set to -inf, in place, the logits of `rows` that their mask (same order) forbids;
+    `index`: `rows_on(logits.device, rows)` when the caller has it. On a GPU the bitmask also
+    travels from pinned memory, without waiting."""
     import xgrammar as xgr
 
     words = masks[0].shape[1]
@@ -308,13 +321,12 @@ def apply_masks(logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor]
     bitmask = torch.empty((logits.shape[0], words), dtype=torch.int32, pin_memory=not on_host)
     bitmask.fill_(-1)
     bitmask[rows] = torch.cat(masks)
-    index: Any = rows  # xgrammar's GPU kernels take a device tensor too (its hint says a list)
+    indices: Any = rows  # xgrammar's GPU kernels take a device tensor too (its hint says a list)
     if not on_host:
         bitmask = bitmask.to(logits.device, non_blocking=True)
-        pinned = torch.tensor(rows, dtype=torch.int32).pin_memory()
-        index = pinned.to(logits.device, non_blocking=True)
+        indices = rows_on(logits.device, rows) if index is None else index
     width = min(logits.shape[1], words * 32)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=index)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=indices)
 
 
 class Grammars:
