@@ -127,15 +127,22 @@ def profile_step(fn: Callable[[], Any], steps: int, warm: bool = True) -> dict[s
     }
 
 
-def engine_phases(engine: LLMEngine) -> dict[str, Any]:
-    """Decode step (batch max_num_seqs) as a graph replay and eager, and a kernel profile.
-    All rows are padding (scratch block and slot): no sequence is touched."""
+def engine_phases(
+    engine: LLMEngine, rows: int | None = None, pdl: bool = True, own_states: bool = False
+) -> dict[str, Any]:
+    """Decode step (batch `rows`, default max_num_seqs) as a graph replay and eager, and a kernel
+    profile; `pdl` also times the step re-captured without PDL. All rows are padding (scratch
+    block, one-token contexts), none touches a sequence; `own_states` gives row i the idle
+    state slot i instead of the shared scratch slot, so the DeltaNet states stream from memory
+    as a real batch's do (an idle engine: no slot is in use)."""
     runner = engine.runner
     inputs: Any = runner.decode_inputs
     if inputs is None:
         return {"error": "no padded decode path"}
-    rows = runner.sizes[-1]
+    rows = rows or runner.sizes[-1]
     inputs.fill_padding(0, inputs.max_rows)
+    if own_states:
+        inputs.host["state_slots"][:rows] = torch.arange(rows)
     inputs.upload()
     ids, meta = inputs.input_ids(rows), inputs.meta(rows)
     phases: dict[str, Any] = {"batch": rows, "graph_error": runner.graph_error}
@@ -154,7 +161,8 @@ def engine_phases(engine: LLMEngine) -> dict[str, Any]:
                 inputs.upload(rows)
             phases["staging_upload_host_ms"] = 1e3 * (time.perf_counter() - t0) / 20
             sync()
-            phases.update(graph_step_without_pdl(runner, rows))
+            if pdl:
+                phases.update(graph_step_without_pdl(runner, rows))
         eager = lambda: runner._logits(ids, meta)  # noqa: E731
         phases["decode_step_eager_ms"] = 1e3 * cuda_time(eager, iters=5, warmup=1)
         if torch.cuda.is_available():

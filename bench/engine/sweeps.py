@@ -14,9 +14,7 @@ from bench.engine.configs import (
     load_point_engine,
 )
 from bench.engine.load_point import random_prompts, run_round
-from bench.engine.profiler import (
-    StepLog,
-)
+from bench.engine.profiler import StepLog, engine_phases
 from worker.engine.sequence import SamplingParams
 
 
@@ -69,5 +67,14 @@ def concurrency_sweep(
             }
         )
         print(f"  C={c}: {r.output_tok_s:.1f} tok/s", file=sys.stderr)
+    # where a step's time goes at the larger batches: kernel groups of a padded step whose rows
+    # stream their own DeltaNet states (one-token contexts: attention is not counted)
+    result["decode_phases"] = {}
+    for c in args.sweep:
+        if c >= 16 and c in engine.runner.sizes and time.perf_counter() - began < budget:
+            try:
+                result["decode_phases"][c] = engine_phases(engine, c, pdl=False, own_states=True)
+            except Exception as exc:  # a profile is extra: keep the points
+                result["decode_phases"][c] = {"error": repr(exc)[:300]}
     del engine, model
     return result

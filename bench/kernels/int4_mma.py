@@ -51,7 +51,11 @@ def weights(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tenso
     return out
 
 
-def candidates(n: int, k: int) -> list[MmaTiling]:
+# the built (depth, mode) variants, stream-K (mode 3) apart
+PIPELINES = ((2, 0), (4, 1), (2, 2), (4, 2), (2, 4), (4, 4), (4, 5), (8, 5))
+
+
+def candidates(n: int, k: int, modes: set[int] | None = None) -> list[MmaTiling]:
     groups = k // GROUP
     out = {int4_mma.default_tiling(n, k, GROUP)}
     for rows in (1, 2, 4):
@@ -61,12 +65,20 @@ def candidates(n: int, k: int) -> list[MmaTiling]:
         for warps in (4, 8):
             for ctas_per_sm in (1, 2):
                 splits = max(1, min(-(-ctas_per_sm * 132 // blocks), groups // warps))
-                for depth, mode in ((2, 0), (4, 1), (2, 2), (4, 2)):  # the built variants
+                for depth, mode in PIPELINES:
                     out.add(MmaTiling(rows, warps, splits, depth, mode))
             for ctas_per_sm in (2, 4):  # stream-K
                 for depth in (2, 4):
                     out.add(MmaTiling(rows, warps, ctas_per_sm, depth, 3))
-    return sorted(out, key=lambda t: (t.mode, t.rows, t.warps, t.splits, t.depth))
+        if rows == 4:  # small CTAs, as FP8's GEMV uses (2 warps), on the cp.async pipelines
+            for depth, mode in ((4, 4), (4, 5), (8, 5)):
+                out.add(MmaTiling(rows, 2, max(1, min(-(-4 * 132 // blocks), groups // 2)), depth, mode))  # fmt: skip
+    if modes is not None:
+        out = {t for t in out if t.mode in modes}
+    tuned = int4_mma.MMA_DECODE_TILINGS.get((n, k))
+    if tuned is not None:  # today's winner, the baseline of every run
+        out.add(tuned)
+    return sorted(out, key=lambda t: (t != tuned, t.mode, t.rows, t.warps, t.splits, t.depth))
 
 
 def time_mma(m: int, n: int, k: int, ws: list[Any], x: torch.Tensor, ref: torch.Tensor,
@@ -104,7 +116,9 @@ def time_triton(m: int, n: int, k: int, ws: list[Any], x: torch.Tensor, ref: tor
         return {"error": err(exc)}
 
 
-def decode_shape(n: int, k: int, bandwidth: float, deadline: float) -> dict[str, Any]:
+def decode_shape(
+    n: int, k: int, bandwidth: float, deadline: float, modes: set[int] | None = None
+) -> dict[str, Any]:
     copies = max(2, triton.cdiv(L2_SET_BYTES, n * k // 2))
     ws = weights(n, k, copies)
     result: dict[str, Any] = {"copies": copies, "m8": [], "by_m": {}}
@@ -118,7 +132,7 @@ def decode_shape(n: int, k: int, bandwidth: float, deadline: float) -> dict[str,
         return refs[m]
 
     x, ref = case(8)
-    for tiling in candidates(n, k):
+    for tiling in candidates(n, k, modes):
         if time.perf_counter() > deadline:
             result["m8"].append({"tiling": repr(tiling), "skipped": "budget"})
             continue
@@ -196,13 +210,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="store the winners as int4_mma_decode_tilings in the package's tuning file",
     )
+    parser.add_argument(
+        "--modes", default=None, help="only these kernel modes, e.g. 2,4,5 (default: all)"
+    )
     args = parser.parse_args(argv)
+    modes = {int(m) for m in args.modes.split(",")} if args.modes else None
     # --out: a JSON file, or a folder for the dated name
     out = Path(args.out) if args.out else result_path("int4_mma")
     if out.is_dir():
         out = result_path("int4_mma", out)
     start = time.perf_counter()
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    from worker.kernels import tuning
+
+    report["tuning_applied"] = repr(tuning.apply(torch.device("cuda")))  # today's tilings
     began = time.perf_counter()
     int4_mma._library(torch.device("cuda"))
     report["build_s"] = time.perf_counter() - began
@@ -215,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         left = args.budget_s - 40 - (time.perf_counter() - start)
         deadline = time.perf_counter() + left / (len(SHAPES) - index)
         try:
-            report["decode"][name] = row = decode_shape(n, k, bandwidth, deadline)
+            report["decode"][name] = row = decode_shape(n, k, bandwidth, deadline, modes)
             if "best" in row:
                 report["paste"].append(f"    ({n}, {k}): {row['best']['tiling']},  # {name}: "
                                        f"{row['best']['us']:.1f} us, {100 * row['best']['of_copy']:.0f}%")  # fmt: skip

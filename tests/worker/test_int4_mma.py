@@ -168,6 +168,12 @@ def test_the_kernel_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         (2, 4, 3, 4, 2),
         (2, 8, 3, 2, 3),
         (1, 4, 2, 4, 3),
+        (4, 8, 1, 2, 4),
+        (2, 4, 3, 4, 4),
+        (4, 8, 1, 4, 5),
+        (4, 4, 2, 8, 5),
+        (1, 8, 1, 4, 5),
+        (4, 2, 4, 8, 5),
     ],
 )
 def test_gemv_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int, int] | None) -> None:
