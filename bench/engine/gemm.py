@@ -1,6 +1,6 @@
 """The fp8_gemm section: w8a16 (triton) against torch._scaled_mm (rowwise) and bf16 F.linear at
-M=8 and M=4096 for the big projection shapes; it sets the w8a16 -> scaled_mm switch the FP8
-engine uses."""
+M = 8 and 4096 for the big projection shapes, and at the decode batches of concurrency 16-64
+(M = 16, 32, 64) beside `w8_gemv`; it sets the w8a16 -> scaled_mm switch the FP8 engine uses."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def fp8_gemm(args: argparse.Namespace, config: Any) -> dict[str, Any]:
         "in_proj_qkv": (config.conv_dim, h),
         "head": (v, h),
     }
-    rows_list = (8, 4096) if args.device == "cuda" else (8, 64)
+    rows_list = (8, 16, 32, 64, 4096) if args.device == "cuda" else (8, 64)
     results: dict[str, Any] = {}
     wins = {m: {"w8a16": 0.0, "scaled_mm": 0.0} for m in rows_list}
     for name, (n, k) in shapes.items():
@@ -39,6 +39,8 @@ def fp8_gemm(args: argparse.Namespace, config: Any) -> dict[str, Any]:
                 "w8a16": functools.partial(fp8k.w8a16, x, q, s),
                 "scaled_mm": functools.partial(fp8k.scaled_mm, x, q, s),
             }
+            if m <= 64:
+                paths["w8_gemv"] = functools.partial(fp8k.w8_gemv, x, q, s)
             ref = torch.nn.functional.linear(x, (q.float() * s[:, None]).bfloat16()).float()
             for path, fn in paths.items():
                 try:
@@ -55,7 +57,7 @@ def fp8_gemm(args: argparse.Namespace, config: Any) -> dict[str, Any]:
                         wins[m][path] = float("inf")
             results[f"{name} M={m}"] = row
         del w, q, s
-    small, large = rows_list
+    small, large = rows_list[0], rows_list[-1]
     # the switch: scaled_mm from the first size where it is faster in total
     if wins[small]["scaled_mm"] < wins[small]["w8a16"]:
         switch = 1

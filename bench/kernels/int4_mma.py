@@ -55,7 +55,9 @@ def weights(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tenso
 PIPELINES = ((2, 0), (4, 1), (2, 2), (4, 2), (2, 4), (4, 4), (4, 5), (8, 5))
 
 
-def candidates(n: int, k: int, modes: set[int] | None = None) -> list[MmaTiling]:
+def candidates(n: int, k: int, modes: list[int] | None = None) -> list[MmaTiling]:
+    """The tilings to time at (N, K): today's winner first, then by mode (in `modes` order,
+    so that a tight budget reaches the modes named first)."""
     groups = k // GROUP
     out = {int4_mma.default_tiling(n, k, GROUP)}
     for rows in (1, 2, 4):
@@ -78,7 +80,10 @@ def candidates(n: int, k: int, modes: set[int] | None = None) -> list[MmaTiling]
     tuned = int4_mma.MMA_DECODE_TILINGS.get((n, k))
     if tuned is not None:  # today's winner, the baseline of every run
         out.add(tuned)
-    return sorted(out, key=lambda t: (t != tuned, t.mode, t.rows, t.warps, t.splits, t.depth))
+    rank = {m: i for i, m in enumerate(modes or range(8))}
+    return sorted(
+        out, key=lambda t: (t != tuned, rank.get(t.mode, 9), t.rows, t.warps, t.splits, t.depth)
+    )
 
 
 def time_mma(m: int, n: int, k: int, ws: list[Any], x: torch.Tensor, ref: torch.Tensor,
@@ -117,7 +122,7 @@ def time_triton(m: int, n: int, k: int, ws: list[Any], x: torch.Tensor, ref: tor
 
 
 def decode_shape(
-    n: int, k: int, bandwidth: float, deadline: float, modes: set[int] | None = None
+    n: int, k: int, bandwidth: float, deadline: float, modes: list[int] | None = None
 ) -> dict[str, Any]:
     copies = max(2, triton.cdiv(L2_SET_BYTES, n * k // 2))
     ws = weights(n, k, copies)
@@ -211,10 +216,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="store the winners as int4_mma_decode_tilings in the package's tuning file",
     )
     parser.add_argument(
-        "--modes", default=None, help="only these kernel modes, e.g. 2,4,5 (default: all)"
+        "--modes",
+        default=None,
+        help="only these kernel modes, timed in this order, e.g. 4,5,2 (default: all)",
     )
     args = parser.parse_args(argv)
-    modes = {int(m) for m in args.modes.split(",")} if args.modes else None
+    modes = [int(m) for m in args.modes.split(",")] if args.modes else None
     # --out: a JSON file, or a folder for the dated name
     out = Path(args.out) if args.out else result_path("int4_mma")
     if out.is_dir():
