@@ -290,12 +290,12 @@ def section_encode(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # staged decode kernel variants timed beside the default: (tokens per tile, warps, stages,
-# 4-bit key lookup, 3-bit code loads, register cap or None, tokens per split or None for
-# decode_partition's). At 8 x 32K decode_partition gives 3648 tokens a split: 288 programs for
-# 132 SMs holding 2 each (255 registers x 128 threads), a second wave of 24; 2048 gives 512
-# programs (2 waves of 264, 97% full); a cap of 168 registers fits 3 programs of 4 warps an SM,
-# 128 fits 4 (16-token tiles without pipelining: no spills) (docs/performance.md, "Current
-# state: staged KV speed on the H200")
+# 4-bit key lookup, 3-bit code loads, register cap or None, tokens per split or None for the
+# default split plan: each row cutting its own context into decode_splits' count, 17 at batch 8
+# with 4 KV heads, ~1,984 tokens at 32K). 2048 tokens a split gives 512 programs (2 waves of
+# 264 for 132 SMs holding 2 each at 255 registers x 128 threads); a cap of 168 registers fits
+# 3 programs of 4 warps an SM, 128 fits 4 (16-token tiles without pipelining: no spills)
+# (docs/performance.md, "Current state: staged KV speed on the H200")
 DECODE_VARIANTS: list[tuple[int, int, int, str, str, int | None, int | None]] = [
     (64, 4, 2, "prmt", "words", None, None),
     (64, 4, 2, "prmt", "bytes", None, None),  # the default measured at 1,339 us

@@ -52,7 +52,7 @@ def weights(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tenso
 
 
 # the built (depth, mode) variants, stream-K (mode 3) apart
-PIPELINES = ((2, 0), (4, 1), (2, 2), (4, 2), (2, 4), (4, 4), (4, 5), (8, 5))
+PIPELINES = ((2, 0), (4, 1), (2, 2), (4, 2), (2, 4), (4, 4))
 
 
 def candidates(n: int, k: int, modes: list[int] | None = None) -> list[MmaTiling]:
@@ -72,9 +72,6 @@ def candidates(n: int, k: int, modes: list[int] | None = None) -> list[MmaTiling
             for ctas_per_sm in (2, 4):  # stream-K
                 for depth in (2, 4):
                     out.add(MmaTiling(rows, warps, ctas_per_sm, depth, 3))
-        if rows == 4:  # small CTAs, as FP8's GEMV uses (2 warps), on the cp.async pipelines
-            for depth, mode in ((4, 4), (4, 5), (8, 5)):
-                out.add(MmaTiling(rows, 2, max(1, min(-(-4 * 132 // blocks), groups // 2)), depth, mode))  # fmt: skip
     if modes is not None:
         out = {t for t in out if t.mode in modes}
     tuned = int4_mma.MMA_DECODE_TILINGS.get((n, k))

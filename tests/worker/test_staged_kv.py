@@ -334,12 +334,14 @@ def check_staged_decode(
     device: str, contexts: list[int], fraction: float, hq: int, hkv: int, dim: int, bs: int,
     partition: int | None = None, kv_dtype: torch.dtype = FP8, k_bits: int = 4, v_bits: int = 3,
     block_n: int | None = None, tol: float = 2e-2, lookup: str | None = None,
-    code_loads: str | None = None, max_registers: int | None = None,
+    code_loads: str | None = None, max_registers: int | None = None, pad_table: int = 0,
 ) -> tuple[StagedAttentionCache, torch.Tensor]:  # fmt: skip
     tq_kernels = triton_module()
     cache, tables, _ = staged_case(
         contexts, fraction, hq, hkv, dim, bs, device, kv_dtype, k_bits=k_bits, v_bits=v_bits
     )
+    if pad_table:  # a table wider than the contexts, as the engine's
+        tables = torch.cat([tables, tables.new_zeros(len(contexts), pad_table)], 1)
     q = torch.randn(len(contexts), hq, dim, device=device).bfloat16()
     ctx = torch.tensor(contexts, dtype=torch.int32, device=device)
     want = reference.staged_attention_decode(q, cache, ctx, tables, dim**-0.5)
@@ -465,6 +467,12 @@ def test_triton_staged_decode_three_kv_heads():
 
 def test_triton_staged_decode_split_partitions():
     check_staged_decode("cpu", [150, 9], 0.5, 6, 2, 64, 8, partition=64)
+
+
+def test_triton_staged_decode_splits_each_rows_own_context():
+    # capacity 8 x 300 tokens: 16 splits (18 by programs, capped at capacity / 128), each row
+    # cutting its own context into them
+    check_staged_decode("cpu", [150, 9, 333], 0.5, 6, 2, 64, 8, pad_table=260)
 
 
 def test_triton_staged_prefill_via_scratch():

@@ -296,8 +296,9 @@ def check_paged_decode(
     fp8: bool,
     partition: int | None,
     device: str,
+    width: int | None = None,
 ) -> None:
-    width = -(-max(lengths) // block_size) + 1
+    width = width or -(-max(lengths) // block_size) + 1
     k_cache, v_cache, tables, k_scale, v_scale = paged_cache(
         lengths, hkv, dim, block_size, width, device, fp8
     )
@@ -313,6 +314,16 @@ def check_paged_decode(
 @pytest.mark.parametrize("fp8", [False, True])
 def test_paged_attention_decode(fp8: bool, partition: int | None) -> None:
     check_paged_decode([1, 50, 130], 6, 2, 32, 16, fp8, partition, "cpu")
+
+
+def test_paged_attention_decode_splits_each_rows_own_context() -> None:
+    """A table far wider than the contexts (as the engine's, sized for its context limit):
+    25 splits, each row cutting its own context into them, most splits of the short rows
+    empty."""
+    from worker.kernels.triton import paged_attention as pa
+
+    assert pa.split_plan(200 * 16, 4, 2, None) == (25, 0)  # capacity / 128
+    check_paged_decode([1, 50, 700, 130], 6, 2, 32, 16, True, None, "cpu", width=200)
 
 
 # ---------------------------------------------------------------- registry

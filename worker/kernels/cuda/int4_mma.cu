@@ -104,11 +104,6 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
-// src_bytes 0 writes zeros and reads nothing
-__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, int src_bytes) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(src_bytes));
-}
 
 // This warp's K range, in whole groups: part p of P = splits * W.
 struct Range {
@@ -160,31 +155,6 @@ __device__ __forceinline__ void load_x(uint4 (&xb)[MT][2], const typename Num<BF
       xb[mt][0] = make_uint4(0, 0, 0, 0);
       xb[mt][1] = make_uint4(0, 0, 0, 0);
     }
-  }
-}
-
-// x ring (a warp's x operands a few chunks ahead, in shared memory, so that no chunk waits an L2
-// round trip for them): slot [MT][2][32] uint4, lane-major. Each lane copies and later reads
-// only its own quads, so no barrier is needed, only the cp.async group wait.
-template <bool BF16, int MT>
-__device__ __forceinline__ void stage_x(uint4* slot, const typename Num<BF16>::T* x, int M,
-                                        int ldx, int c, int g, int t, int lane) {
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const int m = mt * 8 + g;
-    const uint4* xp =
-        reinterpret_cast<const uint4*>(x + (size_t)min(m, M - 1) * ldx + c * 64 + 8 * t);
-    const int bytes = m < M ? 16 : 0;
-    cp_async16_zfill(slot + (mt * 2) * 32 + lane, xp, bytes);
-    cp_async16_zfill(slot + (mt * 2 + 1) * 32 + lane, xp + 4, bytes);
-  }
-}
-template <int MT>
-__device__ __forceinline__ void read_x(uint4 (&xb)[MT][2], const uint4* slot, int lane) {
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    xb[mt][0] = slot[(mt * 2) * 32 + lane];
-    xb[mt][1] = slot[(mt * 2 + 1) * 32 + lane];
   }
 }
 
@@ -342,28 +312,28 @@ __device__ __forceinline__ void after_chunk(float (&acc)[R][MT][4], float (&part
 }
 
 // Register pipeline: MT token groups of 8 (M <= 8 MT), R row tiles per CTA, D chunks of weight
-// in flight per warp in registers (16-byte loads that skip L1). XD > 0: x's operands come
-// through a per-warp cp.async ring of XD chunks (after the scales in smem, at x_off bytes).
-template <bool BF16, int MT, int R, int D, bool IL, int XD>
-__global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS, int x_off) {
+// in flight per warp in registers (16-byte loads that skip L1).
+// ROT (interleaved only): row block rb walks its K range starting 5 rb chunks in (wrapping), so
+// CTAs that run at once read different offsets of their tiles: every tile is a multiple of 8 KB
+// long, so without it concurrent reads share their low 13 address bits.
+template <bool BF16, int MT, int R, int D, bool IL, bool ROT = false>
+__global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS) {
   TM_WARP_CHUNKS
   __half* my_sc = reinterpret_cast<__half*>(smem) + (IL ? 0 : (size_t)warp * R * rg.maxg * 16);
-  uint4* xring = reinterpret_cast<uint4*>(smem + x_off) + (size_t)warp * (XD ? XD : 1) * MT * 64;
+  const int len = rg.c_end - rg.c_begin;
+  const int rot = ROT && len > 0 ? (int)((5u * (unsigned)rb) % (unsigned)len) : 0;
+  auto phys = [&](int c) {  // the chunk read at the warp's logical chunk c
+    if constexpr (!ROT) return c;
+    const int o = c - rg.c_begin + rot;
+    return rg.c_begin + (o >= len ? o - len : o);
+  };
 
   uint4 wbuf[D][R];
 #pragma unroll
   for (int s = 0; s < D; ++s)
     if (first + s * step < rg.c_end)
 #pragma unroll
-      for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(first + s * step) * 32);
-  if constexpr (XD > 0) {
-#pragma unroll
-    for (int s = 0; s < XD - 1; ++s) {
-      if (first + s * step < rg.c_end)
-        stage_x<BF16, MT>(xring + s * MT * 64, x, M, ldx, first + s * step, g, t, lane);
-      cp_async_commit();  // empty groups keep the count uniform
-    }
-  }
+      for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)phys(first + s * step) * 32);
   load_scales<R, IL>(my_sc, sc, rg, G, rb, lane);
 
   float acc[R][MT][4], part[R][MT][4], xsum[1][MT][4];
@@ -371,7 +341,6 @@ __global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS, int x_off) {
   zero(part);
   zero(xsum);
   int in_group = 0, gi = 0;  // chunk within its group, group index from g0: no divisions
-  int n = 0;                  // the warp's chunk count (the x ring's slot)
   for (int base = first; base < rg.c_end; base += D * step) {
 #pragma unroll
     for (int s = 0; s < D; ++s) {
@@ -380,48 +349,35 @@ __global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS, int x_off) {
         uint4 wcur[R], xv[MT][2];
 #pragma unroll
         for (int r = 0; r < R; ++r) wcur[r] = wbuf[s][r];
-        if constexpr (XD > 0) {
-          // refill the slot chunk n - 1 was read from (its products have consumed it)
-          const int ahead = c + (XD - 1) * step;
-          if (ahead < rg.c_end)
-            stage_x<BF16, MT>(xring + ((n + XD - 1) % XD) * MT * 64, x, M, ldx, ahead, g, t, lane);
-          cp_async_commit();
-          cp_async_wait<XD - 1>();
-          read_x<MT>(xv, xring + (n % XD) * MT * 64, lane);
-          ++n;
-        } else {
-          load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
-        }
+        load_x<BF16, MT>(xv, x, M, ldx, phys(c), g, t);
         if (c + D * step < rg.c_end)
 #pragma unroll
-          for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(c + D * step) * 32);
+          for (int r = 0; r < R; ++r)
+            wbuf[s][r] = load_stream(wp[r] + (size_t)phys(c + D * step) * 32);
         chunk_products<BF16, MT, R>(part, xsum[0], wcur, xv);
-        after_chunk<BF16, MT, R, IL>(acc, part, xsum[0], my_sc, rg, c, gc, gshift, in_group, gi, g);
+        after_chunk<BF16, MT, R, IL>(acc, part, xsum[0], my_sc, rg, phys(c), gc, gshift, in_group,
+                                     gi, g);
       }
     }
   }
-  if constexpr (XD > 0) cp_async_wait<0>();
   finish<BF16, MT, R>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy, rb, 1,
                       gridDim.y);
 }
 
 // cp.async pipeline: each lane copies its own 16-byte quads (L2 -> smem, no registers held,
-// not tracked by L1) D - 1 chunks ahead into the warp's ring [D][R][32]; XD > 0: x's operands
-// travel in the same groups, into a D-slot x ring at x_off bytes.
-template <bool BF16, int MT, int R, int D, bool IL, int XD>
-__global__ void __launch_bounds__(256) w4_gemv_async(TM_GEMV_PARAMS, int x_off) {
+// not tracked by L1) D - 1 chunks ahead into the warp's ring [D][R][32].
+template <bool BF16, int MT, int R, int D, bool IL>
+__global__ void __launch_bounds__(256) w4_gemv_async(TM_GEMV_PARAMS) {
   TM_WARP_CHUNKS
   uint4* ring = reinterpret_cast<uint4*>(smem) + (size_t)warp * D * R * 32;
   __half* my_sc = reinterpret_cast<__half*>(reinterpret_cast<uint4*>(smem) + (size_t)W * D * R * 32) +
                   (IL ? 0 : (size_t)warp * R * rg.maxg * 16);
-  uint4* xring = reinterpret_cast<uint4*>(smem + x_off) + (size_t)warp * D * MT * 64;
   auto issue = [&](int n) {  // the warp's n-th chunk
     const int c = first + n * step;
     if (c < rg.c_end) {
       const int slot = n & (D - 1);
 #pragma unroll
       for (int r = 0; r < R; ++r) cp_async16(ring + (slot * R + r) * 32 + lane, wp[r] + (size_t)c * 32);
-      if constexpr (XD > 0) stage_x<BF16, MT>(xring + slot * MT * 64, x, M, ldx, c, g, t, lane);
     }
     cp_async_commit();  // empty groups keep the count uniform
   };
@@ -437,11 +393,10 @@ __global__ void __launch_bounds__(256) w4_gemv_async(TM_GEMV_PARAMS, int x_off) 
   int n = 0;
   for (int c = first; c < rg.c_end; c += step, ++n) {
     uint4 xv[MT][2];
-    if constexpr (XD == 0) load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
+    load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
     issue(n + D - 1);  // into the slot chunk n - 1 was read from
     cp_async_wait<D - 1>();
     const int slot = n & (D - 1);
-    if constexpr (XD > 0) read_x<MT>(xv, xring + slot * MT * 64, lane);
     uint4 w[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) w[r] = ring[(slot * R + r) * 32 + lane];
@@ -558,7 +513,7 @@ __global__ void w4_dequant_kernel(const uint4* __restrict__ qw, const __half* __
   o1[4] = reinterpret_cast<uint4*>(hi)[1];
 }
 
-template <bool BF16, int MT, int R, int D, bool ASYNC, bool IL, int XD>
+template <bool BF16, int MT, int R, int D, bool ASYNC, bool IL, bool ROT = false>
 int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                 int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits,
                 cudaStream_t stream) {
@@ -570,12 +525,10 @@ int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws
   const size_t sc_bytes = (size_t)(IL ? 1 : warps) * R * maxg * 16 * sizeof(__half);
   const size_t ring_bytes = ASYNC ? (size_t)warps * D * R * 32 * 16 : 0;
   const size_t red_bytes = (size_t)warps * R * MT * 4 * 32 * sizeof(float);
-  const size_t x_off = (ring_bytes + sc_bytes + 15) / 16 * 16;
-  const size_t x_bytes = (size_t)warps * (ASYNC && XD ? D : XD) * MT * 64 * 16;
-  const size_t bytes = x_off + x_bytes > red_bytes ? x_off + x_bytes : red_bytes;
+  const size_t bytes = ring_bytes + sc_bytes > red_bytes ? ring_bytes + sc_bytes : red_bytes;
   auto kernel = [] {
-    if constexpr (ASYNC) return w4_gemv_async<BF16, MT, R, D, IL, XD>;
-    else return w4_gemv_regs<BF16, MT, R, D, IL, XD>;
+    if constexpr (ASYNC) return w4_gemv_async<BF16, MT, R, D, IL>;
+    else return w4_gemv_regs<BF16, MT, R, D, IL, ROT>;
   }();
   if (bytes > 48 * 1024) {
     cudaError_t err =
@@ -586,7 +539,7 @@ int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws
   kernel<<<grid, warps * 32, bytes, stream>>>(
       static_cast<const uint4*>(qw), static_cast<const __half*>(sc), static_cast<const T*>(x),
       static_cast<T*>(y), static_cast<float*>(ws), static_cast<int*>(arrivals), M, N, K, ldx, ldy,
-      gc, gshift, (int)x_off);
+      gc, gshift);
   return (int)cudaGetLastError();
 }
 
@@ -623,23 +576,21 @@ int launch_streamk(const void* qw, const void* sc, const void* x, void* y, void*
 
 // mode: 0 register pipeline (2 chunks in flight per warp), 1 cp.async ring (4 slots), 2 the
 // register pipeline with interleaved chunks (the CTA's warps take turns along one run; depth 2
-// or 4), 3 stream-K over that pipeline (`splits` CTAs per SM; depth 2 or 4), 4 mode 2 with x
-// through a cp.async ring 3 chunks ahead, 5 the cp.async ring with interleaved chunks and x in
-// the same groups (depth 4 or 8). The variants that lost on one H200 (deeper rings, interleaved cp.async) are not built:
+// or 4), 3 stream-K over that pipeline (`splits` CTAs per SM; depth 2 or 4), 4 mode 2 with each
+// row block's chunks rotated (ROT). The variants that lost on one H200 (deeper rings, interleaved cp.async) are not built:
 // each costs compile time at the worker's first start.
 template <bool BF16, int MT, int R>
 int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                  int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
                  int mode, cudaStream_t s) {
-#define TM_GEMV(D, ASYNC, IL, XD) \
-  launch_gemv<BF16, MT, R, D, ASYNC, IL, XD>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, \
-                                             warps, splits, s)
+#define TM_GEMV(D, ASYNC, IL, ROT) \
+  launch_gemv<BF16, MT, R, D, ASYNC, IL, ROT>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, \
+                                              warps, splits, s)
   switch (mode) {
-    case 0: return TM_GEMV(2, false, false, 0);
-    case 1: return TM_GEMV(4, true, false, 0);
-    case 2: return depth >= 4 ? TM_GEMV(4, false, true, 0) : TM_GEMV(2, false, true, 0);
-    case 4: return depth >= 4 ? TM_GEMV(4, false, true, 4) : TM_GEMV(2, false, true, 4);
-    case 5: return depth >= 8 ? TM_GEMV(8, true, true, 8) : TM_GEMV(4, true, true, 4);
+    case 0: return TM_GEMV(2, false, false, false);
+    case 1: return TM_GEMV(4, true, false, false);
+    case 2: return depth >= 4 ? TM_GEMV(4, false, true, false) : TM_GEMV(2, false, true, false);
+    case 4: return depth >= 4 ? TM_GEMV(4, false, true, true) : TM_GEMV(2, false, true, true);
     case 3:  // stream-K: `splits` is CTAs per SM
       return depth >= 4 ? launch_streamk<BF16, MT, R, 4>(qw, sc, x, y, ws, arrivals, M, N, K, ldx,
                                                          ldy, gc, warps, splits, s)
@@ -675,7 +626,7 @@ extern "C" {
 // y[M, N] = x[M, K] @ W^T. Returns a cudaError_t (0: launched; -1: bad arguments).
 // rows_per_cta 1, 2 or 4 (N a multiple of 16 * rows_per_cta; more tiles per CTA share each x
 // operand load); warps 1..8; splits >= 1 (> 1 needs ws and arrivals, zeroed, sized
-// N / 16 * MT * 128 floats and N / 16 ints); mode 0-5 (gemv_by_mode); M > 16 needs
+// N / 16 * MT * 128 floats and N / 16 ints); mode 0-4 (gemv_by_mode); M > 16 needs
 // rows_per_cta <= 2, M > 32 rows_per_cta 1.
 int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                int M, int N, int K, int ldx, int ldy, int gc, int bf16, int rows_per_cta,

@@ -27,7 +27,9 @@ import triton.language as tl
 
 from worker.kernels.triton._launch import dot_dtype, kernel, pdl_wait
 
-_TARGET_PROGRAMS = 2 * 132  # two programs per SM of an H100/H200
+# programs a decode launch aims at: four per SM of an H100/H200 (at 8 x 32K on one H200, 16
+# splits a sequence took 257 us a layer against 395 for 9: bench/engine/staged_kv.py)
+_TARGET_PROGRAMS = 4 * 132
 _TOKENS_PER_STEP = 64
 _MIN_PARTITION = 128  # shorter partitions measured no faster and cost more merging (run 2)
 _LOG2E = 1.4426950408889634  # the prefill softmax runs in exp2
@@ -49,13 +51,13 @@ def _decode_partition_kernel(
     stride_qh,
     stride_bt,
     num_splits,
+    partition,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     GP: tl.constexpr,
     BN: tl.constexpr,
-    PARTITION: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     DOT: tl.constexpr,
     PDL: tl.constexpr,
@@ -70,8 +72,7 @@ def _decode_partition_kernel(
     offs_d = tl.arange(0, D)
 
     ctx = tl.load(context_lens + b)
-    start = split * PARTITION
-    end = tl.minimum(start + PARTITION, ctx)
+    start, end = split_range(ctx, split, num_splits, partition, BN)
     b_q = tl.load(
         q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
         mask=in_group[:, None],
@@ -117,6 +118,19 @@ def _decode_partition_kernel(
         )
 
 
+@triton.jit
+def split_range(ctx, split, num_splits, partition, BN: tl.constexpr):
+    """[start, end) of a sequence's tokens that split `split` reads: `partition` tokens a split
+    when > 0, else the sequence's own context cut into num_splits parts of whole BN-token tiles
+    (so a row's splits share its context evenly whatever the table's capacity; a split past the
+    context is empty)."""
+    per = tl.cdiv(tl.cdiv(ctx, num_splits), BN) * BN
+    if partition > 0:
+        per = partition
+    start = split * per
+    return start, tl.minimum(start + per, ctx)
+
+
 @kernel
 def _combine_kernel(
     part_out,
@@ -145,13 +159,21 @@ def _combine_kernel(
     tl.store(out + bh * D + offs_d, result.to(out.dtype.element_ty))
 
 
-def decode_partition(capacity: int, batch: int, kv_heads: int) -> int:
-    """Tokens per split: enough splits to fill the GPU, in whole steps of BN tokens."""
-    # by the batch's power-of-two bucket: the split size is a compile-time constant, so this
-    # keeps one variant per bucket (the engine's warm-up runs each), not one per batch size
+def decode_splits(capacity: int, batch: int, kv_heads: int) -> int:
+    """Splits per sequence: enough programs to fill the GPU, none shorter than _MIN_PARTITION
+    at the table's capacity. Each row cuts its own context into these (`split_range`)."""
+    # by the batch's power-of-two bucket: the split count is a compile-time choice of the
+    # combine, so this keeps one variant per bucket (the engine's warm-up runs each)
     splits = max(1, triton.cdiv(_TARGET_PROGRAMS, triton.next_power_of_2(batch) * kv_heads))
-    per_split = max(_MIN_PARTITION, triton.cdiv(capacity, splits))
-    return triton.cdiv(per_split, _TOKENS_PER_STEP) * _TOKENS_PER_STEP
+    return max(1, min(splits, capacity // _MIN_PARTITION))
+
+
+def split_plan(capacity: int, batch: int, kv_heads: int, partition: int | None) -> tuple[int, int]:
+    """(splits, partition argument): a fixed `partition` (tokens a split) where given, else
+    decode_splits' count with per-row partitions (0)."""
+    if partition:
+        return triton.cdiv(capacity, partition), partition
+    return decode_splits(capacity, batch, kv_heads), 0
 
 
 def paged_attention_decode(
@@ -173,8 +195,7 @@ def paged_attention_decode(
     if hq % hkv or triton.next_power_of_2(dim) != dim or block_tables.stride(1) != 1:
         raise ValueError(f"unsupported shape q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
     capacity = block_tables.shape[1] * block_size
-    partition = partition or decode_partition(capacity, batch, hkv)
-    num_splits = triton.cdiv(capacity, partition)
+    num_splits, partition = split_plan(capacity, batch, hkv, partition)
     out = torch.empty((batch, hq, dim), dtype=q.dtype, device=q.device)
     single = num_splits == 1
     part_out = out if single else q.new_empty((batch, hq, num_splits, dim), dtype=torch.float32)
@@ -194,13 +215,13 @@ def paged_attention_decode(
         q.stride(1),
         block_tables.stride(0),
         num_splits,
+        partition,
         HQ=hq,
         HKV=hkv,
         D=dim,
         BLOCK_SIZE=block_size,
         GP=max(16, triton.next_power_of_2(hq // hkv)),
         BN=_TOKENS_PER_STEP,
-        PARTITION=partition,
         SINGLE_SPLIT=single,
         # fp8 widens to fp16 in one instruction (to bf16 it takes a detour through fp32)
         DOT=tl.float16 if k_cache.dtype.itemsize == 1 and q.is_cuda else dot_dtype(q.device),

@@ -38,8 +38,9 @@ from worker.kernels import ops
 from worker.kernels.triton._launch import dot_dtype, kernel, pdl_wait
 from worker.kernels.triton.paged_attention import (
     _combine_kernel,
-    decode_partition,
     paged_attention_prefill,
+    split_plan,
+    split_range,
 )
 from worker.models.cache import StagedAttentionCache
 
@@ -50,9 +51,10 @@ from worker.models.cache import StagedAttentionCache
 _TOKENS_PER_STEP = 64
 _NUM_WARPS = 4
 _NUM_STAGES = 2
-# 4-bit keys' centroid lookup on CUDA: "prmt" (byte permutes, inline PTX: 1,339 us a layer at
-# 8 x 32K on one H200, the check against the reference passed) or "tree" (select tree: 1,736)
-_LOOKUP = "prmt"
+# centroid lookup on CUDA: "prmt_v3" (4-bit keys and 3-bit values by byte permutes, inline
+# PTX), "prmt" (keys only) or "tree" (select tree); at 8 x 32K on one H200, 2,048-token splits:
+# 476, 511 and 617 us a layer, each checked against the reference (bench/engine/staged_kv.py)
+_LOOKUP = "prmt_v3"
 # 3-bit codes' loads: "words" (3 int32 loads per 32 coordinates, coalesced, prefetched by the
 # loop's pipeliner: 19% fewer instructions on the code path at 64 x 4 under Triton 3.6, the
 # same output to the bit on CPU) or "bytes" (3 byte loads per 8 coordinates, one row per lane:
@@ -397,13 +399,13 @@ def _staged_decode_kernel(
     stride_qh,
     stride_bt,
     num_splits,
+    partition,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     GP: tl.constexpr,
     BN: tl.constexpr,
-    PARTITION: tl.constexpr,
     K_BITS: tl.constexpr,
     V_BITS: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
@@ -430,8 +432,7 @@ def _staged_decode_kernel(
     offs_d = tl.arange(0, D)
 
     ctx = tl.load(context_lens + b)
-    start = split * PARTITION
-    end = tl.minimum(start + PARTITION, ctx)
+    start, end = split_range(ctx, split, num_splits, partition, BN)
     b_q = tl.load(
         q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
         mask=in_group[:, None],
@@ -548,7 +549,8 @@ def staged_attention_decode(
     too, "tree" both by the select tree (always on CPU, and for other widths); code_loads
     (default `_CODE_LOADS`) "words" loads 3-bit codes as int32 words, "bytes" byte by byte;
     max_registers caps the registers per thread on CUDA (ptxas' maxnreg: more programs per SM,
-    at the risk of spills); partition sets the tokens per split, so the programs' count."""
+    at the risk of spills); partition fixes the tokens per split (default: each row cuts its own
+    context into `decode_splits`' count)."""
     batch, hq, dim = q.shape
     _, block_size, hkv, _ = cache.k_cache.shape
     if q.stride(2) != 1 or not (cache.k_cache.is_contiguous() and cache.v_cache.is_contiguous()):
@@ -566,8 +568,7 @@ def staged_attention_decode(
     # ptxas' register cap is a compile option of CUDA kernels; the interpreter has none
     cap = {"maxnreg": max_registers} if max_registers and q.is_cuda else {}
     capacity = block_tables.shape[1] * block_size
-    partition = partition or decode_partition(capacity, batch, hkv)
-    num_splits = triton.cdiv(capacity, partition)
+    num_splits, partition = split_plan(capacity, batch, hkv, partition)
     out = torch.empty((batch, hq, dim), dtype=q.dtype, device=q.device)
     single = num_splits == 1
     part_out = out if single else q.new_empty((batch, hq, num_splits, dim), dtype=torch.float32)
@@ -596,13 +597,13 @@ def staged_attention_decode(
         q.stride(1),
         block_tables.stride(0),
         num_splits,
+        partition,
         HQ=hq,
         HKV=hkv,
         D=dim,
         BLOCK_SIZE=block_size,
         GP=max(16, triton.next_power_of_2(hq // hkv)),
         BN=block_n or _TOKENS_PER_STEP,
-        PARTITION=partition,
         K_BITS=cache.k_bits,
         V_BITS=cache.v_bits,
         SINGLE_SPLIT=single,
