@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Any
 
+import torch
+
 from bench.common import median, percentile
 from bench.engine.configs import (
     build_model,
@@ -76,5 +78,41 @@ def concurrency_sweep(
                 result["decode_phases"][c] = engine_phases(engine, c, pdl=False, own_states=True)
             except Exception as exc:  # a profile is extra: keep the points
                 result["decode_phases"][c] = {"error": repr(exc)[:300]}
+    if precision == "fp8" and time.perf_counter() - began < budget:
+        result["wide_gemv_check"] = wide_gemv_check(engine, [c for c in args.sweep if c > 16])
     del engine, model
+    return result
+
+
+def wide_gemv_check(engine: Any, batches: list[int]) -> dict[str, Any]:
+    """The padded decode step at each of `batches` (> 16 rows) as a graph replay, with the
+    measured wide GEMV tilings (WIDE_DECODE_TILINGS) and with scaled_mm in their place, on the
+    same engine (graphs re-captured for each)."""
+    from bench.common import cuda_time
+    from worker.kernels.triton import fp8_gemm
+
+    if not fp8_gemm.WIDE_DECODE_TILINGS:
+        return {"skipped": "no wide tilings (python -m bench.kernels.fp8_rows --write-tuning)"}
+    runner = engine.runner
+    inputs = runner.decode_inputs
+    result: dict[str, Any] = {"tilings": len(fp8_gemm.WIDE_DECODE_TILINGS)}
+    saved = fp8_gemm.FP8_WIDE_GEMV
+    try:
+        for wide in (True, False, True):
+            fp8_gemm.FP8_WIDE_GEMV = wide
+            runner.graphs.clear()
+            runner.capture_graphs()
+            for rows in batches:
+                if rows not in runner.graphs:
+                    continue
+                inputs.fill_padding(0, inputs.max_rows)
+                inputs.host["state_slots"][:rows] = torch.arange(rows)
+                inputs.upload()
+                graph = runner.graphs[rows][0]
+                key = f"{rows} {'wide gemv' if wide else 'scaled_mm'} ms"
+                result.setdefault(key, []).append(1e3 * cuda_time(graph.replay, iters=20, warmup=3))
+    finally:
+        fp8_gemm.FP8_WIDE_GEMV = saved
+        runner.graphs.clear()
+        runner.capture_graphs()
     return result

@@ -102,6 +102,31 @@ def test_w8a8_gemv_rounds_x_per_block_and_matches_the_emulation(m, n, k, tiling)
     assert 5e-3 < rel_err(out, exact) < 4e-2  # x really went through e4m3, and only that
 
 
+@pytest.mark.parametrize("m", [24, 48])
+def test_decode_batches_of_17_to_64_rows_take_a_measured_wide_gemv(monkeypatch, m) -> None:
+    """fp8_linear at 17-64 rows runs w8_gemv where WIDE_DECODE_TILINGS holds the (shape, row
+    bucket), with that tiling."""
+    from worker.kernels.triton import fp8_gemm
+
+    n, k = 96, 512
+    tiling = DecodeTiling(64, 128, 2, 4, 2, act_fp8=True)
+    q, scale = quantize_weight(torch.randn(n, k) * 0.02)
+    x = torch.randn(m, k).bfloat16()
+    used: list[DecodeTiling | None] = []
+    real = fp8_gemm.w8_gemv
+
+    def spy(*args, **kwargs):
+        used.append(args[4] if len(args) > 4 else kwargs.get("tiling"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_gemm, "w8_gemv", spy)
+    monkeypatch.setitem(fp8_gemm.WIDE_DECODE_TILINGS, (n, k, fp8_gemm.wide_rows(m)), tiling)
+    out = fp8_gemm.fp8_linear(x, q, scale)
+    assert used == [tiling]
+    emulated = reference.fp8_linear(block_quantized_x(x, tiling.bk), q, scale, None)
+    assert rel_err(out, emulated) < 1.5e-2
+
+
 def check_gate_up_silu_mul(
     m: int, f: int, k: int, tiling: DecodeTiling | None, fp8: bool, device: str
 ) -> None:

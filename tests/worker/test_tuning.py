@@ -18,6 +18,7 @@ def tables():
     """Restore every table a test may change."""
     saved = (
         dict(fp8_gemm.DECODE_TILINGS),
+        dict(fp8_gemm.WIDE_DECODE_TILINGS),
         dict(fp8_gemm.BF16_DECODE_TILINGS),
         dict(int4_gemm.INT4_DECODE_TILINGS),
         dict(fp8_gemm.SILU_MUL_TILINGS),
@@ -27,6 +28,7 @@ def tables():
     for table, old in zip(
         (
             fp8_gemm.DECODE_TILINGS,
+            fp8_gemm.WIDE_DECODE_TILINGS,
             fp8_gemm.BF16_DECODE_TILINGS,
             int4_gemm.INT4_DECODE_TILINGS,
             fp8_gemm.SILU_MUL_TILINGS,
@@ -41,17 +43,22 @@ def tables():
 
 def test_a_snapshot_written_then_applied_restores_the_settings(tmp_path, tables):
     fp8_gemm.DECODE_TILINGS[(5120, 17408)] = fp8_gemm.DecodeTiling(32, 256, 7, 2, 4)
+    wide = fp8_gemm.DecodeTiling(64, 128, 2, 4, 3, act_fp8=True)
+    fp8_gemm.WIDE_DECODE_TILINGS[(5120, 17408, 64)] = wide
     int4_gemm.INT4_DECODE_TILINGS[(34816, 5120)] = int4_gemm.Int4Tiling(64, 128, 2, 4, 3)
     delta_rule.DECODE_LAUNCH["num_warps"] = 8
     path = tuning.path_for(GPU, tmp_path)
     assert path.name == "nvidia-h200.json"
     tuning.write(path, tuning.snapshot(GPU, "test"))
+    assert "5120x17408x64" in tuning.read(path)["fp8_wide_decode_tilings"]
     fp8_gemm.DECODE_TILINGS.clear()
+    fp8_gemm.WIDE_DECODE_TILINGS.clear()
     int4_gemm.INT4_DECODE_TILINGS.clear()
     delta_rule.DECODE_LAUNCH["num_warps"] = 4
     applied = tuning.apply_file(path, GPU)
     assert applied.path == path and applied.reason == "applied"
     assert fp8_gemm.DECODE_TILINGS[(5120, 17408)] == fp8_gemm.DecodeTiling(32, 256, 7, 2, 4)
+    assert fp8_gemm.WIDE_DECODE_TILINGS[(5120, 17408, 64)] == wide
     assert int4_gemm.INT4_DECODE_TILINGS[(34816, 5120)].splits == 2
     assert delta_rule.DECODE_LAUNCH["num_warps"] == 8
 

@@ -460,6 +460,19 @@ class DecodeTiling:
 
 # Filled by bench/engine/suite.py's sweep (fastest measured tiling per weight shape); else default.
 DECODE_TILINGS: dict[tuple[int, int], DecodeTiling] = {}
+# Decode batches of 17-64 rows (concurrency 17-64): (N, K, 32 or 64 rows) -> the `w8_gemv`
+# tiling measured faster than scaled_mm at that shape (`python -m bench.kernels.fp8_rows
+# --write-tuning`, the GPU's tuning file); a shape not here runs scaled_mm. Off with
+# TOKENMILL_FP8_WIDE_GEMV=0.
+WIDE_DECODE_TILINGS: dict[tuple[int, int, int], DecodeTiling] = {}
+FP8_WIDE_GEMV = os.environ.get("TOKENMILL_FP8_WIDE_GEMV", "1") != "0"
+
+
+def wide_rows(m: int) -> int:
+    """The row bucket of a 17-64-row decode batch in WIDE_DECODE_TILINGS."""
+    return 32 if m <= 32 else 64
+
+
 # 16-bit weights: the GEMV runs only for shapes measured faster than cuBLAS. Preset with the
 # H200 winners at the Qwen3.6-27B shapes (bench/results/2026-11-29-h200-fd36d78-gpu_suite.json:
 # 91-96% of copy bandwidth against cuBLAS's 82-94%); the sweep replaces them when it runs.
@@ -874,10 +887,18 @@ def scaled_mm(
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [..., K] -> [..., N]: w8_gemv up to FP8_GEMV_MAX_ROWS rows, w8a16 below
-    FP8_SCALED_MM_MIN_ROWS, scaled_mm from there."""
+    """x [..., K] -> [..., N]: w8_gemv up to FP8_GEMV_MAX_ROWS rows, and at 17-64 rows where
+    WIDE_DECODE_TILINGS has the shape; w8a16 below FP8_SCALED_MM_MIN_ROWS, scaled_mm from there."""
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] >= FP8_SCALED_MM_MIN_ROWS:
+    m = rows.shape[0]
+    wide = (
+        WIDE_DECODE_TILINGS.get((*weight.shape, wide_rows(m)))
+        if FP8_WIDE_GEMV and 16 < m <= 64
+        else None
+    )
+    if wide is not None:
+        out = w8_gemv(rows, weight, scale, bias, wide)
+    elif m >= FP8_SCALED_MM_MIN_ROWS:
         out = scaled_mm(rows, weight, scale, bias)
     elif rows.shape[0] <= max(16, FP8_GEMV_MAX_ROWS):
         out = w8_gemv(rows, weight, scale, bias)
