@@ -665,3 +665,17 @@ def test_prmt_decoder_gives_every_3bit_centroid(dtype: torch.dtype):
         args = {8: t, 9: x, 10: lo[0], 11: lo[1], 12: hi[0], 13: hi[1]}
         got = run_ptx(tq_kernels._PRMT_4BIT.value, args)
         assert [got[i] for i in range(8)] == [bits[c] for c in codes], codes
+
+
+@pytest.mark.parametrize(("dim", "exact"), [(64, True), (256, True), (128, False)])
+def test_rotations_run_in_16_bits_where_the_rotation_is_exact(dim: int, exact: bool) -> None:
+    """Entries +-1/sqrt(D) are powers of two for D = 4^n: a 16-bit GEMM then rotates as fp32."""
+    from worker.kvcache.staged import from_rotated, to_rotated
+
+    cache = StagedAttentionCache.allocate(2, 2, 16, 2, dim)
+    assert (cache.rotation_for(torch.bfloat16) is not None) == exact
+    x = torch.randn(5, 3, dim).bfloat16()
+    want = (x.float() @ cache.rotation).bfloat16()
+    got = to_rotated(x, cache)
+    assert got.dtype == torch.bfloat16 and rel_err(got, want) < 1e-2
+    assert rel_err(from_rotated(got, cache), x) < 1e-2
