@@ -63,6 +63,8 @@ def test_warm_up_covers_the_classes_served_traffic_forms(shape):
     assert served <= warmed, f"not warmed up: {sorted(served - warmed)}"
     # mixed steps of several widths were really served (the check is not vacuous)
     assert len({cls for cls in served if cls[0] == "decode_attention"}) >= 3
+    # and short steps in both wide-GEMV row buckets (17-32 and 33-64 tokens)
+    assert {("gemm_rows", 32, 0), ("gemm_rows", 64, 0)} <= served
 
 
 def test_warm_up_leaves_the_engine_empty_and_serving():

@@ -392,6 +392,13 @@ class LLMEngine:
                 share = (c.max_num_batched_tokens - decodes) // prefills
                 if prefills + decodes <= c.max_num_seqs and share >= 1:
                     compose(prefills, min(share, longest), decodes)
+        # Steps of 17-32 and 33-64 tokens, whose FP8 GEMMs run the wide GEMV tilings: one short
+        # prompt beside the decodes that fit.
+        for rows in (32, 64):
+            decodes = min(max(counts, default=0), rows // 2)
+            length = rows // 2 + 1 - decodes
+            if rows // 2 < c.max_num_batched_tokens and length <= longest:
+                compose(1, length, decodes if decodes < c.max_num_seqs else 0)
         # Block-table widths beside each decode bucket: one prompt per power-of-two width, whose
         # last chunk runs with the wide table.
         for decodes in [d for d in counts if d < c.max_num_seqs]:
@@ -692,11 +699,15 @@ def specialization_classes(meta: BatchMetadata) -> set[tuple[str, int, int]]:
     (per-step sizes are not specialized: `_launch.PER_STEP_SIZES`): ("seqs", prefill chunks,
     decodes), each bucketed by powers of two (the DeltaNet and attention kernels pad their
     sequence counts so), and, with decodes beside prefills, ("decode_attention", decodes'
-    bucket, block-table width), which set the decode attention's split sizes."""
+    bucket, block-table width), which set the decode attention's split sizes, and for steps of
+    at most 64 tokens ("gemm_rows", 16 / 32 / 64, 0): the GEMV row tile of the FP8 decode GEMMs
+    (from 17 rows their measured wide tilings, `fp8_gemm.WIDE_DECODE_TILINGS`)."""
     p, d = _bucket(meta.num_prefills), _bucket(meta.num_decodes)
     classes = {("seqs", p, d)}
     if d:
         classes.add(("decode_attention", d, int(meta.block_tables.shape[1])))
+    if meta.num_tokens <= 64:
+        classes.add(("gemm_rows", max(16, _bucket(meta.num_tokens)), 0))
     return classes
 
 
