@@ -52,7 +52,7 @@ def weights(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tenso
 
 
 # the built (depth, mode) variants, stream-K (mode 3) apart
-PIPELINES = ((2, 0), (4, 1), (2, 2), (4, 2), (2, 4), (4, 4))
+PIPELINES = ((2, 0), (4, 1), (2, 2), (4, 2))
 
 
 def candidates(n: int, k: int, modes: list[int] | None = None) -> list[MmaTiling]:

@@ -313,27 +313,17 @@ __device__ __forceinline__ void after_chunk(float (&acc)[R][MT][4], float (&part
 
 // Register pipeline: MT token groups of 8 (M <= 8 MT), R row tiles per CTA, D chunks of weight
 // in flight per warp in registers (16-byte loads that skip L1).
-// ROT (interleaved only): row block rb walks its K range starting 5 rb chunks in (wrapping), so
-// CTAs that run at once read different offsets of their tiles: every tile is a multiple of 8 KB
-// long, so without it concurrent reads share their low 13 address bits.
-template <bool BF16, int MT, int R, int D, bool IL, bool ROT = false>
+template <bool BF16, int MT, int R, int D, bool IL>
 __global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS) {
   TM_WARP_CHUNKS
   __half* my_sc = reinterpret_cast<__half*>(smem) + (IL ? 0 : (size_t)warp * R * rg.maxg * 16);
-  const int len = rg.c_end - rg.c_begin;
-  const int rot = ROT && len > 0 ? (int)((5u * (unsigned)rb) % (unsigned)len) : 0;
-  auto phys = [&](int c) {  // the chunk read at the warp's logical chunk c
-    if constexpr (!ROT) return c;
-    const int o = c - rg.c_begin + rot;
-    return rg.c_begin + (o >= len ? o - len : o);
-  };
 
   uint4 wbuf[D][R];
 #pragma unroll
   for (int s = 0; s < D; ++s)
     if (first + s * step < rg.c_end)
 #pragma unroll
-      for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)phys(first + s * step) * 32);
+      for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(first + s * step) * 32);
   load_scales<R, IL>(my_sc, sc, rg, G, rb, lane);
 
   float acc[R][MT][4], part[R][MT][4], xsum[1][MT][4];
@@ -349,14 +339,12 @@ __global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS) {
         uint4 wcur[R], xv[MT][2];
 #pragma unroll
         for (int r = 0; r < R; ++r) wcur[r] = wbuf[s][r];
-        load_x<BF16, MT>(xv, x, M, ldx, phys(c), g, t);
+        load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
         if (c + D * step < rg.c_end)
 #pragma unroll
-          for (int r = 0; r < R; ++r)
-            wbuf[s][r] = load_stream(wp[r] + (size_t)phys(c + D * step) * 32);
+          for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(c + D * step) * 32);
         chunk_products<BF16, MT, R>(part, xsum[0], wcur, xv);
-        after_chunk<BF16, MT, R, IL>(acc, part, xsum[0], my_sc, rg, phys(c), gc, gshift, in_group,
-                                     gi, g);
+        after_chunk<BF16, MT, R, IL>(acc, part, xsum[0], my_sc, rg, c, gc, gshift, in_group, gi, g);
       }
     }
   }
@@ -513,7 +501,7 @@ __global__ void w4_dequant_kernel(const uint4* __restrict__ qw, const __half* __
   o1[4] = reinterpret_cast<uint4*>(hi)[1];
 }
 
-template <bool BF16, int MT, int R, int D, bool ASYNC, bool IL, bool ROT = false>
+template <bool BF16, int MT, int R, int D, bool ASYNC, bool IL>
 int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                 int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits,
                 cudaStream_t stream) {
@@ -526,10 +514,7 @@ int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws
   const size_t ring_bytes = ASYNC ? (size_t)warps * D * R * 32 * 16 : 0;
   const size_t red_bytes = (size_t)warps * R * MT * 4 * 32 * sizeof(float);
   const size_t bytes = ring_bytes + sc_bytes > red_bytes ? ring_bytes + sc_bytes : red_bytes;
-  auto kernel = [] {
-    if constexpr (ASYNC) return w4_gemv_async<BF16, MT, R, D, IL>;
-    else return w4_gemv_regs<BF16, MT, R, D, IL, ROT>;
-  }();
+  auto kernel = ASYNC ? w4_gemv_async<BF16, MT, R, D, IL> : w4_gemv_regs<BF16, MT, R, D, IL>;
   if (bytes > 48 * 1024) {
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
@@ -576,21 +561,19 @@ int launch_streamk(const void* qw, const void* sc, const void* x, void* y, void*
 
 // mode: 0 register pipeline (2 chunks in flight per warp), 1 cp.async ring (4 slots), 2 the
 // register pipeline with interleaved chunks (the CTA's warps take turns along one run; depth 2
-// or 4), 3 stream-K over that pipeline (`splits` CTAs per SM; depth 2 or 4), 4 mode 2 with each
-// row block's chunks rotated (ROT). The variants that lost on one H200 (deeper rings, interleaved cp.async) are not built:
+// or 4), 3 stream-K over that pipeline (`splits` CTAs per SM; depth 2 or 4). The variants that lost on one H200 (deeper rings, interleaved cp.async) are not built:
 // each costs compile time at the worker's first start.
 template <bool BF16, int MT, int R>
 int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                  int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
                  int mode, cudaStream_t s) {
-#define TM_GEMV(D, ASYNC, IL, ROT) \
-  launch_gemv<BF16, MT, R, D, ASYNC, IL, ROT>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, \
-                                              warps, splits, s)
+#define TM_GEMV(D, ASYNC, IL) \
+  launch_gemv<BF16, MT, R, D, ASYNC, IL>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, \
+                                         warps, splits, s)
   switch (mode) {
-    case 0: return TM_GEMV(2, false, false, false);
-    case 1: return TM_GEMV(4, true, false, false);
-    case 2: return depth >= 4 ? TM_GEMV(4, false, true, false) : TM_GEMV(2, false, true, false);
-    case 4: return depth >= 4 ? TM_GEMV(4, false, true, true) : TM_GEMV(2, false, true, true);
+    case 0: return TM_GEMV(2, false, false);
+    case 1: return TM_GEMV(4, true, false);
+    case 2: return depth >= 4 ? TM_GEMV(4, false, true) : TM_GEMV(2, false, true);
     case 3:  // stream-K: `splits` is CTAs per SM
       return depth >= 4 ? launch_streamk<BF16, MT, R, 4>(qw, sc, x, y, ws, arrivals, M, N, K, ldx,
                                                          ldy, gc, warps, splits, s)
@@ -626,7 +609,7 @@ extern "C" {
 // y[M, N] = x[M, K] @ W^T. Returns a cudaError_t (0: launched; -1: bad arguments).
 // rows_per_cta 1, 2 or 4 (N a multiple of 16 * rows_per_cta; more tiles per CTA share each x
 // operand load); warps 1..8; splits >= 1 (> 1 needs ws and arrivals, zeroed, sized
-// N / 16 * MT * 128 floats and N / 16 ints); mode 0-4 (gemv_by_mode); M > 16 needs
+// N / 16 * MT * 128 floats and N / 16 ints); mode 0-3 (gemv_by_mode); M > 16 needs
 // rows_per_cta <= 2, M > 32 rows_per_cta 1.
 int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                int M, int N, int K, int ldx, int ldy, int gc, int bf16, int rows_per_cta,

@@ -46,9 +46,7 @@ class MmaTiling:
     (cp.async into a shared-memory ring of 4 chunks per warp) or 2 (the register pipeline with
     interleaved chunks: the CTA's warps take turns along one contiguous run, `depth` 2 or 4
     chunks in flight; groups of a power-of-two multiple of 64) or 3 (stream-K over mode 2's
-    pipeline: `splits` CTAs per SM share all row blocks x chunks evenly, no partial wave) or 4
-    (mode 2 with row block b starting 5 b chunks into its K range, wrapping: tiles are multiples
-    of 8 KB long, so otherwise the CTAs running at once read addresses alike in their low bits)."""
+    pipeline: `splits` CTAs per SM share all row blocks x chunks evenly, no partial wave)."""
 
     rows: int = 2
     warps: int = 8
