@@ -39,3 +39,13 @@ class BatchMetadata:
     @property
     def num_tokens(self) -> int:
         return sum(self.query_lens)
+
+
+def index_on(device: torch.device | str, values: list[int]) -> torch.Tensor:
+    """`values` as an int64 index tensor on `device`, from pinned memory on a GPU: a copy from
+    pageable memory would make the host wait for the forward queued before it (overlapped
+    decode queues the next step's work behind it)."""
+    index = torch.tensor(values, dtype=torch.int64)
+    if torch.device(device).type == "cpu":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from worker.engine.batch import BatchMetadata
+from worker.engine.batch import BatchMetadata, index_on
 from worker.engine.block_manager import BlockManager
 from worker.engine.sampler import Sampler, token_logprobs
 from worker.engine.scheduler import ScheduledBatch
@@ -440,10 +440,10 @@ class ModelRunner:
     ) -> None:
         """Re-pick the greedy token of `rows` of a launched step under their grammar masks
         (same order), queued behind its forward: what the next step feeds and reads back."""
-        from worker.structured.grammar import apply_masks, rows_on
+        from worker.structured.grammar import apply_masks
 
         assert self.decode_inputs is not None
-        index = rows_on(logits.device, rows)
+        index = index_on(logits.device, rows)
         apply_masks(logits, rows, masks, index)
         picked = torch.argmax(logits.index_select(0, index), dim=-1)
         self.decode_inputs.last_sampled.index_copy_(0, index, picked)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.batch import BatchMetadata
+from worker.engine.batch import BatchMetadata, index_on
 from worker.kernels import ops
 from worker.models.cache import StagedAttentionCache
 
@@ -82,7 +82,7 @@ def restage(
     if not moves or not caches:
         return
     recent_blocks = caches[0].num_recent_blocks
-    pairs = torch.tensor(moves, dtype=torch.int64).to(device, non_blocking=True)
+    pairs = index_on(device, [i for move in moves for i in move]).view(-1, 2)
     src, dst = pairs[:, 0], pairs[:, 1] - recent_blocks
     for cache in caches:
         ops.turboquant_restage(cache, src, dst)

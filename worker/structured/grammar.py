@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from worker.engine.batch import index_on
+
 if TYPE_CHECKING:
     import xgrammar
 
@@ -295,16 +297,6 @@ class GrammarState:
         return True
 
 
-def rows_on(device: torch.device, rows: list[int]) -> torch.Tensor:
-    """`rows` as an index tensor on `device`, from pinned memory on a GPU: a copy from pageable
-    memory would make the host wait for the forward queued before it (which overlapped decode
-    fills the masks beside)."""
-    index = torch.tensor(rows)
-    if device.type == "cpu":
-        return index
-    return index.pin_memory().to(device, non_blocking=True)
-
-
 def apply_masks(
     logits: torch.Tensor,
     rows: list[int],
@@ -312,7 +304,7 @@ def apply_masks(
     index: torch.Tensor | None = None,
 ) -> None:
     """Set to -inf, in place, the logits of `rows` that their mask (same order) forbids;
-    `index`: `rows_on(logits.device, rows)` when the caller has it. On a GPU the bitmask also
+    `index`: `index_on(logits.device, rows)` when the caller has it. On a GPU the bitmask also
     travels from pinned memory, without waiting."""
     import xgrammar as xgr
 
@@ -324,7 +316,7 @@ def apply_masks(
     indices: Any = rows  # xgrammar's GPU kernels take a device tensor too (its hint says a list)
     if not on_host:
         bitmask = bitmask.to(logits.device, non_blocking=True)
-        indices = rows_on(logits.device, rows) if index is None else index
+        indices = index_on(logits.device, rows) if index is None else index
     width = min(logits.shape[1], words * 32)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=indices)
 
