@@ -470,8 +470,8 @@ def test_triton_staged_decode_split_partitions():
 
 
 def test_triton_staged_decode_splits_each_rows_own_context():
-    # capacity 8 x 300 tokens: 16 splits (18 by programs, capped at capacity / 128), each row
-    # cutting its own context into them
+    # 8 splits a row (on a CPU) over a table of 300 pages, each row cutting its own context
+    # into them, the 9-token row's all but one empty
     check_staged_decode("cpu", [150, 9, 333], 0.5, 6, 2, 64, 8, pad_table=260)
 
 

@@ -318,11 +318,16 @@ def test_paged_attention_decode(fp8: bool, partition: int | None) -> None:
 
 def test_paged_attention_decode_splits_each_rows_own_context() -> None:
     """A table far wider than the contexts (as the engine's, sized for its context limit):
-    25 splits, each row cutting its own context into them, most splits of the short rows
-    empty."""
+    8 splits (on a CPU), each row cutting its own context into them, most splits of the short
+    rows empty."""
     from worker.kernels.triton import paged_attention as pa
 
-    assert pa.split_plan(200 * 16, 4, 2, None) == (25, 0)  # capacity / 128
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert pa.split_plan(200 * 16, 4, 2, None, cpu) == (8, 0)
+    # the count follows the batch, never the table's width: no width is a compile variant
+    assert (
+        pa.split_plan(64, 4, 2, None, cuda) == pa.split_plan(1 << 18, 4, 2, None, cuda) == (66, 0)
+    )
     check_paged_decode([1, 50, 700, 130], 6, 2, 32, 16, True, None, "cpu", width=200)
 
 

@@ -176,11 +176,9 @@ class EngineConfig:
     overlap_constrained: bool = True
     # Before serving, one step of each kernel specialization class (`LLMEngine.warm_up`), so
     # that kernels compile then, not under a user's request (TOKENMILL_ENGINE_WARM_UP; default:
-    # on for a CUDA device, off elsewhere, where no kernel compiles). Block-table widths are warmed up to warm_up_max_len tokens
-    # (TOKENMILL_ENGINE_WARM_UP_MAX_LEN; default max_model_len): a longer context meets each
-    # wider class once, a compile while it waits.
+    # on for a CUDA device, off elsewhere, where no kernel compiles). Its steps are short: no
+    # context length is a class of its own.
     warm_up: bool | None = None
-    warm_up_max_len: int | None = None
     # Prefill gathering (Scheduler): an idle engine holds new arrivals while they keep coming,
     # until a gap of prefill_gather_gap_s with none (TOKENMILL_ENGINE_PREFILL_GATHER_GAP_MS) and
     # at most prefill_gather_s (TOKENMILL_ENGINE_PREFILL_GATHER_MS), so that requests spread by
@@ -219,7 +217,6 @@ class EngineConfig:
             "overlap_decode": _env_bool("TOKENMILL_ENGINE_OVERLAP_DECODE"),
             "overlap_constrained": _env_bool("TOKENMILL_ENGINE_OVERLAP_CONSTRAINED"),
             "warm_up": _env_bool("TOKENMILL_ENGINE_WARM_UP"),
-            "warm_up_max_len": _env_int("TOKENMILL_ENGINE_WARM_UP_MAX_LEN"),
             "prefill_gather_s": env_float("TOKENMILL_ENGINE_PREFILL_GATHER_MS", 25) / 1e3,
             "prefill_gather_gap_s": env_float("TOKENMILL_ENGINE_PREFILL_GATHER_GAP_MS", 3) / 1e3,
             "state_dtype": _env_dtype("TOKENMILL_ENGINE_STATE_DTYPE"),

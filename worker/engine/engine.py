@@ -359,15 +359,16 @@ class LLMEngine:
         first seen under traffic held a whole wave of requests for 2-6 s on the H200
         (docs/performance.md). Per-step sizes (token, row and sequence counts) are not
         specialized (`_launch.PER_STEP_SIZES`); what still varies is bucketed by powers of two:
-        the number of prefill chunks and of decodes in a step (up to max_num_seqs), and the
-        block-table width of eager steps (up to max_model_len, capped by warm_up_max_len). Leaves
-        the engine empty; returns the compositions run, as "prefills x length + decodes"."""
+        the number of prefill chunks and of decodes in a step (up to max_num_seqs), and the row
+        tile of short steps' FP8 GEMMs. No context length is warmed up: the decode attention's
+        split count follows the batch, not the block table's width. Leaves the engine empty;
+        returns the compositions run, as "prefills x length + decodes"."""
         c = self.config
         decoding = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         # the smallest count of each power-of-two bucket: the most compositions fit
         counts = [b // 2 + 1 for b in _buckets(c.max_num_seqs) if b // 2 + 1 <= c.max_num_seqs]
-        longest = min(c.max_model_len - 1, c.warm_up_max_len or c.max_model_len)
+        longest = c.max_model_len - 1
         run: list[str] = []
 
         def compose(prefills: int, length: int, decodes: int, decode_len: int = 1) -> None:
@@ -395,19 +396,10 @@ class LLMEngine:
         # Steps of 17-32 and 33-64 tokens, whose FP8 GEMMs run the wide GEMV tilings: one short
         # prompt beside the decodes that fit.
         for rows in (32, 64):
-            decodes = min(max(counts, default=0), rows // 2)
-            length = rows // 2 + 1 - decodes
+            decodes = max(0, min(max(counts, default=0), rows // 2, c.max_num_seqs - 1))
+            length = rows // 2 + 1 - decodes  # rows // 2 + 1 tokens: the bucket's smallest
             if rows // 2 < c.max_num_batched_tokens and length <= longest:
-                compose(1, length, decodes if decodes < c.max_num_seqs else 0)
-        # Block-table widths beside each decode bucket: one prompt per power-of-two width, whose
-        # last chunk runs with the wide table.
-        for decodes in [d for d in counts if d < c.max_num_seqs]:
-            width = 1
-            while True:
-                compose(1, min(width * c.block_size, longest), decodes)
-                if width * c.block_size >= longest:
-                    break
-                width *= 2
+                compose(1, length, decodes)
         return run
 
     @property
@@ -698,14 +690,11 @@ def specialization_classes(meta: BatchMetadata) -> set[tuple[str, int, int]]:
     """The compile-time variants an eager step's kernels meet beyond the model's own shapes
     (per-step sizes are not specialized: `_launch.PER_STEP_SIZES`): ("seqs", prefill chunks,
     decodes), each bucketed by powers of two (the DeltaNet and attention kernels pad their
-    sequence counts so), and, with decodes beside prefills, ("decode_attention", decodes'
-    bucket, block-table width), which set the decode attention's split sizes, and for steps of
-    at most 64 tokens ("gemm_rows", 16 / 32 / 64, 0): the GEMV row tile of the FP8 decode GEMMs
-    (from 17 rows their measured wide tilings, `fp8_gemm.WIDE_DECODE_TILINGS`)."""
+    sequence counts so; the decodes' bucket also sets the decode attention's split count), and
+    for steps of at most 64 tokens ("gemm_rows", 16 / 32 / 64, 0): the GEMV row tile of the FP8
+    decode GEMMs (from 17 rows their measured wide tilings, `fp8_gemm.WIDE_DECODE_TILINGS`)."""
     p, d = _bucket(meta.num_prefills), _bucket(meta.num_decodes)
     classes = {("seqs", p, d)}
-    if d:
-        classes.add(("decode_attention", d, int(meta.block_tables.shape[1])))
     if meta.num_tokens <= 64:
         classes.add(("gemm_rows", max(16, _bucket(meta.num_tokens)), 0))
     return classes

@@ -31,7 +31,9 @@ from worker.kernels.triton._launch import dot_dtype, kernel, pdl_wait
 # splits a sequence took 257 us a layer against 395 for 9: bench/engine/staged_kv.py)
 _TARGET_PROGRAMS = 4 * 132
 _TOKENS_PER_STEP = 64
-_MIN_PARTITION = 128  # shorter partitions measured no faster and cost more merging (run 2)
+# the fewest tokens a split takes of a row's context: shorter splits measured no faster and
+# cost more merging (run 2)
+_MIN_SPLIT_TOKENS = tl.constexpr(128)
 _LOG2E = 1.4426950408889634  # the prefill softmax runs in exp2
 
 
@@ -106,7 +108,8 @@ def _decode_partition_kernel(
             mask=in_group[:, None],
         )
     else:
-        # an empty partition (past the context) leaves l_i = 0: lse -inf, weight 0 in the merge
+        # an empty split (past the context) leaves l_i = 0: it writes lse -inf only, and the
+        # merge neither weighs nor reads its row
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         lse = tl.where(l_i > 0, m_i + tl.log(safe_l), float("-inf"))
         slot = (b * HQ + heads) * num_splits + split
@@ -114,17 +117,17 @@ def _decode_partition_kernel(
         tl.store(
             part_out + slot[:, None] * D + offs_d[None, :],
             acc / safe_l[:, None],
-            mask=in_group[:, None],
+            mask=(in_group & (l_i > 0))[:, None],
         )
 
 
 @triton.jit
 def split_range(ctx, split, num_splits, partition, BN: tl.constexpr):
     """[start, end) of a sequence's tokens that split `split` reads: `partition` tokens a split
-    when > 0, else the sequence's own context cut into num_splits parts of whole BN-token tiles
-    (so a row's splits share its context evenly whatever the table's capacity; a split past the
-    context is empty)."""
-    per = tl.cdiv(tl.cdiv(ctx, num_splits), BN) * BN
+    when > 0, else the sequence's own context cut into num_splits parts of whole BN-token tiles,
+    at least _MIN_SPLIT_TOKENS each (so a row's splits share its context evenly whatever the
+    table's capacity; a split past the context is empty). BN must divide _MIN_SPLIT_TOKENS."""
+    per = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BN) * BN, _MIN_SPLIT_TOKENS)
     if partition > 0:
         per = partition
     start = split * per
@@ -152,28 +155,32 @@ def _combine_kernel(
     offs_d = tl.arange(0, D)
     parts = tl.load(
         part_out + (bh * num_splits + splits)[:, None] * D + offs_d[None, :],
-        mask=present[:, None],
+        mask=(present & (lse > float("-inf")))[:, None],
         other=0.0,
     )
     result = tl.sum(parts * weights[:, None], 0) * v_scale
     tl.store(out + bh * D + offs_d, result.to(out.dtype.element_ty))
 
 
-def decode_splits(capacity: int, batch: int, kv_heads: int) -> int:
-    """Splits per sequence: enough programs to fill the GPU, none shorter than _MIN_PARTITION
-    at the table's capacity. Each row cuts its own context into these (`split_range`)."""
-    # by the batch's power-of-two bucket: the split count is a compile-time choice of the
-    # combine, so this keeps one variant per bucket (the engine's warm-up runs each)
-    splits = max(1, triton.cdiv(_TARGET_PROGRAMS, triton.next_power_of_2(batch) * kv_heads))
-    return max(1, min(splits, capacity // _MIN_PARTITION))
+def decode_splits(batch: int, kv_heads: int, device: torch.device) -> int:
+    """Splits per sequence: enough programs to fill the GPU (on a CPU, where the interpreter runs
+    them one by one, 8: enough to exercise the merge). Each row cuts its own context into these
+    (`split_range`); splits past a short context are empty and cost a launch slot, not a pass."""
+    # by the batch's power-of-two bucket only, not the table's width: the count is a
+    # compile-time choice of the merge (SP), so one variant per bucket, which the engine's
+    # warm-up meets in its steps of each decode bucket; no width needs warming up
+    programs = _TARGET_PROGRAMS if device.type == "cuda" else 8 * triton.next_power_of_2(batch) * kv_heads  # fmt: skip
+    return max(1, triton.cdiv(programs, triton.next_power_of_2(batch) * kv_heads))
 
 
-def split_plan(capacity: int, batch: int, kv_heads: int, partition: int | None) -> tuple[int, int]:
+def split_plan(
+    capacity: int, batch: int, kv_heads: int, partition: int | None, device: torch.device
+) -> tuple[int, int]:
     """(splits, partition argument): a fixed `partition` (tokens a split) where given, else
     decode_splits' count with per-row partitions (0)."""
     if partition:
         return triton.cdiv(capacity, partition), partition
-    return decode_splits(capacity, batch, kv_heads), 0
+    return decode_splits(batch, kv_heads, device), 0
 
 
 def paged_attention_decode(
@@ -195,7 +202,7 @@ def paged_attention_decode(
     if hq % hkv or triton.next_power_of_2(dim) != dim or block_tables.stride(1) != 1:
         raise ValueError(f"unsupported shape q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
     capacity = block_tables.shape[1] * block_size
-    num_splits, partition = split_plan(capacity, batch, hkv, partition)
+    num_splits, partition = split_plan(capacity, batch, hkv, partition, q.device)
     out = torch.empty((batch, hq, dim), dtype=q.dtype, device=q.device)
     single = num_splits == 1
     part_out = out if single else q.new_empty((batch, hq, num_splits, dim), dtype=torch.float32)

@@ -515,10 +515,10 @@ def _staged_decode_kernel(
         lse = tl.where(l_i > 0, m_i + tl.log(safe_l), float("-inf"))
         slot = (b * HQ + heads) * num_splits + split
         tl.store(part_lse + slot, lse, mask=in_group)
-        tl.store(
+        tl.store(  # an empty split writes its lse (-inf) only: the merge skips its row
             part_out + slot[None, :] * D + offs_d[:, None],
             acc / safe_l[None, :],
-            mask=in_group[None, :],
+            mask=(in_group & (l_i > 0))[None, :],
         )
 
 
@@ -568,7 +568,7 @@ def staged_attention_decode(
     # ptxas' register cap is a compile option of CUDA kernels; the interpreter has none
     cap = {"maxnreg": max_registers} if max_registers and q.is_cuda else {}
     capacity = block_tables.shape[1] * block_size
-    num_splits, partition = split_plan(capacity, batch, hkv, partition)
+    num_splits, partition = split_plan(capacity, batch, hkv, partition, q.device)
     out = torch.empty((batch, hq, dim), dtype=q.dtype, device=q.device)
     single = num_splits == 1
     part_out = out if single else q.new_empty((batch, hq, num_splits, dim), dtype=torch.float32)
