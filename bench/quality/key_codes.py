@@ -93,15 +93,7 @@ def capture(model: CausalLM, ids: list[int], keep_q: bool = True) -> Captured:
         else:
             mixed, residual = layer.input_layernorm.add_forward(hidden, residual)
         attn = layer.self_attn
-        q, k, v = attn.project(mixed)
-        gate = None
-        if attn.output_gate:
-            q, gate = q.view(tokens, attn.num_heads, 2 * attn.head_dim).chunk(2, dim=-1)
-        q = q.reshape(tokens, attn.num_heads, attn.head_dim)
-        k = k.reshape(tokens, attn.num_kv_heads, attn.head_dim)
-        v = v.reshape(tokens, attn.num_kv_heads, attn.head_dim)
-        if attn.q_norm is not None and attn.k_norm is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v, gate = attn.heads(mixed)
         out.k_pre_mean.append(k.float()[ANCHOR:].mean(dim=0))
         q = ops.apply_rotary(q, positions, rotary.cos_sin(), rotary.rotary_dim)
         k = ops.apply_rotary(k, positions, rotary.cos_sin(), rotary.rotary_dim)

@@ -58,6 +58,23 @@ class Attention(nn.Module):
         assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
         return self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
 
+    def heads(
+        self, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q [T, Hq, D], k and v [T, Hkv, D] after the q/k norms, before rotary, and the output
+        gate [T, Hq, D] (None without one)."""
+        tokens = hidden.shape[0]
+        q, k, v = self.project(hidden)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v, gate
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -66,16 +83,7 @@ class Attention(nn.Module):
         rotary: RotaryTables,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q, k, v = self.project(hidden)
-        gate = None
-        if self.output_gate:
-            q, gate = q.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-
-        q = q.reshape(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v, gate = self.heads(hidden)
         q = ops.apply_rotary(q, meta.positions, rotary.cos_sin(), rotary.rotary_dim)
         k = ops.apply_rotary(k, meta.positions, rotary.cos_sin(), rotary.rotary_dim)
 
