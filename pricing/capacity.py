@@ -334,7 +334,8 @@ def bench_points(
 ) -> list[BenchPoint]:
     """Every load point of a benchmark results file (a path or the parsed document):
     - bench/engine/suite.py: `load_point` (concurrency, prompt_len, max_tokens) and one point per
-      engine section with `output_tok_s` (fp8, bf16, hf), SKU `<model>-<section>`;
+      engine section with `output_tok_s` (fp8, bf16, hf), SKU `<model>-<section>`, and one per
+      concurrency of a sweep section (`sweep_fp8` -> SKU `<model>-fp8`);
     - bench/endpoint/governed.py: `config` (preset, quantize, concurrency, prompt_tokens,
       max_tokens) and the `gateway` and `direct` figures, at the load point and at each
       concurrency of its `sweep`, SKU `<preset>-<quantize>`;
@@ -351,6 +352,27 @@ def bench_points(
         load = results.get("load_point") or {}
         base = _model_name(results.get("model")) or sku_id or "model"
         for section, figures in results["sections"].items():
+            # a concurrency sweep (sweep_fp8, sweep_w4): one point per measured concurrency
+            sweep = figures.get("points") if isinstance(figures, Mapping) else None
+            if section.startswith("sweep_") and isinstance(sweep, list):
+                for row in sweep:
+                    tps = _positive_throughput(row, "output_tok_s")
+                    if tps is None:  # a point the section's budget skipped
+                        continue
+                    points.append(
+                        BenchPoint(
+                            sku_id=f"{base}-{section.removeprefix('sweep_')}",
+                            variant="engine",
+                            output_tokens_per_second=tps,
+                            concurrency=_int(row.get("concurrency")),
+                            ttft_p95_s=_number(row.get("ttft_p95_s")),
+                            e2e_p95_s=None,
+                            prompt_tokens=_int(load.get("prompt_len")),
+                            output_tokens=_int(load.get("max_tokens")),
+                            source=source,
+                        )
+                    )
+                continue
             tps = _positive_throughput(figures, "output_tok_s")
             if tps is None:
                 continue

@@ -202,3 +202,16 @@ def test_a_concurrency_sweep_gives_a_point_per_concurrency() -> None:
     # Within a 1 s TTFT p95 the best measured is the load point at 8 (0.51 s), not 32.
     (slo,) = choose_points(points, ttft_p95_max_s=Decimal(1), variants=["gateway"])
     assert (slo.concurrency, slo.output_tokens_per_second) == (8, Decimal("708.5739419097932"))
+
+
+def test_the_engine_sweep_gives_a_point_per_measured_concurrency() -> None:
+    from pricing.capacity import bench_points, choose_points
+
+    points = bench_points(RESULTS / "2026-12-01-h200-920536c-engine_sweep.json")
+    assert {(p.sku_id, p.concurrency) for p in points} == {
+        ("qwen3.6-27b-fp8", 32),
+        ("qwen3.6-27b-fp8", 64),
+    }
+    (at32,) = choose_points(points, concurrency=32)
+    assert at32.variant == "engine" and round(at32.output_tokens_per_second) == 1870
+    assert at32.prompt_tokens == 512 and at32.output_tokens == 256
