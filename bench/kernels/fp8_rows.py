@@ -1,7 +1,9 @@
 """FP8 decode GEMMs at the batches of concurrency 17-64 (M = 32 and 64 rows): `scaled_mm`
 (per-token e4m3 activations + cuBLAS, the engine's path from 17 rows) against `w8_gemv`
 tilings, W8A8 (x quantized to e4m3 per K step, fp8 x fp8 dots: no widening of the weight) and
-W8A16, at every Qwen3.6-27B decode shape, on one GPU.
+W8A16, at every Qwen3.6-27B decode shape, on one GPU. W8A8 rounds x per 128-wide K block inside
+each program, or once per token before the launch (`x_per_token`, the per-token rounding that
+scaled_mm does).
 
     python -m bench.kernels.fp8_rows --budget-s 90 [--write-tuning]
 
@@ -14,6 +16,7 @@ weight copies larger than L2 (median of 10 replays). A tiling that beats scaled_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -33,20 +36,28 @@ WIN = 0.97  # a GEMV tiling must beat scaled_mm by 3% to replace it
 
 
 def candidates(n: int, k: int) -> list[DecodeTiling]:
+    """W8A8 tilings, with x rounded per K step in each program or once per token before the
+    launch (`x_per_token`), each at one split and at the split that best fills whole waves; two
+    W8A16 ones for comparison. (At 32 rows every winner was 128 channels x 8 warps,
+    920536c-fp8_rows.json; 64-channel tiles stay as a check.)"""
     out: set[DecodeTiling] = set()
-    for bn in (64, 128):
-        for bk in (128, 256):
-            for warps in (4, 8):
-                for stages in (3, 4):
-                    base = DecodeTiling(bn, bk, 1, warps, stages, act_fp8=True)
-                    for splits in {1, wave_splits(n, k, base)}:
-                        out.add(DecodeTiling(bn, bk, splits, warps, stages, act_fp8=True))
+    shapes = [
+        (128, bk, warps, stages) for bk in (128, 256) for warps in (4, 8) for stages in (3, 4)
+    ]
+    shapes += [(64, 128, 4, 3), (64, 128, 8, 3)]
+    for per_token in (True, False):
+        for bn, bk, warps, stages in shapes:
+            base = DecodeTiling(bn, bk, 1, warps, stages, act_fp8=True, x_per_token=per_token)
+            for splits in {1, wave_splits(n, k, base)}:
+                out.add(dataclasses.replace(base, splits=splits))
     for bn, warps in ((32, 2), (64, 4)):  # W8A16 (the weight widened to fp16) for comparison
         base = DecodeTiling(bn, 256, 1, warps, 4)
         out.add(DecodeTiling(bn, 256, wave_splits(n, k, base), warps, 4))
-    return sorted(
-        out, key=lambda t: (not t.act_fp8, t.bn, t.bk, t.num_warps, t.num_stages, t.splits)
-    )
+    return sorted(out, key=_order)
+
+
+def _order(t: DecodeTiling) -> tuple[Any, ...]:
+    return (not t.act_fp8, not t.x_per_token, t.bn, t.bk, t.num_warps, t.num_stages, t.splits)
 
 
 def shape_rows(n: int, k: int, m: int, qs: list[Any], bandwidth: float, deadline: float) -> dict[str, Any]:  # fmt: skip
@@ -133,8 +144,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         path = tuning.path_for(torch.cuda.get_device_name())
         data = tuning.read(path) if path.exists() else tuning.snapshot(torch.cuda.get_device_name())
-        import dataclasses
-
         data["fp8_wide_decode_tilings"] = {
             f"{n}x{k}x{m}": dataclasses.asdict(t)
             for (n, k, m), t in sorted(fp8k.WIDE_DECODE_TILINGS.items())

@@ -212,6 +212,7 @@ def w8a16(
 @kernel
 def _gemv_kernel(
     x,
+    x_scale,
     w,
     scale,
     bias,
@@ -235,6 +236,7 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     DOT: tl.constexpr,
     ACT_FP8: tl.constexpr,
+    X_PER_TOKEN: tl.constexpr,
     FP8_DOT: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -246,7 +248,10 @@ def _gemv_kernel(
     ACT_FP8 (fp8 weights): each K step's x block is quantized to e4m3 per row (scale = row amax /
     448 over the block's BK columns, finer than the per-token scales of prefill's scaled_mm) so
     the dot takes both operands in fp8 (FP8_DOT: straight from shared memory on the tensor
-    cores, no widening of the weight; under the interpreter the fp8 values are dotted in DOT)."""
+    cores, no widening of the weight; under the interpreter the fp8 values are dotted in DOT).
+    X_PER_TOKEN (with ACT_FP8): x arrives quantized already, e4m3 with one scale per row
+    (x_scale [M], `quantize_rows`), so no program repeats the quantization; the row scales
+    multiply the fp32 sums once, after the loop."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
     rm = tl.arange(0, BM)
@@ -268,7 +273,12 @@ def _gemv_kernel(
             wb = tl.load(w_rows + kk[None, :], mask=n_ok & (kk < K)[None, :], other=0.0)
             x_mask = (rm < M)[:, None] & (kk < K)[None, :]
         xb = tl.load(x_rows + kk[None, :], mask=x_mask, other=0.0)
-        if ACT_FP8:
+        if X_PER_TOKEN:
+            if FP8_DOT:
+                acc += tl.dot(wb, tl.trans(xb))
+            else:
+                acc += tl.dot(wb.to(DOT), tl.trans(xb.to(DOT)))
+        elif ACT_FP8:
             xf = xb.to(tl.float32)
             x_scale = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30) / FP8_MAX_VALUE
             if FP8_DOT:
@@ -281,6 +291,8 @@ def _gemv_kernel(
         else:
             acc += tl.dot(wb.to(DOT), tl.trans(xb.to(DOT)))
     mask = n_ok & m_ok
+    if X_PER_TOKEN:
+        acc *= tl.load(x_scale + rm, mask=rm < M, other=0.0)[None, :]
     if not SPLIT:
         _gemv_epilogue(acc, scale, bias, out, rn, rm, N, stride_om, mask, HAS_SCALE, HAS_BIAS)
     else:
@@ -456,6 +468,9 @@ class DecodeTiling:
     act_fp8: bool = False
     # > 0: the stream-K kernel with this many programs per SM (one wave, equal ranges)
     stream_k: int = 0
+    # with act_fp8: x quantized once per token before the launch (`quantize_rows`), instead of
+    # per K step inside every program (which repeats it N / bn times)
+    x_per_token: bool = False
 
 
 # Filled by bench/engine/suite.py's sweep (fastest measured tiling per weight shape); else default.
@@ -588,8 +603,13 @@ def w8_gemv(
     arrivals = _arrival_counters(x.device, tiles) if splits > 1 else out
     on_gpu = x.is_cuda
     dot = _gemv_dot(x, fp8)
+    per_token = fp8 and tiling.act_fp8 and tiling.x_per_token
+    x_scale: torch.Tensor = out
+    if per_token:
+        x, x_scale = quantize_rows(x)
     _gemv_kernel[(tiles, splits)](
         x,
+        x_scale,
         weight,
         scale if scale is not None else weight,
         bias if bias is not None else weight,
@@ -613,6 +633,7 @@ def w8_gemv(
         EVEN_K=k % tiling.bk == 0,
         DOT=dot,
         ACT_FP8=fp8 and tiling.act_fp8,
+        X_PER_TOKEN=per_token,
         FP8_DOT=on_gpu,
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages if on_gpu else 1,
