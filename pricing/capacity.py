@@ -351,37 +351,28 @@ def bench_points(
     if isinstance(results.get("sections"), Mapping):
         load = results.get("load_point") or {}
         base = _model_name(results.get("model")) or sku_id or "model"
+        # (SKU, concurrency, figures): each engine section at the load point, and each
+        # measured concurrency of a sweep section (sweep_fp8 -> SKU <model>-fp8)
+        engine_rows: list[tuple[str, Any, Any]] = []
         for section, figures in results["sections"].items():
-            # a concurrency sweep (sweep_fp8, sweep_w4): one point per measured concurrency
             sweep = figures.get("points") if isinstance(figures, Mapping) else None
             if section.startswith("sweep_") and isinstance(sweep, list):
-                for row in sweep:
-                    tps = _positive_throughput(row, "output_tok_s")
-                    if tps is None:  # a point the section's budget skipped
-                        continue
-                    points.append(
-                        BenchPoint(
-                            sku_id=f"{base}-{section.removeprefix('sweep_')}",
-                            variant="engine",
-                            output_tokens_per_second=tps,
-                            concurrency=_int(row.get("concurrency")),
-                            ttft_p95_s=_number(row.get("ttft_p95_s")),
-                            e2e_p95_s=None,
-                            prompt_tokens=_int(load.get("prompt_len")),
-                            output_tokens=_int(load.get("max_tokens")),
-                            source=source,
-                        )
-                    )
-                continue
+                name = f"{base}-{section.removeprefix('sweep_')}"
+                engine_rows += [
+                    (name, r.get("concurrency"), r) for r in sweep if isinstance(r, Mapping)
+                ]
+            else:
+                engine_rows.append((f"{base}-{section}", load.get("concurrency"), figures))
+        for name, concurrency, figures in engine_rows:
             tps = _positive_throughput(figures, "output_tok_s")
-            if tps is None:
+            if tps is None:  # not an engine section, or a point the budget skipped
                 continue
             points.append(
                 BenchPoint(
-                    sku_id=f"{base}-{section}",
+                    sku_id=name,
                     variant="engine",
                     output_tokens_per_second=tps,
-                    concurrency=_int(load.get("concurrency")),
+                    concurrency=_int(concurrency),
                     ttft_p95_s=_number(figures.get("ttft_p95_s")),
                     e2e_p95_s=_number(figures.get("e2e_p95_s")),
                     prompt_tokens=_int(load.get("prompt_len")),
