@@ -127,6 +127,15 @@ def profile_step(fn: Callable[[], Any], steps: int, warm: bool = True) -> dict[s
     }
 
 
+def stage_padding(inputs: Any, rows: int, own_states: bool) -> None:
+    """Every row of the padded decode inputs padding (scratch block, one-token contexts);
+    `own_states`: rows [0, rows) on idle state slots 0..rows-1 instead of the scratch slot."""
+    inputs.fill_padding(0, inputs.max_rows)
+    if own_states:
+        inputs.host["state_slots"][:rows] = torch.arange(rows)
+    inputs.upload()
+
+
 def engine_phases(
     engine: LLMEngine, rows: int | None = None, pdl: bool = True, own_states: bool = False
 ) -> dict[str, Any]:
@@ -140,10 +149,7 @@ def engine_phases(
     if inputs is None:
         return {"error": "no padded decode path"}
     rows = rows or runner.sizes[-1]
-    inputs.fill_padding(0, inputs.max_rows)
-    if own_states:
-        inputs.host["state_slots"][:rows] = torch.arange(rows)
-    inputs.upload()
+    stage_padding(inputs, rows, own_states)
     ids, meta = inputs.input_ids(rows), inputs.meta(rows)
     phases: dict[str, Any] = {"batch": rows, "graph_error": runner.graph_error}
     with torch.inference_mode():

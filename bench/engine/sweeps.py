@@ -8,15 +8,13 @@ import sys
 import time
 from typing import Any
 
-import torch
-
 from bench.common import median, percentile
 from bench.engine.configs import (
     build_model,
     load_point_engine,
 )
 from bench.engine.load_point import random_prompts, run_round
-from bench.engine.profiler import StepLog, engine_phases
+from bench.engine.profiler import StepLog, engine_phases, stage_padding
 from worker.engine.sequence import SamplingParams
 
 
@@ -94,7 +92,6 @@ def wide_gemv_check(engine: Any, batches: list[int]) -> dict[str, Any]:
     if not fp8_gemm.WIDE_DECODE_TILINGS:
         return {"skipped": "no wide tilings (python -m bench.kernels.fp8_rows --write-tuning)"}
     runner = engine.runner
-    inputs = runner.decode_inputs
     result: dict[str, Any] = {"tilings": len(fp8_gemm.WIDE_DECODE_TILINGS)}
     saved = fp8_gemm.FP8_WIDE_GEMV
     try:
@@ -105,9 +102,7 @@ def wide_gemv_check(engine: Any, batches: list[int]) -> dict[str, Any]:
             for rows in batches:
                 if rows not in runner.graphs:
                     continue
-                inputs.fill_padding(0, inputs.max_rows)
-                inputs.host["state_slots"][:rows] = torch.arange(rows)
-                inputs.upload()
+                stage_padding(runner.decode_inputs, rows, own_states=True)
                 graph = runner.graphs[rows][0]
                 key = f"{rows} {'wide gemv' if wide else 'scaled_mm'} ms"
                 result.setdefault(key, []).append(1e3 * cuda_time(graph.replay, iters=20, warmup=3))

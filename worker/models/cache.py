@@ -56,7 +56,9 @@ class StagedAttentionCache:
     rotations: dict[torch.dtype, torch.Tensor | None] = field(default_factory=dict, repr=False)
 
     def rotation_for(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The rotation in `dtype` (16-bit) when it is exact there, else None."""
+        """The rotation in `dtype` when that is a 16-bit dtype it is exact in, else None."""
+        if dtype not in (torch.bfloat16, torch.float16):
+            return None
         if dtype not in self.rotations:
             r = self.rotation.to(dtype)
             self.rotations[dtype] = r if torch.equal(r.float(), self.rotation) else None

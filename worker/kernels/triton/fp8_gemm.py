@@ -921,7 +921,7 @@ def fp8_linear(
         out = w8_gemv(rows, weight, scale, bias, wide)
     elif m >= FP8_SCALED_MM_MIN_ROWS:
         out = scaled_mm(rows, weight, scale, bias)
-    elif rows.shape[0] <= max(16, FP8_GEMV_MAX_ROWS):
+    elif m <= max(16, FP8_GEMV_MAX_ROWS):
         out = w8_gemv(rows, weight, scale, bias)
     else:
         out = w8a16(rows, weight, scale, bias)

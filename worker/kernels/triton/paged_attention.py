@@ -169,8 +169,9 @@ def decode_splits(batch: int, kv_heads: int, device: torch.device) -> int:
     # by the batch's power-of-two bucket only, not the table's width: the count is a
     # compile-time choice of the merge (SP), so one variant per bucket, which the engine's
     # warm-up meets in its steps of each decode bucket; no width needs warming up
-    programs = _TARGET_PROGRAMS if device.type == "cuda" else 8 * triton.next_power_of_2(batch) * kv_heads  # fmt: skip
-    return max(1, triton.cdiv(programs, triton.next_power_of_2(batch) * kv_heads))
+    if device.type != "cuda":
+        return 8
+    return max(1, triton.cdiv(_TARGET_PROGRAMS, triton.next_power_of_2(batch) * kv_heads))
 
 
 def split_plan(
