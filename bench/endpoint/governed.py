@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 import uuid
-from contextlib import ExitStack
+from contextlib import AsyncExitStack, ExitStack
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -80,6 +80,7 @@ async def through_gateway(
 ) -> tuple[list[dict[str, Any]], float]:
     queue = list(enumerate(prompts))
     results: list[dict[str, Any]] = []
+    began = 0.0  # the round's start, set below (each request records when it was sent)
 
     async def one(client: httpx.AsyncClient, i: int, prompt: str) -> dict[str, Any]:
         body = {
@@ -92,7 +93,7 @@ async def through_gateway(
         }
         t0 = time.perf_counter()
         out: dict[str, Any] = {"ok": False, "ttft_s": None, "completion_tokens": 0}
-        out.update(prompt_tokens=0, e2e_s=0.0, error="", cancelled=False)
+        out.update(prompt_tokens=0, e2e_s=0.0, error="", cancelled=False, sent_s=t0 - began)
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 out["error"] = f"{r.status_code} {(await r.aread())[:200]!r}"
@@ -118,19 +119,29 @@ async def through_gateway(
         out.update(ok=True, e2e_s=time.perf_counter() - t0)
         return out
 
-    async def user() -> None:
-        headers = {"authorization": f"Bearer {key}"}
-        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as client:
-            while queue:
-                i, prompt = queue.pop(0)
-                try:
-                    results.append(await one(client, i, prompt))
-                except httpx.HTTPError as exc:
-                    results.append({"ok": False, "error": repr(exc), "completion_tokens": 0})
+    async def user(client: httpx.AsyncClient) -> None:
+        while queue:
+            i, prompt = queue.pop(0)
+            try:
+                results.append(await one(client, i, prompt))
+            except httpx.HTTPError as exc:
+                results.append({"ok": False, "error": repr(exc), "completion_tokens": 0})
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*(user() for _ in range(a.concurrency)))
-    return results, time.perf_counter() - t0
+    # Each user's client is built and connected before the clock starts, as direct() connects
+    # to NATS before its clock: building an httpx client takes 20-40 ms of the event loop (its
+    # TLS context), which inside the round delayed every other stream of the first wave.
+    headers = {"authorization": f"Bearer {key}"}
+    async with AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(
+                httpx.AsyncClient(base_url=url, headers=headers, timeout=600)
+            )
+            for _ in range(a.concurrency)
+        ]
+        await asyncio.gather(*(c.get("/v1/models") for c in clients))
+        began = time.perf_counter()
+        await asyncio.gather(*(user(c) for c in clients))
+        return results, time.perf_counter() - began
 
 
 async def direct(
@@ -150,6 +161,7 @@ async def direct(
         await asyncio.sleep(0.05)
     queue = list(prompts)
     results: list[dict[str, Any]] = []
+    began = 0.0
 
     async def user() -> None:
         while queue:
@@ -173,15 +185,16 @@ async def direct(
                         ttft = time.perf_counter() - t0
                 results.append(
                     {"ok": True, "ttft_s": ttft, "e2e_s": time.perf_counter() - t0}
+                    | {"sent_s": t0 - began}
                     | {"request_id": request.request_id}
                     | {"completion_tokens": d.completion_tokens, "prompt_tokens": d.prompt_tokens}
                 )
             except Exception as exc:
                 results.append({"ok": False, "error": repr(exc), "completion_tokens": 0})
 
-    t0 = time.perf_counter()
+    began = time.perf_counter()
     await asyncio.gather(*(user() for _ in range(a.concurrency)))
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - began
     await client.close()
     await registry.close()
     await nc.close()
@@ -449,7 +462,8 @@ def main() -> int:
         "worker_load_s": load_s,
         **modes,
         "rounds": {mode: [summary(*run) for run in rr] for mode, rr in runs.items()},
-        # Every request of every round, in completion order (ttft_s, e2e_s, tokens, errors).
+        # Every request of every round, in completion order (sent_s from the round's start, ttft_s,
+        # e2e_s, tokens, errors).
         "requests_by_round": {mode: [run[0] for run in rr] for mode, rr in runs.items()},
         "gateway_cost_pct": cost,
         "reconciliation": {

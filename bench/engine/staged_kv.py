@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from bench.common import result_path, write_result
+from worker.engine.config import EngineConfig
 from worker.models.cache import StagedAttentionCache
 from worker.models.presets import QWEN3_6_27B
 
@@ -86,7 +87,7 @@ def memory_table(
     anchor: int = 1,
     context: int = 32_768,
     max_num_seqs: int = 8,
-    max_num_batched_tokens: int = 2048,
+    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
 ) -> dict[str, Any]:
     fp8_bpt, tq_bpt = per_token_bytes(k_bits, v_bits)
     f = fp8_fraction(context, window, anchor)

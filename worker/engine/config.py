@@ -130,7 +130,11 @@ class EngineConfig:
     max_num_seqs: int = (
         8  # running sequences = DeltaNet state slots (TOKENMILL_ENGINE_MAX_NUM_SEQS)
     )
-    max_num_batched_tokens: int = 2048  # tokens per step (TOKENMILL_ENGINE_MAX_NUM_BATCHED_TOKENS)
+    # Tokens per step (TOKENMILL_ENGINE_MAX_NUM_BATCHED_TOKENS): what the engine benchmarks run,
+    # so the load point's 8 x 512 prompt tokens prefill in one step (vLLM's API server takes
+    # 8,192 on GPUs of 70 GiB and more); a larger budget makes longer prefill steps, which the
+    # running decodes wait on.
+    max_num_batched_tokens: int = 4096
     # prompt + output tokens (TOKENMILL_ENGINE_MAX_MODEL_LEN); 0: the model's
     # max_position_embeddings (262,144 for Qwen3.6), resolved in place when the engine starts.
     # An operator may lower it, never raise it past the model's positions.
@@ -141,8 +145,8 @@ class EngineConfig:
     # (TOKENMILL_ENGINE_KV_STAGING_ANCHOR_PAGES / _WINDOW_PAGES) are re-encoded, a step after
     # their last write, from kv_dtype pages to TurboQuant codes of K and V bits ("k4v3": 4 and 3
     # bits per coordinate, 1-4 each; worker/kvcache/), ~2.2x fewer bytes per token than FP8 KV.
-    # Off by default: on one H200 the Triton decode over mixed pages takes 3.4x FP8 KV's time
-    # at 8 x 32K, and the load point runs at 0.886x FP8 KV's output tok/s (docs/performance.md).
+    # Off by default: on one H200 the Triton decode over mixed pages takes 1.9x FP8 KV's time
+    # at 8 x 32K, and the load point runs at 0.948x FP8 KV's output tok/s (docs/performance.md).
     kv_staging: str | None = None
     kv_staging_window_pages: int = 8
     kv_staging_anchor_pages: int = 1
