@@ -76,6 +76,10 @@ def test_the_governed_endpoint_bench_runs_end_to_end_on_cpu(tmp_path: Path) -> N
     for mode in ("direct", "gateway"):
         assert report[mode]["errors"] == 0 and report[mode]["requests"] == 4
         assert report[mode]["completion_tokens"] > 0
+        # The users start together: no client is built on the clock (an httpx client takes
+        # 20-60 ms of the event loop, which spread a round's first wave apart).
+        sent = sorted(r["sent_s"] for r in report["requests_by_round"][mode][0])
+        assert sent[1] - sent[0] < 0.015, sent
     alone = report["engine_alone"]  # the worker's engine in the bench's process first
     assert alone["completion_tokens"] > 0 and alone["output_tokens_per_s"] > 0
     assert report["worker_vs_engine"] > 0
