@@ -64,6 +64,7 @@ from worker.models.causal_lm import CausalLM, DecoderLayer
 ANCHOR = 16  # the staged cache's anchor page (1 page of 16 tokens): kept exact, left out of mu
 EARLY = (16, 48)  # positions an online encoder has seen when the first coded pages go stale
 BLOCK = 16
+MODEL = "SmolLM2-135M-Instruct (Q4_1 GGUF, fp32 weights)"
 
 
 @dataclass
@@ -324,15 +325,29 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=2048, help="tokens of held_out_text()")
+def capture_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of a study over captured q/k/v (this one and `bench.quality.kv_widths`)."""
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens of each text")
     ap.add_argument("--queries", type=int, default=256, help="last query positions scored")
     ap.add_argument("--window-pages", type=int, default=8, help="the staged cache's window")
-    ap.add_argument("--no-calib", action="store_true", help="skip the calibration-text mean")
     ap.add_argument("--gguf", type=Path, help="the SmolLM2 GGUF (default: the demo model cache)")
     ap.add_argument("--out", type=Path, help="default: $OUT, else bench/results")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
+
+
+def study_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {"tokens": args.tokens, "queries": args.queries, "window_pages": args.window_pages}
+
+
+def first_tokens(tokenizer: Any, text: str, count: int) -> list[int]:
+    encoded = tokenizer.encode(text)
+    return list(getattr(encoded, "ids", encoded))[:count]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    capture_arguments(ap)
+    ap.add_argument("--no-calib", action="store_true", help="skip the calibration-text mean")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.out is None:
@@ -345,8 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     load_s = time.perf_counter() - began
 
     def tokens_of(text: str) -> list[int]:
-        encoded = tokenizer.encode(text)
-        return list(getattr(encoded, "ids", encoded))[: args.tokens]
+        return first_tokens(tokenizer, text, args.tokens)
 
     t0 = time.perf_counter()
     cap = capture(model, tokens_of(held_out_text()))
@@ -399,11 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     layout = [(4, None, "k"), (3, None, "k"), (None, 3, "v"), (4, 3, "k"), (4, 3, "kv")]
     rows = evaluate(cap, means, layout, args.queries, args.window_pages, scale)
     result = {
-        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, fp32 weights)",
+        "model": MODEL,
         "config": {
-            "tokens": args.tokens,
-            "queries": args.queries,
-            "window_pages": args.window_pages,
+            **study_config(args),
             "anchor_tokens": ANCHOR,
             "early_positions": list(EARLY),
             "text": "held_out_text()",

@@ -21,13 +21,21 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.common import result_path, write_result
-from bench.quality.key_codes import Captured, capture, coded_mask, layer_metrics
+from bench.quality.key_codes import (
+    MODEL,
+    Captured,
+    capture,
+    capture_arguments,
+    coded_mask,
+    first_tokens,
+    layer_metrics,
+    study_config,
+)
 from worker.kvcache import turboquant as tq
 
 
@@ -120,33 +128,22 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=2048, help="tokens of each text")
-    ap.add_argument("--queries", type=int, default=256, help="last query positions scored")
-    ap.add_argument("--window-pages", type=int, default=8, help="the staged cache's window")
-    ap.add_argument("--out", type=Path, help="default: $OUT, else bench/results")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    capture_arguments(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from bench.quality.passkey import load_smollm2
     from worker.quantize.perplexity import calibration_text, held_out_text
 
     began = time.perf_counter()
-    model, tokenizer = load_smollm2("cpu", torch.float32, None)
-
-    def tokens_of(text: str) -> list[int]:
-        encoded = tokenizer.encode(text)
-        return list(getattr(encoded, "ids", encoded))[: args.tokens]
-
-    held = capture(model, tokens_of(held_out_text()))
-    calib = capture(model, tokens_of(calibration_text()))
+    model, tokenizer = load_smollm2("cpu", torch.float32, args.gguf)
+    held = capture(model, first_tokens(tokenizer, held_out_text(), args.tokens))
+    calib = capture(model, first_tokens(tokenizer, calibration_text(), args.tokens))
     scale = model.model.layers[0].self_attn.scale
     rows, order = variants(held, calib, args.queries, args.window_pages, scale, held.k[0].shape[-1])
     result = {
-        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, fp32 weights)",
+        "model": MODEL,
         "config": {
-            "tokens": args.tokens,
-            "queries": args.queries,
-            "window_pages": args.window_pages,
+            **study_config(args),
             "text": "held_out_text(); layers chosen on calibration_text()",
         },
         "v4_gain_order": order,
