@@ -64,8 +64,10 @@ def candidates(n: int, k: int, modes: list[int] | None = None) -> list[MmaTiling
         if n % (16 * rows):
             continue
         blocks = n // (16 * rows)
-        for warps in (4, 8):
-            for ctas_per_sm in (1, 2):
+        # 2 warps a CTA, 4-8 CTAs an SM: the FP8 w8_gemv's shape (small CTAs, each its own
+        # pipeline), the one structure of that kernel not tried here yet
+        for warps in (2, 4, 8):
+            for ctas_per_sm in (4, 8) if warps == 2 else (1, 2):
                 splits = max(1, min(-(-ctas_per_sm * 132 // blocks), groups // warps))
                 for depth, mode in PIPELINES:
                     out.add(MmaTiling(rows, warps, splits, depth, mode))
