@@ -71,13 +71,14 @@ QUESTION = "\nWhat is the pass key? The pass key is"
 ANSWER_TOKENS = 6  # a 5-digit key and its leading space: SmolLM2 spells digits one a token
 
 # KV modes: EngineConfig overrides. "staged" is the engine's default staging; variants are
-# named staged-k<K bits>v<V bits>[-w<window pages>][-a<anchor pages>] (mode_overrides).
+# named staged-k<K bits>v<V bits>[+k<bits>v<bits>@<layer>,...][-w<window pages>][-a<anchor
+# pages>] (mode_overrides), the part before -w a kv_staging setting.
 MODES: dict[str, dict[str, Any]] = {
     "16-bit": {"kv_dtype": torch.bfloat16},
     "fp8": {"kv_dtype": FP8},
     "staged": {"kv_dtype": FP8, "kv_staging": "k4v3"},
 }
-_VARIANT = re.compile(r"^staged-(k\dv\d)(?:-w(\d+))?(?:-a(\d+))?$")
+_VARIANT = re.compile(r"^staged-(k\dv\d(?:\+k\dv\d@\d+(?:,\d+)*)*)(?:-w(\d+))?(?:-a(\d+))?$")
 
 
 def mode_overrides(mode: str) -> dict[str, Any]:

@@ -62,6 +62,18 @@ def test_an_answer_counts_only_as_the_exact_number():
     assert not pk.answered(tok, tok.encode(" none"), "48213")
 
 
+def test_staged_mode_names_carry_the_engine_setting():
+    assert pk.mode_overrides("staged-k4v3+k4v4@7,8-w16")["kv_staging"] == "k4v3+k4v4@7,8"
+    assert pk.mode_overrides("staged-k4v3+k4v4@7,8-w16")["kv_staging_window_pages"] == 16
+    assert pk.mode_overrides("staged-k3v4-a2") == {
+        "kv_dtype": pk.FP8,
+        "kv_staging": "k3v4",
+        "kv_staging_anchor_pages": 2,
+    }
+    with pytest.raises(ValueError, match="unknown KV mode"):
+        pk.mode_overrides("staged-k4v3+k4v4")
+
+
 def test_chunked_scoring_equals_one_window_prefill_and_staging_moves_it(tiny):
     ids = [(i * 37 + 11) % 500 + 1 for i in range(400)]
     cfg = pk.engine_config(len(ids), 64, kv_staging_window_pages=2)

@@ -11,7 +11,7 @@ import torch
 
 from tests.worker.helpers import SMALL_ENGINE
 from worker.engine.block_manager import staged_pool_blocks
-from worker.engine.engine import EngineConfig, LLMEngine, kv_staging_bits
+from worker.engine.engine import EngineConfig, LLMEngine, kv_staging_bits, kv_staging_layer_bits
 from worker.engine.sequence import SamplingParams
 from worker.models import build_random, presets
 from worker.models.cache import AttentionCache, DeltaNetState, StagedAttentionCache
@@ -64,6 +64,18 @@ def test_kv_staging_setting_parses_bit_widths():
             kv_staging_bits(bad)
 
 
+def test_kv_staging_setting_gives_layers_widths_of_their_own():
+    setting = "k4v3+k4v4@3,7+k3v3@11"
+    assert kv_staging_bits(setting) == (4, 3)
+    assert kv_staging_layer_bits(setting) == {3: (4, 4), 7: (4, 4), 11: (3, 3)}
+    assert kv_staging_layer_bits("k4v3") == {}
+    for bad in ("k4v3+k4v4", "k4v3+k5v4@3", "k4v3+k4v4@", "k4v3+k4v4@3,"):
+        with pytest.raises(ValueError, match="@<layer>"):
+            kv_staging_bits(bad)
+    with pytest.raises(ValueError, match="layer 3 is given widths twice"):
+        kv_staging_layer_bits("k4v3+k4v4@3+k3v3@3")
+
+
 def test_from_env_reads_staging(monkeypatch):
     monkeypatch.setenv("TOKENMILL_ENGINE_KV_STAGING", "k3v2")
     monkeypatch.setenv("TOKENMILL_ENGINE_KV_STAGING_WINDOW_PAGES", "4")
@@ -97,6 +109,33 @@ def test_staged_engine_allocates_staged_layers_and_sizes_both_pools(model):
     assert not plain.block_manager.num_compressed_blocks
     assert all(not isinstance(e, StagedAttentionCache) for e in plain.runner.cache.layers)
     assert any(isinstance(e, AttentionCache) for e in plain.runner.cache.layers)
+
+
+def test_layers_named_in_the_setting_are_staged_at_their_widths(model):
+    attention = [i for i, k in enumerate(model.config.layer_types) if k == "full_attention"]
+    wide = attention[-1]
+    cfg = config(kv_staging=f"k4v3+k4v4@{wide}", kv_staging_window_pages=2)
+    outputs, engine = serve(model, cfg, prompts(model.config.vocab_size))
+    cache = engine.runner.cache
+    for index in attention:
+        layer = cache.layers[index]
+        assert isinstance(layer, StagedAttentionCache)
+        assert (layer.k_bits, layer.v_bits) == ((4, 4) if index == wide else (4, 3))
+        assert layer.v_codes.shape[-1] == model.config.head_dim * layer.v_bits // 8
+    uniform = LLMEngine(model, None, config(**WINDOW_2)).runner.cache
+    extra = model.config.num_key_value_heads * model.config.head_dim // 8  # one more V bit
+    assert cache.compressed_kv_bytes_per_token() == uniform.compressed_kv_bytes_per_token() + extra
+    assert engine.runner.restaged_pages > 0  # the wide layer's pages were coded too
+    assert [len(o) for o in outputs] == [MAX_TOKENS] * len(outputs)
+
+
+def test_a_setting_naming_a_layer_without_attention_is_refused(model):
+    types = model.config.layer_types
+    other = next((i for i, k in enumerate(types) if k != "full_attention"), len(types))
+    with pytest.raises(
+        ValueError, match=f"names layers \\[{other}\\], which are not full-attention"
+    ):
+        LLMEngine(model, None, config(kv_staging=f"k4v3+k4v4@{other}"))
 
 
 def test_a_byte_budget_is_split_by_page_sizes(model):

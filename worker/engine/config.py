@@ -89,15 +89,40 @@ def context_limit(config: EngineConfig, model: Any) -> int:
     return config.max_model_len
 
 
+_WIDTHS = r"k([1-4])v([1-4])"
+
+
 def kv_staging_bits(setting: str | None) -> tuple[int, int] | None:
-    """(K bits, V bits) of a kv_staging setting such as "k4v3"; None when off ("", "off")."""
+    """(K bits, V bits) of a kv_staging setting such as "k4v3" (its default widths when it
+    names layers too, "k4v3+k4v4@3,7"); None when off ("", "off")."""
     value = (setting or "").strip().lower()
     if value in ("", "0", "off", "none", "false"):
         return None
-    match = re.fullmatch(r"k([1-4])v([1-4])", value)
+    match = re.fullmatch(_WIDTHS, value.split("+")[0])
     if match is None:
         raise ValueError(f"kv_staging={setting!r}: expected k<bits>v<bits>, 1-4 bits, e.g. k4v3")
+    kv_staging_layer_bits(setting)  # the layers' part is checked with the rest
     return int(match[1]), int(match[2])
+
+
+def kv_staging_layer_bits(setting: str | None) -> dict[int, tuple[int, int]]:
+    """Model layer index -> (K bits, V bits) for the layers a kv_staging setting gives widths of
+    their own: "k4v3+k4v4@3,7" stages layers 3 and 7 at K4/V4, every other attention layer at
+    K4/V3 (`python -m bench.quality.kv_widths` ranks the layers by what a wider V buys)."""
+    parts = (setting or "").strip().lower().split("+")[1:]
+    out: dict[int, tuple[int, int]] = {}
+    for part in parts:
+        match = re.fullmatch(_WIDTHS + r"@(\d+(?:,\d+)*)", part)
+        if match is None:
+            raise ValueError(
+                f"kv_staging={setting!r}: expected k<bits>v<bits>+k<bits>v<bits>@<layer>,<layer>"
+                ", e.g. k4v3+k4v4@3,7"
+            )
+        for layer in map(int, match[3].split(",")):
+            if layer in out:
+                raise ValueError(f"kv_staging={setting!r}: layer {layer} is given widths twice")
+            out[layer] = (int(match[1]), int(match[2]))
+    return out
 
 
 class ContextLengthExceeded(ValueError):
@@ -144,7 +169,8 @@ class EngineConfig:
     # sequence's first kv_staging_anchor_pages and last kv_staging_window_pages
     # (TOKENMILL_ENGINE_KV_STAGING_ANCHOR_PAGES / _WINDOW_PAGES) are re-encoded, a step after
     # their last write, from kv_dtype pages to TurboQuant codes of K and V bits ("k4v3": 4 and 3
-    # bits per coordinate, 1-4 each; worker/kvcache/), ~2.2x fewer bytes per token than FP8 KV.
+    # bits per coordinate, 1-4 each; worker/kvcache/), ~2.2x fewer bytes per token than FP8 KV;
+    # "k4v3+k4v4@3,7" gives model layers 3 and 7 widths of their own (kv_staging_layer_bits).
     # Off by default: on one H200 the Triton decode over mixed pages takes 1.9x FP8 KV's time
     # at 8 x 32K, and the load point runs at 0.948x FP8 KV's output tok/s (docs/performance.md).
     kv_staging: str | None = None

@@ -28,6 +28,7 @@ from worker.engine.config import (
     context_limit,
     kv_budget_bytes,
     kv_staging_bits,
+    kv_staging_layer_bits,
     size_text,
 )
 from worker.engine.detokenizer import IncrementalDetokenizer
@@ -121,6 +122,7 @@ class LLMEngine:
         use_mma_kernels(model, model_dtype(model), config.max_num_seqs)
         config.max_model_len = context_limit(config, model)
         self.kv_staging_bits = kv_staging_bits(config.kv_staging)
+        self.kv_staging_layer_bits = kv_staging_layer_bits(config.kv_staging)
         if config.enable_prefix_caching and self.kv_staging_bits is not None:
             raise ValueError("prefix caching does not combine with kv_staging")
         if config.enable_prefix_caching and config.prefix_checkpoint_blocks < 1:
@@ -133,7 +135,7 @@ class LLMEngine:
         num_blocks, num_compressed = self._kv_pool()
         staging = None
         if self.kv_staging_bits is not None:
-            staging = KVStaging(num_compressed, *self.kv_staging_bits)
+            staging = KVStaging(num_compressed, *self.kv_staging_bits, self.kv_staging_layer_bits)
         self.runner = ModelRunner(
             model,
             num_blocks=num_blocks,
@@ -211,7 +213,9 @@ class LLMEngine:
             recent = min(need, total)
             compressed = total - recent
         else:
-            probe = self._probe_cache(KVStaging(1, *self.kv_staging_bits))
+            probe = self._probe_cache(
+                KVStaging(1, *self.kv_staging_bits, self.kv_staging_layer_bits)
+            )
             recent_page = probe.kv_bytes_per_token() * cfg.block_size
             compressed_page = probe.compressed_kv_bytes_per_token() * cfg.block_size
             device = torch.device(cfg.device) if cfg.device else model_device(self.model)

@@ -4,6 +4,7 @@ recurrent and conv state for DeltaNet layers."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,11 @@ class KVStaging:
     num_compressed_blocks: int
     k_bits: int = 4
     v_bits: int = 3
+    # model layer index -> (K bits, V bits) of the layers staged at widths of their own
+    layer_bits: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+
+    def bits_of(self, layer: int) -> tuple[int, int]:
+        return self.layer_bits.get(layer, (self.k_bits, self.v_bits))
 
 
 @dataclass

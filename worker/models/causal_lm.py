@@ -125,8 +125,15 @@ class CausalLM(nn.Module):
         """`num_blocks` KV pages per full-attention layer; with `staging`, these are the recent
         pool of a StagedAttentionCache beside its compressed pool."""
         c = self.config
+        if staging is not None:
+            attention = {i for i, kind in enumerate(c.layer_types) if kind == FULL_ATTENTION}
+            if not set(staging.layer_bits) <= attention:
+                raise ValueError(
+                    f"kv_staging names layers {sorted(set(staging.layer_bits) - attention)}, "
+                    f"which are not full-attention layers of this model ({sorted(attention)})"
+                )
         layers: list[AttentionCache | StagedAttentionCache | DeltaNetState] = []
-        for kind in c.layer_types:
+        for index, kind in enumerate(c.layer_types):
             if kind == FULL_ATTENTION and staging is not None:
                 layers.append(
                     StagedAttentionCache.allocate(
@@ -135,8 +142,7 @@ class CausalLM(nn.Module):
                         block_size,
                         c.num_key_value_heads,
                         c.head_dim,
-                        staging.k_bits,
-                        staging.v_bits,
+                        *staging.bits_of(index),
                         kv_dtype,
                         device,
                     )
