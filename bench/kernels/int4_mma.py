@@ -34,6 +34,7 @@ from worker.kernels import reference
 from worker.kernels.cuda import int4_mma
 from worker.kernels.cuda.int4_mma import MmaTiling
 from worker.kernels.triton import int4_gemm as i4
+from worker.kernels.triton.fp8_gemm import scaled_mm
 
 
 def log(*args: Any) -> None:
@@ -171,7 +172,12 @@ def prefill_section() -> dict[str, Any]:
             reference.int4_dequantize(q, s, None, GROUP).bfloat16(),
         )
         rows: dict[str, Any] = {"dequant_exact": same}
-        for m in (512, 2048):
+
+        def e4m3_path(x: torch.Tensor, mq: torch.Tensor = mq, ms: torch.Tensor = ms) -> Any:
+            w8, channel = int4_mma.dequantize_e4m3(mq, ms, GROUP)
+            return scaled_mm(x, w8, channel)
+
+        for m in (512, 2048, 4096):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             mma_t = triton.testing.do_bench(
                 lambda x=x, mq=mq, ms=ms: int4_mma.int4_mma_linear(x, mq, ms, GROUP)
@@ -179,7 +185,15 @@ def prefill_section() -> dict[str, Any]:
             tri_t = triton.testing.do_bench(
                 lambda x=x, q=q, s=s: i4.int4_linear(x, q, s, None, GROUP)
             )
-            rows[str(m)] = {"mma_us": mma_t * 1e3, "triton_us": tri_t * 1e3}
+            e4m3_t = triton.testing.do_bench(lambda x=x: e4m3_path(x))
+            exact = x.float() @ reference.int4_dequantize(q, s, None, GROUP).T
+            rows[str(m)] = {
+                "mma_us": mma_t * 1e3,
+                "triton_us": tri_t * 1e3,
+                # TOKENMILL_INT4_PREFILL=fp8 on the mma layout: e4m3 scratch + scaled_mm
+                "mma_e4m3_us": e4m3_t * 1e3,
+                "mma_e4m3_rel_err": rel_err(e4m3_path(x), exact),
+            }
         result[name] = rows
         torch.cuda.empty_cache()
     return result

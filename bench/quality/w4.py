@@ -18,6 +18,8 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ from worker.quantize.scheme import INT4, Scheme
 
 CACHE = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
 WINDOW = 512
+E4M3_MAX = 448.0
 
 
 @dataclass
@@ -62,6 +65,35 @@ def fake_quantize_rtn(model: CausalLM, targets: set[str], scheme: Scheme) -> Non
             p.copy_(dequantize(q).to(p.dtype))
 
 
+@contextmanager
+def e4m3_prefill(model: CausalLM, targets: set[str]) -> Iterator[None]:
+    """The numerics of the e4m3 prefill path (`TOKENMILL_INT4_PREFILL=fp8`: the int4 weight
+    dequantized to e4m3 with a scale per output channel, x rounded to e4m3 per token, as
+    `scaled_mm` does) on every target linear while inside; the weights are restored after."""
+    kept: dict[str, torch.Tensor] = {}
+    hooks = []
+
+    def rounded(t: torch.Tensor, dim: int) -> torch.Tensor:
+        scale = t.abs().amax(dim=dim, keepdim=True).clamp_min(1e-12) / E4M3_MAX
+        return (t / scale).to(torch.float8_e4m3fn).to(t.dtype) * scale
+
+    with torch.no_grad():
+        for name in targets:
+            module = model.get_submodule(name)
+            weight = module.get_parameter("weight")
+            kept[name] = weight.detach().clone()
+            weight.copy_(rounded(weight, 1))
+            hooks.append(module.register_forward_pre_hook(lambda _, a: (rounded(a[0], -1),)))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        with torch.no_grad():
+            for name, w in kept.items():
+                model.get_submodule(name).get_parameter("weight").copy_(w)
+
+
 def evaluate(
     gguf: Path,
     eval_tokens: int = 8192,
@@ -69,6 +101,7 @@ def evaluate(
     asym: bool = True,
     act_order: bool = True,
     log: Any = None,
+    e4m3: bool = False,
 ) -> dict[str, Any]:
     """The quality table as a JSON-ready dict (rows: 16-bit, RTN and GPTQ per scheme)."""
     model, tokenizer = load_model(gguf, "cpu", torch.float32)
@@ -92,6 +125,15 @@ def evaluate(
     ref = perplexity(model, eval_ids, WINDOW)
     rows = [Row("16-bit (dequantized Q4_1 GGUF)", ref, 0.0, 0.0)]
     say(f"16-bit: {ref:.3f}")
+
+    def with_e4m3_prefill(name: str, targets: set[str]) -> None:
+        if e4m3:
+            with e4m3_prefill(model, targets):
+                ppl = perplexity(model, eval_ids, WINDOW)
+            rows.append(Row(f"{name}, e4m3 prefill", ppl, 100 * (ppl / ref - 1), 0.0))
+            say(f"{rows[-1].name}: {ppl:.3f} ({rows[-1].vs_16bit_pct:+.1f}%)")
+
+    with_e4m3_prefill("16-bit", int4_targets(model, Scheme()))
     schemes = [Scheme(128, True)] + ([Scheme(128, False)] if asym else [])
     for scheme in schemes:
         label = f"g{scheme.group_size} {'sym' if scheme.symmetric else 'asym'}"
@@ -114,6 +156,7 @@ def evaluate(
             ppl = perplexity(model, eval_ids, WINDOW)
             rows.append(Row(f"{method.upper()} {label}", ppl, 100 * (ppl / ref - 1), took))
             say(f"{rows[-1].name}: {ppl:.3f} ({rows[-1].vs_16bit_pct:+.1f}%, {took:.0f} s)")
+            with_e4m3_prefill(rows[-1].name, targets)
     restore()
     return {
         "model": gguf.name,
@@ -154,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration-tokens", type=int, default=16_384)
     parser.add_argument("--no-asym", action="store_true", help="the symmetric rows only")
     parser.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--e4m3-prefill",
+        action="store_true",
+        help="each row again with the e4m3 prefill path's rounding (weights per channel, x per token)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--out", type=Path, default=result_path("w4_quality"))
     args = parser.parse_args(argv)
@@ -166,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         asym=not args.no_asym,
         act_order=args.act_order,
         log=sys.stderr,
+        e4m3=args.e4m3_prefill,
     )
     print(table(result))
     write_result(args.out, result)

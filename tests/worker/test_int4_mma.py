@@ -169,6 +169,8 @@ def test_the_kernel_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         (2, 8, 3, 2, 3),
         (1, 4, 2, 4, 3),
         (4, 8, 1, 2, 2),
+        (4, 2, 2, 2, 2),
+        (1, 2, 1, 2, 0),
     ],
 )
 def test_gemv_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int, int] | None) -> None:
@@ -200,3 +202,34 @@ def test_dequantize_and_prefill_on_gpu(dtype: torch.dtype) -> None:
     x = torch.randn(300, 1024, device="cuda", dtype=dtype)
     got = int4_mma.int4_mma_linear(x, words, mma_scales, 128)
     assert rel_err(got.float(), x.float() @ want.T) < 1e-2
+
+
+def test_e4m3_channel_scales_follow_the_rows_of_the_mma_scales() -> None:
+    """The FP8 prefill's scale per output channel, read from the mma layout's [N / 16, G, 16]
+    scales: each channel's largest |int4 value| (8 x its largest group scale) maps to 448."""
+    from worker.kernels.cuda import int4_mma
+
+    qweight, scales = random_codes(48, 320)
+    _, mma_scales = reference.int4_mma_pack(qweight, scales)
+    want = scales.float().abs().amax(dim=1) * (8 / 448)
+    torch.testing.assert_close(int4_mma.e4m3_channel_scales(mma_scales), want, rtol=0, atol=0)
+
+
+@GPU
+@needs_cuda
+def test_e4m3_dequantize_and_prefill_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.kernels.cuda import int4_mma
+    from worker.kernels.triton import int4_gemm
+
+    q = quantize_rtn(torch.randn(512, 1024, device="cuda") * 0.02, 128, True)
+    words, mma_scales = reference.int4_mma_pack(q.qweight, q.scales)
+    w8, channel = int4_mma.dequantize_e4m3(words, mma_scales, 128)
+    codes = torch.stack((q.qweight & 0xF, q.qweight >> 4), dim=-1).reshape(512, 1024).float() - 8
+    group_scales = q.scales.float().repeat_interleave(128, dim=1)
+    want = (codes * (group_scales * (1.0 / channel)[:, None])).to(torch.float8_e4m3fn)
+    assert torch.equal(w8.view(torch.uint8), want.view(torch.uint8))  # the same fp32 products
+    x = torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16)
+    exact = x.float() @ reference.int4_dequantize(q.qweight, q.scales, None, 128).T
+    monkeypatch.setattr(int4_gemm, "INT4_PREFILL", "fp8")
+    got = int4_mma.int4_mma_linear(x, words, mma_scales, 128)
+    assert 1e-3 < rel_err(got.float(), exact) < 6e-2  # e4m3's rounding, x per token

@@ -102,6 +102,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {
     "tm_w4_gemv": [_P] * 6 + [_I] * 12 + [_P],
     "tm_w4_dequant": [_P] * 3 + [_I] * 4 + [_P],
+    "tm_w4_dequant_e4m3": [_P] * 4 + [_I] * 3 + [_P],
 }
 
 
@@ -179,22 +180,59 @@ def gemv(
     return out
 
 
+def _scratch_view(device: torch.device, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """An [N, K] view of the per-device prefill scratch, grown to the largest weight seen (the
+    prefill GEMMs of one stream dequantize into it one after another)."""
+    nbytes = n * k * dtype.itemsize
+    buf = _scratch.get(device)
+    if buf is None or buf.numel() < nbytes:
+        buf = _scratch[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf[:nbytes].view(dtype).view(n, k)
+
+
 def dequantize(
     qweight: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """The [N, K] weight in `dtype` (bf16/fp16), written into a reusable per-device scratch."""
     n, k = 16 * qweight.shape[0], 64 * qweight.shape[1]
-    buf = _scratch.get(qweight.device)
-    if buf is None or buf.dtype != dtype or buf.numel() < n * k:
-        _scratch.pop(qweight.device, None)
-        buf = _scratch[qweight.device] = torch.empty(n * k, dtype=dtype, device=qweight.device)
-    out = buf[: n * k].view(n, k)
+    out = _scratch_view(qweight.device, n, k, dtype)
     code = _library(qweight.device).tm_w4_dequant(
         qweight.data_ptr(), scales.data_ptr(), out.data_ptr(), n, k, group_size // 64,
         int(dtype == torch.bfloat16), torch.cuda.current_stream(qweight.device).cuda_stream,
     )  # fmt: skip
     _check(code, "int4-mma dequantize")
     return out
+
+
+def e4m3_channel_scales(scales: torch.Tensor) -> torch.Tensor:
+    """fp32 [N]: a scale per output channel that maps its int4 values into e4m3's range: codes
+    minus 8 reach -8, so the channel's largest group scale x 8 lands on e4m3's largest, 448."""
+    largest = scales.float().abs().amax(dim=1).reshape(-1)  # mma scales [N / 16, G, 16]
+    return (largest * (8.0 / torch.finfo(torch.float8_e4m3fn).max)).clamp_min(1e-12)
+
+
+def dequantize_e4m3(
+    qweight: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the [N, K] weight in e4m3 over `e4m3_channel_scales`, in the scratch; those scales):
+    the operands of the FP8 prefill path's scaled_mm."""
+    n, k = 16 * qweight.shape[0], 64 * qweight.shape[1]
+    out = _scratch_view(qweight.device, n, k, torch.float8_e4m3fn)
+    channel = e4m3_channel_scales(scales)
+    inverse = 1.0 / channel
+    code = _library(qweight.device).tm_w4_dequant_e4m3(
+        qweight.data_ptr(), scales.data_ptr(), inverse.data_ptr(), out.data_ptr(), n, k,
+        group_size // 64, torch.cuda.current_stream(qweight.device).cuda_stream,
+    )  # fmt: skip
+    _check(code, "int4-mma dequantize to e4m3")
+    return out, channel
+
+
+def _prefill_in_e4m3() -> bool:
+    """TOKENMILL_INT4_PREFILL=fp8, the switch the triton layout's prefill reads too."""
+    from worker.kernels.triton import int4_gemm
+
+    return int4_gemm.INT4_PREFILL == "fp8"
 
 
 def int4_mma_linear(
@@ -211,6 +249,11 @@ def int4_mma_linear(
         y = gemv(x2, qweight, scales, group_size)
         if bias is not None:
             y = y + bias
+    elif _prefill_in_e4m3():
+        from worker.kernels.triton.fp8_gemm import scaled_mm
+
+        w8, channel = dequantize_e4m3(qweight, scales, group_size)
+        y = scaled_mm(x2, w8, channel, bias)
     else:
         y = F.linear(x2, dequantize(qweight, scales, group_size, x.dtype), bias)
     return y.reshape(*lead, y.shape[-1])
