@@ -41,7 +41,8 @@ GIB = 1 << 30
 FP8 = torch.float8_e4m3fn
 MILLION = 1_000_000
 ENVELOPE_GIB = 86.4
-WEIGHTS_GIB = {"FP8 weights": 26.25, "W4 weights": 15.0}
+# resident weights of the 27B shape as measured (2026-12-01-h200-ad5d6a5-gpu_suite.json)
+WEIGHTS_GIB = {"FP8 weights": 26.25, "W4 weights": 15.28}
 BLOCK = 16
 
 
