@@ -30,6 +30,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace {
 
 template <bool BF16>
@@ -461,20 +463,27 @@ __global__ void __launch_bounds__(256) w4_gemv_streamk(TM_GEMV_PARAMS) {
   }
 }
 
-// One thread per 16-byte word quad: rows (g, g + 8) of its tile, 16 consecutive k each.
-template <bool BF16>
+// One thread per 16-byte word quad: rows (g, g + 8) of its tile, 16 consecutive k each, as
+// 16-bit floats (prefill through cuBLAS) or, SCALED, as e4m3 of q * s_g / cs_n with inv_cs =
+// 1 / cs per output channel (the FP8 prefill path's scaled_mm operand).
+template <typename Out, bool SCALED>
 __global__ void w4_dequant_kernel(const uint4* __restrict__ qw, const __half* __restrict__ sc,
-                                  typename Num<BF16>::T* __restrict__ out, int N, int K, int gc) {
-  using T = typename Num<BF16>::T;
+                                  const float* __restrict__ inv_cs, Out* __restrict__ out, int N,
+                                  int K, int gc) {
+  using Vec = typename std::conditional<sizeof(Out) == 2, uint4, uint2>::type;  // 8 values
   const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int NC = K >> 6, G = (NC + gc - 1) / gc;
   if (idx >= (size_t)(N >> 4) * NC * 32) return;
   const int lane = idx & 31, c = (idx >> 5) % NC, rt = (int)((idx >> 5) / NC);
   const int g = lane >> 2, t = lane & 3;
-  const float s0 = __half2float(sc[((size_t)rt * G + c / gc) * 16 + g]);
-  const float s1 = __half2float(sc[((size_t)rt * G + c / gc) * 16 + g + 8]);
+  float s0 = __half2float(sc[((size_t)rt * G + c / gc) * 16 + g]);
+  float s1 = __half2float(sc[((size_t)rt * G + c / gc) * 16 + g + 8]);
+  if (SCALED) {
+    s0 *= inv_cs[rt * 16 + g];
+    s1 *= inv_cs[rt * 16 + g + 8];
+  }
   const uint4 w = qw[idx];
-  __align__(16) T lo[16], hi[16];
+  __align__(16) Out lo[16], hi[16];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const uint32_t v = word(w, i);
@@ -484,63 +493,22 @@ __global__ void w4_dequant_kernel(const uint4* __restrict__ qw, const __half* __
       const float q0 = (float)((v >> (4 * j)) & 0xf) - 8.f;
       const float q1 = (float)((v >> (4 * j + 16)) & 0xf) - 8.f;
       if (j & 1) {
-        hi[e] = (T)(q0 * s1);
-        hi[e + 1] = (T)(q1 * s1);
+        hi[e] = Out(q0 * s1);
+        hi[e + 1] = Out(q1 * s1);
       } else {
-        lo[e] = (T)(q0 * s0);
-        lo[e + 1] = (T)(q1 * s0);
+        lo[e] = Out(q0 * s0);
+        lo[e + 1] = Out(q1 * s0);
       }
     }
   }
   // products 0, 1 hold k = 64 c + 8 t + 0..7; products 2, 3 hold 64 c + 32 + 8 t + 0..7
   const size_t k0 = (size_t)c * 64 + 8 * t;
-  uint4* o0 = reinterpret_cast<uint4*>(out + ((size_t)rt * 16 + g) * K + k0);
-  uint4* o1 = reinterpret_cast<uint4*>(out + ((size_t)rt * 16 + g + 8) * K + k0);
-  o0[0] = reinterpret_cast<uint4*>(lo)[0];
-  o0[4] = reinterpret_cast<uint4*>(lo)[1];
-  o1[0] = reinterpret_cast<uint4*>(hi)[0];
-  o1[4] = reinterpret_cast<uint4*>(hi)[1];
-}
-
-// The same walk for the FP8 prefill path: q * s_g / cs_n rounded to e4m3 (inv_cs = 1 / cs per
-// output channel), 8-byte stores of 8 consecutive k.
-__global__ void w4_dequant_e4m3_kernel(const uint4* __restrict__ qw, const __half* __restrict__ sc,
-                                       const float* __restrict__ inv_cs,
-                                       __nv_fp8_e4m3* __restrict__ out, int N, int K, int gc) {
-  const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  const int NC = K >> 6, G = (NC + gc - 1) / gc;
-  if (idx >= (size_t)(N >> 4) * NC * 32) return;
-  const int lane = idx & 31, c = (idx >> 5) % NC, rt = (int)((idx >> 5) / NC);
-  const int g = lane >> 2, t = lane & 3;
-  const float s0 = __half2float(sc[((size_t)rt * G + c / gc) * 16 + g]) * inv_cs[rt * 16 + g];
-  const float s1 =
-      __half2float(sc[((size_t)rt * G + c / gc) * 16 + g + 8]) * inv_cs[rt * 16 + g + 8];
-  const uint4 w = qw[idx];
-  __align__(8) __nv_fp8_e4m3 lo[16], hi[16];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t v = word(w, i);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int e = 4 * i + 2 * (j >> 1);
-      const float q0 = (float)((v >> (4 * j)) & 0xf) - 8.f;
-      const float q1 = (float)((v >> (4 * j + 16)) & 0xf) - 8.f;
-      if (j & 1) {
-        hi[e] = __nv_fp8_e4m3(q0 * s1);
-        hi[e + 1] = __nv_fp8_e4m3(q1 * s1);
-      } else {
-        lo[e] = __nv_fp8_e4m3(q0 * s0);
-        lo[e + 1] = __nv_fp8_e4m3(q1 * s0);
-      }
-    }
-  }
-  const size_t k0 = (size_t)c * 64 + 8 * t;
-  uint2* o0 = reinterpret_cast<uint2*>(out + ((size_t)rt * 16 + g) * K + k0);
-  uint2* o1 = reinterpret_cast<uint2*>(out + ((size_t)rt * 16 + g + 8) * K + k0);
-  o0[0] = reinterpret_cast<uint2*>(lo)[0];
-  o0[4] = reinterpret_cast<uint2*>(lo)[1];
-  o1[0] = reinterpret_cast<uint2*>(hi)[0];
-  o1[4] = reinterpret_cast<uint2*>(hi)[1];
+  Vec* o0 = reinterpret_cast<Vec*>(out + ((size_t)rt * 16 + g) * K + k0);
+  Vec* o1 = reinterpret_cast<Vec*>(out + ((size_t)rt * 16 + g + 8) * K + k0);
+  o0[0] = reinterpret_cast<Vec*>(lo)[0];
+  o0[4] = reinterpret_cast<Vec*>(lo)[1];
+  o1[0] = reinterpret_cast<Vec*>(hi)[0];
+  o1[4] = reinterpret_cast<Vec*>(hi)[1];
 }
 
 template <bool BF16, int MT, int R, int D, bool ASYNC, bool IL>
@@ -674,16 +642,15 @@ int tm_w4_dequant(const void* qw, const void* sc, void* out, int N, int K, int g
                   void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (N % 16 || K % 64 || gc < 1) return -1;
-  const size_t quads = (size_t)(N / 16) * (K / 64) * 32;
-  const unsigned blocks = (unsigned)((quads + 255) / 256);
+  const unsigned blocks = (unsigned)(((size_t)(N / 16) * (K / 64) * 32 + 255) / 256);
+  const uint4* q = static_cast<const uint4*>(qw);
+  const __half* h = static_cast<const __half*>(sc);
   if (bf16)
-    w4_dequant_kernel<true><<<blocks, 256, 0, s>>>(static_cast<const uint4*>(qw),
-                                                   static_cast<const __half*>(sc),
-                                                   static_cast<__nv_bfloat16*>(out), N, K, gc);
+    w4_dequant_kernel<__nv_bfloat16, false>
+        <<<blocks, 256, 0, s>>>(q, h, nullptr, static_cast<__nv_bfloat16*>(out), N, K, gc);
   else
-    w4_dequant_kernel<false><<<blocks, 256, 0, s>>>(static_cast<const uint4*>(qw),
-                                                    static_cast<const __half*>(sc),
-                                                    static_cast<__half*>(out), N, K, gc);
+    w4_dequant_kernel<__half, false>
+        <<<blocks, 256, 0, s>>>(q, h, nullptr, static_cast<__half*>(out), N, K, gc);
   return (int)cudaGetLastError();
 }
 
@@ -691,9 +658,8 @@ int tm_w4_dequant_e4m3(const void* qw, const void* sc, const void* inv_cs, void*
                        int gc, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (N % 16 || K % 64 || gc < 1) return -1;
-  const size_t quads = (size_t)(N / 16) * (K / 64) * 32;
-  const unsigned blocks = (unsigned)((quads + 255) / 256);
-  w4_dequant_e4m3_kernel<<<blocks, 256, 0, s>>>(
+  const unsigned blocks = (unsigned)(((size_t)(N / 16) * (K / 64) * 32 + 255) / 256);
+  w4_dequant_kernel<__nv_fp8_e4m3, true><<<blocks, 256, 0, s>>>(
       static_cast<const uint4*>(qw), static_cast<const __half*>(sc),
       static_cast<const float*>(inv_cs), static_cast<__nv_fp8_e4m3*>(out), N, K, gc);
   return (int)cudaGetLastError();
