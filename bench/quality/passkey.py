@@ -18,11 +18,12 @@ TurboQuant K/V codes past each sequence's anchor and window pages).
     python -m bench.quality.passkey --lengths 2048 --trials 4 --ppl-tokens 2048   # a quick look
     python -m bench.quality.passkey --device cuda --lengths 4096 8176 --ppl-tokens 8000 --batch 20  # on a GPU
 
-On a GPU the weights are bf16 (fp32 on a CPU) and the KV pool is sized as on a CPU (room for
-`--batch` whole sequences; staged: their recent pages plus as many compressed), not from the
-GPU's free memory. `--batch` trials of one length are in flight at once (one engine per KV
-mode, the prefill budget still `--chunk` tokens a step, so no prompt is prefilled in a longer
-chunk than one trial alone would be; only the rounding of batched matmuls differs).
+On a GPU the weights are bf16 unless `--weights float32` (fp32 on a CPU) and the KV pool is
+sized as on a CPU (room for `--batch` whole sequences; staged: their recent pages plus as many
+compressed), not from the GPU's free memory. `--batch` trials of one length are in flight at
+once (one engine per KV mode, the prefill budget still `--chunk` tokens a step, so no prompt is
+prefilled in a longer chunk than one trial alone would be; only the rounding of batched
+matmuls differs).
 
 Prints the table and writes JSON (default bench/results/<date>-<gpu>-<sha>-passkey.json),
 rewritten after every KV mode so a run stopped early keeps what it measured.
@@ -410,6 +411,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--batch", type=int, default=1, help="trials of one length in flight")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--weights",
+        choices=["bfloat16", "float32"],
+        help="the model's weights (default: bfloat16 on a GPU, float32 on a CPU; the GGUF's "
+        "Q4_1 codes dequantize exactly into float32)",
+    )
     ap.add_argument("--gguf", type=Path, help="the SmolLM2 GGUF (default: the demo model cache)")
     ap.add_argument(
         "--gguf-parts",
@@ -432,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     if args.gguf_parts:
         args.gguf = join_parts(args.gguf_parts, args.gguf or Path("/tmp/smollm2.gguf"))
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    dtype = getattr(torch, args.weights or ("bfloat16" if args.device == "cuda" else "float32"))
     model, tokenizer = load_smollm2(args.device, dtype, args.gguf)
     load_s = time.perf_counter() - began
 
