@@ -37,9 +37,9 @@ WIN = 0.97  # a GEMV tiling must beat scaled_mm by 3% to replace it
 
 def candidates(n: int, k: int) -> list[DecodeTiling]:
     """W8A8 tilings, with x rounded per K step in each program or once per token before the
-    launch (`x_per_token`), each at one split and at the split that best fills whole waves; two
-    W8A16 ones for comparison. (At 32 rows every winner was 128 channels x 8 warps,
-    920536c-fp8_rows.json; 64-channel tiles stay as a check.)"""
+    launch (`x_per_token`), each at one split, at the split that best fills whole waves and at
+    twice that; two W8A16 ones for comparison. (At 32 rows every winner was 128 channels x 8
+    warps, 920536c-fp8_rows.json; 64-channel tiles stay as a check.)"""
     out: set[DecodeTiling] = set()
     shapes = [
         (128, bk, warps, stages) for bk in (128, 256) for warps in (4, 8) for stages in (3, 4)
@@ -48,7 +48,9 @@ def candidates(n: int, k: int) -> list[DecodeTiling]:
     for per_token in (True, False):
         for bn, bk, warps, stages in shapes:
             base = DecodeTiling(bn, bk, 1, warps, stages, act_fp8=True, x_per_token=per_token)
-            for splits in {1, wave_splits(n, k, base)}:
+            wave = wave_splits(n, k, base)
+            # and two waves' worth, for the shapes with few column tiles (down: 40 of 128)
+            for splits in {1, wave, min(2 * wave, max(1, k // bk // 4))}:
                 out.add(dataclasses.replace(base, splits=splits))
     for bn, warps in ((32, 2), (64, 4)):  # W8A16 (the weight widened to fp16) for comparison
         base = DecodeTiling(bn, 256, 1, warps, 4)
