@@ -464,11 +464,11 @@ __global__ void __launch_bounds__(256) w4_gemv_streamk(TM_GEMV_PARAMS) {
 }
 
 // One thread per 16-byte word quad: rows (g, g + 8) of its tile, 16 consecutive k each, as
-// 16-bit floats (prefill through cuBLAS) or, SCALED, as e4m3 of q * s_g / cs_n with inv_cs =
-// 1 / cs per output channel (the FP8 prefill path's scaled_mm operand).
+// 16-bit floats (prefill through cuBLAS) or, SCALED, as e4m3 of q * s_g / cs_n, cs the scale
+// per output channel (the FP8 prefill path's scaled_mm operand).
 template <typename Out, bool SCALED>
 __global__ void w4_dequant_kernel(const uint4* __restrict__ qw, const __half* __restrict__ sc,
-                                  const float* __restrict__ inv_cs, Out* __restrict__ out, int N,
+                                  const float* __restrict__ cs, Out* __restrict__ out, int N,
                                   int K, int gc) {
   using Vec = typename std::conditional<sizeof(Out) == 2, uint4, uint2>::type;  // 8 values
   const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -479,8 +479,8 @@ __global__ void w4_dequant_kernel(const uint4* __restrict__ qw, const __half* __
   float s0 = __half2float(sc[((size_t)rt * G + c / gc) * 16 + g]);
   float s1 = __half2float(sc[((size_t)rt * G + c / gc) * 16 + g + 8]);
   if (SCALED) {
-    s0 *= inv_cs[rt * 16 + g];
-    s1 *= inv_cs[rt * 16 + g + 8];
+    s0 *= 1.f / cs[rt * 16 + g];
+    s1 *= 1.f / cs[rt * 16 + g + 8];
   }
   const uint4 w = qw[idx];
   __align__(16) Out lo[16], hi[16];
@@ -654,14 +654,14 @@ int tm_w4_dequant(const void* qw, const void* sc, void* out, int N, int K, int g
   return (int)cudaGetLastError();
 }
 
-int tm_w4_dequant_e4m3(const void* qw, const void* sc, const void* inv_cs, void* out, int N, int K,
+int tm_w4_dequant_e4m3(const void* qw, const void* sc, const void* cs, void* out, int N, int K,
                        int gc, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (N % 16 || K % 64 || gc < 1) return -1;
   const unsigned blocks = (unsigned)(((size_t)(N / 16) * (K / 64) * 32 + 255) / 256);
   w4_dequant_kernel<__nv_fp8_e4m3, true><<<blocks, 256, 0, s>>>(
       static_cast<const uint4*>(qw), static_cast<const __half*>(sc),
-      static_cast<const float*>(inv_cs), static_cast<__nv_fp8_e4m3*>(out), N, K, gc);
+      static_cast<const float*>(cs), static_cast<__nv_fp8_e4m3*>(out), N, K, gc);
   return (int)cudaGetLastError();
 }
 

@@ -130,7 +130,6 @@ def _check(code: int, what: str) -> None:
 
 _workspaces: dict[torch.device, torch.Tensor] = {}
 _arrivals: dict[torch.device, torch.Tensor] = {}
-_scratch: dict[torch.device, torch.Tensor] = {}
 
 
 def _zeroed(cache: dict[torch.device, torch.Tensor], device: torch.device, n: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
@@ -180,14 +179,11 @@ def gemv(
     return out
 
 
-def _scratch_view(device: torch.device, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """An [N, K] view of the per-device prefill scratch, grown to the largest weight seen (the
-    prefill GEMMs of one stream dequantize into it one after another)."""
-    nbytes = n * k * dtype.itemsize
-    buf = _scratch.get(device)
-    if buf is None or buf.numel() < nbytes:
-        buf = _scratch[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return buf[:nbytes].view(dtype).view(n, k)
+def _scratch(device: torch.device, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The prefill scratch both int4 layouts dequantize into (one per device)."""
+    from worker.kernels.triton.int4_gemm import dequant_scratch
+
+    return dequant_scratch(device, n, k, dtype)
 
 
 def dequantize(
@@ -195,7 +191,7 @@ def dequantize(
 ) -> torch.Tensor:
     """The [N, K] weight in `dtype` (bf16/fp16), written into a reusable per-device scratch."""
     n, k = 16 * qweight.shape[0], 64 * qweight.shape[1]
-    out = _scratch_view(qweight.device, n, k, dtype)
+    out = _scratch(qweight.device, n, k, dtype)
     code = _library(qweight.device).tm_w4_dequant(
         qweight.data_ptr(), scales.data_ptr(), out.data_ptr(), n, k, group_size // 64,
         int(dtype == torch.bfloat16), torch.cuda.current_stream(qweight.device).cuda_stream,
@@ -217,11 +213,10 @@ def dequantize_e4m3(
     """(the [N, K] weight in e4m3 over `e4m3_channel_scales`, in the scratch; those scales):
     the operands of the FP8 prefill path's scaled_mm."""
     n, k = 16 * qweight.shape[0], 64 * qweight.shape[1]
-    out = _scratch_view(qweight.device, n, k, torch.float8_e4m3fn)
+    out = _scratch(qweight.device, n, k, torch.float8_e4m3fn)
     channel = e4m3_channel_scales(scales)
-    inverse = 1.0 / channel
     code = _library(qweight.device).tm_w4_dequant_e4m3(
-        qweight.data_ptr(), scales.data_ptr(), inverse.data_ptr(), out.data_ptr(), n, k,
+        qweight.data_ptr(), scales.data_ptr(), channel.data_ptr(), out.data_ptr(), n, k,
         group_size // 64, torch.cuda.current_stream(qweight.device).cuda_stream,
     )  # fmt: skip
     _check(code, "int4-mma dequantize to e4m3")
