@@ -8,7 +8,8 @@ today's triton int4 GEMV and the FP8 GEMV, on one GPU.
 3. decode: per weight shape, candidate `MmaTiling`s at M = 8 (rows per CTA, warps, K splits,
    loads in flight), each checked against the reference and timed as CUDA-graph replays over
    weight copies larger than L2 (median of 10 replays); the best at M = 1, 16, 32, 64; the
-   triton int4 GEMV at its tuned tiling and FP8 `w8_gemv` at the same shape and M = 8.
+   triton int4 GEMV at its tuned tiling and FP8 `w8_gemv` at the same shape and M = 8; the
+   best register-pipeline and bulk-copy tilings again as probes without the math.
 4. prefill: the mma layout's dequantization + cuBLAS against the triton dequantization + cuBLAS
    at M = 512 and 2048.
 Prints the table and `MMA_DECODE_TILINGS` entries to paste; writes JSON.
@@ -75,6 +76,10 @@ def candidates(n: int, k: int, modes: list[int] | None = None) -> list[MmaTiling
             for ctas_per_sm in (2, 4):  # stream-K
                 for depth in (2, 4):
                     out.add(MmaTiling(rows, warps, ctas_per_sm, depth, 3))
+        for warps in (4, 8):  # the bulk-copy ring: consumer warps, CTAs an SM, stages
+            for ctas_per_sm in (1, 2):
+                for depth in (3, 4, 6):
+                    out.add(MmaTiling(rows, warps, ctas_per_sm, depth, 4))
     if modes is not None:
         out = {t for t in out if t.mode in modes}
     tuned = int4_mma.MMA_DECODE_TILINGS.get((n, k))
@@ -121,6 +126,27 @@ def time_triton(m: int, n: int, k: int, ws: list[Any], x: torch.Tensor, ref: tor
         return {"error": err(exc)}
 
 
+def probes(rows: list[dict[str, Any]], ws: list[Any], x: torch.Tensor, ref: torch.Tensor,
+           n: int, k: int, bandwidth: float) -> dict[str, Any]:  # fmt: skip
+    """Where the time goes: the best register-pipeline (mode 2) and bulk-copy (mode 4) tilings
+    at M = 8 timed again as probes that stream the same weights without x or the products
+    (modes 6 and 5). A probe near copy bandwidth says the math holds the stream back."""
+    out: dict[str, Any] = {}
+    for mode, probe in ((2, 6), (4, 5)):
+        good = [r for r in rows if r.get("ok") and f"mode={mode})" in r["tiling"]]
+        if not good:
+            continue
+        best = min(good, key=lambda r: r["us"])
+        t = eval(best["tiling"], {"MmaTiling": MmaTiling})  # noqa: S307 (our own repr)
+        row = time_mma(8, n, k, ws, x, ref, dataclasses.replace(t, mode=probe), bandwidth)
+        row.pop("ok", None)
+        row.pop("rel_err", None)
+        out[f"mode{probe}"] = {"of": best["tiling"], "math_us": best["us"], **row}
+        log(f"  {n}x{k} probe {probe} of {best['tiling']}: {row.get('us', float('nan')):.1f} us "
+            f"{100 * row.get('of_copy', float('nan')):.0f}% (with the math {best['us']:.1f} us)")  # fmt: skip
+    return out
+
+
 def decode_shape(
     n: int, k: int, bandwidth: float, deadline: float, modes: list[int] | None = None
 ) -> dict[str, Any]:
@@ -156,6 +182,7 @@ def decode_shape(
     for m in (1, 16, 32, 64):
         xm, refm = case(m)
         result["by_m"][m] = {"mma": time_mma(m, n, k, ws, xm, refm, best_tiling, bandwidth)}
+    result["probes"] = probes(result["m8"], ws, x, ref, n, k, bandwidth)
     ws.clear()
     torch.cuda.empty_cache()
     return result
@@ -212,6 +239,11 @@ def print_table(report: dict[str, Any]) -> None:
             fp8 = min((v["us"] for v in f8.values() if isinstance(v, dict) and "us" in v), default=float("nan"))  # fmt: skip
             print(f"{name:<28} {m:>3} {r.get('us', float('nan')):>7.2f} "
                   f"{100 * r.get('of_copy', float('nan')):>5.1f}% {tri:>9.2f} {fp8:>7.2f}  {r.get('tiling', '-')}")  # fmt: skip
+    for name, row in report.get("decode", {}).items():
+        for probe, p in row.get("probes", {}).items():
+            print(f"probe {name:<22} {probe}: {p.get('us', float('nan')):.2f} us "
+                  f"({100 * p.get('of_copy', float('nan')):.1f}% of copy; with the math "
+                  f"{p['math_us']:.2f} us) of {p['of']}")  # fmt: skip
     for name, rows in report.get("prefill", {}).items():
         print(f"prefill {name}: {rows}")
     print("\n# MMA_DECODE_TILINGS (worker/kernels/cuda/int4_mma.py)")

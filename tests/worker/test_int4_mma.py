@@ -171,6 +171,10 @@ def test_the_kernel_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         (4, 8, 1, 2, 2),
         (4, 2, 2, 2, 2),
         (1, 2, 1, 2, 0),
+        (4, 8, 2, 4, 4),
+        (2, 4, 1, 3, 4),
+        (1, 8, 2, 6, 4),
+        (4, 4, 3, 2, 4),
     ],
 )
 def test_gemv_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int, int] | None) -> None:

@@ -316,7 +316,7 @@ __device__ __forceinline__ void after_chunk(float (&acc)[R][MT][4], float (&part
 
 // Register pipeline: MT token groups of 8 (M <= 8 MT), R row tiles per CTA, D chunks of weight
 // in flight per warp in registers (16-byte loads that skip L1).
-template <bool BF16, int MT, int R, int D, bool IL>
+template <bool BF16, int MT, int R, int D, bool IL, bool PROBE = false>
 __global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS) {
   TM_WARP_CHUNKS
   __half* my_sc = reinterpret_cast<__half*>(smem) + (IL ? 0 : (size_t)warp * R * rg.maxg * 16);
@@ -334,6 +334,7 @@ __global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS) {
   zero(part);
   zero(xsum);
   int in_group = 0, gi = 0;  // chunk within its group, group index from g0: no divisions
+  uint32_t probe = 0;
   for (int base = first; base < rg.c_end; base += D * step) {
 #pragma unroll
     for (int s = 0; s < D; ++s) {
@@ -342,15 +343,22 @@ __global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS) {
         uint4 wcur[R], xv[MT][2];
 #pragma unroll
         for (int r = 0; r < R; ++r) wcur[r] = wbuf[s][r];
-        load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
+        if (!PROBE) load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
         if (c + D * step < rg.c_end)
 #pragma unroll
           for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(c + D * step) * 32);
-        chunk_products<BF16, MT, R>(part, xsum[0], wcur, xv);
-        after_chunk<BF16, MT, R, IL>(acc, part, xsum[0], my_sc, rg, c, gc, gshift, in_group, gi, g);
+        if (PROBE) {
+#pragma unroll
+          for (int r = 0; r < R; ++r) probe ^= wcur[r].x ^ wcur[r].y ^ wcur[r].z ^ wcur[r].w;
+        } else {
+          chunk_products<BF16, MT, R>(part, xsum[0], wcur, xv);
+          after_chunk<BF16, MT, R, IL>(acc, part, xsum[0], my_sc, rg, c, gc, gshift, in_group, gi,
+                                       g);
+        }
       }
     }
   }
+  if (PROBE) acc[0][0][0] = __uint_as_float(probe & 0x3fffffffu);
   finish<BF16, MT, R>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy, rb, 1,
                       gridDim.y);
 }
@@ -463,6 +471,216 @@ __global__ void __launch_bounds__(256) w4_gemv_streamk(TM_GEMV_PARAMS) {
   }
 }
 
+// Bulk-copy pipeline (sm_90): one producer warp streams the weights into a shared-memory ring
+// with `cp.async.bulk` (the copy engine; one instruction moves a whole stage of a tile, and
+// the bytes in flight are set by the ring, not by registers or by how soon the math warps come
+// back), and W consumer warps turn them into products. gridDim.x CTAs stay resident and split
+// the N / 16R row blocks x NC / W stages evenly, in row-block order (as stream-K does), so the
+// producer never drains between row blocks and no wave is partial. A stage is W chunks of one
+// row block (one per consumer warp), R copies of W x 512 contiguous bytes. Barriers: full[d]
+// (the producer's expect_tx, completed by the copies' bytes) and empty[d] (one arrival per
+// consumer warp). PROBE: the consumers skip x and the products (the stream alone, for timing).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred P1;\n"
+      "TM_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra TM_DONE;\n"
+      "bra TM_WAIT;\n"
+      "TM_DONE:\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes,
+                                          uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+#endif
+
+// The consumers' end of a row block's segment (count of its NC chunks): as `finish`, with a
+// named barrier over the W consumer warps (the producer never joins).
+__device__ __forceinline__ void consumer_sync(int threads) {
+  asm volatile("bar.sync 1, %0;\n" ::"r"(threads) : "memory");
+}
+template <bool BF16, int MT, int R>
+__device__ __forceinline__ void consumer_finish(const float (&acc)[R][MT][4], float* red,
+                                                int* last, typename Num<BF16>::T* __restrict__ y,
+                                                float* ws, int* arrivals, int M, int N, int ldy,
+                                                int rb, int count, int total, int W) {
+  using T = typename Num<BF16>::T;
+  constexpr int V = R * MT * 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const bool whole = count == total;
+  consumer_sync(W * 32);  // red and *last are free
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        red[((size_t)warp * V + (r * MT + mt) * 4 + q) * 32 + lane] = acc[r][mt][q];
+  consumer_sync(W * 32);
+  bool done = whole;
+  if (!whole) {
+    float* slab = ws + (size_t)rb * V * 32;
+    for (int v = warp; v < V; v += W) {
+      float sum = 0.f;
+      for (int w = 0; w < W; ++w) sum += red[((size_t)w * V + v) * 32 + lane];
+      atomicAdd(slab + v * 32 + lane, sum);
+    }
+    __threadfence();
+    consumer_sync(W * 32);
+    if (threadIdx.x == 0) *last = atomicAdd(arrivals + rb, count) + count == total;
+    consumer_sync(W * 32);
+    done = *last;
+    if (done) __threadfence();
+  }
+  if (done) {
+    for (int v = warp; v < V; v += W) {
+      float sum;
+      if (!whole) {
+        float* cell = ws + ((size_t)rb * V + v) * 32 + lane;
+        sum = __ldcg(cell);
+        *cell = 0.f;
+      } else {
+        sum = 0.f;
+        for (int w = 0; w < W; ++w) sum += red[((size_t)w * V + v) * 32 + lane];
+      }
+      const int q = v & 3, rmt = v >> 2, r = rmt / MT, mt = rmt % MT;
+      const int row = (rb * R + r) * 16 + g + 8 * (q >> 1);
+      const int m = mt * 8 + 2 * t + (q & 1);
+      if (m < M && row < N) y[(size_t)m * ldy + row] = (T)sum;
+    }
+    if (!whole && threadIdx.x == 0) arrivals[rb] = 0;
+  }
+}
+
+template <bool BF16, int MT, int R, bool PROBE>
+__global__ void __launch_bounds__(288) w4_gemv_bulk(TM_GEMV_PARAMS, int D) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int V = R * MT * 4;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ int last;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = (blockDim.x >> 5) - 1;
+  const int g = lane >> 2, t = lane & 3;
+  const int NC = K >> 6, G = (NC + gc - 1) / gc, SPB = NC / W;  // stages per row block
+  const long long stages = (long long)(N / (16 * R)) * SPB;
+  const long long t0 = stages * blockIdx.x / gridDim.x, t1 = stages * (blockIdx.x + 1) / gridDim.x;
+  uint4* ring = reinterpret_cast<uint4*>(smem);  // [D][R][W chunks][32 lanes]
+  float* red = reinterpret_cast<float*>(ring + (size_t)D * R * W * 32);
+  uint64_t* full = reinterpret_cast<uint64_t*>(red + (size_t)W * V * 32);
+  uint64_t* empty = full + D;
+  if (threadIdx.x == 0) {
+    for (int d = 0; d < D; ++d) {
+      mbar_init(full + d, 1);
+      mbar_init(empty + d, W);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (warp == W) {  // the producer
+    if (lane == 0) {
+      const uint32_t bytes = (uint32_t)W * 512;
+      int d = 0;
+      uint32_t phase = 0;
+      for (long long s = t0; s < t1; ++s) {
+        mbar_wait(empty + d, phase ^ 1);  // a fresh barrier passes parity 1 at once
+        mbar_expect_tx(full + d, bytes * R);
+        const int rb = (int)(s / SPB), c0 = (int)(s % SPB) * W;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          bulk_copy(ring + ((size_t)d * R + r) * W * 32, qw + ((size_t)(rb * R + r) * NC + c0) * 32,
+                    bytes, full + d);
+        if (++d == D) {
+          d = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+  constexpr float O = Num<BF16>::OFFSET;
+  int d = 0;
+  uint32_t phase = 0;
+  for (long long s = t0; s < t1;) {
+    const int rb = (int)(s / SPB);
+    const long long seg_end = min(t1, (long long)(rb + 1) * SPB);
+    const int count = (int)(seg_end - s) * W;
+    float acc[R][MT][4], part[R][MT][4], xsum[MT][4];
+    zero(acc);
+    uint32_t probe = 0;
+    for (; s < seg_end; ++s) {
+      const int c = (int)(s % SPB) * W + warp, grp = c >> gshift;
+      uint4 xv[MT][2];
+      float s0[R], s1[R];
+      if (!PROBE) {  // x and the scales do not wait for the weights
+        load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const __half* sp = sc + ((size_t)(rb * R + r) * G + grp) * 16 + g;
+          s0[r] = __half2float(sp[0]);
+          s1[r] = __half2float(sp[8]);
+        }
+      }
+      mbar_wait(full + d, phase);
+      uint4 w[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) w[r] = ring[(((size_t)d * R + r) * W + warp) * 32 + lane];
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + d);  // the words are in registers: the slot is free
+      if (++d == D) {
+        d = 0;
+        phase ^= 1;
+      }
+      if (PROBE) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) probe ^= w[r].x ^ w[r].y ^ w[r].z ^ w[r].w;
+      } else {
+        zero(part);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) xsum[mt][q] = 0.f;
+        chunk_products<BF16, MT, R>(part, xsum, w, xv);
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            acc[r][mt][0] += s0[r] * (part[r][mt][0] - O * xsum[mt][0]);
+            acc[r][mt][1] += s0[r] * (part[r][mt][1] - O * xsum[mt][1]);
+            acc[r][mt][2] += s1[r] * (part[r][mt][2] - O * xsum[mt][2]);
+            acc[r][mt][3] += s1[r] * (part[r][mt][3] - O * xsum[mt][3]);
+          }
+      }
+    }
+    if (PROBE) acc[0][0][0] = __uint_as_float(probe & 0x3fffffffu);
+    consumer_finish<BF16, MT, R>(acc, red, &last, y, ws, arrivals, M, N, ldy, rb, count, NC, W);
+  }
+#endif
+}
+
 // One thread per 16-byte word quad: rows (g, g + 8) of its tile, 16 consecutive k each, as
 // 16-bit floats (prefill through cuBLAS) or, SCALED, as e4m3 of q * s_g / cs_n, cs the scale
 // per output channel (the FP8 prefill path's scaled_mm operand).
@@ -511,7 +729,40 @@ __global__ void w4_dequant_kernel(const uint4* __restrict__ qw, const __half* __
   o1[4] = reinterpret_cast<Vec*>(hi)[1];
 }
 
-template <bool BF16, int MT, int R, int D, bool ASYNC, bool IL>
+template <bool BF16, int MT, int R, bool PROBE>
+int launch_bulk(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
+                int M, int N, int K, int ldx, int ldy, int gc, int warps, int ctas_per_sm,
+                int depth, cudaStream_t stream) {
+  using T = typename Num<BF16>::T;
+  static int sms = 0, major = 0;
+  if (sms == 0) {
+    int device = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  }
+  const int NC = K / 64;
+  // the copy engine is sm_90's; a stage is one chunk per consumer warp; groups by a shift
+  if (major < 9 || (gc & (gc - 1)) || warps > 8 || NC % warps || depth < 2 || depth > 8)
+    return -1;
+  const long long stages = (long long)(N / (16 * R)) * (NC / warps);
+  const int P = (int)(stages < (long long)sms * ctas_per_sm ? stages : (long long)sms * ctas_per_sm);
+  const size_t bytes = (size_t)depth * R * warps * 512 + (size_t)warps * R * MT * 4 * 32 * 4 +
+                       2 * (size_t)depth * sizeof(uint64_t);
+  auto kernel = w4_gemv_bulk<BF16, MT, R, PROBE>;
+  if (bytes > 48 * 1024) {
+    cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    if (err != cudaSuccess) return (int)err;
+  }
+  kernel<<<P, (warps + 1) * 32, bytes, stream>>>(
+      static_cast<const uint4*>(qw), static_cast<const __half*>(sc), static_cast<const T*>(x),
+      static_cast<T*>(y), static_cast<float*>(ws), static_cast<int*>(arrivals), M, N, K, ldx, ldy,
+      gc, __builtin_ctz(gc), depth);
+  return (int)cudaGetLastError();
+}
+
+template <bool BF16, int MT, int R, int D, bool ASYNC, bool IL, bool PROBE = false>
 int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                 int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits,
                 cudaStream_t stream) {
@@ -524,7 +775,8 @@ int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws
   const size_t ring_bytes = ASYNC ? (size_t)warps * D * R * 32 * 16 : 0;
   const size_t red_bytes = (size_t)warps * R * MT * 4 * 32 * sizeof(float);
   const size_t bytes = ring_bytes + sc_bytes > red_bytes ? ring_bytes + sc_bytes : red_bytes;
-  auto kernel = ASYNC ? w4_gemv_async<BF16, MT, R, D, IL> : w4_gemv_regs<BF16, MT, R, D, IL>;
+  auto kernel =
+      ASYNC ? w4_gemv_async<BF16, MT, R, D, IL> : w4_gemv_regs<BF16, MT, R, D, IL, PROBE>;
   if (bytes > 48 * 1024) {
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
@@ -571,8 +823,12 @@ int launch_streamk(const void* qw, const void* sc, const void* x, void* y, void*
 
 // mode: 0 register pipeline (2 chunks in flight per warp), 1 cp.async ring (4 slots), 2 the
 // register pipeline with interleaved chunks (the CTA's warps take turns along one run; depth 2
-// or 4), 3 stream-K over that pipeline (`splits` CTAs per SM; depth 2 or 4). The variants that lost on one H200 (deeper rings, interleaved cp.async) are not built:
-// each costs compile time at the worker's first start.
+// or 4), 3 stream-K over that pipeline (`splits` CTAs per SM; depth 2 or 4), 4 the bulk-copy
+// pipeline (`warps` consumer warps and a producer, `splits` CTAs per SM, a ring of `depth`
+// stages; sm_90). Probes for timing only (their output is not the product, M <= 8): 5 mode 4's
+// stream without the math, 6 mode 2's (depth 2) likewise. The variants that lost on one H200
+// (deeper rings, interleaved cp.async) are not built: each costs compile time at the worker's
+// first start.
 template <bool BF16, int MT, int R>
 int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                  int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
@@ -589,6 +845,18 @@ int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* w
                                                          ldy, gc, warps, splits, s)
                         : launch_streamk<BF16, MT, R, 2>(qw, sc, x, y, ws, arrivals, M, N, K, ldx,
                                                          ldy, gc, warps, splits, s);
+    case 4:
+      return launch_bulk<BF16, MT, R, false>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc,
+                                             warps, splits, depth, s);
+    case 5:
+    case 6:
+      if constexpr (MT == 1 && BF16) {
+        if (mode == 6) return launch_gemv<BF16, MT, R, 2, false, true, true>(
+            qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, s);
+        return launch_bulk<BF16, MT, R, true>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc,
+                                              warps, splits, depth, s);
+      }
+      return -1;
     default: return -1;
   }
 #undef TM_GEMV
@@ -619,7 +887,7 @@ extern "C" {
 // y[M, N] = x[M, K] @ W^T. Returns a cudaError_t (0: launched; -1: bad arguments).
 // rows_per_cta 1, 2 or 4 (N a multiple of 16 * rows_per_cta; more tiles per CTA share each x
 // operand load); warps 1..8; splits >= 1 (> 1 needs ws and arrivals, zeroed, sized
-// N / 16 * MT * 128 floats and N / 16 ints); mode 0-3 (gemv_by_mode); M > 16 needs
+// N / 16 * MT * 128 floats and N / 16 ints); mode 0-6 (gemv_by_mode); M > 16 needs
 // rows_per_cta <= 2, M > 32 rows_per_cta 1.
 int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                int M, int N, int K, int ldx, int ldy, int gc, int bf16, int rows_per_cta,

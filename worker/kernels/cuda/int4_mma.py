@@ -46,7 +46,11 @@ class MmaTiling:
     (cp.async into a shared-memory ring of 4 chunks per warp) or 2 (the register pipeline with
     interleaved chunks: the CTA's warps take turns along one contiguous run, `depth` 2 or 4
     chunks in flight; groups of a power-of-two multiple of 64) or 3 (stream-K over mode 2's
-    pipeline: `splits` CTAs per SM share all row blocks x chunks evenly, no partial wave)."""
+    pipeline: `splits` CTAs per SM share all row blocks x chunks evenly, no partial wave) or 4
+    (sm_90: a producer warp streams stages of `warps` chunks into a ring of `depth` with the
+    bulk-copy engine, `warps` consumer warps multiply; `splits` CTAs per SM share the row blocks
+    x stages evenly, as mode 3). Modes 5 and 6 are timing probes (4's and 2's weight stream
+    without the math), never the product."""
 
     rows: int = 2
     warps: int = 8
@@ -161,11 +165,13 @@ def gemv(
     if m > 32 and t.rows == 2:  # 8 token groups x 2 tiles spill registers: one tile per CTA
         t = dataclasses.replace(t, rows=1)
     gc = group_size // 64
+    if t.mode >= 4 and ((k // 64) % t.warps or torch.cuda.get_device_capability(x.device) < (9, 0)):
+        t = default_tiling(n, k, group_size)  # a stage is one chunk per consumer warp; sm_90
     if t.mode >= 2 and gc & (gc - 1):  # interleaved chunks find their group by a shift
-        t = dataclasses.replace(t, mode=1, splits=1 if t.mode == 3 else t.splits)
+        t = dataclasses.replace(t, mode=1, splits=1 if t.mode in (3, 4) else t.splits)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = arrivals = None
-    if t.splits > 1 or t.mode == 3:  # split K, or stream-K's parts of row blocks
+    if t.splits > 1 or t.mode >= 3:  # split K, or stream-K's parts of row blocks
         token_groups = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8  # the kernel's MT
         ws = _zeroed(_workspaces, x.device, n // 16 * token_groups * 128, torch.float32)
         arrivals = _zeroed(_arrivals, x.device, n // 16, torch.int32)
