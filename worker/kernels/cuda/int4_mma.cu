@@ -108,6 +108,39 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Programmatic dependent launch (sm_90; worker/kernels/pdl.py says why): a GEMV launched with
+// it starts beside the tail of the kernel before, streams its weights (constants), and waits
+// here before it reads x or touches the workspace; then lets the next kernel launch. A no-op
+// when the launch did not ask for it.
+__device__ __forceinline__ void pdl_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+  pdl_release();
+}
+
+template <typename... Params, typename... Args>
+int launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                  cudaStream_t stream, bool pdl, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+  return err != cudaSuccess ? (int)err : (int)cudaGetLastError();
+}
+
 // This warp's K range, in whole groups: part p of P = splits * W.
 struct Range {
   int g0, g1, c_begin, c_end, maxg;
@@ -328,6 +361,7 @@ __global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS) {
 #pragma unroll
       for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(first + s * step) * 32);
   load_scales<R, IL>(my_sc, sc, rg, G, rb, lane);
+  pdl_wait();
 
   float acc[R][MT][4], part[R][MT][4], xsum[1][MT][4];
   zero(acc);
@@ -383,6 +417,7 @@ __global__ void __launch_bounds__(256) w4_gemv_async(TM_GEMV_PARAMS) {
 #pragma unroll
   for (int s = 0; s < D - 1; ++s) issue(s);
   load_scales<R, IL>(my_sc, sc, rg, G, rb, lane);
+  pdl_wait();
 
   float acc[R][MT][4], part[R][MT][4], xsum[1][MT][4];
   zero(acc);
@@ -421,6 +456,7 @@ __global__ void __launch_bounds__(256) w4_gemv_streamk(TM_GEMV_PARAMS) {
   const long long u_end = U * (blockIdx.x + 1) / P;
   const int maxg = (int)((U + P - 1) / P) / gc + 2;  // groups one segment can touch
   __half* cta_sc = reinterpret_cast<__half*>(smem);
+  pdl_wait();
   for (long long u = U * blockIdx.x / P; u < u_end;) {
     const int rb = (int)(u / NC), c0 = (int)(u % NC);
     const int c1 = (int)min((long long)NC, c0 + (u_end - u));
@@ -578,7 +614,7 @@ __device__ __forceinline__ void consumer_finish(const float (&acc)[R][MT][4], fl
 }
 
 template <bool BF16, int MT, int R, bool PROBE>
-__global__ void __launch_bounds__(288) w4_gemv_bulk(TM_GEMV_PARAMS, int D) {
+__global__ void __launch_bounds__(288, 2) w4_gemv_bulk(TM_GEMV_PARAMS, int D) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int V = R * MT * 4;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -600,7 +636,8 @@ __global__ void __launch_bounds__(288) w4_gemv_bulk(TM_GEMV_PARAMS, int D) {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  if (warp == W) {  // the producer
+  if (warp == W) {  // the producer: weights are constants, so it never waits for the kernel before
+    pdl_release();
     if (lane == 0) {
       const uint32_t bytes = (uint32_t)W * 512;
       int d = 0;
@@ -621,9 +658,26 @@ __global__ void __launch_bounds__(288) w4_gemv_bulk(TM_GEMV_PARAMS, int D) {
     }
     return;
   }
+  pdl_wait();
   constexpr float O = Num<BF16>::OFFSET;
   int d = 0;
   uint32_t phase = 0;
+  // x and the scales of a chunk do not wait for its weights: each stage's are loaded one stage
+  // ahead (an L2 round trip, otherwise on every stage's critical path)
+  uint4 xv[MT][2], xn[MT][2];
+  float s0[R], s1[R], n0[R], n1[R];
+  auto fetch = [&](long long st, uint4(&xo)[MT][2], float(&o0)[R], float(&o1)[R]) {
+    if (PROBE) return;
+    const int rb = (int)(st / SPB), c = (int)(st % SPB) * W + warp, grp = c >> gshift;
+    load_x<BF16, MT>(xo, x, M, ldx, c, g, t);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const __half* sp = sc + ((size_t)(rb * R + r) * G + grp) * 16 + g;
+      o0[r] = __half2float(sp[0]);
+      o1[r] = __half2float(sp[8]);
+    }
+  };
+  if (t0 < t1) fetch(t0, xv, s0, s1);
   for (long long s = t0; s < t1;) {
     const int rb = (int)(s / SPB);
     const long long seg_end = min(t1, (long long)(rb + 1) * SPB);
@@ -632,18 +686,6 @@ __global__ void __launch_bounds__(288) w4_gemv_bulk(TM_GEMV_PARAMS, int D) {
     zero(acc);
     uint32_t probe = 0;
     for (; s < seg_end; ++s) {
-      const int c = (int)(s % SPB) * W + warp, grp = c >> gshift;
-      uint4 xv[MT][2];
-      float s0[R], s1[R];
-      if (!PROBE) {  // x and the scales do not wait for the weights
-        load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const __half* sp = sc + ((size_t)(rb * R + r) * G + grp) * 16 + g;
-          s0[r] = __half2float(sp[0]);
-          s1[r] = __half2float(sp[8]);
-        }
-      }
       mbar_wait(full + d, phase);
       uint4 w[R];
 #pragma unroll
@@ -654,6 +696,7 @@ __global__ void __launch_bounds__(288) w4_gemv_bulk(TM_GEMV_PARAMS, int D) {
         d = 0;
         phase ^= 1;
       }
+      if (s + 1 < t1) fetch(s + 1, xn, n0, n1);
       if (PROBE) {
 #pragma unroll
         for (int r = 0; r < R; ++r) probe ^= w[r].x ^ w[r].y ^ w[r].z ^ w[r].w;
@@ -673,6 +716,16 @@ __global__ void __launch_bounds__(288) w4_gemv_bulk(TM_GEMV_PARAMS, int D) {
             acc[r][mt][2] += s1[r] * (part[r][mt][2] - O * xsum[mt][2]);
             acc[r][mt][3] += s1[r] * (part[r][mt][3] - O * xsum[mt][3]);
           }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          xv[mt][0] = xn[mt][0];
+          xv[mt][1] = xn[mt][1];
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          s0[r] = n0[r];
+          s1[r] = n1[r];
+        }
       }
     }
     if (PROBE) acc[0][0][0] = __uint_as_float(probe & 0x3fffffffu);
@@ -732,7 +785,7 @@ __global__ void w4_dequant_kernel(const uint4* __restrict__ qw, const __half* __
 template <bool BF16, int MT, int R, bool PROBE>
 int launch_bulk(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                 int M, int N, int K, int ldx, int ldy, int gc, int warps, int ctas_per_sm,
-                int depth, cudaStream_t stream) {
+                int depth, bool pdl, cudaStream_t stream) {
   using T = typename Num<BF16>::T;
   static int sms = 0, major = 0;
   if (sms == 0) {
@@ -755,16 +808,16 @@ int launch_bulk(const void* qw, const void* sc, const void* x, void* y, void* ws
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
     if (err != cudaSuccess) return (int)err;
   }
-  kernel<<<P, (warps + 1) * 32, bytes, stream>>>(
-      static_cast<const uint4*>(qw), static_cast<const __half*>(sc), static_cast<const T*>(x),
-      static_cast<T*>(y), static_cast<float*>(ws), static_cast<int*>(arrivals), M, N, K, ldx, ldy,
-      gc, __builtin_ctz(gc), depth);
-  return (int)cudaGetLastError();
+  return launch_kernel(kernel, dim3(P), dim3((warps + 1) * 32), bytes, stream, pdl,
+                       static_cast<const uint4*>(qw), static_cast<const __half*>(sc),
+                       static_cast<const T*>(x), static_cast<T*>(y), static_cast<float*>(ws),
+                       static_cast<int*>(arrivals), M, N, K, ldx, ldy, gc, __builtin_ctz(gc),
+                       depth);
 }
 
 template <bool BF16, int MT, int R, int D, bool ASYNC, bool IL, bool PROBE = false>
 int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
-                int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits,
+                int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, bool pdl,
                 cudaStream_t stream) {
   using T = typename Num<BF16>::T;
   const int NC = K / 64, G = (NC + gc - 1) / gc, P = splits * (IL ? 1 : warps);
@@ -783,17 +836,16 @@ int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws
     if (err != cudaSuccess) return (int)err;
   }
   dim3 grid(N / (16 * R), splits);
-  kernel<<<grid, warps * 32, bytes, stream>>>(
-      static_cast<const uint4*>(qw), static_cast<const __half*>(sc), static_cast<const T*>(x),
-      static_cast<T*>(y), static_cast<float*>(ws), static_cast<int*>(arrivals), M, N, K, ldx, ldy,
-      gc, gshift);
-  return (int)cudaGetLastError();
+  return launch_kernel(kernel, grid, dim3(warps * 32), bytes, stream, pdl,
+                       static_cast<const uint4*>(qw), static_cast<const __half*>(sc),
+                       static_cast<const T*>(x), static_cast<T*>(y), static_cast<float*>(ws),
+                       static_cast<int*>(arrivals), M, N, K, ldx, ldy, gc, gshift);
 }
 
 template <bool BF16, int MT, int R, int D>
 int launch_streamk(const void* qw, const void* sc, const void* x, void* y, void* ws,
                    void* arrivals, int M, int N, int K, int ldx, int ldy, int gc, int warps,
-                   int ctas_per_sm, cudaStream_t stream) {
+                   int ctas_per_sm, bool pdl, cudaStream_t stream) {
   using T = typename Num<BF16>::T;
   if (gc & (gc - 1)) return -1;
   static int sms = 0;
@@ -814,11 +866,10 @@ int launch_streamk(const void* qw, const void* sc, const void* x, void* y, void*
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
     if (err != cudaSuccess) return (int)err;
   }
-  kernel<<<P, warps * 32, bytes, stream>>>(
-      static_cast<const uint4*>(qw), static_cast<const __half*>(sc), static_cast<const T*>(x),
-      static_cast<T*>(y), static_cast<float*>(ws), static_cast<int*>(arrivals), M, N, K, ldx, ldy,
-      gc, __builtin_ctz(gc));
-  return (int)cudaGetLastError();
+  return launch_kernel(kernel, dim3(P), dim3(warps * 32), bytes, stream, pdl,
+                       static_cast<const uint4*>(qw), static_cast<const __half*>(sc),
+                       static_cast<const T*>(x), static_cast<T*>(y), static_cast<float*>(ws),
+                       static_cast<int*>(arrivals), M, N, K, ldx, ldy, gc, __builtin_ctz(gc));
 }
 
 // mode: 0 register pipeline (2 chunks in flight per warp), 1 cp.async ring (4 slots), 2 the
@@ -832,29 +883,29 @@ int launch_streamk(const void* qw, const void* sc, const void* x, void* y, void*
 template <bool BF16, int MT, int R>
 int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                  int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
-                 int mode, cudaStream_t s) {
+                 int mode, bool pdl, cudaStream_t s) {
 #define TM_GEMV(D, ASYNC, IL) \
   launch_gemv<BF16, MT, R, D, ASYNC, IL>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, \
-                                         warps, splits, s)
+                                         warps, splits, pdl, s)
   switch (mode) {
     case 0: return TM_GEMV(2, false, false);
     case 1: return TM_GEMV(4, true, false);
     case 2: return depth >= 4 ? TM_GEMV(4, false, true) : TM_GEMV(2, false, true);
     case 3:  // stream-K: `splits` is CTAs per SM
       return depth >= 4 ? launch_streamk<BF16, MT, R, 4>(qw, sc, x, y, ws, arrivals, M, N, K, ldx,
-                                                         ldy, gc, warps, splits, s)
+                                                         ldy, gc, warps, splits, pdl, s)
                         : launch_streamk<BF16, MT, R, 2>(qw, sc, x, y, ws, arrivals, M, N, K, ldx,
-                                                         ldy, gc, warps, splits, s);
+                                                         ldy, gc, warps, splits, pdl, s);
     case 4:
       return launch_bulk<BF16, MT, R, false>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc,
-                                             warps, splits, depth, s);
+                                             warps, splits, depth, pdl, s);
     case 5:
     case 6:
       if constexpr (MT == 1 && BF16) {
         if (mode == 6) return launch_gemv<BF16, MT, R, 2, false, true, true>(
-            qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, s);
+            qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, pdl, s);
         return launch_bulk<BF16, MT, R, true>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc,
-                                              warps, splits, depth, s);
+                                              warps, splits, depth, pdl, s);
       }
       return -1;
     default: return -1;
@@ -865,10 +916,10 @@ int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* w
 template <bool BF16, int R>
 int gemv_by_rows(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                  int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
-                 int mode, cudaStream_t s) {
+                 int mode, bool pdl, cudaStream_t s) {
 #define TM_ROWS(MT) \
   gemv_by_mode<BF16, MT, R>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, \
-                            depth, mode, s)
+                            depth, mode, pdl, s)
   if (M <= 8) return TM_ROWS(1);
   if (M <= 16) return TM_ROWS(2);
   if constexpr (R == 4) return -1;  // 4 tiles x 4+ token groups spill: callers use fewer tiles
@@ -888,17 +939,18 @@ extern "C" {
 // rows_per_cta 1, 2 or 4 (N a multiple of 16 * rows_per_cta; more tiles per CTA share each x
 // operand load); warps 1..8; splits >= 1 (> 1 needs ws and arrivals, zeroed, sized
 // N / 16 * MT * 128 floats and N / 16 ints); mode 0-6 (gemv_by_mode); M > 16 needs
-// rows_per_cta <= 2, M > 32 rows_per_cta 1.
+// rows_per_cta <= 2, M > 32 rows_per_cta 1. pdl: launched with programmatic dependent launch
+// (sm_90), overlapping the kernel before's tail.
 int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                int M, int N, int K, int ldx, int ldy, int gc, int bf16, int rows_per_cta,
-               int warps, int splits, int depth, int mode, void* stream) {
+               int warps, int splits, int depth, int mode, int pdl, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (M < 1 || M > 64 || K % 64 || gc < 1 || warps < 1 || warps > 8 || splits < 1) return -1;
   if ((rows_per_cta != 1 && rows_per_cta != 2 && rows_per_cta != 4) || N % (16 * rows_per_cta))
     return -1;
 #define TM_CALL(B, R) \
   gemv_by_rows<B, R>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, depth, \
-                     mode, s)
+                     mode, pdl, s)
   if (rows_per_cta == 4) return bf16 ? TM_CALL(true, 4) : TM_CALL(false, 4);
   if (rows_per_cta == 2) return bf16 ? TM_CALL(true, 2) : TM_CALL(false, 2);
   return bf16 ? TM_CALL(true, 1) : TM_CALL(false, 1);

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.kernels.cuda.build import load, nvcc
+from worker.kernels.pdl import pdl_enabled
 
 SOURCE = Path(__file__).with_name("int4_mma.cu")
 MAX_ROWS = 64
@@ -104,7 +105,7 @@ def available(device: torch.device) -> tuple[bool, str]:
 _P, _I = ctypes.c_void_p, ctypes.c_int
 # the extern "C" signatures of int4_mma.cu (tests compare them with the source)
 SIGNATURES = {
-    "tm_w4_gemv": [_P] * 6 + [_I] * 12 + [_P],
+    "tm_w4_gemv": [_P] * 6 + [_I] * 13 + [_P],
     "tm_w4_dequant": [_P] * 3 + [_I] * 4 + [_P],
     "tm_w4_dequant_e4m3": [_P] * 4 + [_I] * 3 + [_P],
 }
@@ -179,7 +180,8 @@ def gemv(
         qweight.data_ptr(), scales.data_ptr(), x.data_ptr(), out.data_ptr(),
         None if ws is None else ws.data_ptr(), None if arrivals is None else arrivals.data_ptr(),
         m, n, k, x.stride(0), out.stride(0), gc, int(x.dtype == torch.bfloat16),
-        t.rows, t.warps, t.splits, t.depth, t.mode, torch.cuda.current_stream(x.device).cuda_stream,
+        t.rows, t.warps, t.splits, t.depth, t.mode, int(pdl_enabled(x.device)),
+        torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     _check(code, "int4-mma gemv")
     return out

@@ -280,14 +280,15 @@ def _gemv_kernel(
                 acc += tl.dot(wb.to(DOT), tl.trans(xb.to(DOT)))
         elif ACT_FP8:
             xf = xb.to(tl.float32)
-            x_scale = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30) / FP8_MAX_VALUE
+            # not `x_scale`: a loop-carried name must keep the argument's pointer type
+            block_scale = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30) / FP8_MAX_VALUE
             if FP8_DOT:
-                xq = (xf / x_scale[:, None]).to(tl.float8e4nv)
+                xq = (xf / block_scale[:, None]).to(tl.float8e4nv)
                 part = tl.dot(wb, tl.trans(xq))
             else:
-                xq = _round_to_e4m3(xf / x_scale[:, None])
+                xq = _round_to_e4m3(xf / block_scale[:, None])
                 part = tl.dot(wb.to(DOT), tl.trans(xq.to(DOT)))
-            acc += part * x_scale[None, :]
+            acc += part * block_scale[None, :]
         else:
             acc += tl.dot(wb.to(DOT), tl.trans(xb.to(DOT)))
     mask = n_ok & m_ok
