@@ -1,0 +1,214 @@
+"""The decode GEMV kernel (`fp8_gemm._gemv_kernel`) compiled ahead of time for sm_90, no GPU needed.
+
+The CPU suite runs the kernel under triton's interpreter, which does not type-check: a kernel
+that the interpreter runs correctly can still fail to compile on the GPU (a loop-carried local
+that reused the pointer argument `x_scale`'s name compiled only on CPU). So every constexpr
+variant that `w8_gemv` launches on a Hopper GPU is compiled here with the arguments' types as
+the launcher specializes them: the code paths (W8A16, W8A8 per K step, W8A8 with x quantized per
+token, split K, bias, ragged K, PDL off, 16-bit weights) at their default and preset tilings, and
+every GEMV tiling of the shipped H200 tuning file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("triton")
+
+import triton  # noqa: E402
+
+from worker.kernels import tuning  # noqa: E402
+from worker.kernels.triton.fp8_gemm import (  # noqa: E402
+    BF16_DECODE_TILINGS,
+    DecodeTiling,
+    default_tiling,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Compiles each variant of argv[1] (a JSON list) for sm_90; prints one line per variant and
+# exits 1 naming the ones that failed, with their errors on stderr. In a fresh interpreter: the
+# test process may have imported triton in interpreter mode, whose functions cannot compile.
+_COMPILE_FOR_HOPPER = """
+import json, sys, time, traceback
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from worker.kernels.triton.fp8_gemm import _gemv_kernel
+
+failed = []
+for v in json.loads(sys.argv[1]):
+    fp8, split, per_token = v["fp8"], v["split"], v["x_per_token"]
+    weight = "*fp8e4nv" if fp8 else "*bf16"
+    # what w8_gemv passes: unused pointer arguments are `out` or the weight
+    pointers = {"x": "*fp8e4nv" if per_token else "*bf16",
+                "x_scale": "*fp32" if per_token else "*bf16",
+                "w": weight, "scale": "*fp32" if fp8 else weight,
+                "bias": "*bf16" if v["bias"] else weight, "out": "*bf16",
+                "partial": "*fp32" if split else "*bf16", "arrivals": "*i32" if split else "*bf16"}
+    sizes = ["M", "N", "K", "k_per_split", "splits", "stride_xm", "stride_wn", "stride_om"]
+    constexprs = dict(BM=v["bm"], BN=v["bn"], BK=v["bk"], SPLIT=split, HAS_SCALE=fp8,
+                      HAS_BIAS=v["bias"], EVEN_K=v["even_k"],
+                      DOT=tl.float16 if fp8 else tl.bfloat16, ACT_FP8=v["act_fp8"],
+                      X_PER_TOKEN=per_token, FP8_DOT=True, PDL=v["pdl"])
+    signature = {**pointers, **dict.fromkeys(sizes, "i32"),
+                 **dict.fromkeys(constexprs, "constexpr")}
+    names = list(signature)
+    # the launcher's specialization: 16-byte aligned pointers, sizes and strides that are
+    # multiples of 16 (M and splits are never specialized); a ragged K leaves K and the input
+    # row strides unaligned
+    aligned = [*pointers, "N", "k_per_split", "stride_om"]
+    if v["even_k"]:
+        aligned += ["K", "stride_xm", "stride_wn"]
+    source = ASTSource(
+        fn=_gemv_kernel.compiled,
+        signature=signature,
+        constexprs={(names.index(k),): c for k, c in constexprs.items()},
+        attrs={(names.index(k),): [["tt.divisibility", 16]] for k in aligned},
+    )
+    began = time.monotonic()
+    try:
+        triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": v["warps"], "num_stages": v["stages"]})
+    except Exception:
+        failed.append(v["label"])
+        print(f"--- {v['label']} failed:", traceback.format_exc()[-4000:], file=sys.stderr)
+        continue
+    print(f"{v['label']}: {time.monotonic() - began:.1f}s", flush=True)
+if failed:
+    print("failed to compile:", *failed, sep="\\n  ", file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+def launch_variant(
+    label: str,
+    tiling: DecodeTiling,
+    rows: int,
+    k: int,
+    fp8: bool = True,
+    bias: bool = False,
+    pdl: bool = True,
+) -> dict[str, Any] | None:
+    """The constexprs and launch options `w8_gemv` gives `_gemv_kernel` on a GPU for `rows` rows
+    of K = `k` (None where it launches another kernel: two-pass or stream-K)."""
+    bm = 16 if rows <= 16 else triton.next_power_of_2(rows)
+    if bm == 16 and (tiling.two_pass or (tiling.stream_k and k % tiling.bk == 0)):
+        return None
+    k_per_split = triton.cdiv(triton.cdiv(k, tiling.splits), tiling.bk) * tiling.bk
+    act_fp8 = fp8 and tiling.act_fp8
+    return {
+        "label": label,
+        "fp8": fp8,
+        "bm": bm,
+        "bn": tiling.bn,
+        "bk": tiling.bk,
+        "split": triton.cdiv(k, k_per_split) > 1,
+        "even_k": k % tiling.bk == 0,
+        "act_fp8": act_fp8,
+        "x_per_token": act_fp8 and tiling.x_per_token,
+        "bias": bias,
+        "pdl": pdl,
+        "warps": tiling.num_warps,
+        "stages": tiling.num_stages,
+    }
+
+
+def code_path_variants() -> list[dict[str, Any] | None]:
+    """One or more variants of each path through the kernel, at Qwen3.6-27B decode shapes."""
+    w8a8_per_token = DecodeTiling(128, 128, 3, 8, 4, act_fp8=True, x_per_token=True)
+    return [
+        launch_variant("w8a16 (default q|k|v)", default_tiling(14336, 5120), 1, 5120),
+        launch_variant("w8a16 split K (default MLP down)", default_tiling(5120, 17408), 1, 17408),
+        launch_variant("w8a16 64 channels (default gate|up)", default_tiling(34816, 5120), 1, 5120),
+        launch_variant("w8a16 32 rows, split K", DecodeTiling(64, 256, 2, 4, 4), 32, 5120),
+        launch_variant("w8a8 per K step (default LM head)", default_tiling(248320, 5120), 1, 5120),
+        launch_variant(
+            "w8a8 per K step, 64 rows, split K",
+            DecodeTiling(128, 256, 3, 8, 4, act_fp8=True),
+            64,
+            17408,
+        ),
+        launch_variant("w8a8 x per token, 32 rows, split K", w8a8_per_token, 32, 5120),
+        launch_variant(
+            "w8a8 x per token, 16 rows",
+            DecodeTiling(64, 128, 1, 4, 2, act_fp8=True, x_per_token=True),
+            8,
+            5120,
+        ),
+        *(
+            launch_variant(f"bf16 {n}x{k} (preset)", t, 1, k, fp8=False)
+            for (n, k), t in BF16_DECODE_TILINGS.items()
+        ),
+        launch_variant(
+            "w8a16 bias, ragged K, split, PDL off",
+            DecodeTiling(32, 256, 2, 2, 4),
+            5,
+            5000,
+            bias=True,
+            pdl=False,
+        ),
+        launch_variant(
+            "w8a8 ragged K, split", DecodeTiling(64, 128, 2, 4, 3, act_fp8=True), 3, 5000
+        ),
+        launch_variant("bf16 bias", DecodeTiling(64, 128, 1, 4, 3), 1, 5120, fp8=False, bias=True),
+    ]
+
+
+def h200_tuning_variants() -> list[dict[str, Any] | None]:
+    """Every GEMV tiling of the shipped H200 tuning file, at its shape."""
+    data = tuning.read(tuning.HERE / "nvidia-h200.json")
+    out = []
+    for table, fp8 in (
+        ("fp8_decode_tilings", True),
+        ("fp8_wide_decode_tilings", True),
+        ("bf16_decode_tilings", False),
+    ):
+        for key, fields in (data.get(table) or {}).items():
+            _, k, *bucket = (int(part) for part in key.split("x"))  # wide: NxKxrows
+            rows = bucket[0] if bucket else 1
+            out.append(launch_variant(f"{table} {key}", DecodeTiling(**fields), rows, k, fp8=fp8))
+    return out
+
+
+def unique(variants: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
+    """Variants that compile to different kernels (the first label of each)."""
+    seen: dict[str, dict[str, Any]] = {}
+    for v in variants:
+        if v is not None:
+            seen.setdefault(json.dumps({**v, "label": None}, sort_keys=True), v)
+    return list(seen.values())
+
+
+def test_gemv_kernel_compiles_for_hopper(tmp_path: Path) -> None:
+    """Every `_gemv_kernel` variant compiles for sm_90 (a fresh triton cache: nothing is taken
+    from an earlier run)."""
+    variants = unique(code_path_variants() + h200_tuning_variants())
+    # each path (fp8 weights, W8A8, x per token) is compiled whole and split
+    covered = {(v["fp8"], v["act_fp8"], v["x_per_token"], v["split"]) for v in variants}
+    for path in [
+        (True, False, False),
+        (True, True, False),
+        (True, True, True),
+        (False, False, False),
+    ]:
+        assert {(*path, False), (*path, True)} <= covered, path
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_HOPPER, json.dumps(variants)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-6000:]
+    assert done.stdout.count("\n") == len(variants), done.stdout
