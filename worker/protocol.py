@@ -140,6 +140,11 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     # `logprobs`, carries the prompt tokens' logprobs first (the first one's None). The gateway
     # asks for it when it cannot write the prompt itself (token ids) or needs its logprobs.
     echo: bool = False
+    # Set when the whole request is larger than one NATS message may be (the connection's
+    # max_payload, 1 MiB by default: a prompt of a few hundred thousand tokens): the request,
+    # encoded, is this object of the JetStream object store `request_bodies_bucket`, and this
+    # message carries everything but the prompt fields and tools (worker/request_bodies.py).
+    body_object: str | None = None
 
     @property
     def chat(self) -> bool:
@@ -294,6 +299,11 @@ def decode_reply(data: bytes) -> Reply:
 
 def decode_presence(data: bytes) -> Presence:
     return _presence_decoder.decode(data)
+
+
+def request_bodies_bucket(prefix: str) -> str:
+    """The object store that carries requests too large for one message."""
+    return f"{prefix}_request_bodies"
 
 
 def work_subject(prefix: str, sku_id: str) -> str:

@@ -38,6 +38,7 @@ from events.usage import WorkerGenerated
 from tokenmill.settings import WorkerSettings
 from worker import protocol as p
 from worker.backends import Backend, InvalidRequest, make_backend
+from worker.request_bodies import RequestBodies
 
 log = logging.getLogger("tokenmill.worker")
 
@@ -73,6 +74,7 @@ class Worker:
             reconnect_time_wait=0.5,
         )
         self._usage = UsagePublisher(self.nc.jetstream(), self.prefix)
+        self._bodies = RequestBodies(self.nc, self.prefix)
         work = await self.nc.subscribe(
             p.work_subject(self.prefix, s.sku_id),
             queue=p.work_queue(self.prefix, s.sku_id),
@@ -282,6 +284,8 @@ class Worker:
     async def _generate(self, request: p.GenerateRequest, state: _Generation) -> None:
         assert self.nc is not None
         nc, rid, reply = self.nc, request.request_id, request.reply_to
+        if request.body_object is not None:  # too large for one message: the object store
+            request = await self._bodies.take(request)
         async for progress in self.backend.generate(request):
             if state.first_token_at is None and progress.completion_tokens > 0:
                 state.first_token_at = time.monotonic()

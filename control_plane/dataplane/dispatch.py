@@ -28,6 +28,7 @@ from nats.aio.subscription import Subscription
 from control_plane.dataplane import fast_path
 from tokenmill.settings import RoutingSettings
 from worker import protocol as p
+from worker import request_bodies
 
 log = logging.getLogger("tokenmill.dispatch")
 
@@ -268,6 +269,9 @@ class Dispatch:
     routed_to: str | None = None  # the worker it was sent to by id (None: the queue group)
     affinity_key: bytes | None = None  # its prompt prefix's hash (`Router.prefix_key`)
     counted_on: str | None = None  # the worker whose `local` count holds it
+    # What went out: the request, or its stub when it did not fit one message (the object
+    # store holds the rest, worker/request_bodies.py); a reroute sends the same again.
+    sent: p.GenerateRequest | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -433,6 +437,7 @@ class WorkerClient:
         # connection dropped and came back): fail it rather than wait forever.
         self.silence_timeout_s = silence_timeout_s
         self._inbox = nc.new_inbox()
+        self._bodies = request_bodies.RequestBodies(nc, prefix)
         self._in_flight: dict[str, Dispatch] = {}
         self._sub: Subscription | None = None
         self._reaper: asyncio.Task[None] | None = None
@@ -465,6 +470,10 @@ class WorkerClient:
             d.routed_to = d.counted_on = target.worker_id
             target.local += 1
         data = p.encode(request)
+        d.sent = request
+        if not request_bodies.fits(self.nc, data):
+            d.sent = await self._bodies.put(request, data)
+            data = p.encode(d.sent)
         fast_nats = self._fast_nats
         if fast_nats is None or not fast_nats.publish_now(self.nc, subject, data, request.reply_to):
             await self.nc.publish(subject, data, reply=request.reply_to)
@@ -493,7 +502,7 @@ class WorkerClient:
             info.unreachable_until = time.monotonic() + self.registry.dead_after_s
         self._uncount(d)
         d.routed_to = None
-        req = d.request
+        req = d.sent or d.request
         subject, data = p.work_subject(self.prefix, req.sku_id), p.encode(req)
         fast_nats = self._fast_nats
         if fast_nats is None or not fast_nats.publish_now(self.nc, subject, data, req.reply_to):
