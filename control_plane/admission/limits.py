@@ -5,6 +5,8 @@ SKUs) and prices come from the governance view (`view.GovernanceView`)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from decimal import ROUND_CEILING, Decimal
 
 import msgspec
@@ -18,6 +20,10 @@ from events.control import LimitsSet, decode_limits
 
 # A limit scope: (tenant, key or None, SKU or None).
 ScopeKey = tuple[str, str | None, str | None]
+
+
+# How long a stop waits for its unsubscribe to reach the server.
+UNSUBSCRIBE_S = 5.0
 
 
 class LimitsBook:
@@ -79,7 +85,10 @@ class LimitsBook:
 
     async def stop(self) -> None:
         if self._sub is not None:
-            await self._sub.unsubscribe()  # type: ignore[attr-defined]
+            # An unsubscribe waits for the socket to drain: bounded, so a stalled connection
+            # (seen once under load, the server no longer reading) cannot hold a shutdown.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._sub.unsubscribe(), UNSUBSCRIBE_S)  # type: ignore[attr-defined]
 
 
 def cost_micros(plan: PricePlan, prompt: int, cached: int, completion: int) -> int:
