@@ -247,21 +247,22 @@ __device__ __forceinline__ void close_group(float (&acc)[R][MT][4], float (&part
     for (int q = 0; q < 4; ++q) xsum[mt][q] = 0.f;
 }
 
-// Reduce the CTA's warps (smem red[W][V][32], V = R * MT * 4 values per lane) for row block rb,
-// of which this CTA computed `count` of `total` parts: a whole block is written at once; a part
-// is added into the workspace, and the CTA that completes the block writes it and re-zeroes the
-// workspace and the counter. Ends with a barrier: smem and `last` are free for the caller again.
-template <bool BF16, int MT, int R>
-__device__ __forceinline__ void finish(const float (&acc)[R][MT][4], float* red,
-                                       typename Num<BF16>::T* __restrict__ y, float* ws,
-                                       int* arrivals, int M, int N, int ldy, int rb, int count,
-                                       int total) {
+// Reduce W warps (smem red[W][V][32], V = R * MT * 4 values per lane) for row block rb, of
+// which they computed `count` of `total` parts: a whole block is written at once; a part is
+// added into the workspace, and whoever completes the block writes it and re-zeroes the
+// workspace and the counter. `sync` is the barrier of those warps (the whole CTA, or the
+// bulk pipeline's consumers); it starts with one, so red and *last are free on entry.
+template <bool BF16, int MT, int R, typename Sync>
+__device__ __forceinline__ void reduce_parts(const float (&acc)[R][MT][4], float* red, int* last,
+                                             typename Num<BF16>::T* __restrict__ y, float* ws,
+                                             int* arrivals, int M, int N, int ldy, int rb,
+                                             int count, int total, int W, Sync sync) {
   using T = typename Num<BF16>::T;
   constexpr int V = R * MT * 4;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const bool whole = count == total;
-  __syncthreads();  // smem is reused
+  sync();
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -269,8 +270,8 @@ __device__ __forceinline__ void finish(const float (&acc)[R][MT][4], float* red,
 #pragma unroll
       for (int q = 0; q < 4; ++q)
         red[((size_t)warp * V + (r * MT + mt) * 4 + q) * 32 + lane] = acc[r][mt][q];
-  __syncthreads();
-  __shared__ int last;
+  sync();
+  bool done = whole;
   if (!whole) {
     float* slab = ws + (size_t)rb * V * 32;
     for (int v = warp; v < V; v += W) {
@@ -279,12 +280,13 @@ __device__ __forceinline__ void finish(const float (&acc)[R][MT][4], float* red,
       atomicAdd(slab + v * 32 + lane, sum);
     }
     __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(arrivals + rb, count) + count == total;
-    __syncthreads();
-    if (last) __threadfence();
+    sync();
+    if (threadIdx.x == 0) *last = atomicAdd(arrivals + rb, count) + count == total;
+    sync();
+    done = *last;
+    if (done) __threadfence();
   }
-  if (whole || last) {
+  if (done) {
     for (int v = warp; v < V; v += W) {
       float sum;
       if (!whole) {
@@ -302,6 +304,18 @@ __device__ __forceinline__ void finish(const float (&acc)[R][MT][4], float* red,
     }
     if (!whole && threadIdx.x == 0) arrivals[rb] = 0;
   }
+}
+
+// The CTA's end of a row block: `reduce_parts` over all its warps. Ends with a barrier: smem
+// is free for the caller again.
+template <bool BF16, int MT, int R>
+__device__ __forceinline__ void finish(const float (&acc)[R][MT][4], float* red,
+                                       typename Num<BF16>::T* __restrict__ y, float* ws,
+                                       int* arrivals, int M, int N, int ldy, int rb, int count,
+                                       int total) {
+  __shared__ int last;
+  reduce_parts<BF16, MT, R>(acc, red, &last, y, ws, arrivals, M, N, ldy, rb, count, total,
+                            blockDim.x >> 5, [] { __syncthreads(); });
   __syncthreads();
 }
 
@@ -554,63 +568,9 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
 }
 #endif
 
-// The consumers' end of a row block's segment (count of its NC chunks): as `finish`, with a
-// named barrier over the W consumer warps (the producer never joins).
+// The bulk pipeline's consumer warps synchronize among themselves (the producer never joins).
 __device__ __forceinline__ void consumer_sync(int threads) {
   asm volatile("bar.sync 1, %0;\n" ::"r"(threads) : "memory");
-}
-template <bool BF16, int MT, int R>
-__device__ __forceinline__ void consumer_finish(const float (&acc)[R][MT][4], float* red,
-                                                int* last, typename Num<BF16>::T* __restrict__ y,
-                                                float* ws, int* arrivals, int M, int N, int ldy,
-                                                int rb, int count, int total, int W) {
-  using T = typename Num<BF16>::T;
-  constexpr int V = R * MT * 4;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const bool whole = count == total;
-  consumer_sync(W * 32);  // red and *last are free
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-        red[((size_t)warp * V + (r * MT + mt) * 4 + q) * 32 + lane] = acc[r][mt][q];
-  consumer_sync(W * 32);
-  bool done = whole;
-  if (!whole) {
-    float* slab = ws + (size_t)rb * V * 32;
-    for (int v = warp; v < V; v += W) {
-      float sum = 0.f;
-      for (int w = 0; w < W; ++w) sum += red[((size_t)w * V + v) * 32 + lane];
-      atomicAdd(slab + v * 32 + lane, sum);
-    }
-    __threadfence();
-    consumer_sync(W * 32);
-    if (threadIdx.x == 0) *last = atomicAdd(arrivals + rb, count) + count == total;
-    consumer_sync(W * 32);
-    done = *last;
-    if (done) __threadfence();
-  }
-  if (done) {
-    for (int v = warp; v < V; v += W) {
-      float sum;
-      if (!whole) {
-        float* cell = ws + ((size_t)rb * V + v) * 32 + lane;
-        sum = __ldcg(cell);
-        *cell = 0.f;
-      } else {
-        sum = 0.f;
-        for (int w = 0; w < W; ++w) sum += red[((size_t)w * V + v) * 32 + lane];
-      }
-      const int q = v & 3, rmt = v >> 2, r = rmt / MT, mt = rmt % MT;
-      const int row = (rb * R + r) * 16 + g + 8 * (q >> 1);
-      const int m = mt * 8 + 2 * t + (q & 1);
-      if (m < M && row < N) y[(size_t)m * ldy + row] = (T)sum;
-    }
-    if (!whole && threadIdx.x == 0) arrivals[rb] = 0;
-  }
 }
 
 template <bool BF16, int MT, int R, bool PROBE>
@@ -729,7 +689,8 @@ __global__ void __launch_bounds__(288, 2) w4_gemv_bulk(TM_GEMV_PARAMS, int D) {
       }
     }
     if (PROBE) acc[0][0][0] = __uint_as_float(probe & 0x3fffffffu);
-    consumer_finish<BF16, MT, R>(acc, red, &last, y, ws, arrivals, M, N, ldy, rb, count, NC, W);
+    reduce_parts<BF16, MT, R>(acc, red, &last, y, ws, arrivals, M, N, ldy, rb, count, NC, W,
+                              [W] { consumer_sync(W * 32); });
   }
 #endif
 }
