@@ -37,6 +37,11 @@ class NoWorker(Exception):
     """No live worker serves the SKU (nothing ran, nothing is metered)."""
 
 
+class BodyStoreUnavailable(Exception):
+    """A request too large for one message could not be put into the object store that
+    carries it (JetStream unavailable): nothing ran, nothing is metered."""
+
+
 class WorkerLost(Exception):
     """The worker holding the request stopped heartbeating (or never accepted it)."""
 
@@ -459,7 +464,14 @@ class WorkerClient:
     async def dispatch(self, request: p.GenerateRequest) -> Dispatch:
         """`request.reply_to` is filled in here."""
         request = msgspec.structs.replace(request, reply_to=f"{self._inbox}.{request.request_id}")
-        d = Dispatch(request, self)
+        d = Dispatch(request, self, sent=request)
+        data = p.encode(request)
+        if not request_bodies.fits(self.nc, data):  # before it is in flight: nothing to undo
+            try:
+                d.sent = await self._bodies.put(request, data)
+            except Exception as exc:
+                raise BodyStoreUnavailable(f"{type(exc).__name__}: {exc}") from exc
+            data = p.encode(d.sent)
         self._in_flight[request.request_id] = d
         d.affinity_key = self.router.prefix_key(request)
         target = self.router.pick(request.sku_id, d.affinity_key)
@@ -469,11 +481,6 @@ class WorkerClient:
             subject = p.direct_work_subject(self.prefix, request.sku_id, target.worker_id)
             d.routed_to = d.counted_on = target.worker_id
             target.local += 1
-        data = p.encode(request)
-        d.sent = request
-        if not request_bodies.fits(self.nc, data):
-            d.sent = await self._bodies.put(request, data)
-            data = p.encode(d.sent)
         fast_nats = self._fast_nats
         if fast_nats is None or not fast_nats.publish_now(self.nc, subject, data, request.reply_to):
             await self.nc.publish(subject, data, reply=request.reply_to)

@@ -97,6 +97,19 @@ def no_worker(model: str) -> OpenAIError:
     )
 
 
+def body_store_unavailable() -> OpenAIError:
+    """A request larger than one NATS message found the object store that carries such
+    requests unavailable (worker/request_bodies.py)."""
+    return OpenAIError(
+        503,
+        "This request is too large for one message and the store that carries large requests "
+        "is unavailable right now; try again later.",
+        type="server_error",
+        code="service_unavailable",
+        headers={"retry-after": "1"},
+    )
+
+
 def worker_failed(detail: str) -> OpenAIError:
     """The worker died or its stream broke mid-request; the tokens it produced are metered."""
     return OpenAIError(

@@ -25,6 +25,7 @@ from control_plane.admission.keys import Authorizer, Caller
 from control_plane.admission.view import GovernanceView, Sku
 from control_plane.dataplane import errors
 from control_plane.dataplane.asgi import Completion, serve_completion
+from control_plane.dataplane.dispatch import BodyStoreUnavailable
 from control_plane.dataplane.gateway import Gateway, GatewaySettings, NoWorker, OutcomeListener
 from control_plane.dataplane.limits import InputLimits
 from control_plane.dataplane.requests import Parsed, parse_chat, parse_completion
@@ -271,6 +272,9 @@ class DataPlane:
                 ticket.release()
             if isinstance(exc, NoWorker):
                 raise errors.no_worker(sku.name) from None
+            if isinstance(exc, BodyStoreUnavailable):
+                log.error("request %s: %s", request_id, exc)
+                raise errors.body_store_unavailable() from None
             raise
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         writer: StreamWriter

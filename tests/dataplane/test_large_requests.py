@@ -4,13 +4,17 @@ serves the whole prompt, and no body is left behind (worker/request_bodies.py)."
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import nats
 import openai
 import pytest
+from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
+from control_plane.dataplane.dispatch import BodyStoreUnavailable, WorkerClient, WorkerRegistry
+from control_plane.embedded import EmbeddedNats
 from tests.dataplane.harness import Stack
 from tests.dataplane.test_openai_api import async_client, expected_text
 from worker import protocol as p
@@ -75,3 +79,72 @@ async def test_a_large_prompt_over_the_context_is_refused_as_such(
         )
     assert e.value.code == "context_length_exceeded"
     assert await bodies_left(stack) == []
+
+
+async def test_a_stub_whose_body_is_gone_ends_in_an_error_not_a_hang(
+    stack: Stack, sku: dict[str, Any]
+) -> None:
+    """A worker that cannot read a stub's body (expired, deleted) answers as for any failure:
+    Accepted, then Finished with an error, 0 tokens (and its usage record says so)."""
+    nc = await nats.connect(stack.nats_url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        stub = p.GenerateRequest(
+            request_id=f"gone{time.monotonic_ns()}",
+            tenant_id="t",
+            key_id="k",
+            sku_id=sku["sku_id"],
+            model="m",
+            reply_to=inbox,
+            admitted_at=time.time(),
+            body_object="never-stored",
+        )
+        await nc.publish(p.work_subject(stack.prefix, sku["sku_id"]), p.encode(stub), reply=inbox)
+        replies = [p.decode_reply((await sub.next_msg(timeout=10)).data) for _ in range(2)]
+        assert isinstance(replies[0], p.Accepted)
+        assert isinstance(replies[1], p.Finished)
+        assert replies[1].finish_reason == "error" and replies[1].completion_tokens == 0
+    finally:
+        await nc.close()
+
+
+async def test_no_store_for_a_large_request_is_a_503_before_any_work(
+    nats_server: EmbeddedNats, stream_prefix: str
+) -> None:
+    """The bucket's stream exists but takes none of the object store's subjects (as when
+    JetStream cannot store): the dispatch fails as BodyStoreUnavailable, nothing in flight,
+    nothing published to workers."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        bucket = p.request_bodies_bucket(stream_prefix)
+        await nc.jetstream().add_stream(name=f"OBJ_{bucket}", subjects=[f"{stream_prefix}.nothing"])
+        seen: list[bytes] = []
+
+        async def worker(msg: Msg) -> None:
+            seen.append(msg.data)
+
+        await nc.subscribe(p.work_subject(stream_prefix, "sku_big"), queue="q", cb=worker)
+        registry = WorkerRegistry(nc, stream_prefix, dead_after_s=1.0)
+        await registry.start()
+        client = WorkerClient(nc, stream_prefix, registry)
+        await client.start()
+        big = p.GenerateRequest(
+            request_id="big1",
+            tenant_id="t",
+            key_id="k",
+            sku_id="sku_big",
+            model="m",
+            prompt=" word" * WORDS,
+            reply_to="",
+            admitted_at=time.time(),
+        )
+        with pytest.raises(BodyStoreUnavailable):
+            await client.dispatch(big)
+        assert client.in_flight() == 0
+        await nc.flush()
+        assert seen == []
+        await client.close()
+        await registry.close()
+    finally:
+        await nc.close()
