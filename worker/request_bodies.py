@@ -54,7 +54,11 @@ class RequestBodies:
     async def put(self, request: p.GenerateRequest, data: bytes) -> p.GenerateRequest:
         """Stores `data` (the request, encoded) and returns the stub to dispatch instead."""
         store = await self._open(create=True)
-        await store.put(request.request_id, data)
+        try:
+            await store.put(request.request_id, data)
+        except Exception:
+            self._store = None  # opened again next time (the bucket may have been removed)
+            raise
         return msgspec.structs.replace(
             request,
             prompt=None,
@@ -69,7 +73,11 @@ class RequestBodies:
         """The whole request a stub names; its object is deleted once read."""
         assert stub.body_object is not None
         store = await self._open(create=False)
-        found = await store.get(stub.body_object)
+        try:
+            found = await store.get(stub.body_object)
+        except Exception:
+            self._store = None
+            raise
         request = p.decode_request(found.data or b"")
         if request.request_id != stub.request_id:
             raise ValueError(f"request body {stub.body_object} holds {request.request_id}")
