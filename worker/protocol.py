@@ -143,7 +143,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     # Set when the whole request is larger than one NATS message may be (the connection's
     # max_payload, 1 MiB by default: a prompt of a few hundred thousand tokens): the request,
     # encoded, is this object of the JetStream object store `request_bodies_bucket`, and this
-    # message carries everything but the prompt fields and tools (worker/request_bodies.py).
+    # message carries only the ids, inbox, clock and gateway (worker/request_bodies.py).
     body_object: str | None = None
 
     @property

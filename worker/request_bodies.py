@@ -4,7 +4,7 @@ A core NATS message is at most the server's `max_payload` (1 MiB unless the oper
 it), while a /v1 body may be 8 MiB (TOKENMILL_V1_MAX_BODY_BYTES): a prompt of a few hundred
 thousand tokens does not fit. The gateway puts such a request, encoded, into the bucket
 `request_bodies_bucket(prefix)` under its request id and dispatches a stub that names it
-(`GenerateRequest.body_object`; the prompt fields and tools left empty); the worker that takes
+(`GenerateRequest.body_object`; only the fields a worker reads before the body); the worker that takes
 the stub reads the object back and deletes it. The object store (nats-py's public API) chunks
 the bytes into messages that fit whatever max_payload the server has, so no server setting
 needs raising; its objects expire after `TTL_S`, so the bodies of requests no worker took do
@@ -59,13 +59,17 @@ class RequestBodies:
         except Exception:
             self._store = None  # opened again next time (the bucket may have been removed)
             raise
-        return msgspec.structs.replace(
-            request,
-            prompt=None,
-            messages=None,
-            prompts=None,
-            prompt_token_ids=None,
-            tools=None,
+        # the fields a worker reads before the body (acceptance, lease, metering), nothing
+        # else: whatever part of a request is large (prompt, tools, a schema) stays out
+        return p.GenerateRequest(
+            request_id=request.request_id,
+            tenant_id=request.tenant_id,
+            key_id=request.key_id,
+            sku_id=request.sku_id,
+            model=request.model,
+            reply_to=request.reply_to,
+            admitted_at=request.admitted_at,
+            gateway_id=request.gateway_id,
             body_object=request.request_id,
         )
 

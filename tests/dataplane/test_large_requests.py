@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
 import nats
 import openai
 import pytest
@@ -18,6 +19,7 @@ from control_plane.embedded import EmbeddedNats
 from tests.dataplane.harness import Stack
 from tests.dataplane.test_openai_api import async_client, expected_text
 from worker import protocol as p
+from worker.request_bodies import RequestBodies
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -148,3 +150,39 @@ async def test_no_store_for_a_large_request_is_a_503_before_any_work(
         await registry.close()
     finally:
         await nc.close()
+
+
+async def test_a_stub_carries_nothing_large(nats_server: EmbeddedNats, stream_prefix: str) -> None:
+    """Whatever made the request large (prompt, tools, a schema) stays in the store: the stub
+    fits a message whatever the request held, and the worker's side reads the request back."""
+    big = " word" * WORDS
+    request = p.GenerateRequest(
+        request_id="r1",
+        tenant_id="t",
+        key_id="k",
+        sku_id="s",
+        model="m",
+        messages=[p.ChatMessage(role="user", content=big)],
+        tools=[p.Tool(name="f", parameters=big)],
+        response_format=p.ResponseFormat(type="json_schema", schema=big),
+        reply_to="inbox.r1",
+        admitted_at=1.0,
+        gateway_id="gw",
+    )
+    gateway, worker = await nats.connect(nats_server.url), await nats.connect(nats_server.url)
+    try:
+        stub = await RequestBodies(gateway, stream_prefix).put(request, p.encode(request))
+        assert len(p.encode(stub)) < 1024
+        assert (stub.request_id, stub.reply_to, stub.gateway_id, stub.body_object) == (
+            "r1",
+            "inbox.r1",
+            "gw",
+            "r1",
+        )
+        rerouted = msgspec.structs.replace(stub, reply_to="inbox.other")
+        assert await RequestBodies(worker, stream_prefix).take(rerouted) == msgspec.structs.replace(
+            request, reply_to="inbox.other"
+        )
+    finally:
+        await gateway.close()
+        await worker.close()
