@@ -195,6 +195,25 @@ def test_gemv_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int, i
 
 @GPU
 @needs_cuda
+@pytest.mark.parametrize("tiling", [(4, 4, 4, 4, 2), (2, 8, 3, 2, 0), (2, 4, 2, 4, 1)])
+def test_split_k_gives_the_same_bits_every_run(tiling: tuple[int, int, int, int, int]) -> None:
+    """K split over CTAs: each part has its own workspace slot, summed in part order, so the
+    output does not depend on which CTA finished first (greedy decoding repeats itself)."""
+    from worker.kernels.cuda import int4_mma
+
+    torch.manual_seed(0)
+    n, k = 5120, 17408
+    q = quantize_rtn(torch.randn(n, k, device="cuda") * 0.02, 128, True)
+    words, mma_scales = reference.int4_mma_pack(q.qweight, q.scales)
+    x = torch.randn(8, k, device="cuda").bfloat16()
+    t = int4_mma.MmaTiling(*tiling)
+    first = int4_mma.gemv(x, words, mma_scales, 128, t)
+    for _ in range(20):
+        assert torch.equal(int4_mma.gemv(x, words, mma_scales, 128, t), first)
+
+
+@GPU
+@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dequantize_and_prefill_on_gpu(dtype: torch.dtype) -> None:
     from worker.kernels.cuda import int4_mma

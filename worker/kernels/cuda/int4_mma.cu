@@ -248,17 +248,23 @@ __device__ __forceinline__ void close_group(float (&acc)[R][MT][4], float (&part
 }
 
 // Reduce W warps (smem red[W][V][32], V = R * MT * 4 values per lane) for row block rb, of
-// which they computed `count` of `total` parts: a whole block is written at once; a part is
-// added into the workspace, and whoever completes the block writes it and re-zeroes the
-// workspace and the counter. `sync` is the barrier of those warps (the whole CTA, or the
-// bulk pipeline's consumers); it starts with one, so red and *last are free on entry.
+// which they computed `count` of `total` parts: a whole block is written at once; a part goes
+// to the workspace, and whoever completes the block writes it and re-zeroes the workspace and
+// the counter. With `parts` > 0 (K split into that many CTAs, this one `part`), each part has a
+// slot of its own, ws[parts][blocks][V][32], summed in part order: the same bits on every run,
+// so greedy decoding repeats itself. With 0 (stream-K's segments, whose number per block
+// varies) the parts are added atomically into ws[blocks][V][32], in arrival order.
+// `sync` is the barrier of those warps (the whole CTA, or the bulk pipeline's consumers); it
+// starts with one, so red and *last are free on entry.
 template <bool BF16, int MT, int R, typename Sync>
 __device__ __forceinline__ void reduce_parts(const float (&acc)[R][MT][4], float* red, int* last,
                                              typename Num<BF16>::T* __restrict__ y, float* ws,
                                              int* arrivals, int M, int N, int ldy, int rb,
-                                             int count, int total, int W, Sync sync) {
+                                             int count, int total, int part, int parts, int W,
+                                             Sync sync) {
   using T = typename Num<BF16>::T;
   constexpr int V = R * MT * 4;
+  const size_t blocks = N / (16 * R);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const bool whole = count == total;
@@ -273,11 +279,12 @@ __device__ __forceinline__ void reduce_parts(const float (&acc)[R][MT][4], float
   sync();
   bool done = whole;
   if (!whole) {
-    float* slab = ws + (size_t)rb * V * 32;
+    float* slab = ws + ((parts > 0 ? part * blocks : 0) + rb) * V * 32;
     for (int v = warp; v < V; v += W) {
       float sum = 0.f;
       for (int w = 0; w < W; ++w) sum += red[((size_t)w * V + v) * 32 + lane];
-      atomicAdd(slab + v * 32 + lane, sum);
+      if (parts > 0) __stcg(slab + v * 32 + lane, sum);
+      else atomicAdd(slab + v * 32 + lane, sum);
     }
     __threadfence();
     sync();
@@ -290,9 +297,12 @@ __device__ __forceinline__ void reduce_parts(const float (&acc)[R][MT][4], float
     for (int v = warp; v < V; v += W) {
       float sum;
       if (!whole) {
-        float* cell = ws + ((size_t)rb * V + v) * 32 + lane;
-        sum = __ldcg(cell);
-        *cell = 0.f;
+        sum = 0.f;
+        for (int p = 0; p < (parts > 0 ? parts : 1); ++p) {
+          float* cell = ws + ((p * blocks + rb) * V + v) * 32 + lane;
+          sum += __ldcg(cell);
+          *cell = 0.f;
+        }
       } else {
         sum = 0.f;
         for (int w = 0; w < W; ++w) sum += red[((size_t)w * V + v) * 32 + lane];
@@ -312,10 +322,10 @@ template <bool BF16, int MT, int R>
 __device__ __forceinline__ void finish(const float (&acc)[R][MT][4], float* red,
                                        typename Num<BF16>::T* __restrict__ y, float* ws,
                                        int* arrivals, int M, int N, int ldy, int rb, int count,
-                                       int total) {
+                                       int total, int part, int parts) {
   __shared__ int last;
-  reduce_parts<BF16, MT, R>(acc, red, &last, y, ws, arrivals, M, N, ldy, rb, count, total,
-                            blockDim.x >> 5, [] { __syncthreads(); });
+  reduce_parts<BF16, MT, R>(acc, red, &last, y, ws, arrivals, M, N, ldy, rb, count, total, part,
+                            parts, blockDim.x >> 5, [] { __syncthreads(); });
   __syncthreads();
 }
 
@@ -408,7 +418,7 @@ __global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS) {
   }
   if (PROBE) acc[0][0][0] = __uint_as_float(probe & 0x3fffffffu);
   finish<BF16, MT, R>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy, rb, 1,
-                      gridDim.y);
+                      gridDim.y, blockIdx.y, gridDim.y);
 }
 
 // cp.async pipeline: each lane copies its own 16-byte quads (L2 -> smem, no registers held,
@@ -453,7 +463,7 @@ __global__ void __launch_bounds__(256) w4_gemv_async(TM_GEMV_PARAMS) {
   }
   cp_async_wait<0>();
   finish<BF16, MT, R>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy, rb, 1,
-                      gridDim.y);
+                      gridDim.y, blockIdx.y, gridDim.y);
 }
 
 // Stream-K: gridDim.x CTAs (a few per SM, all resident) split the N / 16R row blocks x K / 64
@@ -516,7 +526,7 @@ __global__ void __launch_bounds__(256) w4_gemv_streamk(TM_GEMV_PARAMS) {
       }
     }
     finish<BF16, MT, R>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy, rb,
-                        c1 - c0, NC);
+                        c1 - c0, NC, 0, 0);
     u += c1 - c0;
   }
 }
@@ -689,8 +699,8 @@ __global__ void __launch_bounds__(288, 2) w4_gemv_bulk(TM_GEMV_PARAMS, int D) {
       }
     }
     if (PROBE) acc[0][0][0] = __uint_as_float(probe & 0x3fffffffu);
-    reduce_parts<BF16, MT, R>(acc, red, &last, y, ws, arrivals, M, N, ldy, rb, count, NC, W,
-                              [W] { consumer_sync(W * 32); });
+    reduce_parts<BF16, MT, R>(acc, red, &last, y, ws, arrivals, M, N, ldy, rb, count, NC, 0, 0,
+                              W, [W] { consumer_sync(W * 32); });
   }
 #endif
 }
@@ -899,7 +909,7 @@ extern "C" {
 // y[M, N] = x[M, K] @ W^T. Returns a cudaError_t (0: launched; -1: bad arguments).
 // rows_per_cta 1, 2 or 4 (N a multiple of 16 * rows_per_cta; more tiles per CTA share each x
 // operand load); warps 1..8; splits >= 1 (> 1 needs ws and arrivals, zeroed, sized
-// N / 16 * MT * 128 floats and N / 16 ints); mode 0-6 (gemv_by_mode); M > 16 needs
+// splits * N / 16 * MT * 128 floats (modes 0-2; modes 3-6: N / 16 * MT * 128) and N / 16 ints); mode 0-6 (gemv_by_mode); M > 16 needs
 // rows_per_cta <= 2, M > 32 rows_per_cta 1. pdl: launched with programmatic dependent launch
 // (sm_90), overlapping the kernel before's tail.
 int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,

@@ -174,7 +174,10 @@ def gemv(
     ws = arrivals = None
     if t.splits > 1 or t.mode >= 3:  # split K, or stream-K's parts of row blocks
         token_groups = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8  # the kernel's MT
-        ws = _zeroed(_workspaces, x.device, n // 16 * token_groups * 128, torch.float32)
+        # K split over the grid's y (modes 0-2 and their probe 6): a slot per part, summed in
+        # order; stream-K's segments (3-5) add into one
+        parts = t.splits if t.mode in (0, 1, 2, 6) else 1
+        ws = _zeroed(_workspaces, x.device, parts * n // 16 * token_groups * 128, torch.float32)
         arrivals = _zeroed(_arrivals, x.device, n // 16, torch.int32)
     code = _library(x.device).tm_w4_gemv(
         qweight.data_ptr(), scales.data_ptr(), x.data_ptr(), out.data_ptr(),
