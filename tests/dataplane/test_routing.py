@@ -231,8 +231,10 @@ async def test_a_killed_worker_fails_its_streams_metered_and_new_requests_go_to_
     errors = await asyncio.gather(*(read(i, None) for i in range(len(streams))))
     rows = await stack.ledger_rows(request_ids)
     lost = [i for i, e in enumerate(errors) if e is not None]
-    # Two streams on each (equal load, taken in turn).
-    assert len(lost) == 2, errors
+    # Streams on both workers: two on each when the loads they report tie, which a heartbeat
+    # landing between the four requests can break on a loaded machine (routing by load, as it
+    # should); which stream failed is checked against the ledger below.
+    assert 1 <= len(lost) <= 3, errors
     for i in range(len(streams)):
         row = rows[request_ids[i]]
         text = "".join(received[i])
