@@ -32,6 +32,22 @@ async def long_sku(stack: Stack) -> dict[str, Any]:
     return sku
 
 
+def generate_request(sku_id: str, **fields: Any) -> p.GenerateRequest:
+    """A request of tenant "t", key "k" for `sku_id`, admitted now, with `fields`."""
+    return p.GenerateRequest(
+        **{
+            "request_id": f"r{time.monotonic_ns()}",
+            "tenant_id": "t",
+            "key_id": "k",
+            "sku_id": sku_id,
+            "model": "m",
+            "reply_to": "",
+            "admitted_at": time.time(),
+            **fields,
+        }
+    )
+
+
 async def bodies_left(stack: Stack) -> list[str]:
     nc = await nats.connect(stack.nats_url)
     try:
@@ -92,16 +108,7 @@ async def test_a_stub_whose_body_is_gone_ends_in_an_error_not_a_hang(
     try:
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
-        stub = p.GenerateRequest(
-            request_id=f"gone{time.monotonic_ns()}",
-            tenant_id="t",
-            key_id="k",
-            sku_id=sku["sku_id"],
-            model="m",
-            reply_to=inbox,
-            admitted_at=time.time(),
-            body_object="never-stored",
-        )
+        stub = generate_request(sku["sku_id"], reply_to=inbox, body_object="never-stored")
         await nc.publish(p.work_subject(stack.prefix, sku["sku_id"]), p.encode(stub), reply=inbox)
         replies = [p.decode_reply((await sub.next_msg(timeout=10)).data) for _ in range(2)]
         assert isinstance(replies[0], p.Accepted)
@@ -131,16 +138,7 @@ async def test_no_store_for_a_large_request_is_a_503_before_any_work(
         await registry.start()
         client = WorkerClient(nc, stream_prefix, registry)
         await client.start()
-        big = p.GenerateRequest(
-            request_id="big1",
-            tenant_id="t",
-            key_id="k",
-            sku_id="sku_big",
-            model="m",
-            prompt=" word" * WORDS,
-            reply_to="",
-            admitted_at=time.time(),
-        )
+        big = generate_request("sku_big", prompt=" word" * WORDS)
         with pytest.raises(BodyStoreUnavailable):
             await client.dispatch(big)
         assert client.in_flight() == 0
@@ -156,17 +154,13 @@ async def test_a_stub_carries_nothing_large(nats_server: EmbeddedNats, stream_pr
     """Whatever made the request large (prompt, tools, a schema) stays in the store: the stub
     fits a message whatever the request held, and the worker's side reads the request back."""
     big = " word" * WORDS
-    request = p.GenerateRequest(
+    request = generate_request(
+        "s",
         request_id="r1",
-        tenant_id="t",
-        key_id="k",
-        sku_id="s",
-        model="m",
         messages=[p.ChatMessage(role="user", content=big)],
         tools=[p.Tool(name="f", parameters=big)],
         response_format=p.ResponseFormat(type="json_schema", schema=big),
         reply_to="inbox.r1",
-        admitted_at=1.0,
         gateway_id="gw",
     )
     gateway, worker = await nats.connect(nats_server.url), await nats.connect(nats_server.url)
