@@ -268,15 +268,15 @@ class Dispatch:
 
     request: p.GenerateRequest
     client: WorkerClient
+    # What went out: the request, or its stub when it did not fit one message (the object
+    # store holds the rest, worker/request_bodies.py); a reroute sends the same again.
+    sent: p.GenerateRequest
     sent_at: float = field(default_factory=time.monotonic)
     heard_at: float = field(default_factory=time.monotonic)  # the worker's last reply
     worker_id: str | None = None
     routed_to: str | None = None  # the worker it was sent to by id (None: the queue group)
     affinity_key: bytes | None = None  # its prompt prefix's hash (`Router.prefix_key`)
     counted_on: str | None = None  # the worker whose `local` count holds it
-    # What went out: the request, or its stub when it did not fit one message (the object
-    # store holds the rest, worker/request_bodies.py); a reroute sends the same again.
-    sent: p.GenerateRequest | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -464,7 +464,7 @@ class WorkerClient:
     async def dispatch(self, request: p.GenerateRequest) -> Dispatch:
         """`request.reply_to` is filled in here."""
         request = msgspec.structs.replace(request, reply_to=f"{self._inbox}.{request.request_id}")
-        d = Dispatch(request, self, sent=request)
+        d = Dispatch(request, self, request)
         data = p.encode(request)
         if not request_bodies.fits(self.nc, data):  # before it is in flight: nothing to undo
             try:
@@ -509,7 +509,7 @@ class WorkerClient:
             info.unreachable_until = time.monotonic() + self.registry.dead_after_s
         self._uncount(d)
         d.routed_to = None
-        req = d.sent or d.request
+        req = d.sent
         subject, data = p.work_subject(self.prefix, req.sku_id), p.encode(req)
         fast_nats = self._fast_nats
         if fast_nats is None or not fast_nats.publish_now(self.nc, subject, data, req.reply_to):

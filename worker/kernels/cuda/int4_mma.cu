@@ -221,15 +221,15 @@ __device__ __forceinline__ void chunk_products(float (&part)[R][MT][4], float (&
 }
 
 // At a group's end: acc += scale(row) * (part - OFFSET * xsum); part = xsum = 0.
-template <bool BF16, int MT, int R>
-__device__ __forceinline__ void close_group(float (&acc)[R][MT][4], float (&part)[R][MT][4],
-                                            float (&xsum)[MT][4], const __half* my_sc, int maxg,
-                                            int gi, int g) {
+// scale(r, h): the group's scale of tile r's row g (h 0) or g + 8 (h 1).
+template <bool BF16, int MT, int R, typename Scale>
+__device__ __forceinline__ void close_group_by(float (&acc)[R][MT][4], float (&part)[R][MT][4],
+                                               float (&xsum)[MT][4], Scale scale) {
   constexpr float O = Num<BF16>::OFFSET;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const float s0 = __half2float(my_sc[(r * maxg + gi) * 16 + g]);
-    const float s1 = __half2float(my_sc[(r * maxg + gi) * 16 + g + 8]);
+    const float s0 = scale(r, 0);
+    const float s1 = scale(r, 1);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       // xsum's rows are all alike: c0/c2 token 2t, c1/c3 token 2t + 1
@@ -245,6 +245,16 @@ __device__ __forceinline__ void close_group(float (&acc)[R][MT][4], float (&part
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int q = 0; q < 4; ++q) xsum[mt][q] = 0.f;
+}
+
+// The same with the scales from the warp's or CTA's smem copy [R][maxg][16].
+template <bool BF16, int MT, int R>
+__device__ __forceinline__ void close_group(float (&acc)[R][MT][4], float (&part)[R][MT][4],
+                                            float (&xsum)[MT][4], const __half* my_sc, int maxg,
+                                            int gi, int g) {
+  close_group_by<BF16, MT, R>(acc, part, xsum, [&](int r, int h) {
+    return __half2float(my_sc[(r * maxg + gi) * 16 + g + 8 * h]);
+  });
 }
 
 // Reduce W warps (smem red[W][V][32], V = R * MT * 4 values per lane) for row block rb, of
@@ -629,7 +639,6 @@ __global__ void __launch_bounds__(288, 2) w4_gemv_bulk(TM_GEMV_PARAMS, int D) {
     return;
   }
   pdl_wait();
-  constexpr float O = Num<BF16>::OFFSET;
   int d = 0;
   uint32_t phase = 0;
   // x and the scales of a chunk do not wait for its weights: each stage's are loaded one stage
@@ -652,8 +661,10 @@ __global__ void __launch_bounds__(288, 2) w4_gemv_bulk(TM_GEMV_PARAMS, int D) {
     const int rb = (int)(s / SPB);
     const long long seg_end = min(t1, (long long)(rb + 1) * SPB);
     const int count = (int)(seg_end - s) * W;
-    float acc[R][MT][4], part[R][MT][4], xsum[MT][4];
+    float acc[R][MT][4], part[R][MT][4], xsum[1][MT][4];
     zero(acc);
+    zero(part);  // close_group_by zeroes them again after each chunk
+    zero(xsum);
     uint32_t probe = 0;
     for (; s < seg_end; ++s) {
       mbar_wait(full + d, phase);
@@ -671,21 +682,9 @@ __global__ void __launch_bounds__(288, 2) w4_gemv_bulk(TM_GEMV_PARAMS, int D) {
 #pragma unroll
         for (int r = 0; r < R; ++r) probe ^= w[r].x ^ w[r].y ^ w[r].z ^ w[r].w;
       } else {
-        zero(part);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int q = 0; q < 4; ++q) xsum[mt][q] = 0.f;
-        chunk_products<BF16, MT, R>(part, xsum, w, xv);
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            acc[r][mt][0] += s0[r] * (part[r][mt][0] - O * xsum[mt][0]);
-            acc[r][mt][1] += s0[r] * (part[r][mt][1] - O * xsum[mt][1]);
-            acc[r][mt][2] += s1[r] * (part[r][mt][2] - O * xsum[mt][2]);
-            acc[r][mt][3] += s1[r] * (part[r][mt][3] - O * xsum[mt][3]);
-          }
+        chunk_products<BF16, MT, R>(part, xsum[0], w, xv);
+        close_group_by<BF16, MT, R>(acc, part, xsum[0],
+                                    [&](int r, int h) { return h ? s1[r] : s0[r]; });
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           xv[mt][0] = xn[mt][0];
@@ -753,21 +752,30 @@ __global__ void w4_dequant_kernel(const uint4* __restrict__ qw, const __half* __
   o1[4] = reinterpret_cast<Vec*>(hi)[1];
 }
 
+// The device's multiprocessor count and compute capability, asked once (one GPU a process).
+struct DeviceInfo {
+  int sms = 0, major = 0;
+};
+inline const DeviceInfo& device_info() {
+  static const DeviceInfo info = [] {
+    DeviceInfo d;
+    int device = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device);
+    return d;
+  }();
+  return info;
+}
+
 template <bool BF16, int MT, int R, bool PROBE>
 int launch_bulk(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                 int M, int N, int K, int ldx, int ldy, int gc, int warps, int ctas_per_sm,
                 int depth, bool pdl, cudaStream_t stream) {
   using T = typename Num<BF16>::T;
-  static int sms = 0, major = 0;
-  if (sms == 0) {
-    int device = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  }
-  const int NC = K / 64;
+  const int sms = device_info().sms, NC = K / 64;
   // the copy engine is sm_90's; a stage is one chunk per consumer warp; groups by a shift
-  if (major < 9 || (gc & (gc - 1)) || warps > 8 || NC % warps || depth < 2 || depth > 8)
+  if (device_info().major < 9 || (gc & (gc - 1)) || NC % warps || depth < 2 || depth > 8)
     return -1;
   const long long stages = (long long)(N / (16 * R)) * (NC / warps);
   const int P = (int)(stages < (long long)sms * ctas_per_sm ? stages : (long long)sms * ctas_per_sm);
@@ -819,12 +827,7 @@ int launch_streamk(const void* qw, const void* sc, const void* x, void* y, void*
                    int ctas_per_sm, bool pdl, cudaStream_t stream) {
   using T = typename Num<BF16>::T;
   if (gc & (gc - 1)) return -1;
-  static int sms = 0;
-  if (sms == 0) {
-    int device = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  }
+  const int sms = device_info().sms;
   const long long U = (long long)(N / (16 * R)) * (K / 64);
   const int P = (int)(U < (long long)sms * ctas_per_sm ? U : (long long)sms * ctas_per_sm);
   const int maxg = (int)((U + P - 1) / P) / gc + 2;
