@@ -342,20 +342,43 @@ def slow_steps(worker_log: str, since: datetime) -> list[str]:
     return found
 
 
+def median_of_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One summary from a mode's rounds: each number the median over them, errors summed."""
+    merged: dict[str, Any] = {"rounds": len(rounds)}
+    for key, value in rounds[0].items():
+        if key == "errors":
+            merged[key] = sum(r[key] for r in rounds)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            merged[key] = statistics.median(r[key] for r in rounds)
+        else:
+            merged[key] = value
+    return merged
+
+
 def concurrency_sweep(b: Any, sku: dict[str, Any], a: argparse.Namespace) -> list[dict[str, Any]]:
-    """Each concurrency C: 2 x C requests, a warm gateway round, then direct and governed."""
+    """Each concurrency C: 2 x C requests, a warm gateway round, then `--sweep-rounds` rounds
+    alternating direct and governed (medians; the rounds are kept beside them)."""
     rows = []
     load_point = a.concurrency
     for c in a.sweep:
         a.concurrency = c
         prompts = [prompt_text(a.prompt_tokens, 1000 * c + i) for i in range(2 * c)]
         asyncio.run(through_gateway(b.url, b.key, sku["name"], prompts, a, set()))
-        d = summary(*asyncio.run(direct(b, sku, prompts, a)))
-        g = summary(*asyncio.run(through_gateway(b.url, b.key, sku["name"], prompts, a, set())))
-        rows.append({"concurrency": c, "direct": d, "gateway": g})
+        direct_rounds, gateway_rounds = [], []
+        for _ in range(a.sweep_rounds):
+            direct_rounds.append(summary(*asyncio.run(direct(b, sku, prompts, a))))
+            gateway_rounds.append(
+                summary(*asyncio.run(through_gateway(b.url, b.key, sku["name"], prompts, a, set())))
+            )
+        d, g = median_of_rounds(direct_rounds), median_of_rounds(gateway_rounds)
+        rows.append({
+            "concurrency": c, "direct": d, "gateway": g,
+            "direct_rounds": direct_rounds, "gateway_rounds": gateway_rounds,
+        })  # fmt: skip
         print(
             f"sweep C={c}: direct {d['output_tokens_per_s']:.1f} tok/s, governed "
-            f"{g['output_tokens_per_s']:.1f} tok/s, TTFT p50 {g['ttft_s_p50']:.3f} s",
+            f"{g['output_tokens_per_s']:.1f} tok/s, TTFT p50 {g['ttft_s_p50']:.3f} s "
+            f"(medians of {a.sweep_rounds})",
             flush=True,
         )
     a.concurrency = load_point
@@ -392,6 +415,7 @@ def main() -> int:
     ap.add_argument("--load-timeout-s", type=float, default=900)
     ap.add_argument("--out", type=Path, default=result_path("gpu_endpoint"))
     ap.add_argument("--sweep", default="", help="concurrencies to measure after the load point")
+    ap.add_argument("--sweep-rounds", type=int, default=1, help="rounds of each mode a point")
     ap.add_argument("--slow-step-s", type=float, default=0.25, help="worker steps logged as slow")
     ap.add_argument(
         "--long-prompt-tokens",

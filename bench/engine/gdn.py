@@ -14,7 +14,7 @@ from bench.common import cuda_time, free_gpu, graph_time
 
 def gdn_sweep(args: argparse.Namespace, config: Any, budget: float) -> dict[str, Any]:
     """The DeltaNet recurrence's launch settings at the model's shape, on a bf16 state pool (the
-    engine's default): decode (block_v x warps; a graph over one state pool per DeltaNet layer,
+    engine's default): decode (block_v x warps x tiles a program; a graph over one state pool per DeltaNet layer,
     so the states come from HBM as in the engine) and the 8 x prompt chunked prefill (chunk,
     block_v, warps of its two kernels). Each variant is checked against the op's default; the
     fastest correct one goes into DECODE_LAUNCH / PREFILL_LAUNCH."""
@@ -46,15 +46,21 @@ def gdn_sweep(args: argparse.Namespace, config: Any, budget: float) -> dict[str,
     default = dict(dr.DECODE_LAUNCH)
     best: tuple[float, dict[str, int]] | None = None
     want: Any = None
-    for bv, warps in ((32, 2), (64, 4), (64, 2), (64, 8), (128, 4), (32, 4), (16, 2), (128, 8)):
+    # (block_v, warps, tiles a program); the engine's calls pass early_state, as timed here
+    for bv, warps, tiles in (
+        (32, 2, 1), (64, 4, 1), (64, 2, 1), (64, 8, 1), (128, 4, 1), (32, 4, 1), (16, 2, 1),
+        (128, 8, 1), (64, 4, 2), (64, 4, 4), (64, 2, 2), (64, 2, 4), (32, 2, 4), (32, 4, 4),
+        (128, 8, 2),
+    ):  # fmt: skip
         if time.perf_counter() > deadline:
             break
-        launch = {"block_v": bv, "num_warps": warps}
+        launch = {"block_v": bv, "num_warps": warps, "tiles": tiles}
+        name = f"bv={bv} w={warps}" + (f" t={tiles}" if tiles > 1 else "")
         try:
 
             def decode(i: int, launch: dict[str, int] = launch) -> None:
                 outs[i] = dr.gated_delta_rule_decode(
-                    q, k, v, g, beta, pools[i], slots, scale, True, **launch
+                    q, k, v, g, beta, pools[i], slots, scale, True, early_state=True, **launch
                 )
 
             t = graph_time(decode, layers)
@@ -63,11 +69,11 @@ def gdn_sweep(args: argparse.Namespace, config: Any, budget: float) -> dict[str,
             got = torch.cat([got.float().flatten(), pool.float().flatten()])
             want = got if want is None else want
             err = ((got - want).norm() / want.norm()).item()
-            report["decode"][f"bv={bv} w={warps}"] = {"us": t * 1e6, "rel_err": err}
+            report["decode"][name] = {"us": t * 1e6, "rel_err": err}
             if err < 1e-2 and (best is None or t < best[0]):
                 best = (t, launch)
         except Exception as exc:
-            report["decode"][f"bv={bv} w={warps}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            report["decode"][name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     dr.DECODE_LAUNCH.update(best[1] if best else default)
     report["decode_chosen"] = dict(dr.DECODE_LAUNCH)
     pools.clear()

@@ -8,6 +8,8 @@ in the slots the batch names.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,7 @@ from worker.kernels.triton import (
     paged_attention_decode,
     rms_norm,
 )
+from worker.kernels.triton.delta_rule import decode_tiles
 
 # ---------------------------------------------------------------- norms
 
@@ -159,6 +162,7 @@ def check_delta_decode(
     l2norm: bool,
     device: str,
     state_dtype: torch.dtype = torch.float32,
+    **launch: Any,
 ) -> None:
     q, k, v, g, beta = delta_inputs(batch, hk, hv, dk, dv, device)
     pool = batch + 3
@@ -169,7 +173,7 @@ def check_delta_decode(
     expected = reference.gated_delta_rule_decode(
         q, k, v, g, beta, expected_state, slots, scale, l2norm
     )
-    out = gated_delta_rule_decode(q, k, v, g, beta, state, slots, scale, l2norm)
+    out = gated_delta_rule_decode(q, k, v, g, beta, state, slots, scale, l2norm, **launch)
     assert state.dtype == state_dtype
     assert rel_err(out, expected) < 1e-2
     # a 16-bit pool: both round the fp32 result once (the interpreter's casts may differ by an ulp)
@@ -219,6 +223,22 @@ def check_delta_prefill(
 @pytest.mark.parametrize(("hk", "hv"), [(1, 1), (2, 6)])
 def test_gated_delta_rule_decode(hk: int, hv: int, l2norm: bool) -> None:
     check_delta_decode(3, hk, hv, 16, 32, l2norm, "cpu")
+
+
+@pytest.mark.parametrize(("block_v", "tiles"), [(16, 2), (16, 4), (32, 5), (8, 6)])
+def test_gated_delta_rule_decode_several_tiles_a_program(block_v: int, tiles: int) -> None:
+    """A program may take several (sequence, head, columns) tiles, loading the next one's state
+    before it reduces the last; the count shrinks to a divisor of the launch's tiles (5 -> 3 of
+    18 at block 32), and with the state loaded before the launch wait the result is the same."""
+    check_delta_decode(3, 2, 6, 16, 32, True, "cpu", block_v=block_v, tiles=tiles)
+    check_delta_decode(3, 2, 6, 16, 32, True, "cpu", block_v=block_v, tiles=tiles, early_state=True)
+
+
+def test_decode_tiles_divide_the_launch() -> None:
+    assert decode_tiles(3, 6, 32, 32, 5) == 3
+    assert decode_tiles(64, 48, 128, 64, 8) == 8
+    assert decode_tiles(1, 1, 32, 32, 4) == 1
+    assert decode_tiles(7, 48, 128, 64, 5) == 4
 
 
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])

@@ -330,9 +330,12 @@ def gated_delta_rule_decode(
     state_slots: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool,
+    early_state: bool = False,
 ) -> torch.Tensor:
+    """`early_state`: the kernel launched just before did not write `state` (a hint a kernel
+    may use to start loading it sooner; the result is the same)."""
     fn = _pick("gated_delta_rule_decode", q)
-    return fn(q, k, v, g, beta, state, state_slots, scale, use_qk_l2norm)
+    return fn(q, k, v, g, beta, state, state_slots, scale, use_qk_l2norm, early_state=early_state)
 
 
 def write_kv_cache(

@@ -251,8 +251,10 @@ def gated_delta_rule_decode(
     state_slots: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool,
+    early_state: bool = False,
 ) -> torch.Tensor:
-    """One gated-delta-rule step for each of B sequences (q, k [B, Hk, dk], v [B, Hv, dv])."""
+    """One gated-delta-rule step for each of B sequences (q, k [B, Hk, dk], v [B, Hv, dv]).
+    `early_state` is a scheduling hint for kernels; it does not change the result."""
     qs, ks = _delta_rule_inputs(q, k, v.shape[-2], scale, use_qk_l2norm)
     s, out = _delta_rule_step(
         state[state_slots].float(), qs, ks, v.float(), g.float(), beta.float()

@@ -160,6 +160,8 @@ class GatedDeltaNet(nn.Module):
                     meta.state_slots[p:],
                     scale,
                     True,
+                    # before it: the conv, or the prefill of other sequences' slots
+                    early_state=True,
                 )
             )
         out = rule_parts[0] if len(rule_parts) == 1 else torch.cat(rule_parts)
