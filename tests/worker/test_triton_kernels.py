@@ -397,6 +397,12 @@ def test_gpu_conv1d_27b() -> None:
 def test_gpu_delta_rule_27b() -> None:
     check_delta_decode(8, 16, 48, 128, 128, True, "cuda")
     check_delta_decode(8, 16, 48, 128, 128, True, "cuda", torch.bfloat16)
+    for block_v, warps, tiles in ((64, 4, 4), (32, 2, 4), (128, 8, 2), (64, 2, 3)):
+        for batch in (8, 64, 5):
+            check_delta_decode(
+                batch, 16, 48, 128, 128, True, "cuda", torch.bfloat16,
+                block_v=block_v, num_warps=warps, tiles=tiles, early_state=True,
+            )  # fmt: skip
     check_delta_prefill([300, 64, 1, 0, 77], 16, 48, 128, 128, 64, "cuda", True, torch.bfloat16)
     for chunk_size, dot16 in ((16, False), (32, False), (32, True), (64, True)):
         check_delta_prefill([300, 64, 1, 0, 77], 16, 48, 128, 128, chunk_size, "cuda", dot16)
