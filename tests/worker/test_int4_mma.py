@@ -4,10 +4,15 @@ On CPU: the layout round-trips; a plain-PyTorch emulation of what each lane of t
 does (decode its 16-byte quad with the kernel's bit operations, place the values where
 mma.sync m16n8k16 reads them, take x's operands from the kernel's addresses) reproduces the
 reference product, so the fragment order in the .cu and the packer agree; Int4Linear in the mma
-layout (the reference op here) answers as the nibble layout does. With `-m gpu`: the compiled
-GEMV at every row-count class and tiling, and the dequantization, against the reference."""
+layout (the reference op here) answers as the nibble layout does. A fused gate|up in paired tiles
+(gate, up, gate, ...): the pairing round-trips, the unfused way back to gate|up order gives
+silu(gate) * up, and an emulation of the GEMV epilogue's pair arithmetic writes each output once
+with the right pair. With `-m gpu`: the compiled GEMV at every row-count class and tiling, with
+and without the silu(gate) * up epilogue, and the dequantization, against the reference."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -149,6 +154,126 @@ def test_the_kernel_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert int4_mma.available(torch.device("cpu")) == (False, "TOKENMILL_INT4_KERNEL=triton")
 
 
+def paired_gate_up(f: int, k: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """(nibble qweight, scales, paired mma words, paired mma scales) of a random gate|up [2F, K]."""
+    qweight, scales = random_codes(2 * f, k, seed)
+    words, mma_scales = reference.int4_mma_pair_tiles(*reference.int4_mma_pack(qweight, scales))
+    return qweight, scales, words, mma_scales
+
+
+def silu_of_pairs_reference(y: torch.Tensor) -> torch.Tensor:
+    gate, up = y.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@pytest.mark.parametrize(("f", "k"), [(16, 64), (48, 192)])
+def test_paired_tiles_alternate_gate_and_up_and_round_trip(f: int, k: int) -> None:
+    qweight, scales, words, mma_scales = paired_gate_up(f, k)
+    back = reference.int4_mma_unpack(*reference.int4_mma_unpair_tiles(words, mma_scales))
+    assert torch.equal(back[0], qweight) and torch.equal(back[1], scales)
+    # tile 2j: gate rows 16 j..16 j + 15; tile 2j + 1: the up rows of the same outputs
+    rows = torch.arange(2 * f).view(2, f // 16, 16).transpose(0, 1).reshape(-1)
+    paired_q, paired_s = reference.int4_mma_unpack(words, mma_scales)
+    assert torch.equal(paired_q, qweight[rows]) and torch.equal(paired_s, scales[rows])
+    with pytest.raises(ValueError, match="F % 16"):
+        reference.int4_mma_pair_tiles(*reference.int4_mma_pack(*random_codes(48, k)))
+
+
+def test_unpaired_outputs_give_silu_of_gate_and_up() -> None:
+    """The unfused way (prefill, tilings the epilogue does not pair): the paired product
+    reordered to gate|up, then silu_mul, is the unpaired weight's silu(gate) * up."""
+    from worker.kernels.cuda import int4_mma
+
+    qweight, scales, words, mma_scales = paired_gate_up(32, 256)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2))
+    plain = reference.int4_linear(x, qweight, scales, None, 128)
+    paired = reference.int4_mma_linear(x, words, mma_scales, 128)
+    assert rel_err(reference.int4_mma_unpair_outputs(paired), plain) < 1e-6
+    want = silu_of_pairs_reference(plain)
+    assert rel_err(int4_mma.silu_mul_of_pairs(paired), want) < 1e-6
+    assert rel_err(reference.int4_mma_linear_silu_mul(x, words, mma_scales, 128), want) < 1e-6
+    assert rel_err(ops.int4_mma_linear_silu_mul(x, words, mma_scales, 128), want) < 1e-6
+
+
+def emulate_silu_epilogue(
+    y: torch.Tensor, rows: int, token_groups: int, warps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [M, F], writes per output) from a paired-tile product y [M, 2F] as reduce_parts'
+    SILU branch forms it: a row block's cells hold what the plain epilogue writes (cell
+    v = (tile r, token group mt, fragment q) of lane (g, t)), and warp w takes the pairs w,
+    w + W, ... (gate tile 2j's cell with up tile 2j + 1's)."""
+    m, two_f = y.shape
+    out = torch.zeros(m, two_f // 2, dtype=torch.float64)
+    writes = torch.zeros(m, two_f // 2, dtype=torch.int64)
+    r_, mt_ = rows, token_groups
+    cells_per_lane, per_tile = r_ * mt_ * 4, mt_ * 4
+    for rb in range(two_f // (16 * r_)):
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            cells = []
+            for v in range(cells_per_lane):
+                q, rmt = v & 3, v >> 2
+                r, mt = rmt // mt_, rmt % mt_
+                row = (rb * r_ + r) * 16 + g + 8 * (q >> 1)
+                tok = mt * 8 + 2 * t + (q & 1)
+                cells.append(float(y[tok, row]) if tok < m else 0.0)
+            for w in range(warps):
+                for p in range(w, cells_per_lane // 2, warps):
+                    j, rest = p // per_tile, p % per_tile
+                    q, mt = rest & 3, rest >> 2
+                    v = 2 * j * per_tile + rest
+                    gate, up = cells[v], cells[v + per_tile]
+                    row = (rb * r_ // 2 + j) * 16 + g + 8 * (q >> 1)
+                    tok = mt * 8 + 2 * t + (q & 1)
+                    if tok < m and row < two_f // 2:
+                        out[tok, row] = gate / (1.0 + math.exp(-gate)) * up
+                        writes[tok, row] += 1
+    return out, writes
+
+
+@pytest.mark.parametrize(  # 4 tiles per CTA take at most 16 rows (the launcher uses 2 then)
+    ("m", "rows"), [(m, 2) for m in (1, 5, 8, 13, 16, 29, 32)] + [(m, 4) for m in (1, 8, 11, 16)]
+)
+@pytest.mark.parametrize("warps", [1, 3, 8])
+def test_silu_epilogue_emulation_pairs_gate_with_up(m: int, rows: int, warps: int) -> None:
+    f, k = 64, 128
+    qweight, scales, words, mma_scales = paired_gate_up(f, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).double()
+    w = reference.int4_dequantize(qweight, scales, None, 128).double()
+    paired_w = reference.int4_dequantize(
+        *reference.int4_mma_unpack(words, mma_scales), None, 128
+    ).double()
+    token_groups = 1 if m <= 8 else 2 if m <= 16 else 4
+    out, writes = emulate_silu_epilogue(x @ paired_w.T, rows, token_groups, warps)
+    assert torch.equal(writes, torch.ones_like(writes))
+    torch.testing.assert_close(out, silu_of_pairs_reference(x @ w.T), rtol=1e-12, atol=1e-12)
+
+
+def test_gate_up_in_paired_tiles_answers_as_nibble() -> None:
+    layer = Int4Linear.from_linear(nn.Linear(128, 64, bias=False).bfloat16(), 64)
+    x = torch.randn(3, 128).bfloat16()
+    want, want_act, weight = layer(x), layer.silu_mul(x), layer.dequantize()
+    nibble = layer.nibble_tensors()
+    layer.to_mma_layout(gate_up=True)
+    assert layer.layout == MMA and layer.gate_up_paired
+    assert torch.equal(layer(x), want)
+    assert torch.equal(layer.silu_mul(x), want_act) and want_act.shape == (3, 32)
+    assert torch.equal(layer.dequantize(), weight)
+    assert all(torch.equal(a, b) for a, b in zip(layer.nibble_tensors(), nibble, strict=True))
+
+
+def test_gate_up_pairs_only_whole_tiles_without_bias() -> None:
+    """F % 16 != 0 (a tile would hold gate and up rows) or a bias: the plain order, and
+    silu_mul takes the projection then the activation."""
+    for linear in (nn.Linear(128, 48, bias=False), nn.Linear(128, 64, bias=True)):
+        layer = Int4Linear.from_linear(linear, 64)
+        x = torch.randn(2, 128)
+        want = layer.silu_mul(x)
+        layer.to_mma_layout(gate_up=True)
+        assert layer.layout == MMA and not layer.gate_up_paired
+        assert torch.equal(layer.silu_mul(x), want)
+
+
 # --- compiled, on a GPU ----------------------------------------------------------------------------
 
 
@@ -256,3 +381,102 @@ def test_e4m3_dequantize_and_prefill_on_gpu(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(int4_gemm, "INT4_PREFILL", "fp8")
     got = int4_mma.int4_mma_linear(x, words, mma_scales, 128)
     assert 1e-3 < rel_err(got.float(), exact) < 6e-2  # e4m3's rounding, x per token
+
+
+_gate_ups: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+
+
+def gpu_gate_up(f: int, k: int) -> tuple[torch.Tensor, ...]:
+    """(paired words, paired scales, the fp32 weight [2F, K] in gate|up order), made once."""
+    if (f, k) not in _gate_ups:
+        torch.manual_seed(0)
+        q = quantize_rtn(torch.randn(2 * f, k, device="cuda") * 0.02, 128, True)
+        words, scales = reference.int4_mma_pair_tiles(*reference.int4_mma_pack(q.qweight, q.scales))
+        _gate_ups[(f, k)] = (
+            words,
+            scales,
+            reference.int4_dequantize(q.qweight, q.scales, None, 128),
+        )
+    return _gate_ups[(f, k)]
+
+
+@GPU
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 8, 16, 33, 64])
+@pytest.mark.parametrize(("f", "k"), [(128, 512), (17408, 5120)])
+@pytest.mark.parametrize(
+    "tiling",
+    [
+        None,
+        (2, 8, 1, 2, 0),
+        (4, 4, 3, 2, 0),
+        (2, 4, 2, 4, 1),
+        (4, 8, 1, 4, 1),
+        (4, 8, 1, 2, 2),
+        (2, 8, 3, 4, 2),
+        (4, 4, 4, 4, 2),
+        (1, 8, 2, 4, 2),  # one tile per CTA: the product, then silu_mul
+        (2, 8, 2, 2, 3),  # stream-K and the bulk pipeline: likewise
+        (4, 8, 2, 4, 4),
+    ],
+)
+def test_gate_up_silu_mul_on_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    m: int,
+    f: int,
+    k: int,
+    tiling: tuple[int, int, int, int, int] | None,
+) -> None:
+    """silu(gate) * up from the GEMV's epilogue (2 or 4 tiles per CTA, modes 0-2, M <= 32) or
+    from its product (other tilings, M > 32) against the fp32 reference."""
+    from worker.kernels.cuda import int4_mma
+
+    words, scales, weight = gpu_gate_up(f, k)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    t = int4_mma.MmaTiling(*tiling) if tiling else int4_mma.default_tiling(2 * f, k, 128)
+    rows = 2 if m > 16 and t.rows == 4 else t.rows
+    unfused: list[int] = []
+    pairs = int4_mma.silu_mul_of_pairs
+    monkeypatch.setattr(int4_mma, "silu_mul_of_pairs", lambda y: unfused.append(1) or pairs(y))
+    got = int4_mma.gemv(x, words, scales, 128, t, silu_mul=True)
+    assert got.shape == (m, f) and got.dtype == dtype
+    assert bool(unfused) == (m > 32 or rows == 1 or t.mode > 2)
+    want = silu_of_pairs_reference(x.float() @ weight.T)
+    assert rel_err(got.float(), want) < 1e-2
+    ws, arrivals = int4_mma._workspaces.get(x.device), int4_mma._arrivals.get(x.device)
+    assert ws is None or ws.count_nonzero() == 0
+    assert arrivals is None or arrivals.count_nonzero() == 0
+
+
+@GPU
+@needs_cuda
+@pytest.mark.parametrize("tiling", [(4, 4, 4, 4, 2), (2, 8, 3, 2, 0), (2, 4, 2, 4, 1)])
+def test_gate_up_silu_mul_gives_the_same_bits_every_run(
+    tiling: tuple[int, int, int, int, int],
+) -> None:
+    from worker.kernels.cuda import int4_mma
+
+    words, scales, _ = gpu_gate_up(2560, 17408)
+    x = torch.randn(8, 17408, device="cuda").bfloat16()
+    t = int4_mma.MmaTiling(*tiling)
+    first = int4_mma.gemv(x, words, scales, 128, t, silu_mul=True)
+    for _ in range(20):
+        assert torch.equal(int4_mma.gemv(x, words, scales, 128, t, silu_mul=True), first)
+
+
+@GPU
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gate_up_silu_mul_op_decode_and_prefill_on_gpu(dtype: torch.dtype) -> None:
+    """The registered op: decode rows through the fused GEMV, prefill rows through the
+    dequantized product reordered to gate|up."""
+    words, scales, weight = gpu_gate_up(128, 512)
+    impl = ops.select("int4_mma_linear_silu_mul", torch.device("cuda"), dtype)
+    assert impl.name == "cuda.int4_mma_gate_up_silu_mul"
+    for m in (4, 300):
+        x = torch.randn(2, m, 512, device="cuda", dtype=dtype)
+        got = ops.int4_mma_linear_silu_mul(x, words, scales, 128)
+        assert got.shape == (2, m, 128)
+        assert rel_err(got.float(), silu_of_pairs_reference(x.float() @ weight.T)) < 1e-2

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import gc
 import weakref
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -27,6 +28,7 @@ from worker.models.int4 import (
     pack_int4,
     quantize_int4,
     unpack_int4,
+    use_mma_kernels,
     weight_bytes,
 )
 from worker.models.layers import Linear, fusable, fuse_linears
@@ -278,4 +280,35 @@ def test_fused_model_in_the_mma_layout_answers_as_nibble(config) -> None:
     assert taken and len(taken) >= len(layers) // 2
     for layer in taken:
         layer.to_mma_layout()
+    assert torch.equal(prefill_logits(model), want)
+
+
+@pytest.mark.parametrize("config", [TINY_QWEN3_5, TINY_LLAMA], ids=lambda c: c.name)
+def test_mma_layout_pairs_gate_up_tiles_with_the_same_logits(
+    config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`use_mma_kernels` where the registry picks the CUDA kernel (pretended here; the ops
+    stay the references): each MLP's gate|up gets paired tiles (gate, up, gate, ...) for the
+    GEMV's silu(gate) * up epilogue, and the logits are those of the nibble layout."""
+    from worker.kernels import ops
+    from worker.kernels.cuda.int4_mma import KERNEL_SWITCH
+
+    model = quantize_int4(build_random(config, "cpu", torch.float32, seed=3), 64, lm_head="int4")
+    model.fuse_projections()
+    want = prefill_logits(model)
+    select = ops.select
+
+    def cuda_chosen(
+        op: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+    ) -> ops.Implementation:
+        impl = select(op, device, dtype, kv_dtype)
+        return replace(impl, name="cuda.int4_mma_linear") if op == "int4_mma_linear" else impl
+
+    monkeypatch.setattr(ops, "select", cuda_chosen)
+    monkeypatch.delenv(KERNEL_SWITCH, raising=False)
+    assert use_mma_kernels(model, torch.float32, 8) > 0
+    gate_ups = [layer.mlp.gate_up_proj for layer in model.model.layers]
+    assert all(isinstance(g, Int4Linear) and g.gate_up_paired for g in gate_ups)
+    others = [m for m in model.modules() if isinstance(m, Int4Linear) and m not in gate_ups]
+    assert others and not any(m.gate_up_paired for m in others)
     assert torch.equal(prefill_logits(model), want)

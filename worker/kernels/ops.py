@@ -56,6 +56,7 @@ OPS = (
     "int4_linear",
     "int4_linear_silu_mul",
     "int4_mma_linear",
+    "int4_mma_linear_silu_mul",
     "turboquant_restage",
     "staged_attention_prefill",
     "staged_attention_decode",
@@ -452,6 +453,15 @@ def int4_mma_linear(
     """x [..., K] times a symmetric int4 weight in the int4-mma layout: int32 qweight
     [N / 16, K / 64, 32, 4], fp16 scales [N / 16, G, 16] (`reference.int4_mma_pack`)."""
     return _pick("int4_mma_linear", x)(x, qweight, scales, group_size, bias)
+
+
+def int4_mma_linear_silu_mul(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """silu(gate) * up [..., F] from x and a fused gate|up weight [2F, K] in the int4-mma layout
+    with paired tiles (`reference.int4_mma_pair_tiles`; decode GEMVs form the activation in their
+    epilogue)."""
+    return _pick("int4_mma_linear_silu_mul", x)(x, qweight, scales, group_size)
 
 
 # Staged KV pages (worker/models/cache.py StagedAttentionCache): rotated-basis queries in,

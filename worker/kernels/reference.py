@@ -459,6 +459,54 @@ def int4_mma_linear(
     return int4_linear(x, q, s, None, group_size, bias)
 
 
+# A fused gate|up weight [2F, K] in the int4-mma layout may have its 16-row tiles paired: tile 2j
+# holds gate rows 16 j..16 j + 15 and tile 2j + 1 the up rows of the same outputs (F % 16 == 0),
+# so the decode GEMV's CTAs, which own an even number of tiles, form silu(gate) * up themselves.
+
+
+def int4_mma_pair_tiles(
+    qweight: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qweight, scales) of a fused gate|up weight in the int4-mma layout, tiles reordered from
+    gate..., up... to gate 0, up 0, gate 1, up 1, ... (`int4_mma_unpair_tiles` undoes it)."""
+    tiles = qweight.shape[0]
+    if tiles % 2:
+        raise ValueError(f"pairing gate|up tiles needs F % 16 == 0, got 2F = {16 * tiles}")
+
+    def pair(t: torch.Tensor) -> torch.Tensor:
+        return t.view(2, tiles // 2, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
+
+    return pair(qweight), pair(scales)
+
+
+def int4_mma_unpair_tiles(
+    qweight: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `int4_mma_pair_tiles`: gate tiles first, then up tiles."""
+    tiles = qweight.shape[0]
+
+    def unpair(t: torch.Tensor) -> torch.Tensor:
+        return t.view(tiles // 2, 2, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
+
+    return unpair(qweight), unpair(scales)
+
+
+def int4_mma_unpair_outputs(y: torch.Tensor) -> torch.Tensor:
+    """A paired-tile projection's output [..., 2F] in gate|up order (what the unpaired weight
+    gives): 16 gate columns, 16 up columns, ... -> the F gate columns, then the F up columns."""
+    two_f = y.shape[-1]
+    return y.unflatten(-1, (two_f // 32, 2, 16)).transpose(-3, -2).flatten(-3)
+
+
+def int4_mma_linear_silu_mul(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """silu(gate) * up [..., F] from x [..., K] and a fused gate|up weight [2F, K] in the
+    int4-mma layout with paired tiles (`int4_mma_pair_tiles`)."""
+    q, s = int4_mma_unpair_tiles(qweight, scales)
+    return silu_mul(int4_mma_linear(x, q, s, group_size))
+
+
 def _quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     if dtype.is_floating_point and dtype.itemsize == 1:
         return (x.float() / scale).to(dtype)

@@ -181,6 +181,9 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         # NIBBLE (the checkpoint's layout, triton kernels) or MMA (`to_mma_layout`)
         self.layout = NIBBLE
+        # MMA only: a fused gate|up whose tiles alternate gate / up
+        # (`reference.int4_mma_pair_tiles`), so the decode GEMV forms silu(gate) * up itself
+        self.gate_up_paired = False
 
     @property
     def symmetric(self) -> bool:
@@ -257,10 +260,12 @@ class Int4Linear(nn.Module):
         return supports(self.out_features, self.in_features, self.group_size)
 
     @torch.no_grad()
-    def to_mma_layout(self) -> None:
+    def to_mma_layout(self, gate_up: bool = False) -> None:
         """Repack in place for the int4-mma kernels (worker/kernels/cuda): same bytes, codes in
         mma fragment order. Fusing projections must happen before (it concatenates rows of the
-        nibble layout)."""
+        nibble layout). `gate_up`: this is a fused gate|up projection (`silu_mul` is called);
+        its tiles are paired where F % 16 == 0 and there is no bias, so decode steps form
+        silu(gate) * up in the GEMV's epilogue. A layer already in the mma layout stays as is."""
         from worker.kernels import reference
 
         ok, reason = self.mma_layout_supported()
@@ -269,14 +274,22 @@ class Int4Linear(nn.Module):
         if self.layout == MMA:
             return
         qweight, scales = reference.int4_mma_pack(self.qweight.data, self.scales.data)
+        paired = gate_up and self.bias is None and self.out_features % 32 == 0
+        if paired:
+            qweight, scales = reference.int4_mma_pair_tiles(qweight, scales)
         self.qweight = nn.Parameter(qweight, requires_grad=False)
         self.scales = nn.Parameter(scales, requires_grad=False)
         self.layout = MMA
+        self.gate_up_paired = paired
 
     def nibble_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(qweight, scales) in the checkpoint's nibble layout, whatever the resident layout."""
         from worker.kernels import reference
 
+        if self.gate_up_paired:
+            return reference.int4_mma_unpack(
+                *reference.int4_mma_unpair_tiles(self.qweight, self.scales)
+            )
         if self.layout == MMA:
             return reference.int4_mma_unpack(self.qweight, self.scales)
         return self.qweight, self.scales
@@ -289,12 +302,19 @@ class Int4Linear(nn.Module):
         return reference.int4_dequantize(qweight, scales, self.mins, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_paired:  # the outputs in gate|up order, as the unpaired weight gives
+            from worker.kernels import reference
+
+            y = ops.int4_mma_linear(x, self.qweight, self.scales, self.group_size)
+            return reference.int4_mma_unpair_outputs(y)
         if self.layout == MMA:
             return ops.int4_mma_linear(x, self.qweight, self.scales, self.group_size, self.bias)
         return ops.int4_linear(x, self.qweight, self.scales, self.mins, self.group_size, self.bias)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up when this is a fused gate|up projection."""
+        if self.gate_up_paired:
+            return ops.int4_mma_linear_silu_mul(x, self.qweight, self.scales, self.group_size)
         if self.layout == MMA:
             return ops.silu_mul(self.forward(x))
         return ops.int4_linear_silu_mul(
@@ -314,7 +334,9 @@ class Int4Linear(nn.Module):
 # Kept 16-bit by `quantize_int4`: DeltaNet's beta and decay logits (tiny: N = value heads) feed
 # sigmoid/exp gates whose errors compound in the recurrent state.
 KEEP_16BIT_SUFFIXES = ("in_proj_a", "in_proj_b")
-_FUSED_NAMES = ("qkv_proj", "in_proj_qkvzba", "in_proj_qkvz", "in_proj_ba", "gate_up_proj")
+# the MLP's fused gate|up (worker.models.layers.MLP), the projection whose silu_mul runs
+GATE_UP = "gate_up_proj"
+_FUSED_NAMES = ("qkv_proj", "in_proj_qkvzba", "in_proj_qkvz", "in_proj_ba", GATE_UP)
 
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
@@ -373,21 +395,26 @@ def use_mma_kernels(model: nn.Module, dtype: torch.dtype, max_decode_rows: int) 
     a multiple of 64) when the registry picks those kernels for the model's device and `dtype`
     (activations) and, with `TOKENMILL_INT4_KERNEL=auto`, decode batches stay within the rows
     where they win (`max_decode_rows`, the engine's max_num_seqs); returns how many. Others
-    keep the nibble layout and the triton kernels. Call after `fuse_projections`."""
+    keep the nibble layout and the triton kernels. Fused gate|up projections get paired tiles
+    (`Int4Linear.to_mma_layout`). Call after `fuse_projections`."""
     from worker.kernels.cuda.int4_mma import AUTO_MAX_ROWS, kernel_choice
 
-    layers = [m for m in model.modules() if isinstance(m, Int4Linear) and m.layout == NIBBLE]
+    layers = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, Int4Linear) and m.layout == NIBBLE
+    ]
     if not layers:
         return 0
     if kernel_choice() == "auto" and max_decode_rows > AUTO_MAX_ROWS:
         return 0
-    impl = ops.select("int4_mma_linear", layers[0].qweight.device, dtype)
+    impl = ops.select("int4_mma_linear", layers[0][1].qweight.device, dtype)
     if impl.name == "reference":  # plain PyTorch would unpack per call: keep the nibble kernels
         return 0
     done = 0
-    for layer in layers:
+    for name, layer in layers:
         if layer.mma_layout_supported()[0]:
-            layer.to_mma_layout()
+            layer.to_mma_layout(gate_up=name.rpartition(".")[2] == GATE_UP)
             done += 1
     return done
 

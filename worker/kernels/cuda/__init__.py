@@ -21,3 +21,9 @@ def _int4_mma_supported(
 ops.register(
     "int4_mma_linear", int4_mma.int4_mma_linear, _int4_mma_supported, name="cuda.int4_mma_linear"
 )
+ops.register(
+    "int4_mma_linear_silu_mul",
+    int4_mma.int4_mma_linear_silu_mul,
+    _int4_mma_supported,
+    name="cuda.int4_mma_gate_up_silu_mul",
+)

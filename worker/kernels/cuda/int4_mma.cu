@@ -22,7 +22,8 @@
 // Work split: a CTA of W warps owns R row tiles; its K (in whole groups) is cut across
 // gridDim.y CTAs and then across its warps. Warps reduce in shared memory; with gridDim.y > 1
 // the CTAs add into an fp32 workspace and the last to arrive writes the output and re-zeroes the
-// workspace and its counter (so CUDA-graph replays need no memset).
+// workspace and its counter (so CUDA-graph replays need no memset). A fused gate|up weight
+// whose tiles alternate gate / up can have that write be silu(gate) * up (reduce_parts' SILU).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -257,6 +258,15 @@ __device__ __forceinline__ void close_group(float (&acc)[R][MT][4], float (&part
   });
 }
 
+// silu(gate) * up from the projection's fp32 sums, rounded as the unfused path rounds (the
+// projection to T, silu to T, then the product): ops.silu_mul's math on the GEMV's output.
+template <typename T>
+__device__ __forceinline__ T silu_mul(float gate, float up) {
+  const float g = (float)(T)gate, u = (float)(T)up;
+  const float act = (float)(T)(g / (1.f + __expf(-g)));
+  return (T)(act * u);
+}
+
 // Reduce W warps (smem red[W][V][32], V = R * MT * 4 values per lane) for row block rb, of
 // which they computed `count` of `total` parts: a whole block is written at once; a part goes
 // to the workspace, and whoever completes the block writes it and re-zeroes the workspace and
@@ -266,7 +276,10 @@ __device__ __forceinline__ void close_group(float (&acc)[R][MT][4], float (&part
 // varies) the parts are added atomically into ws[blocks][V][32], in arrival order.
 // `sync` is the barrier of those warps (the whole CTA, or the bulk pipeline's consumers); it
 // starts with one, so red and *last are free on entry.
-template <bool BF16, int MT, int R, typename Sync>
+// SILU: the N = 2F rows are a fused gate|up projection whose 16-row tiles alternate gate / up
+// (tile 2j: gate rows 16 j.., 2j + 1: up rows 16 j..; R even, so a pair is in one block), and
+// y [M, F] gets silu(gate) * up: one thread sums both cells of a pair and writes the product.
+template <bool BF16, int MT, int R, bool SILU, typename Sync>
 __device__ __forceinline__ void reduce_parts(const float (&acc)[R][MT][4], float* red, int* last,
                                              typename Num<BF16>::T* __restrict__ y, float* ws,
                                              int* arrivals, int M, int N, int ldy, int rb,
@@ -304,23 +317,50 @@ __device__ __forceinline__ void reduce_parts(const float (&acc)[R][MT][4], float
     if (done) __threadfence();
   }
   if (done) {
-    for (int v = warp; v < V; v += W) {
-      float sum;
-      if (!whole) {
-        sum = 0.f;
-        for (int p = 0; p < (parts > 0 ? parts : 1); ++p) {
-          float* cell = ws + ((p * blocks + rb) * V + v) * 32 + lane;
-          sum += __ldcg(cell);
-          *cell = 0.f;
+    if constexpr (SILU) {
+      static_assert(R % 2 == 0, "a gate tile and its up tile share a row block");
+      // cell v's total: the parts' slots in part order (re-zeroed), or the CTA's warps
+      auto total = [&](int v) {
+        float sum = 0.f;
+        if (!whole) {
+          for (int p = 0; p < (parts > 0 ? parts : 1); ++p) {
+            float* cell = ws + ((p * blocks + rb) * V + v) * 32 + lane;
+            sum += __ldcg(cell);
+            *cell = 0.f;
+          }
+        } else {
+          for (int w = 0; w < W; ++w) sum += red[((size_t)w * V + v) * 32 + lane];
         }
-      } else {
-        sum = 0.f;
-        for (int w = 0; w < W; ++w) sum += red[((size_t)w * V + v) * 32 + lane];
+        return sum;
+      };
+      constexpr int H = MT * 4;  // a tile's cells: tile 2j's cell v pairs with 2j + 1's v + H
+      for (int p = warp; p < V / 2; p += W) {
+        const int j = p / H, rest = p % H, q = rest & 3, mt = rest >> 2;
+        const int v = 2 * j * H + rest;
+        const float gate = total(v), up = total(v + H);
+        const int row = (rb * R / 2 + j) * 16 + g + 8 * (q >> 1);
+        const int m = mt * 8 + 2 * t + (q & 1);
+        if (m < M && row < N / 2) y[(size_t)m * ldy + row] = silu_mul<T>(gate, up);
       }
-      const int q = v & 3, rmt = v >> 2, r = rmt / MT, mt = rmt % MT;
-      const int row = (rb * R + r) * 16 + g + 8 * (q >> 1);
-      const int m = mt * 8 + 2 * t + (q & 1);
-      if (m < M && row < N) y[(size_t)m * ldy + row] = (T)sum;
+    } else {
+      for (int v = warp; v < V; v += W) {
+        float sum;
+        if (!whole) {
+          sum = 0.f;
+          for (int p = 0; p < (parts > 0 ? parts : 1); ++p) {
+            float* cell = ws + ((p * blocks + rb) * V + v) * 32 + lane;
+            sum += __ldcg(cell);
+            *cell = 0.f;
+          }
+        } else {
+          sum = 0.f;
+          for (int w = 0; w < W; ++w) sum += red[((size_t)w * V + v) * 32 + lane];
+        }
+        const int q = v & 3, rmt = v >> 2, r = rmt / MT, mt = rmt % MT;
+        const int row = (rb * R + r) * 16 + g + 8 * (q >> 1);
+        const int m = mt * 8 + 2 * t + (q & 1);
+        if (m < M && row < N) y[(size_t)m * ldy + row] = (T)sum;
+      }
     }
     if (!whole && threadIdx.x == 0) arrivals[rb] = 0;
   }
@@ -328,14 +368,14 @@ __device__ __forceinline__ void reduce_parts(const float (&acc)[R][MT][4], float
 
 // The CTA's end of a row block: `reduce_parts` over all its warps. Ends with a barrier: smem
 // is free for the caller again.
-template <bool BF16, int MT, int R>
+template <bool BF16, int MT, int R, bool SILU = false>
 __device__ __forceinline__ void finish(const float (&acc)[R][MT][4], float* red,
                                        typename Num<BF16>::T* __restrict__ y, float* ws,
                                        int* arrivals, int M, int N, int ldy, int rb, int count,
                                        int total, int part, int parts) {
   __shared__ int last;
-  reduce_parts<BF16, MT, R>(acc, red, &last, y, ws, arrivals, M, N, ldy, rb, count, total, part,
-                            parts, blockDim.x >> 5, [] { __syncthreads(); });
+  reduce_parts<BF16, MT, R, SILU>(acc, red, &last, y, ws, arrivals, M, N, ldy, rb, count, total,
+                                  part, parts, blockDim.x >> 5, [] { __syncthreads(); });
   __syncthreads();
 }
 
@@ -382,8 +422,8 @@ __device__ __forceinline__ void after_chunk(float (&acc)[R][MT][4], float (&part
 }
 
 // Register pipeline: MT token groups of 8 (M <= 8 MT), R row tiles per CTA, D chunks of weight
-// in flight per warp in registers (16-byte loads that skip L1).
-template <bool BF16, int MT, int R, int D, bool IL, bool PROBE = false>
+// in flight per warp in registers (16-byte loads that skip L1). SILU: see reduce_parts.
+template <bool BF16, int MT, int R, int D, bool IL, bool PROBE = false, bool SILU = false>
 __global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS) {
   TM_WARP_CHUNKS
   __half* my_sc = reinterpret_cast<__half*>(smem) + (IL ? 0 : (size_t)warp * R * rg.maxg * 16);
@@ -427,13 +467,13 @@ __global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS) {
     }
   }
   if (PROBE) acc[0][0][0] = __uint_as_float(probe & 0x3fffffffu);
-  finish<BF16, MT, R>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy, rb, 1,
-                      gridDim.y, blockIdx.y, gridDim.y);
+  finish<BF16, MT, R, SILU>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy, rb,
+                            1, gridDim.y, blockIdx.y, gridDim.y);
 }
 
 // cp.async pipeline: each lane copies its own 16-byte quads (L2 -> smem, no registers held,
-// not tracked by L1) D - 1 chunks ahead into the warp's ring [D][R][32].
-template <bool BF16, int MT, int R, int D, bool IL>
+// not tracked by L1) D - 1 chunks ahead into the warp's ring [D][R][32]. SILU: see reduce_parts.
+template <bool BF16, int MT, int R, int D, bool IL, bool SILU = false>
 __global__ void __launch_bounds__(256) w4_gemv_async(TM_GEMV_PARAMS) {
   TM_WARP_CHUNKS
   uint4* ring = reinterpret_cast<uint4*>(smem) + (size_t)warp * D * R * 32;
@@ -472,8 +512,8 @@ __global__ void __launch_bounds__(256) w4_gemv_async(TM_GEMV_PARAMS) {
     after_chunk<BF16, MT, R, IL>(acc, part, xsum[0], my_sc, rg, c, gc, gshift, in_group, gi, g);
   }
   cp_async_wait<0>();
-  finish<BF16, MT, R>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy, rb, 1,
-                      gridDim.y, blockIdx.y, gridDim.y);
+  finish<BF16, MT, R, SILU>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy, rb,
+                            1, gridDim.y, blockIdx.y, gridDim.y);
 }
 
 // Stream-K: gridDim.x CTAs (a few per SM, all resident) split the N / 16R row blocks x K / 64
@@ -698,8 +738,8 @@ __global__ void __launch_bounds__(288, 2) w4_gemv_bulk(TM_GEMV_PARAMS, int D) {
       }
     }
     if (PROBE) acc[0][0][0] = __uint_as_float(probe & 0x3fffffffu);
-    reduce_parts<BF16, MT, R>(acc, red, &last, y, ws, arrivals, M, N, ldy, rb, count, NC, 0, 0,
-                              W, [W] { consumer_sync(W * 32); });
+    reduce_parts<BF16, MT, R, false>(acc, red, &last, y, ws, arrivals, M, N, ldy, rb, count, NC,
+                                     0, 0, W, [W] { consumer_sync(W * 32); });
   }
 #endif
 }
@@ -794,7 +834,8 @@ int launch_bulk(const void* qw, const void* sc, const void* x, void* y, void* ws
                        depth);
 }
 
-template <bool BF16, int MT, int R, int D, bool ASYNC, bool IL, bool PROBE = false>
+template <bool BF16, int MT, int R, int D, bool ASYNC, bool IL, bool PROBE = false,
+          bool SILU = false>
 int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                 int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, bool pdl,
                 cudaStream_t stream) {
@@ -807,8 +848,11 @@ int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws
   const size_t ring_bytes = ASYNC ? (size_t)warps * D * R * 32 * 16 : 0;
   const size_t red_bytes = (size_t)warps * R * MT * 4 * 32 * sizeof(float);
   const size_t bytes = ring_bytes + sc_bytes > red_bytes ? ring_bytes + sc_bytes : red_bytes;
-  auto kernel =
-      ASYNC ? w4_gemv_async<BF16, MT, R, D, IL> : w4_gemv_regs<BF16, MT, R, D, IL, PROBE>;
+  // if constexpr, not ?: (which would build both kernels, one never launched)
+  auto kernel = [] {
+    if constexpr (ASYNC) return w4_gemv_async<BF16, MT, R, D, IL, SILU>;
+    else return w4_gemv_regs<BF16, MT, R, D, IL, PROBE, SILU>;
+  }();
   if (bytes > 48 * 1024) {
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
@@ -846,6 +890,23 @@ int launch_streamk(const void* qw, const void* sc, const void* x, void* y, void*
                        static_cast<int*>(arrivals), M, N, K, ldx, ldy, gc, __builtin_ctz(gc));
 }
 
+// Modes 0-2: K split over the grid's y.
+template <bool BF16, int MT, int R, bool SILU>
+int gemv_split_k(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
+                 int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
+                 int mode, bool pdl, cudaStream_t s) {
+#define TM_GEMV(D, ASYNC, IL)                                                                  \
+  launch_gemv<BF16, MT, R, D, ASYNC, IL, false, SILU>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, \
+                                                      ldy, gc, warps, splits, pdl, s)
+  switch (mode) {
+    case 0: return TM_GEMV(2, false, false);
+    case 1: return TM_GEMV(4, true, false);
+    case 2: return depth >= 4 ? TM_GEMV(4, false, true) : TM_GEMV(2, false, true);
+    default: return -1;
+  }
+#undef TM_GEMV
+}
+
 // mode: 0 register pipeline (2 chunks in flight per warp), 1 cp.async ring (4 slots), 2 the
 // register pipeline with interleaved chunks (the CTA's warps take turns along one run; depth 2
 // or 4), 3 stream-K over that pipeline (`splits` CTAs per SM; depth 2 or 4), 4 the bulk-copy
@@ -853,18 +914,16 @@ int launch_streamk(const void* qw, const void* sc, const void* x, void* y, void*
 // stages; sm_90). Probes for timing only (their output is not the product, M <= 8): 5 mode 4's
 // stream without the math, 6 mode 2's (depth 2) likewise. The variants that lost on one H200
 // (deeper rings, interleaved cp.async) are not built: each costs compile time at the worker's
-// first start.
-template <bool BF16, int MT, int R>
+// first start. SILU (modes 0-2 only): the fused gate|up epilogue of reduce_parts.
+template <bool BF16, int MT, int R, bool SILU>
 int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                  int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
                  int mode, bool pdl, cudaStream_t s) {
-#define TM_GEMV(D, ASYNC, IL) \
-  launch_gemv<BF16, MT, R, D, ASYNC, IL>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, \
-                                         warps, splits, pdl, s)
-  switch (mode) {
-    case 0: return TM_GEMV(2, false, false);
-    case 1: return TM_GEMV(4, true, false);
-    case 2: return depth >= 4 ? TM_GEMV(4, false, true) : TM_GEMV(2, false, true);
+  if (mode <= 2)
+    return gemv_split_k<BF16, MT, R, SILU>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc,
+                                           warps, splits, depth, mode, pdl, s);
+  if constexpr (SILU) return -1;
+  else switch (mode) {
     case 3:  // stream-K: `splits` is CTAs per SM
       return depth >= 4 ? launch_streamk<BF16, MT, R, 4>(qw, sc, x, y, ws, arrivals, M, N, K, ldx,
                                                          ldy, gc, warps, splits, pdl, s)
@@ -884,16 +943,15 @@ int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* w
       return -1;
     default: return -1;
   }
-#undef TM_GEMV
 }
 
-template <bool BF16, int R>
+template <bool BF16, int R, bool SILU>
 int gemv_by_rows(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                  int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
                  int mode, bool pdl, cudaStream_t s) {
-#define TM_ROWS(MT) \
-  gemv_by_mode<BF16, MT, R>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, \
-                            depth, mode, pdl, s)
+#define TM_ROWS(MT)                                                                            \
+  gemv_by_mode<BF16, MT, R, SILU>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps,      \
+                                  splits, depth, mode, pdl, s)
   if (M <= 8) return TM_ROWS(1);
   if (M <= 16) return TM_ROWS(2);
   if constexpr (R == 4) return -1;  // 4 tiles x 4+ token groups spill: callers use fewer tiles
@@ -913,22 +971,30 @@ extern "C" {
 // rows_per_cta 1, 2 or 4 (N a multiple of 16 * rows_per_cta; more tiles per CTA share each x
 // operand load); warps 1..8; splits >= 1 (> 1 needs ws and arrivals, zeroed, sized
 // splits * N / 16 * MT * 128 floats (modes 0-2; modes 3-6: N / 16 * MT * 128) and N / 16 ints); mode 0-6 (gemv_by_mode); M > 16 needs
-// rows_per_cta <= 2, M > 32 rows_per_cta 1. pdl: launched with programmatic dependent launch
+// rows_per_cta <= 2, M > 32 rows_per_cta 1. silu_mul: W is a fused gate|up projection whose
+// 16-row tiles alternate gate / up (N = 2F), and y [M, F] (row stride ldy) = silu(gate) * up;
+// needs rows_per_cta 2 or 4 and mode 0-2. pdl: launched with programmatic dependent launch
 // (sm_90), overlapping the kernel before's tail.
 int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                int M, int N, int K, int ldx, int ldy, int gc, int bf16, int rows_per_cta,
-               int warps, int splits, int depth, int mode, int pdl, void* stream) {
+               int warps, int splits, int depth, int mode, int silu_mul, int pdl, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (M < 1 || M > 64 || K % 64 || gc < 1 || warps < 1 || warps > 8 || splits < 1) return -1;
   if ((rows_per_cta != 1 && rows_per_cta != 2 && rows_per_cta != 4) || N % (16 * rows_per_cta))
     return -1;
-#define TM_CALL(B, R) \
-  gemv_by_rows<B, R>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, depth, \
-                     mode, pdl, s)
+  if (silu_mul && (rows_per_cta == 1 || mode < 0 || mode > 2)) return -1;
+#define TM_CALL(B, R)                                                                           \
+  (silu_mul ? gemv_by_rows<B, R, true>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, \
+                                       splits, depth, mode, pdl, s)                             \
+            : gemv_by_rows<B, R, false>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc,       \
+                                        warps, splits, depth, mode, pdl, s))
   if (rows_per_cta == 4) return bf16 ? TM_CALL(true, 4) : TM_CALL(false, 4);
   if (rows_per_cta == 2) return bf16 ? TM_CALL(true, 2) : TM_CALL(false, 2);
-  return bf16 ? TM_CALL(true, 1) : TM_CALL(false, 1);
 #undef TM_CALL
+  return bf16 ? gemv_by_rows<true, 1, false>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc,
+                                             warps, splits, depth, mode, pdl, s)
+              : gemv_by_rows<false, 1, false>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc,
+                                              warps, splits, depth, mode, pdl, s);
 }
 
 // out[N, K] (x's dtype) = (q - 8) * s from the int4-mma layout.

@@ -4,6 +4,9 @@
 in mma fragment order, see the .cu header), more rows through a bf16/fp16 dequantization into a
 per-device scratch and cuBLAS. Tilings per (N, K) come from `MMA_DECODE_TILINGS`
 (bench/kernels/int4_mma.py sweeps them), else from `default_tiling`.
+`int4_mma_linear_silu_mul` is the MLP's gate|up with its activation: a weight whose tiles
+alternate gate / up (`reference.int4_mma_pair_tiles`) lets the GEMV write silu(gate) * up from
+its epilogue (no [M, 2F] output, no second launch).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from worker.kernels import ops, reference
 from worker.kernels.cuda.build import load, nvcc
 from worker.kernels.pdl import pdl_enabled
 
@@ -105,7 +109,7 @@ def available(device: torch.device) -> tuple[bool, str]:
 _P, _I = ctypes.c_void_p, ctypes.c_int
 # the extern "C" signatures of int4_mma.cu (tests compare them with the source)
 SIGNATURES = {
-    "tm_w4_gemv": [_P] * 6 + [_I] * 13 + [_P],
+    "tm_w4_gemv": [_P] * 6 + [_I] * 14 + [_P],
     "tm_w4_dequant": [_P] * 3 + [_I] * 4 + [_P],
     "tm_w4_dequant_e4m3": [_P] * 4 + [_I] * 3 + [_P],
 }
@@ -152,12 +156,18 @@ def gemv(
     scales: torch.Tensor,
     group_size: int,
     tiling: MmaTiling | None = None,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
-    """x [M <= 64, K] (bf16/fp16, contiguous rows) times the int4-mma weight -> [M, N]."""
+    """x [M <= 64, K] (bf16/fp16, contiguous rows) times the int4-mma weight -> [M, N]. With
+    `silu_mul`, the weight is a fused gate|up [2F, K] in paired tiles
+    (`reference.int4_mma_pair_tiles`) and the result silu(gate) * up [M, F]: formed in the
+    epilogue where the tiling has 2 or 4 tiles per CTA and mode 0-2, else from the product."""
     m, k = x.shape
     n = 16 * qweight.shape[0]
     if m > MAX_ROWS or 64 * qweight.shape[1] != k:
         raise ValueError(f"int4-mma gemv: x {tuple(x.shape)} against weight [{n}, {64 * qweight.shape[1]}]")  # fmt: skip
+    if silu_mul and n % 32:
+        raise ValueError(f"int4-mma gemv: silu_mul needs paired gate|up tiles, got N={n}")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()
     t = tiling or MMA_DECODE_TILINGS.get((n, k)) or default_tiling(n, k, group_size)
@@ -170,7 +180,9 @@ def gemv(
         t = default_tiling(n, k, group_size)  # a stage is one chunk per consumer warp; sm_90
     if t.mode >= 2 and gc & (gc - 1):  # interleaved chunks find their group by a shift
         t = dataclasses.replace(t, mode=1, splits=1 if t.mode in (3, 4) else t.splits)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    # the epilogue pairs a CTA's tiles (even rows) in the K-split pipelines (modes 0-2)
+    fused = silu_mul and t.rows in (2, 4) and t.mode <= 2
+    out = torch.empty((m, n // 2 if fused else n), dtype=x.dtype, device=x.device)
     ws = arrivals = None
     if t.splits > 1 or t.mode >= 3:  # split K, or stream-K's parts of row blocks
         token_groups = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8  # the kernel's MT
@@ -183,11 +195,17 @@ def gemv(
         qweight.data_ptr(), scales.data_ptr(), x.data_ptr(), out.data_ptr(),
         None if ws is None else ws.data_ptr(), None if arrivals is None else arrivals.data_ptr(),
         m, n, k, x.stride(0), out.stride(0), gc, int(x.dtype == torch.bfloat16),
-        t.rows, t.warps, t.splits, t.depth, t.mode, int(pdl_enabled(x.device)),
+        t.rows, t.warps, t.splits, t.depth, t.mode, int(fused), int(pdl_enabled(x.device)),
         torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     _check(code, "int4-mma gemv")
-    return out
+    return silu_mul_of_pairs(out) if silu_mul and not fused else out
+
+
+def silu_mul_of_pairs(y: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up [..., F] from a paired-tile gate|up product [..., 2F] (the unfused way:
+    prefill, and tilings the epilogue does not pair)."""
+    return ops.silu_mul(reference.int4_mma_unpair_outputs(y))
 
 
 def _scratch(device: torch.device, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -262,4 +280,17 @@ def int4_mma_linear(
         y = scaled_mm(x2, w8, channel, bias)
     else:
         y = F.linear(x2, dequantize(qweight, scales, group_size, x.dtype), bias)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def int4_mma_linear_silu_mul(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """The registry's op (see `worker.kernels.reference.int4_mma_linear_silu_mul`)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] <= MAX_ROWS:
+        y = gemv(x2, qweight, scales, group_size, silu_mul=True)
+    else:
+        y = silu_mul_of_pairs(int4_mma_linear(x2, qweight, scales, group_size))
     return y.reshape(*lead, y.shape[-1])
