@@ -43,7 +43,7 @@ def gdn_sweep(args: argparse.Namespace, config: Any, budget: float) -> dict[str,
     first = pools[0].clone()  # each variant's check starts from these states (timing moves them)
     slots = torch.randperm(b, device=dev)
     outs: list[Any] = [None] * layers
-    default = dict(dr.DECODE_LAUNCH)
+    default = dict(dr.decode_launch(b))
     best: tuple[float, dict[str, int]] | None = None
     want: Any = None
     # (block_v, warps, tiles a program); the engine's calls pass early_state, as timed here
@@ -74,8 +74,9 @@ def gdn_sweep(args: argparse.Namespace, config: Any, budget: float) -> dict[str,
                 best = (t, launch)
         except Exception as exc:
             report["decode"][name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    dr.DECODE_LAUNCH.update(best[1] if best else default)
-    report["decode_chosen"] = dict(dr.DECODE_LAUNCH)
+    chosen = dr.decode_launch(b)  # the batch's own settings: up to WIDE_ROWS, or over
+    chosen.update(best[1] if best else default)
+    report["decode_chosen"] = {**chosen, "table": "wide" if b > dr.WIDE_ROWS else "narrow"}
     pools.clear()
     free_gpu()
 

@@ -246,7 +246,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if {"gemv", "gdn", "w4_gemv"} & set(wanted):
         from worker.kernels import tuning
 
-        tuning.mark_swept()  # the engine sections run what the sweeps chose, not a file
+        # the file's settings first, so what this run does not sweep runs as the worker's would;
+        # then the engine sections keep what the sweeps chose
+        tuning.apply(torch.device(args.device))
+        tuning.mark_swept()
     for name, (run, share) in SECTIONS.items():
         if name in wanted:
             suite.section(name, functools.partial(run, args, config), share)

@@ -28,7 +28,7 @@ from worker.kernels.triton import (
     paged_attention_decode,
     rms_norm,
 )
-from worker.kernels.triton.delta_rule import decode_tiles
+from worker.kernels.triton.delta_rule import decode_launch, decode_tiles
 
 # ---------------------------------------------------------------- norms
 
@@ -239,6 +239,13 @@ def test_decode_tiles_divide_the_launch() -> None:
     assert decode_tiles(64, 48, 128, 64, 8) == 8
     assert decode_tiles(1, 1, 32, 32, 4) == 1
     assert decode_tiles(7, 48, 128, 64, 5) == 4
+
+
+def test_decode_launch_has_its_own_settings_over_16_sequences() -> None:
+    from worker.kernels.triton import delta_rule
+
+    assert decode_launch(16) is delta_rule.DECODE_LAUNCH
+    assert decode_launch(17) is delta_rule.WIDE_DECODE_LAUNCH
 
 
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])

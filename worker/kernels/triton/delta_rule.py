@@ -40,6 +40,10 @@ STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # for the earlier 32 x 2 warps; prefill 8 x 512 tokens 488 us per layer against 671 for chunk 32).
 # bench/engine/suite.py's `gdn` section re-times the alternatives and stores its winners here.
 DECODE_LAUNCH: dict[str, int] = {"block_v": 64, "num_warps": 4, "tiles": 1}
+# Batches over WIDE_ROWS sequences (bench/results/2026-12-03-h200-dbc957a-gdn64.json: at 64 rows
+# 32-column tiles take 99.7 us a layer against 75.9 for 64 x 2 warps, where at 8 rows they win).
+WIDE_ROWS = 16
+WIDE_DECODE_LAUNCH: dict[str, int] = {"block_v": 64, "num_warps": 2, "tiles": 1}
 PREFILL_LAUNCH: dict[str, int] = {
     "chunk_size": 16,
     "block_v": 64,
@@ -122,6 +126,11 @@ def _decode_kernel(
         tl.store(o + (b * HV + hv) * DV + offs_v, b_o.to(o.dtype.element_ty))
 
 
+def decode_launch(batch: int) -> dict[str, int]:
+    """The launch settings for a decode of `batch` sequences."""
+    return DECODE_LAUNCH if batch <= WIDE_ROWS else WIDE_DECODE_LAUNCH
+
+
 def decode_tiles(batch: int, hv: int, dv: int, block_v: int, tiles: int) -> int:
     """How many tiles a program takes: `tiles` or fewer, a divisor of the launch's tile count
     (batch x heads x dv / block_v, which changes with the batch), so no program runs short."""
@@ -161,9 +170,10 @@ def gated_delta_rule_decode(
     o = torch.empty((batch, hv, dv), dtype=v.dtype, device=v.device)
     if batch == 0:
         return o
-    block_v = min(dv, block_v or DECODE_LAUNCH["block_v"])
-    num_warps = num_warps or DECODE_LAUNCH["num_warps"]
-    tiles = decode_tiles(batch, hv, dv, block_v, tiles or DECODE_LAUNCH.get("tiles", 1))
+    launch = decode_launch(batch)
+    block_v = min(dv, block_v or launch["block_v"])
+    num_warps = num_warps or launch["num_warps"]
+    tiles = decode_tiles(batch, hv, dv, block_v, tiles or launch.get("tiles", 1))
     _decode_kernel[(batch * hv * (dv // block_v) // tiles,)](
         q,
         k,

@@ -10,7 +10,8 @@ What a file holds (every part optional): `pdl` (programmatic dependent launch on
 `fp8_decode_tilings` / `bf16_decode_tilings` / `int4_decode_tilings` / `int4_silu_mul_tilings` /
 `int4_mma_decode_tilings` ("NxK" -> tiling fields), `fp8_wide_decode_tilings` ("NxKxM" for 32- and
 64-row decode batches), `fp8_silu_mul_tilings` ("2FxK" -> fields, or null for two launches),
-`gdn_decode_launch` / `gdn_prefill_launch` (DeltaNet launch settings).
+`gdn_decode_launch` / `gdn_wide_decode_launch` (over 16 sequences) / `gdn_prefill_launch` (DeltaNet
+launch settings).
 
 A file is ignored, with the reason logged, when it was measured on another GPU or for another
 `KERNELS_VERSION` (bump it when a kernel change makes old tilings meaningless); a file that is
@@ -97,7 +98,7 @@ def read(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise TuningFileError(f"{path}: not a tuning file of format {FORMAT}")
     known = {"format", "gpu", "kernels_version", "measured_by", "pdl", "fp8_silu_mul_tilings"}
-    known |= {"gdn_decode_launch", "gdn_prefill_launch", *_TABLE_NAMES}
+    known |= {"gdn_decode_launch", "gdn_wide_decode_launch", "gdn_prefill_launch", *_TABLE_NAMES}
     unknown = set(data) - known
     if unknown:
         raise TuningFileError(f"{path}: unknown keys {sorted(unknown)}")
@@ -179,6 +180,7 @@ def _load(data: dict[str, Any], path: Path) -> None:
         tables[name][0].update(entries)
     fp8_gemm.SILU_MUL_TILINGS.update(silu)
     for key, launch in (("gdn_decode_launch", delta_rule.DECODE_LAUNCH),
+                        ("gdn_wide_decode_launch", delta_rule.WIDE_DECODE_LAUNCH),
                         ("gdn_prefill_launch", delta_rule.PREFILL_LAUNCH)):  # fmt: skip
         launch.update({k: int(v) for k, v in (data.get(key) or {}).items()})
     if "pdl" in data:
@@ -214,6 +216,7 @@ def snapshot(gpu_name: str, measured_by: str = "") -> dict[str, Any]:
         if fp8
     }
     data["gdn_decode_launch"] = dict(delta_rule.DECODE_LAUNCH)
+    data["gdn_wide_decode_launch"] = dict(delta_rule.WIDE_DECODE_LAUNCH)
     data["gdn_prefill_launch"] = dict(delta_rule.PREFILL_LAUNCH)
     return data
 
