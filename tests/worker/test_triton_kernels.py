@@ -28,7 +28,7 @@ from worker.kernels.triton import (
     paged_attention_decode,
     rms_norm,
 )
-from worker.kernels.triton.delta_rule import decode_launch, decode_tiles
+from worker.kernels.triton.delta_rule import decode_launch
 
 # ---------------------------------------------------------------- norms
 
@@ -225,20 +225,10 @@ def test_gated_delta_rule_decode(hk: int, hv: int, l2norm: bool) -> None:
     check_delta_decode(3, hk, hv, 16, 32, l2norm, "cpu")
 
 
-@pytest.mark.parametrize(("block_v", "tiles"), [(16, 2), (16, 4), (32, 5), (8, 6)])
-def test_gated_delta_rule_decode_several_tiles_a_program(block_v: int, tiles: int) -> None:
-    """A program may take several (sequence, head, columns) tiles, loading the next one's state
-    before it reduces the last; the count shrinks to a divisor of the launch's tiles (5 -> 3 of
-    18 at block 32), and with the state loaded before the launch wait the result is the same."""
-    check_delta_decode(3, 2, 6, 16, 32, True, "cpu", block_v=block_v, tiles=tiles)
-    check_delta_decode(3, 2, 6, 16, 32, True, "cpu", block_v=block_v, tiles=tiles, early_state=True)
-
-
-def test_decode_tiles_divide_the_launch() -> None:
-    assert decode_tiles(3, 6, 32, 32, 5) == 3
-    assert decode_tiles(64, 48, 128, 64, 8) == 8
-    assert decode_tiles(1, 1, 32, 32, 4) == 1
-    assert decode_tiles(7, 48, 128, 64, 5) == 4
+def test_gated_delta_rule_decode_loads_the_state_before_the_launch_wait() -> None:
+    """With `early_state` (the kernel before did not write the pool) the state is loaded before
+    the programmatic-launch wait; the result is the same."""
+    check_delta_decode(3, 2, 6, 16, 32, True, "cpu", block_v=16, early_state=True)
 
 
 def test_decode_launch_has_its_own_settings_over_16_sequences() -> None:
@@ -404,11 +394,11 @@ def test_gpu_conv1d_27b() -> None:
 def test_gpu_delta_rule_27b() -> None:
     check_delta_decode(8, 16, 48, 128, 128, True, "cuda")
     check_delta_decode(8, 16, 48, 128, 128, True, "cuda", torch.bfloat16)
-    for block_v, warps, tiles in ((64, 4, 4), (32, 2, 4), (128, 8, 2), (64, 2, 3)):
+    for block_v, warps in ((64, 4), (32, 2), (64, 2)):
         for batch in (8, 64, 5):
             check_delta_decode(
                 batch, 16, 48, 128, 128, True, "cuda", torch.bfloat16,
-                block_v=block_v, num_warps=warps, tiles=tiles, early_state=True,
+                block_v=block_v, num_warps=warps, early_state=True,
             )  # fmt: skip
     check_delta_prefill([300, 64, 1, 0, 77], 16, 48, 128, 128, 64, "cuda", True, torch.bfloat16)
     for chunk_size, dot16 in ((16, False), (32, False), (32, True), (64, True)):

@@ -39,11 +39,11 @@ STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (bench/results/2026-11-29-h200-bb766f8-gpu_suite.json: decode 11.7 us per layer against 14.9
 # for the earlier 32 x 2 warps; prefill 8 x 512 tokens 488 us per layer against 671 for chunk 32).
 # bench/engine/suite.py's `gdn` section re-times the alternatives and stores its winners here.
-DECODE_LAUNCH: dict[str, int] = {"block_v": 64, "num_warps": 4, "tiles": 1}
+DECODE_LAUNCH: dict[str, int] = {"block_v": 64, "num_warps": 4}
 # Batches over WIDE_ROWS sequences (bench/results/2026-12-03-h200-dbc957a-gdn64.json: at 64 rows
 # 32-column tiles take 99.7 us a layer against 75.9 for 64 x 2 warps, where at 8 rows they win).
 WIDE_ROWS = 16
-WIDE_DECODE_LAUNCH: dict[str, int] = {"block_v": 64, "num_warps": 2, "tiles": 1}
+WIDE_DECODE_LAUNCH: dict[str, int] = {"block_v": 64, "num_warps": 2}
 PREFILL_LAUNCH: dict[str, int] = {
     "chunk_size": 16,
     "block_v": 64,
@@ -74,71 +74,48 @@ def _decode_kernel(
     DK: tl.constexpr,
     DV: tl.constexpr,
     BV: tl.constexpr,
-    TILES: tl.constexpr,
     EARLY_STATE: tl.constexpr,
     USE_L2NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # Tiles are (sequence, value head, BV columns), in that order; a program takes TILES
-    # consecutive ones and loads each tile's state before it computes the one before, so one
-    # tile's load is in flight while the last is reduced and stored.
-    NV: tl.constexpr = DV // BV
+    i_bh = tl.program_id(0)
+    i_v = tl.program_id(1)
+    b = i_bh // HV
+    hv = i_bh % HV
+    hk = hv // (HV // HK)
     offs_k = tl.arange(0, DK)
-    offs_bv = tl.arange(0, BV)
-    t = tl.program_id(0) * TILES
-    slot = tl.load(state_slots + t // (HV * NV)).to(tl.int64)
-    p_s = state + ((slot * HV + (t // NV) % HV) * DK + offs_k[:, None]) * DV
-    p_s += (t % NV) * BV + offs_bv[None, :]
-    if EARLY_STATE:  # the caller says the kernel just before did not write the pool
-        s_next = tl.load(p_s)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    slot = tl.load(state_slots + b).to(tl.int64)
+    p_s = state + ((slot * HV + hv) * DK + offs_k[:, None]) * DV + offs_v[None, :]
+    # EARLY_STATE: the caller says the kernel just before did not write the pool, so under
+    # programmatic dependent launch the state (the bytes that bound this op) loads during its tail
+    if EARLY_STATE:
+        s_raw = tl.load(p_s)
         pdl_wait(PDL)
     else:
         pdl_wait(PDL)
-        s_next = tl.load(p_s)
-    for j in tl.static_range(TILES):
-        b = t // (HV * NV)
-        hv = (t // NV) % HV
-        hk = hv // (HV // HK)
-        offs_v = (t % NV) * BV + offs_bv
-        p_cur = p_s
-        s_raw = s_next
-        if j + 1 < TILES:
-            t += 1
-            slot = tl.load(state_slots + t // (HV * NV)).to(tl.int64)
-            p_s = state + ((slot * HV + (t // NV) % HV) * DK + offs_k[:, None]) * DV
-            p_s += (t % NV) * BV + offs_bv[None, :]
-            s_next = tl.load(p_s)
+        s_raw = tl.load(p_s)
 
-        b_q = tl.load(q + b * stride_qb + hk * stride_qh + offs_k).to(tl.float32)
-        b_k = tl.load(k + b * stride_kb + hk * stride_kh + offs_k).to(tl.float32)
-        b_v = tl.load(v + b * stride_vb + hv * stride_vh + offs_v).to(tl.float32)
-        b_g = tl.load(g + b * HV + hv).to(tl.float32)
-        b_beta = tl.load(beta + b * HV + hv).to(tl.float32)
-        if USE_L2NORM:
-            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
-            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+    b_q = tl.load(q + b * stride_qb + hk * stride_qh + offs_k).to(tl.float32)
+    b_k = tl.load(k + b * stride_kb + hk * stride_kh + offs_k).to(tl.float32)
+    b_v = tl.load(v + b * stride_vb + hv * stride_vh + offs_v).to(tl.float32)
+    b_g = tl.load(g + b * HV + hv).to(tl.float32)
+    b_beta = tl.load(beta + b * HV + hv).to(tl.float32)
+    if USE_L2NORM:
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
 
-        b_s = s_raw.to(tl.float32) * tl.exp(b_g)
-        delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
-        b_s += b_k[:, None] * delta[None, :]
-        b_o = tl.sum(b_s * b_q[:, None], 0) * scale
-        tl.store(p_cur, b_s.to(state.dtype.element_ty))
-        tl.store(o + (b * HV + hv) * DV + offs_v, b_o.to(o.dtype.element_ty))
+    b_s = s_raw.to(tl.float32) * tl.exp(b_g)
+    delta = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
+    b_s += b_k[:, None] * delta[None, :]
+    b_o = tl.sum(b_s * b_q[:, None], 0) * scale
+    tl.store(p_s, b_s.to(state.dtype.element_ty))
+    tl.store(o + (b * HV + hv) * DV + offs_v, b_o.to(o.dtype.element_ty))
 
 
 def decode_launch(batch: int) -> dict[str, int]:
     """The launch settings for a decode of `batch` sequences."""
     return DECODE_LAUNCH if batch <= WIDE_ROWS else WIDE_DECODE_LAUNCH
-
-
-def decode_tiles(batch: int, hv: int, dv: int, block_v: int, tiles: int) -> int:
-    """How many tiles a program takes: `tiles` or fewer, a divisor of the launch's tile count
-    (batch x heads x dv / block_v, which changes with the batch), so no program runs short."""
-    total = batch * hv * (dv // block_v)
-    tiles = max(1, min(tiles, total))
-    while total % tiles:
-        tiles -= 1
-    return tiles
 
 
 def gated_delta_rule_decode(
@@ -153,14 +130,12 @@ def gated_delta_rule_decode(
     use_qk_l2norm: bool,
     block_v: int | None = None,
     num_warps: int | None = None,
-    tiles: int | None = None,
     early_state: bool = False,
 ) -> torch.Tensor:
     """One token per sequence: q, k [B, Hk, dk], v [B, Hv, dv], g, beta [B, Hv] -> o [B, Hv, dv].
 
-    A tile is (sequence, value head, block_v columns of the state): its [dk, block_v] slice is
-    read once and written once, the bytes that bound this op; a program takes `tiles` of them
-    in turn. `early_state`: the kernel launched just before this one did not write the pool
+    One program per (sequence, value head, block_v columns of the state): it reads its [dk,
+    block_v] slice once and writes it once, the bytes that bound this op. `early_state`: the kernel launched just before this one did not write the pool
     (the model's layers: the conv or another sequence's prefill precede it), so under
     programmatic dependent launch the first state loads may start before that kernel ends."""
     batch, hk, dk = q.shape
@@ -173,8 +148,7 @@ def gated_delta_rule_decode(
     launch = decode_launch(batch)
     block_v = min(dv, block_v or launch["block_v"])
     num_warps = num_warps or launch["num_warps"]
-    tiles = decode_tiles(batch, hv, dv, block_v, tiles or launch.get("tiles", 1))
-    _decode_kernel[(batch * hv * (dv // block_v) // tiles,)](
+    _decode_kernel[(batch * hv, dv // block_v)](
         q,
         k,
         v,
@@ -195,7 +169,6 @@ def gated_delta_rule_decode(
         DK=dk,
         DV=dv,
         BV=block_v,
-        TILES=tiles,
         EARLY_STATE=early_state,
         USE_L2NORM=use_qk_l2norm,
         num_warps=num_warps,
