@@ -195,6 +195,17 @@ def test_unpaired_outputs_give_silu_of_gate_and_up() -> None:
     assert rel_err(ops.int4_mma_linear_silu_mul(x, words, mma_scales, 128), want) < 1e-6
 
 
+def test_paired_silu_mul_reads_the_pairs_in_place() -> None:
+    """The activation kernel reading gate / up from alternating 16-column tiles gives the bits
+    of the reorder-then-silu_mul it replaces (a prefill's [tokens, 2F] is not copied)."""
+    from worker.kernels.triton.activations import silu_mul
+
+    y = (torch.randn(3, 5 * 32, generator=torch.Generator().manual_seed(4)) * 3).bfloat16()
+    want = silu_mul(reference.int4_mma_unpair_outputs(y).contiguous())
+    assert torch.equal(silu_mul(y, paired=16), want)
+    assert torch.equal(silu_mul(y[:, :].view(3, 160)[1:], paired=16), want[1:])
+
+
 def emulate_silu_epilogue(
     y: torch.Tensor, rows: int, token_groups: int, warps: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

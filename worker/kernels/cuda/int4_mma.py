@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from worker.kernels import ops, reference
 from worker.kernels.cuda.build import load, nvcc
 from worker.kernels.pdl import pdl_enabled
 
@@ -204,8 +203,11 @@ def gemv(
 
 def silu_mul_of_pairs(y: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up [..., F] from a paired-tile gate|up product [..., 2F] (the unfused way:
-    prefill, and tilings the epilogue does not pair)."""
-    return ops.silu_mul(reference.int4_mma_unpair_outputs(y))
+    prefill, and tilings the epilogue does not pair), reading the pairs in place: no reordered
+    copy of a prefill's [tokens, 2F]."""
+    from worker.kernels.triton.activations import silu_mul
+
+    return silu_mul(y, paired=16)
 
 
 def _scratch(device: torch.device, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:

@@ -14,20 +14,30 @@ from worker.kernels.triton._launch import kernel, pdl_wait
 
 
 @kernel
-def _silu_mul_kernel(x, out, F, stride_x, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_mul_kernel(
+    x, out, F, stride_x, BLOCK: tl.constexpr, PAIRED: tl.constexpr, PDL: tl.constexpr
+):
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < F
-    gate = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x + row * stride_x + F + cols, mask=mask, other=0.0).to(tl.float32)
+    if PAIRED:  # PAIRED gate columns, then PAIRED up columns, and again
+        gate_cols = (cols // PAIRED) * (2 * PAIRED) + cols % PAIRED
+        up_cols = gate_cols + PAIRED
+    else:
+        gate_cols = cols
+        up_cols = F + cols
+    gate = tl.load(x + row * stride_x + gate_cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x + row * stride_x + up_cols, mask=mask, other=0.0).to(tl.float32)
     # round silu to the activation dtype before the product, as F.silu(gate) * up does
     act = (gate / (1.0 + tl.exp(-gate))).to(out.dtype.element_ty).to(tl.float32)
     tl.store(out + row * F + cols, (act * up).to(out.dtype.element_ty), mask=mask)
 
 
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(x[..., :F]) * x[..., F:] for x[..., 2F] (rows may be strided, the last dim not)."""
+def silu_mul(x: torch.Tensor, paired: int = 0) -> torch.Tensor:
+    """silu(x[..., :F]) * x[..., F:] for x[..., 2F] (rows may be strided, the last dim not).
+    `paired` > 0: x's columns alternate that many gate and up columns (an int4-mma gate|up
+    with paired tiles, `reference.int4_mma_unpair_outputs` says how), read in place."""
     two_f = x.shape[-1]
     f = two_f // 2
     rows = x.reshape(-1, two_f)
@@ -37,7 +47,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     if rows.shape[0]:
         block = min(1024, triton.next_power_of_2(f))
         _silu_mul_kernel[(rows.shape[0], triton.cdiv(f, block))](
-            rows, out, f, rows.stride(0), BLOCK=block, num_warps=4
+            rows, out, f, rows.stride(0), BLOCK=block, PAIRED=paired, num_warps=4
         )
     return out.view(*x.shape[:-1], f)
 
