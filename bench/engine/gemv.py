@@ -25,6 +25,9 @@ def decode_shapes(config: Any) -> dict[str, tuple[int, int]]:
         "deltanet out / attention o": (h, c.linear_value_dim),
         "attention q|k|v": (q_out + 2 * c.num_key_value_heads * c.head_dim, h),
         "head": (c.vocab_size, h),
+        # W4 keeps DeltaNet's b|a 16-bit beside its int4 qkv|z: a bf16 GEMV of its own (its
+        # chosen tiling, or cuBLAS, lands in BF16_DECODE_TILINGS; FP8 fuses it into qkv|z|b|a)
+        "deltanet b|a (16-bit beside int4)": (2 * nv, h),
     }
 
 
