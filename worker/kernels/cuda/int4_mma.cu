@@ -317,22 +317,22 @@ __device__ __forceinline__ void reduce_parts(const float (&acc)[R][MT][4], float
     if (done) __threadfence();
   }
   if (done) {
+    // cell v's total: the parts' slots in part order (re-zeroed), or the CTA's warps
+    auto total = [&](int v) {
+      float sum = 0.f;
+      if (!whole) {
+        for (int p = 0; p < (parts > 0 ? parts : 1); ++p) {
+          float* cell = ws + ((p * blocks + rb) * V + v) * 32 + lane;
+          sum += __ldcg(cell);
+          *cell = 0.f;
+        }
+      } else {
+        for (int w = 0; w < W; ++w) sum += red[((size_t)w * V + v) * 32 + lane];
+      }
+      return sum;
+    };
     if constexpr (SILU) {
       static_assert(R % 2 == 0, "a gate tile and its up tile share a row block");
-      // cell v's total: the parts' slots in part order (re-zeroed), or the CTA's warps
-      auto total = [&](int v) {
-        float sum = 0.f;
-        if (!whole) {
-          for (int p = 0; p < (parts > 0 ? parts : 1); ++p) {
-            float* cell = ws + ((p * blocks + rb) * V + v) * 32 + lane;
-            sum += __ldcg(cell);
-            *cell = 0.f;
-          }
-        } else {
-          for (int w = 0; w < W; ++w) sum += red[((size_t)w * V + v) * 32 + lane];
-        }
-        return sum;
-      };
       constexpr int H = MT * 4;  // a tile's cells: tile 2j's cell v pairs with 2j + 1's v + H
       for (int p = warp; p < V / 2; p += W) {
         const int j = p / H, rest = p % H, q = rest & 3, mt = rest >> 2;
@@ -344,18 +344,7 @@ __device__ __forceinline__ void reduce_parts(const float (&acc)[R][MT][4], float
       }
     } else {
       for (int v = warp; v < V; v += W) {
-        float sum;
-        if (!whole) {
-          sum = 0.f;
-          for (int p = 0; p < (parts > 0 ? parts : 1); ++p) {
-            float* cell = ws + ((p * blocks + rb) * V + v) * 32 + lane;
-            sum += __ldcg(cell);
-            *cell = 0.f;
-          }
-        } else {
-          sum = 0.f;
-          for (int w = 0; w < W; ++w) sum += red[((size_t)w * V + v) * 32 + lane];
-        }
+        const float sum = total(v);
         const int q = v & 3, rmt = v >> 2, r = rmt / MT, mt = rmt % MT;
         const int row = (rb * R + r) * 16 + g + 8 * (q >> 1);
         const int m = mt * 8 + 2 * t + (q & 1);
