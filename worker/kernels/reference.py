@@ -464,6 +464,12 @@ def int4_mma_linear(
 # so the decode GEMV's CTAs, which own an even number of tiles, form silu(gate) * up themselves.
 
 
+def _regroup_tiles(t: torch.Tensor, outer: int) -> torch.Tensor:
+    """t's first axis seen as [outer, n / outer] and read the other way round."""
+    n = t.shape[0]
+    return t.view(outer, n // outer, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
+
+
 def int4_mma_pair_tiles(
     qweight: torch.Tensor, scales: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -472,23 +478,15 @@ def int4_mma_pair_tiles(
     tiles = qweight.shape[0]
     if tiles % 2:
         raise ValueError(f"pairing gate|up tiles needs F % 16 == 0, got 2F = {16 * tiles}")
-
-    def pair(t: torch.Tensor) -> torch.Tensor:
-        return t.view(2, tiles // 2, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
-
-    return pair(qweight), pair(scales)
+    return _regroup_tiles(qweight, 2), _regroup_tiles(scales, 2)
 
 
 def int4_mma_unpair_tiles(
     qweight: torch.Tensor, scales: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of `int4_mma_pair_tiles`: gate tiles first, then up tiles."""
-    tiles = qweight.shape[0]
-
-    def unpair(t: torch.Tensor) -> torch.Tensor:
-        return t.view(tiles // 2, 2, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
-
-    return unpair(qweight), unpair(scales)
+    half = qweight.shape[0] // 2
+    return _regroup_tiles(qweight, half), _regroup_tiles(scales, half)
 
 
 def int4_mma_unpair_outputs(y: torch.Tensor) -> torch.Tensor:
