@@ -56,10 +56,11 @@ def check_gemv(m: int, n: int, k: int, tiling: DecodeTiling | None, device: str)
         (1, 33, 256, DecodeTiling(16, 64, 2, two_pass=True)),  # the w8a16 + reduce fallback
         (3, 40, 96, None),  # default tiling
         # stream-K (4 "SMs" under the interpreter): ranges that start and end mid-tile
-        (8, 96, 512, DecodeTiling(32, 128, 1, stream_k=1)),  # 12 steps over 4 programs
-        (5, 70, 384, DecodeTiling(16, 128, 1, stream_k=3)),  # 15 steps over 12 programs
-        (8, 200, 256, DecodeTiling(16, 64, 1, stream_k=5)),  # more programs than some tiles
+        (8, 96, 512, DecodeTiling(32, 128, 1, stream_k=1)),  # 3 tiles: 3 programs
+        (5, 70, 384, DecodeTiling(16, 128, 1, stream_k=3)),  # 5 tiles of 3 steps: 10 halves
+        (8, 200, 256, DecodeTiling(16, 64, 1, stream_k=5)),  # 13 tiles over 20 programs
         (16, 33, 1024, DecodeTiling(32, 128, 1, stream_k=2)),  # N < 2 tiles, long ranges
+        (8, 400, 256, DecodeTiling(16, 64, 1, stream_k=1)),  # 25 tiles over 4: 6-7 tiles a range
         # past 16 rows (TOKENMILL_FP8_GEMV_MAX_ROWS): a 32- or 64-row tile, split or not
         (32, 48, 256, DecodeTiling(16, 64, 2)),
         (40, 70, 512, DecodeTiling(32, 128, 1, stream_k=1)),  # stream-K: the plain form
@@ -120,6 +121,52 @@ def test_w8a8_gemv_with_x_quantized_per_token_matches_the_emulation(splits) -> N
     # x really went through e4m3, and only that (the interpreter's e4m3 cast truncates: ~6%
     # a value here; scaled_mm's per-token rounding measured 2.7% on the H200)
     assert 5e-3 < rel_err(out, exact) < 8e-2
+
+
+@pytest.mark.parametrize(
+    ("m", "tiling"),
+    [
+        (48, DecodeTiling(32, 128, 1, 4, 2, act_fp8=True, x_per_token=True, stream_k=1)),
+        (24, DecodeTiling(16, 128, 1, 4, 2, act_fp8=True, x_per_token=True, stream_k=2)),
+    ],
+)
+def test_stream_k_w8a8_gemv_with_x_per_token_matches_the_emulation(m, tiling) -> None:
+    """The stream-K form of the 17-64-row W8A8 GEMV: every partial tile scaled by its rows'
+    scales before it is added, whole tiles in the epilogue, counters and workspace re-armed."""
+    from worker.kernels.triton.fp8_gemm import quantize_rows
+
+    n, k = 200, 640  # 7 or 13 column tiles of 5 K steps over 4 "SMs": ranges cut tiles
+    torch.manual_seed(m)
+    q, scale = quantize_weight(torch.randn(n, k) * 0.02)
+    x = torch.randn(m, k).bfloat16()
+    x[5] *= 40
+    xq, xs = quantize_rows(x)
+    emulated = reference.fp8_linear((xq.float() * xs).bfloat16(), q, scale, None)
+    for _ in range(2):
+        out = w8_gemv(x, q, scale, None, tiling)
+        assert rel_err(out, emulated) < 1.5e-2
+    assert _arrivals[x.device].count_nonzero() == 0
+    assert _workspaces[x.device].count_nonzero() == 0
+
+
+@pytest.mark.parametrize("sms", [4, 132])
+@pytest.mark.parametrize("per_sm", [1, 2, 3])
+@pytest.mark.parametrize(("tiles", "ksteps"), [(3, 40), (40, 68), (129, 20), (272, 20), (1088, 10), (5, 1), (7, 3)])  # fmt: skip
+def test_stream_k_adds_at_most_twice_into_a_tile(tiles, ksteps, sms, per_sm) -> None:
+    """The ranges the stream-K kernels cut (start = pid * total // programs) put at most two
+    programs' sums into any column tile, so their fp32 adds commute and the output's bits do
+    not depend on which SM finishes first; and the grid never exceeds one wave."""
+    from worker.kernels.triton.fp8_gemm import stream_k_programs
+
+    programs = stream_k_programs(tiles, ksteps, sms, per_sm)
+    assert 1 <= programs <= max(sms * per_sm, 1)
+    total = tiles * ksteps
+    touching = [0] * tiles
+    for pid in range(programs):
+        start, stop = pid * total // programs, (pid + 1) * total // programs
+        for tile in range(start // ksteps, (stop - 1) // ksteps + 1) if stop > start else ():
+            touching[tile] += 1
+    assert max(touching) <= 2 and min(touching) >= 1
 
 
 @pytest.mark.parametrize("m", [24, 48])

@@ -44,6 +44,7 @@ from worker.kernels.triton.fp8_gemm import (
     _stream_k_count,
     _stream_k_workspace,
     scaled_mm,
+    stream_k_programs,
 )
 
 INT4_GEMV_MAX_ROWS = int(os.environ.get("TOKENMILL_INT4_GEMV_MAX_ROWS", "64"))
@@ -571,7 +572,7 @@ def int4_gemv(
     if tiling.stream_k:
         ksteps = triton.cdiv(k, bk)
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if on_gpu else 4
-        programs = min(tiles * ksteps, sms * tiling.stream_k)
+        programs = stream_k_programs(tiles, ksteps, sms, tiling.stream_k)
         workspace = _stream_k_workspace(x.device, tiles * tiling.bn * bm)
         arrivals = _arrival_counters(x.device, tiles)
         _int4_stream_k_kernel[(programs,)](
