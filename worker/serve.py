@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -91,6 +92,11 @@ class Worker:
         await self.nc.subscribe(p.discover_subject(self.prefix), cb=self._on_discover)
         await self.nc.subscribe(p.gateway_lease_wildcard(self.prefix), cb=self._on_lease)
         watchdog = asyncio.create_task(self._watch_gateways())
+        # What the process holds by now (the model, its kernels, the warm-up's compilations)
+        # lives as long as it does: out of the collector's sight, a full collection no longer
+        # walks it while holding the lock the engine thread needs between kernel launches.
+        gc.collect()
+        gc.freeze()
         await self._announce()
         heartbeat = asyncio.create_task(self._heartbeat_loop())
         log.info("worker %s serving SKU %s with %s", s.worker_id, s.sku_id, self.backend.name)
@@ -114,6 +120,7 @@ class Worker:
             )
             await self.nc.drain()
             await self.backend.close()
+            gc.unfreeze()
 
     def stop(self) -> None:
         self._stopping.set()

@@ -4,6 +4,7 @@ generated, and the difference is recorded as unbilled waste; reconciliation ties
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import time
 import uuid
@@ -181,6 +182,8 @@ async def test_the_worker_finishes_before_its_record_is_acked_and_retries_it(
     try:
         beats = await nc.subscribe(p.heartbeat_subject(prefix, "s1"))
         await beats.next_msg(timeout=10)  # serving
+        # what the process held when it started serving is out of the collector's sight
+        assert gc.get_freeze_count() > 0
         inbox = nc.new_inbox()
         replies = await nc.subscribe(inbox)
         request = p.GenerateRequest(
@@ -206,6 +209,7 @@ async def test_the_worker_finishes_before_its_record_is_acked_and_retries_it(
         worker.stop()
         await asyncio.wait_for(serving, 30)
         await nc.close()
+    assert gc.get_freeze_count() == 0  # given back when it stops
 
 
 async def test_reconciliation_waits_a_grace_period_before_calling_a_mismatch(
