@@ -36,27 +36,22 @@ WIN = 0.97  # a GEMV tiling must beat scaled_mm by 3% to replace it
 
 
 def candidates(n: int, k: int) -> list[DecodeTiling]:
-    """W8A8 tilings with x rounded once per token before the launch (`x_per_token`), each at one
-    split, at the split that best fills whole waves, at twice that, and as stream-K (one wave,
-    1 or 2 programs an SM: the 272 column tiles of gate|up fill 2.06 waves of 132 SMs as
-    tiles); a few with x rounded per K step inside each program (at 64 rows they lost by
-    1.5-2x, 68dc536-fp8_rows.json) and two W8A16 ones for comparison. (At 32 rows every winner
-    was 128 channels, 920536c-fp8_rows.json; 64-channel tiles stay as a check.)"""
+    """W8A8 tilings, with x rounded per K step in each program or once per token before the
+    launch (`x_per_token`), each at one split, at the split that best fills whole waves and at
+    twice that; two W8A16 ones for comparison. (At 32 rows every winner was 128 channels x 8
+    warps, 920536c-fp8_rows.json; 64-channel tiles stay as a check.)"""
     out: set[DecodeTiling] = set()
     shapes = [
         (128, bk, warps, stages) for bk in (128, 256) for warps in (4, 8) for stages in (3, 4)
     ]
-    for bn, bk, warps, stages in [*shapes, (64, 128, 4, 3), (64, 128, 8, 3)]:
-        base = DecodeTiling(bn, bk, 1, warps, stages, act_fp8=True, x_per_token=True)
-        wave = wave_splits(n, k, base)
-        # and two waves' worth, for the shapes with few column tiles (down: 40 of 128)
-        for splits in {1, wave, min(2 * wave, max(1, k // bk // 4))}:
-            out.add(dataclasses.replace(base, splits=splits))
-        if bn == 128 and k % bk == 0:
-            out.update(dataclasses.replace(base, stream_k=per_sm) for per_sm in (1, 2))
-    for bn, bk, warps, stages in shapes[::3]:
-        base = DecodeTiling(bn, bk, 1, warps, stages, act_fp8=True)
-        out.add(dataclasses.replace(base, splits=wave_splits(n, k, base)))
+    shapes += [(64, 128, 4, 3), (64, 128, 8, 3)]
+    for per_token in (True, False):
+        for bn, bk, warps, stages in shapes:
+            base = DecodeTiling(bn, bk, 1, warps, stages, act_fp8=True, x_per_token=per_token)
+            wave = wave_splits(n, k, base)
+            # and two waves' worth, for the shapes with few column tiles (down: 40 of 128)
+            for splits in {1, wave, min(2 * wave, max(1, k // bk // 4))}:
+                out.add(dataclasses.replace(base, splits=splits))
     for bn, warps in ((32, 2), (64, 4)):  # W8A16 (the weight widened to fp16) for comparison
         base = DecodeTiling(bn, 256, 1, warps, 4)
         out.add(DecodeTiling(bn, 256, wave_splits(n, k, base), warps, 4))
@@ -64,16 +59,7 @@ def candidates(n: int, k: int) -> list[DecodeTiling]:
 
 
 def _order(t: DecodeTiling) -> tuple[Any, ...]:
-    return (
-        not t.act_fp8,
-        not t.x_per_token,
-        t.bn,
-        t.bk,
-        t.num_warps,
-        t.num_stages,
-        t.stream_k,
-        t.splits,
-    )
+    return (not t.act_fp8, not t.x_per_token, t.bn, t.bk, t.num_warps, t.num_stages, t.splits)
 
 
 def shape_rows(n: int, k: int, m: int, qs: list[Any], bandwidth: float, deadline: float) -> dict[str, Any]:  # fmt: skip

@@ -123,32 +123,6 @@ def test_w8a8_gemv_with_x_quantized_per_token_matches_the_emulation(splits) -> N
     assert 5e-3 < rel_err(out, exact) < 8e-2
 
 
-@pytest.mark.parametrize(
-    ("m", "tiling"),
-    [
-        (48, DecodeTiling(32, 128, 1, 4, 2, act_fp8=True, x_per_token=True, stream_k=1)),
-        (24, DecodeTiling(16, 128, 1, 4, 2, act_fp8=True, x_per_token=True, stream_k=2)),
-    ],
-)
-def test_stream_k_w8a8_gemv_with_x_per_token_matches_the_emulation(m, tiling) -> None:
-    """The stream-K form of the 17-64-row W8A8 GEMV: every partial tile scaled by its rows'
-    scales before it is added, whole tiles in the epilogue, counters and workspace re-armed."""
-    from worker.kernels.triton.fp8_gemm import quantize_rows
-
-    n, k = 200, 640  # 7 or 13 column tiles of 5 K steps over 4 "SMs": ranges cut tiles
-    torch.manual_seed(m)
-    q, scale = quantize_weight(torch.randn(n, k) * 0.02)
-    x = torch.randn(m, k).bfloat16()
-    x[5] *= 40
-    xq, xs = quantize_rows(x)
-    emulated = reference.fp8_linear((xq.float() * xs).bfloat16(), q, scale, None)
-    for _ in range(2):
-        out = w8_gemv(x, q, scale, None, tiling)
-        assert rel_err(out, emulated) < 1.5e-2
-    assert _arrivals[x.device].count_nonzero() == 0
-    assert _workspaces[x.device].count_nonzero() == 0
-
-
 @pytest.mark.parametrize("sms", [4, 132])
 @pytest.mark.parametrize("per_sm", [1, 2, 3])
 @pytest.mark.parametrize(("tiles", "ksteps"), [(3, 40), (40, 68), (129, 20), (272, 20), (1088, 10), (5, 1), (7, 3)])  # fmt: skip

@@ -1,5 +1,4 @@
-"""The decode GEMV kernels (`fp8_gemm._gemv_kernel`, `_gemv_stream_k_kernel`) compiled ahead of
-time for sm_90, no GPU needed.
+"""The decode GEMV kernel (`fp8_gemm._gemv_kernel`) compiled ahead of time for sm_90, no GPU needed.
 
 The CPU suite runs the kernel under triton's interpreter, which does not type-check: a kernel
 that the interpreter runs correctly can still fail to compile on the GPU (a loop-carried local
@@ -7,9 +6,7 @@ that reused the pointer argument `x_scale`'s name compiled only on CPU). So ever
 variant that `w8_gemv` launches on a Hopper GPU is compiled here with the arguments' types as
 the launcher specializes them: the code paths (W8A16, W8A8 per K step, W8A8 with x quantized per
 token, split K, bias, ragged K, PDL off, 16-bit weights) at their default and preset tilings, and
-every GEMV tiling of the shipped H200 tuning file; and the stream-K kernel's paths (16-bit and fp8
-weights at 16 rows, W8A8 with x per token at 32 and 64 rows) with the tuning file's stream-K
-tilings.
+every GEMV tiling of the shipped H200 tuning file.
 """
 
 from __future__ import annotations
@@ -91,48 +88,6 @@ if failed:
 """
 
 
-# The same for `_gemv_stream_k_kernel` (every variant: K % BK == 0, no bias).
-_COMPILE_STREAM_K_FOR_HOPPER = """
-import json, sys, traceback
-import triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from worker.kernels.triton.fp8_gemm import _gemv_stream_k_kernel
-
-failed = []
-for v in json.loads(sys.argv[1]):
-    fp8, per_token = v["fp8"], v["x_per_token"]
-    weight = "*fp8e4nv" if fp8 else "*bf16"
-    pointers = {"x": "*fp8e4nv" if per_token else "*bf16",
-                "x_scale": "*fp32" if per_token else "*bf16",
-                "w": weight, "scale": "*fp32" if fp8 else weight, "bias": weight,
-                "out": "*bf16", "workspace": "*fp32", "arrivals": "*i32"}
-    sizes = ["M", "N", "ksteps", "total_steps", "stride_xm", "stride_wn", "stride_om"]
-    constexprs = dict(BM=v["bm"], BN=v["bn"], BK=v["bk"], HAS_SCALE=fp8, HAS_BIAS=False,
-                      DOT=tl.float16 if fp8 else tl.bfloat16, X_PER_TOKEN=per_token,
-                      FP8_DOT=True, PDL=True)
-    signature = {**pointers, **dict.fromkeys(sizes, "i32"),
-                 **dict.fromkeys(constexprs, "constexpr")}
-    names = list(signature)
-    aligned = [*pointers, "N", "stride_xm", "stride_wn", "stride_om"]
-    source = ASTSource(
-        fn=_gemv_stream_k_kernel.compiled,
-        signature=signature,
-        constexprs={(names.index(k),): c for k, c in constexprs.items()},
-        attrs={(names.index(k),): [["tt.divisibility", 16]] for k in aligned},
-    )
-    try:
-        triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": v["warps"], "num_stages": v["stages"]})
-    except Exception:
-        failed.append(v["label"])
-        print(f"--- {v['label']} failed:", traceback.format_exc()[-4000:], file=sys.stderr)
-        continue
-    print(v["label"], flush=True)
-sys.exit(1 if failed else 0)
-"""
-
-
 def launch_variant(
     label: str,
     tiling: DecodeTiling,
@@ -145,10 +100,7 @@ def launch_variant(
     """The constexprs and launch options `w8_gemv` gives `_gemv_kernel` on a GPU for `rows` rows
     of K = `k` (None where it launches another kernel: two-pass or stream-K)."""
     bm = 16 if rows <= 16 else triton.next_power_of_2(rows)
-    per_token = fp8 and tiling.act_fp8 and tiling.x_per_token
-    if bm == 16 and tiling.two_pass:
-        return None
-    if tiling.stream_k and k % tiling.bk == 0 and (per_token or not tiling.act_fp8):
+    if bm == 16 and (tiling.two_pass or (tiling.stream_k and k % tiling.bk == 0)):
         return None
     k_per_split = triton.cdiv(triton.cdiv(k, tiling.splits), tiling.bk) * tiling.bk
     act_fp8 = fp8 and tiling.act_fp8
@@ -252,48 +204,6 @@ def test_gemv_kernel_compiles_for_hopper(tmp_path: Path) -> None:
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     done = subprocess.run(
         [sys.executable, "-c", _COMPILE_FOR_HOPPER, json.dumps(variants)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-6000:]
-    assert done.stdout.count("\n") == len(variants), done.stdout
-
-
-def stream_k_variants() -> list[dict[str, Any]]:
-    """The stream-K kernel's paths, and every stream-K tiling of the shipped H200 tuning file."""
-    variants = [
-        ("fp8 16 rows", True, False, 16, 32, 128, 4, 4),
-        ("bf16 16 rows", False, False, 16, 32, 128, 4, 4),
-        ("w8a8 x per token, 32 rows", True, True, 32, 128, 128, 4, 3),
-        ("w8a8 x per token, 64 rows", True, True, 64, 128, 256, 8, 4),
-    ]
-    data = tuning.read(tuning.HERE / "nvidia-h200.json")
-    for table, fp8 in (
-        ("fp8_decode_tilings", True),
-        ("fp8_wide_decode_tilings", True),
-        ("bf16_decode_tilings", False),
-    ):
-        for key, fields in (data.get(table) or {}).items():
-            t = DecodeTiling(**fields)
-            if t.stream_k:
-                _, _, *bucket = (int(part) for part in key.split("x"))
-                rows = bucket[0] if bucket else 16
-                per_token = fp8 and t.act_fp8 and t.x_per_token
-                bm = 16 if rows <= 16 else rows
-                variants.append((f"{table} {key}", fp8, per_token, bm, t.bn, t.bk, t.num_warps, t.num_stages))  # fmt: skip
-    keys = ("label", "fp8", "x_per_token", "bm", "bn", "bk", "warps", "stages")
-    return [dict(zip(keys, v, strict=True)) for v in variants]
-
-
-def test_stream_k_gemv_kernel_compiles_for_hopper(tmp_path: Path) -> None:
-    variants = stream_k_variants()
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE_STREAM_K_FOR_HOPPER, json.dumps(variants)],
         capture_output=True,
         text=True,
         env=env,

@@ -314,7 +314,6 @@ def _gemv_kernel(
 @kernel
 def _gemv_stream_k_kernel(
     x,
-    x_scale,
     w,
     scale,
     bias,
@@ -334,8 +333,6 @@ def _gemv_stream_k_kernel(
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT: tl.constexpr,
-    X_PER_TOKEN: tl.constexpr,
-    FP8_DOT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Stream-K decode GEMV: the (column tile, K step) work is cut into one equal contiguous
@@ -346,11 +343,7 @@ def _gemv_stream_k_kernel(
     with atomics and count their K steps at the tile's arrival counter; the program that
     completes the count applies scale and bias, writes out, and re-zeroes the workspace and the
     counter for the next launch. K % BK == 0 (the wrapper checks). `stream_k_programs` keeps
-    every tile to at most two adds, so the sum does not depend on their order.
-
-    X_PER_TOKEN (fp8 weights): x arrives as e4m3 with one scale per row (`quantize_rows`), the
-    dots take both operands in fp8 (FP8_DOT), and each tile's part is scaled by the rows'
-    scales before it is added or written."""
+    every tile to at most two adds, so the sum does not depend on their order."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     start = (pid * total_steps) // programs
     stop = ((pid + 1) * total_steps) // programs
@@ -362,8 +355,6 @@ def _gemv_stream_k_kernel(
     m_ok = (rm < M)[None, :]
     x_rows = x + rm[:, None] * stride_xm
     pdl_wait(PDL)
-    if X_PER_TOKEN:
-        row_scale = tl.load(x_scale + rm, mask=rm < M, other=0.0)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     # One flat loop over the range (as triton's persistent matmul), so the weight pipeline runs
     # on across tile boundaries; nothing in it may synchronise threads (a barrier or an
@@ -377,14 +368,9 @@ def _gemv_stream_k_kernel(
         kk = ks * BK + rk
         wb = tl.load(w + rn[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=n_ok, other=0.0)
         xb = tl.load(x_rows + kk[None, :], mask=(rm < M)[:, None], other=0.0)
-        if X_PER_TOKEN and FP8_DOT:
-            acc += tl.dot(wb, tl.trans(xb))
-        else:
-            acc += tl.dot(wb.to(DOT), tl.trans(xb.to(DOT)))
+        acc += tl.dot(wb.to(DOT), tl.trans(xb.to(DOT)))
         if (ks == ksteps - 1) | (step == stop - 1):  # this tile's part of the range is done
             mask = n_ok & m_ok
-            if X_PER_TOKEN:
-                acc *= row_scale[None, :]
             if (tl.where(tile == first_tile, first_ks, 0) == 0) & (ks == ksteps - 1):
                 _gemv_epilogue(
                     acc, scale, bias, out, rn, rm, N, stride_om, mask, HAS_SCALE, HAS_BIAS
@@ -600,15 +586,13 @@ def w8_gemv(
     if fp8 != (scale is not None):
         raise ValueError("fp8 weights take a scale, 16-bit weights none")
     tiling = tiling or DECODE_TILINGS.get((n, k)) or default_tiling(n, k)
-    # Past 16 rows the row tile grows; the two-pass form keeps 16-row slabs.
+    # Past 16 rows the row tile grows; the two-pass and stream-K forms keep 16-row slabs.
     bm = 16 if m <= 16 else triton.next_power_of_2(m)
     if tiling.two_pass and bm == 16:
         assert scale is not None, "the two-pass kernel is fp8-only"
         return w8a16(x, weight, scale, bias, split_k=tiling.splits)
-    per_token = fp8 and tiling.act_fp8 and tiling.x_per_token
-    # stream-K takes x as it comes (16-bit) or rounded per token, not per K block
-    if tiling.stream_k and k % tiling.bk == 0 and (per_token or not tiling.act_fp8):
-        return _stream_k_gemv(x, weight, scale, bias, tiling, bm, per_token)
+    if tiling.stream_k and k % tiling.bk == 0 and bm == 16:
+        return _stream_k_gemv(x, weight, scale, bias, tiling)
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -621,6 +605,7 @@ def w8_gemv(
     arrivals = _arrival_counters(x.device, tiles) if splits > 1 else out
     on_gpu = x.is_cuda
     dot = _gemv_dot(x, fp8)
+    per_token = fp8 and tiling.act_fp8 and tiling.x_per_token
     x_scale: torch.Tensor = out
     if per_token:
         x, x_scale = quantize_rows(x)
@@ -689,8 +674,6 @@ def _stream_k_gemv(
     scale: torch.Tensor | None,
     bias: torch.Tensor | None,
     tiling: DecodeTiling,
-    bm: int = 16,
-    per_token: bool = False,
 ) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
@@ -701,19 +684,15 @@ def _stream_k_gemv(
     on_gpu = x.is_cuda
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if on_gpu else 4
     programs = stream_k_programs(tiles, ksteps, sms, tiling.stream_k)
-    workspace = _stream_k_workspace(x.device, tiles * tiling.bn * bm)
+    workspace = _stream_k_workspace(x.device, tiles * tiling.bn * 16)
     arrivals = _arrival_counters(x.device, tiles)
     fp8 = scale is not None
     if on_gpu:
         dot = tl.float16 if fp8 else (tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16)
     else:
         dot = dot_dtype(x.device)
-    x_scale: torch.Tensor = out
-    if per_token:
-        x, x_scale = quantize_rows(x)
     _gemv_stream_k_kernel[(programs,)](
         x,
-        x_scale,
         weight,
         scale if scale is not None else weight,
         bias if bias is not None else weight,
@@ -727,14 +706,12 @@ def _stream_k_gemv(
         x.stride(0),
         weight.stride(0),
         out.stride(0),
-        BM=bm,
+        BM=16,
         BN=tiling.bn,
         BK=tiling.bk,
         HAS_SCALE=fp8,
         HAS_BIAS=bias is not None,
         DOT=dot,
-        X_PER_TOKEN=per_token,
-        FP8_DOT=on_gpu,
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages if on_gpu else 1,
     )
