@@ -89,6 +89,30 @@ def gemv_candidates(n: int, k: int, weight_bytes: int = 1) -> list[Any]:
     return list(dict.fromkeys(cands))  # drop repeats, keep order
 
 
+# A tiling the tuning file gave is kept unless a candidate beats it by this fraction.
+KEEP_MARGIN = 0.03
+
+
+def keep_or_replace(times: dict[Any, float], incumbent: Any, margin: float = KEEP_MARGIN) -> Any:
+    """The fastest of `times` (tiling -> time, correct ones only; None if empty), unless the
+    incumbent (the tiling in use before the sweep) is timed within `margin` of it: then the
+    incumbent. At the load point's 8 rows, winners a few % apart trade places from run to run,
+    and the tilings chosen there also run 9-16 rows, which the sweep does not time: one re-sweep
+    that replaced winners by others within noise made the 16-row step 10.01 -> 10.56 ms
+    (bench/results/2026-12-03-h200-44fda2c-gpu_suite.json)."""
+    if not times:
+        return None
+    best = min(times, key=times.__getitem__)
+    if incumbent in times and times[incumbent] <= times[best] * (1 + margin):
+        return incumbent
+    return best
+
+
+def incumbent_first(incumbent: Any, candidates: list[Any]) -> list[Any]:
+    """The candidates with the tiling in use (if any) timed first, once."""
+    return list(dict.fromkeys([incumbent, *candidates])) if incumbent is not None else candidates
+
+
 def gemv_sweep(args: argparse.Namespace, config: Any, budget: float) -> dict[str, Any]:
     """Every decode GEMM shape at M = batch: candidate tilings of the one-launch FP8 GEMV (and the
     old two-launch split-K), timed as graph replays over weight sets larger than L2, checked
@@ -127,9 +151,10 @@ def sweep_shape(args: argparse.Namespace, n: int, k: int, deadline: float) -> di
     # 16-bit weights through the same GEMV: chosen only where it beats cuBLAS by 3%
     ref16 = torch.nn.functional.linear(x, w16[-1]).float()
     outs: list[Any] = [None] * copies
-    best16: tuple[float, Any] | None = None
+    incumbent16 = fp8k.BF16_DECODE_TILINGS.get((n, k))
+    times16: dict[Any, float] = {}
     tried16 = []
-    for tiling in gemv_candidates(n, k, weight_bytes=2):
+    for tiling in incumbent_first(incumbent16, gemv_candidates(n, k, weight_bytes=2)):
         if time.perf_counter() > deadline:
             break
         entry16: dict[str, Any] = {"tiling": str(tiling)}
@@ -141,25 +166,27 @@ def sweep_shape(args: argparse.Namespace, n: int, k: int, deadline: float) -> di
             t = graph_time(call16, copies)
             err = ((outs[-1].float() - ref16).norm() / ref16.norm()).item()
             entry16.update({"us": t * 1e6, "of_roofline": 2 * floor / t, "rel_err": err})
-            if err < 1e-2 and t < 0.97 * cublas and (best16 is None or t < best16[0]):
-                best16 = (t, tiling)
+            if err < 1e-2 and t < 0.97 * cublas:
+                times16[tiling] = t
         except Exception as exc:
             entry16["error"] = f"{type(exc).__name__}: {exc}"[:300]
         tried16.append(entry16)
     row["bf16_gemv_candidates"] = tried16
-    if best16 is not None:
-        fp8k.BF16_DECODE_TILINGS[(n, k)] = best16[1]
-        row["bf16_chosen"] = {"tiling": str(best16[1]), "us": best16[0] * 1e6}
+    chosen16 = keep_or_replace(times16, incumbent16)
+    if chosen16 is not None:
+        fp8k.BF16_DECODE_TILINGS[(n, k)] = chosen16
+        row["bf16_chosen"] = {"tiling": str(chosen16), "us": times16[chosen16] * 1e6}
     else:
+        fp8k.BF16_DECODE_TILINGS.pop((n, k), None)
         row["bf16_chosen"] = {"tiling": "cuBLAS", "us": cublas * 1e6}
     qs = [quantize_weight(w) for w in w16]
     w16.clear()
     free_gpu()
     ref = torch.nn.functional.linear(x, (qs[-1][0].float() * qs[-1][1][:, None]).bfloat16())
-    best: tuple[float, Any] | None = None
+    incumbent = fp8k.DECODE_TILINGS.get((n, k))
     tried = []
     correct: list[tuple[float, Any]] = []  # (us, tiling) of every correct candidate
-    for tiling in gemv_candidates(n, k):
+    for tiling in incumbent_first(incumbent, gemv_candidates(n, k)):
         if time.perf_counter() > deadline:
             tried.append({"tiling": str(tiling), "skipped": "section budget"})
             continue
@@ -176,12 +203,13 @@ def sweep_shape(args: argparse.Namespace, n: int, k: int, deadline: float) -> di
             bound = 4e-2 if tiling.act_fp8 else 1e-2
             if err < bound:
                 correct.append((t * 1e6, tiling))
-            if err < bound and (best is None or t < best[0]):
-                best = (t, tiling)
         except Exception as exc:
             entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
         tried.append(entry)
     row["candidates"] = tried
+    times = {tiling: us for us, tiling in correct}
+    chosen = keep_or_replace(times, incumbent)
+    best = None if chosen is None else (times[chosen] / 1e6, chosen)
     if best is not None and time.perf_counter() < deadline:
         # what programmatic dependent launch buys this shape: the winner again with PDL off
         from worker.kernels.pdl import set_pdl
@@ -205,7 +233,7 @@ def sweep_shape(args: argparse.Namespace, n: int, k: int, deadline: float) -> di
         row["chosen"] = {"tiling": f"default {fp8k.default_tiling(n, k)} (none measured)"}
     else:
         fp8k.DECODE_TILINGS[(n, k)] = best[1]
-        row["chosen"] = {"tiling": str(best[1]), "us": best[0] * 1e6}
+        row["chosen"] = {"tiling": str(best[1]), "us": best[0] * 1e6, "kept": best[1] == incumbent}  # fmt: skip
     return row
 
 
@@ -241,10 +269,14 @@ def silu_mul_choice(args: argparse.Namespace, n: int, k: int, fp8: bool) -> dict
         sets.append((q, s))
         del w
     outs: list[Any] = [None] * copies
-    fp8k.SILU_MUL_TILINGS.pop((n, k, fp8), None)
+    # the choice in use before the sweep (None: two launches); absent: nothing chosen yet
+    had = (n, k, fp8) in fp8k.SILU_MUL_TILINGS
+    incumbent = fp8k.SILU_MUL_TILINGS.pop((n, k, fp8), None)
     tilings = [fp8k.silu_mul_tiling(n // 2, k, fp8), fp8k.DecodeTiling(32, 128, 1, 2, 3)]
     tilings += [fp8k.DecodeTiling(32, 256, 1, 2, 2), fp8k.DecodeTiling(16, 256, 1, 2, 3)]
     tilings += [fp8k.DecodeTiling(32, 128, 1, 4, 4)]
+    if incumbent is not None:
+        tilings.insert(0, incumbent)
 
     def two(i: int) -> None:
         w, s = sets[i]
@@ -253,8 +285,8 @@ def silu_mul_choice(args: argparse.Namespace, n: int, k: int, fp8: bool) -> dict
     unfused = graph_time(two, copies)
     want = outs[-1].float()
     row: dict[str, Any] = {"two_launches_us": unfused * 1e6}
-    best: tuple[float, Any] = (unfused, None)
-    for tiling in dict.fromkeys(tilings):
+    times: dict[Any, float] = {None: unfused}
+    for tiling in incumbent_first(incumbent, tilings):
 
         def one(i: int, tiling: Any = tiling) -> None:
             outs[i] = fp8k.linear_silu_mul(x, *sets[i], None, tiling)
@@ -263,12 +295,13 @@ def silu_mul_choice(args: argparse.Namespace, n: int, k: int, fp8: bool) -> dict
             t = graph_time(one, copies)
             err = ((outs[-1].float() - want).norm() / want.norm()).item()
             row[str(tiling)] = {"us": t * 1e6, "rel_err": err}
-            if err < 1e-2 and t < best[0]:
-                best = (t, tiling)
+            if err < 1e-2:
+                times[tiling] = t
         except Exception as exc:
             row[str(tiling)] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    fp8k.SILU_MUL_TILINGS[(n, k, fp8)] = best[1]
-    row["chosen"] = {"tiling": str(best[1] or "two launches"), "us": best[0] * 1e6}
+    chosen = keep_or_replace(times, incumbent if had else object())
+    fp8k.SILU_MUL_TILINGS[(n, k, fp8)] = chosen
+    row["chosen"] = {"tiling": str(chosen or "two launches"), "us": times[chosen] * 1e6}
     return row
 
 

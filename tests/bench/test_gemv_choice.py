@@ -1,0 +1,41 @@
+"""How the decode GEMV sweep picks a tiling: the tiling in use keeps its place unless a candidate
+beats it by KEEP_MARGIN, so timings within noise at the swept row count do not churn the tuning
+file (the rows it does not time, 9-16, follow whatever it picks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.engine.gemv import KEEP_MARGIN, incumbent_first, keep_or_replace
+
+
+def test_the_fastest_wins_without_an_incumbent() -> None:
+    assert keep_or_replace({"a": 10.0, "b": 9.0, "c": 9.5}, None) == "b"
+    assert keep_or_replace({}, "a") is None
+
+
+@pytest.mark.parametrize(
+    ("incumbent_time", "kept"),
+    [(9.0, True), (9.0 * (1 + KEEP_MARGIN) - 1e-9, True), (9.0 * (1 + KEEP_MARGIN) + 1e-6, False)],
+)
+def test_the_incumbent_stays_within_the_margin(incumbent_time: float, kept: bool) -> None:
+    times = {"new": 9.0, "old": incumbent_time, "other": 12.0}
+    assert keep_or_replace(times, "old") == ("old" if kept else "new")
+
+
+def test_an_incumbent_not_timed_correct_is_replaced() -> None:
+    # the tuning file's tiling failed its check (absent from the correct timings)
+    assert keep_or_replace({"new": 9.0}, "old") == "new"
+
+
+def test_two_launches_are_an_incumbent_like_any_tiling() -> None:
+    # the fused activation's choice: None is the two-launch path, a valid incumbent
+    assert keep_or_replace({None: 10.0, "fused": 9.9}, None) is None
+    assert keep_or_replace({None: 10.0, "fused": 9.0}, None) == "fused"
+    # nothing chosen before: a fresh sentinel matches no key
+    assert keep_or_replace({None: 10.0, "fused": 9.9}, object()) == "fused"
+
+
+def test_the_incumbent_is_timed_first_and_once() -> None:
+    assert incumbent_first("b", ["a", "b", "c"]) == ["b", "a", "c"]
+    assert incumbent_first(None, ["a", "b"]) == ["a", "b"]
