@@ -428,3 +428,82 @@ def test_apply_rotary_matches_reference(rotary_dim: int) -> None:
     assert out.shape == x.shape and out.is_contiguous()
     assert rel_err(out, ref) < 1e-2
     assert torch.equal(out[..., rotary_dim:], x[..., rotary_dim:])  # passed through
+
+
+# ------------------------------------- the down projection of silu(gate) * up, rounded in one pass
+
+
+@pytest.mark.parametrize(("m", "f"), [(5, 200), (3, 4096 + 40)])  # one block / two blocks a row
+def test_silu_mul_quantize_rows_has_the_bits_of_quantize_rows_of_silu_mul(m, f) -> None:
+    from worker.kernels.triton.fp8_gemm import quantize_rows, silu_mul_quantize_rows
+
+    torch.manual_seed(f)
+    y = (torch.randn(m, 2 * f) * 3).bfloat16()
+    y[1, f + 7] = 300.0  # a loud up column: that row's scale follows it
+    q, scales = silu_mul_quantize_rows(y)
+    want_q, want_scales = quantize_rows(silu_mul(y))
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (m, f) and scales.shape == (m, 1)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    ("m", "wide"),
+    [
+        (8, None),  # decode rows: the 16-bit activation, then the GEMV
+        (40, DecodeTiling(32, 128, 2, 4, 2, act_fp8=True, x_per_token=True)),  # wide GEMV
+        (40, DecodeTiling(32, 128, 2, 4, 2, act_fp8=True)),  # per K block: no codes to take
+        (80, None),  # scaled_mm's rows
+    ],
+)
+def test_fp8_down_projection_of_silu_mul_takes_the_codes_where_its_gemm_does(
+    monkeypatch, m, wide
+) -> None:
+    from worker.kernels.triton import fp8_gemm
+
+    n, f = 48, 320
+    torch.manual_seed(m)
+    q, scale = quantize_weight(torch.randn(n, f) * 0.02)
+    y = torch.randn(2, m // 2, 2 * f).bfloat16()
+    if wide is not None:
+        monkeypatch.setitem(fp8_gemm.WIDE_DECODE_TILINGS, (n, f, fp8_gemm.wide_rows(m)), wide)
+    fused: list[int] = []
+    real = fp8_gemm.silu_mul_quantize_rows
+    monkeypatch.setattr(
+        fp8_gemm, "silu_mul_quantize_rows", lambda rows: fused.append(1) or real(rows)
+    )
+    out = fp8_gemm.fp8_linear_of_silu_mul(y, q, scale)
+    assert out.shape == (2, m // 2, n) and out.dtype == y.dtype
+    takes_codes = m >= 17 and (wide is None or wide.x_per_token)
+    assert len(fused) == int(takes_codes)
+    unfused = fp8_gemm.fp8_linear(silu_mul(y), q, scale)
+    if takes_codes:  # the same codes and scales as the GEMM would have rounded itself
+        assert torch.equal(out, unfused)
+    assert rel_err(out, reference.fp8_linear_of_silu_mul(y, q, scale)) < 8e-2
+    monkeypatch.setattr(fp8_gemm, "FP8_FUSED_SILU_QUANT", False)
+    fused.clear()
+    assert torch.equal(fp8_gemm.fp8_linear_of_silu_mul(y, q, scale), unfused)
+    assert not fused
+
+
+@pytest.mark.parametrize("tokens", [8, 40])
+def test_an_fp8_mlp_past_the_decode_rows_hands_gate_up_output_to_the_down_projection(
+    monkeypatch, tokens
+) -> None:
+    from worker.models.layers import MLP
+
+    config = PRESETS["tiny-qwen3.5"]
+    torch.manual_seed(tokens)
+    mlp = MLP(config)
+    quantize_fp8(mlp)
+    mlp.fuse_projections()
+    assert isinstance(mlp.down_proj, Fp8Linear) and isinstance(mlp.gate_up_proj, Fp8Linear)
+    x = torch.randn(tokens, config.hidden_size)
+    calls: list[str] = []
+    of_silu_mul = mlp.down_proj.of_silu_mul
+    monkeypatch.setattr(mlp.down_proj, "of_silu_mul", lambda y: calls.append("of") or of_silu_mul(y))  # fmt: skip
+    out = mlp(x)
+    assert calls == (["of"] if tokens > 16 else [])
+    # the same as the activation formed first (the references on a CPU)
+    want = mlp.down_proj(reference.silu_mul(mlp.gate_up_proj(x)))
+    assert torch.equal(out, want)

@@ -212,3 +212,39 @@ def test_gemv_kernel_compiles_for_hopper(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-6000:]
     assert done.stdout.count("\n") == len(variants), done.stdout
+
+
+# The down projection's input: silu(gate) * up rounded to e4m3 per row in one kernel.
+_COMPILE_SILU_QUANT_FOR_HOPPER = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from worker.kernels.triton.fp8_gemm import _silu_mul_quantize_rows_kernel
+
+signature = {"y": "*bf16", "q": "*fp8e4nv", "scales": "*fp32", "F": "i32", "stride_y": "i32",
+             "BK": "constexpr", "FP8_MAX": "constexpr", "PDL": "constexpr"}
+names = list(signature)
+constexprs = {"BK": 4096, "FP8_MAX": 448.0, "PDL": True}
+source = ASTSource(
+    fn=_silu_mul_quantize_rows_kernel.compiled,
+    signature=signature,
+    constexprs={(names.index(k),): c for k, c in constexprs.items()},
+    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in ("y", "q", "scales", "F")},
+)
+triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+print("ok")
+"""
+
+
+def test_silu_mul_quantize_rows_compiles_for_hopper(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SILU_QUANT_FOR_HOPPER],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout == "ok\n", done.stderr[-4000:]

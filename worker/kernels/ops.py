@@ -52,6 +52,7 @@ OPS = (
     "paged_attention_decode",
     "linear",
     "fp8_linear",
+    "fp8_linear_of_silu_mul",
     "linear_silu_mul",
     "int4_linear",
     "int4_linear_silu_mul",
@@ -403,6 +404,15 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x [..., K] times an e4m3 weight [N, K] with per-output-channel scales [N] (fp32)."""
     return _pick("fp8_linear", x)(x, weight, scale, bias)
+
+
+def fp8_linear_of_silu_mul(
+    y: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """fp8_linear(silu_mul(y)): a gated MLP's down projection (e4m3 weight [N, F], scales [N])
+    of silu(gate) * up from its gate|up output y [..., 2F] (kernels round the activation to the
+    GEMM's e4m3 input in one pass, without the 16-bit activation between)."""
+    return _pick("fp8_linear_of_silu_mul", y)(y, weight, scale, bias)
 
 
 def linear_silu_mul(

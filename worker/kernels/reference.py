@@ -350,6 +350,13 @@ def fp8_linear(
     return F.linear(x, (weight.float() * scale[:, None]).to(x.dtype), bias)
 
 
+def fp8_linear_of_silu_mul(
+    y: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The down projection of silu(gate) * up from a gate|up output y [..., 2F]."""
+    return fp8_linear(silu_mul(y), weight, scale, bias)
+
+
 def linear_silu_mul(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -68,6 +68,10 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.fp8_linear(x, self.weight, self.weight_scale, self.bias)
 
+    def of_silu_mul(self, y: torch.Tensor) -> torch.Tensor:
+        """This projection of silu(gate) * up, from a gate|up projection's output y [..., 2F]."""
+        return ops.fp8_linear_of_silu_mul(y, self.weight, self.weight_scale, self.bias)
+
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up when this is a fused gate|up projection."""
         return ops.linear_silu_mul(x, self.weight, self.weight_scale, self.bias)

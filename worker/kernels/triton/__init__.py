@@ -19,7 +19,12 @@ from worker.kernels.triton.conv1d import (
     conv_update_with_gates,
 )
 from worker.kernels.triton.delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
-from worker.kernels.triton.fp8_gemm import fp8_linear, linear, linear_silu_mul
+from worker.kernels.triton.fp8_gemm import (
+    fp8_linear,
+    fp8_linear_of_silu_mul,
+    linear,
+    linear_silu_mul,
+)
 from worker.kernels.triton.int4_gemm import int4_linear, int4_linear_silu_mul
 from worker.kernels.triton.kv_cache import write_kv_cache
 from worker.kernels.triton.norm import add_rms_norm, gated_rms_norm, rms_norm
@@ -73,6 +78,12 @@ ops.register(
 )
 ops.register("write_kv_cache", write_kv_cache, cuda_attention, name="triton.write_kv_cache")
 ops.register("fp8_linear", fp8_linear, cuda_half, name="triton.fp8_linear")
+ops.register(
+    "fp8_linear_of_silu_mul",
+    fp8_linear_of_silu_mul,
+    cuda_half,
+    name="triton.silu_mul_quantize_rows+fp8_linear",
+)
 ops.register("linear", linear, cuda_half, name="triton.linear")
 ops.register("linear_silu_mul", linear_silu_mul, cuda_half, name="triton.gate_up_silu_mul_gemv")
 ops.register("int4_linear", int4_linear, cuda_half, name="triton.int4_linear")
@@ -87,6 +98,7 @@ __all__ = [
     "causal_conv1d_update",
     "conv_update_with_gates",
     "fp8_linear",
+    "fp8_linear_of_silu_mul",
     "gated_delta_rule_decode",
     "gated_delta_rule_prefill",
     "gated_rms_norm",

@@ -575,9 +575,14 @@ def w8_gemv(
     scale: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     tiling: DecodeTiling | None = None,
+    *,
+    x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Decode GEMM in one launch: x [M <= 16, K] 16-bit times weight [N, K], either fp8 with an
-    fp32 scale [N] (widened to fp16 for the dot) or 16-bit like x (scale None)."""
+    fp32 scale [N] (widened to fp16 for the dot) or 16-bit like x (scale None). With `x_scale`
+    [M, 1], x arrives rounded to e4m3 per row already (as `quantize_rows` gives it, for a tiling
+    that takes x per token) and the output is `out_dtype`."""
     m, k = x.shape
     n = weight.shape[0]
     if m > 64:
@@ -586,6 +591,9 @@ def w8_gemv(
     if fp8 != (scale is not None):
         raise ValueError("fp8 weights take a scale, 16-bit weights none")
     tiling = tiling or DECODE_TILINGS.get((n, k)) or default_tiling(n, k)
+    per_token = fp8 and tiling.act_fp8 and tiling.x_per_token
+    if x_scale is not None and not (per_token and out_dtype is not None):
+        raise ValueError("x rounded per token needs a tiling that takes it and an out_dtype")
     # Past 16 rows the row tile grows; the two-pass and stream-K forms keep 16-row slabs.
     bm = 16 if m <= 16 else triton.next_power_of_2(m)
     if tiling.two_pass and bm == 16:
@@ -595,7 +603,7 @@ def w8_gemv(
         return _stream_k_gemv(x, weight, scale, bias, tiling)
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, tiling.splits), tiling.bk) * tiling.bk
     splits = triton.cdiv(k, k_per_split)
     tiles = triton.cdiv(n, tiling.bn)
@@ -604,14 +612,12 @@ def w8_gemv(
     )
     arrivals = _arrival_counters(x.device, tiles) if splits > 1 else out
     on_gpu = x.is_cuda
-    dot = _gemv_dot(x, fp8)
-    per_token = fp8 and tiling.act_fp8 and tiling.x_per_token
-    x_scale: torch.Tensor = out
-    if per_token:
+    dot = _gemv_dot(out, fp8)
+    if per_token and x_scale is None:
         x, x_scale = quantize_rows(x)
     _gemv_kernel[(tiles, splits)](
         x,
-        x_scale,
+        out if x_scale is None else x_scale,
         weight,
         scale if scale is not None else weight,
         bias if bias is not None else weight,
@@ -905,19 +911,108 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
+@kernel
+def _silu_mul_quantize_rows_kernel(
+    y, q, scales, F, stride_y, BK: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr
+):
+    """quantize_rows(silu_mul(y)) for one row of a gate|up output y [., 2F]: the activation is
+    rounded to y's dtype as `silu_mul` rounds it, so the codes and scale have the same bits, but
+    it never goes to memory (computed twice instead: for the row's amax, then for its codes)."""
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BK)
+    amax = tl.zeros((BK,), dtype=tl.float32)
+    for k0 in range(0, F, BK):
+        h = _silu_mul_cols(y, row, stride_y, F, k0 + cols)
+        amax = tl.maximum(amax, tl.abs(h))
+    scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, 1e-12)
+    tl.store(scales + row, scale)
+    for k0 in range(0, F, BK):
+        h = _silu_mul_cols(y, row, stride_y, F, k0 + cols)
+        tl.store(q + row * F + k0 + cols, (h / scale).to(q.dtype.element_ty), mask=k0 + cols < F)
+
+
+@triton.jit
+def _silu_mul_cols(y, row, stride_y, F, cols):
+    """silu(gate) * up at `cols` of one row, in fp32 after each rounding `silu_mul` does."""
+    mask = cols < F
+    gate = tl.load(y + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(y + row * stride_y + F + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(y.dtype.element_ty).to(tl.float32)
+    return (act * up).to(y.dtype.element_ty).to(tl.float32)
+
+
+def silu_mul_quantize_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows(silu_mul(y)) for a gate|up output y [M, 2F], without the [M, F] 16-bit
+    activation between them: codes [M, F] e4m3 and scales [M, 1] fp32."""
+    m, two_f = y.shape
+    f = two_f // 2
+    q = torch.empty((m, f), dtype=torch.float8_e4m3fn, device=y.device)
+    scales = torch.empty((m, 1), dtype=torch.float32, device=y.device)
+    if y.stride(1) != 1:
+        y = y.contiguous()
+    if m:
+        _silu_mul_quantize_rows_kernel[(m,)](
+            y, q, scales, f, y.stride(0), BK=min(4096, triton.next_power_of_2(f)), FP8_MAX=FP8_MAX
+        )
+    return q, scales
+
+
 def scaled_mm(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """FP8 tensor-core GEMM: per-token quantized x times the per-channel scaled fp8 weight."""
-    q, x_scales = quantize_rows(x)
+    """FP8 tensor-core GEMM: per-token quantized x times the per-channel scaled fp8 weight. With
+    `x_scale`, x is rounded per token already (e4m3) and the output is `out_dtype`."""
+    q, x_scales = (x, x_scale) if x_scale is not None else quantize_rows(x)
     out = torch._scaled_mm(
         q,
         weight.t(),
         scale_a=x_scales,
         scale_b=scale.view(1, -1),
-        out_dtype=x.dtype,
+        out_dtype=out_dtype or x.dtype,
     )
     return out if bias is None else out + bias
+
+
+# The down projection takes silu(gate) * up rounded to e4m3 straight from the gate|up output
+# (`fp8_linear_of_silu_mul`); TOKENMILL_FP8_FUSED_SILU_QUANT=0 forms the 16-bit activation first.
+FP8_FUSED_SILU_QUANT = os.environ.get("TOKENMILL_FP8_FUSED_SILU_QUANT", "1") != "0"
+
+
+def fp8_linear_of_silu_mul(
+    y: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """fp8_linear(silu_mul(y)) for a gate|up output y [..., 2F] and the down projection's e4m3
+    weight [N, F]: where that GEMM rounds its input per token (scaled_mm from
+    FP8_SCALED_MM_MIN_ROWS rows, the 17-64-row tilings that take x per token), one kernel forms
+    the activation and its e4m3 codes, and the 16-bit activation is never written: at a 4,096-
+    token prefill step that is 143 MB written and read back a layer; in a decode step, a launch."""
+    from worker.kernels.triton.activations import silu_mul
+
+    rows = y.reshape(-1, y.shape[-1])
+    m, f = rows.shape[0], y.shape[-1] // 2
+    wide = (
+        WIDE_DECODE_TILINGS.get((weight.shape[0], f, wide_rows(m)))
+        if FP8_WIDE_GEMV and 16 < m <= 64
+        else None
+    )
+    takes_codes = (
+        wide.act_fp8 and wide.x_per_token if wide is not None else m >= FP8_SCALED_MM_MIN_ROWS
+    )
+    if not (FP8_FUSED_SILU_QUANT and takes_codes):
+        return fp8_linear(silu_mul(y), weight, scale, bias)
+    q, x_scale = silu_mul_quantize_rows(rows)
+    if wide is not None:
+        out = w8_gemv(q, weight, scale, bias, wide, x_scale=x_scale, out_dtype=y.dtype)
+    else:
+        out = scaled_mm(q, weight, scale, bias, x_scale=x_scale, out_dtype=y.dtype)
+    return out.view(*y.shape[:-1], weight.shape[0])
 
 
 def fp8_linear(
