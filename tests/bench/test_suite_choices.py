@@ -1,6 +1,7 @@
-"""How the decode GEMV sweep picks a tiling: the tiling in use keeps its place unless a candidate
-beats it by KEEP_MARGIN, so timings within noise at the swept row count do not churn the tuning
-file (the rows it does not time, 9-16, follow whatever it picks)."""
+"""How the GPU suite spends its time and picks tilings. The tiling in use keeps its place
+unless a candidate beats it by KEEP_MARGIN, so timings within noise at the swept row count do
+not churn the tuning file (the rows it does not time, 9-16, follow whatever it picks); the last
+section run gets all the time left."""
 
 from __future__ import annotations
 
@@ -39,3 +40,14 @@ def test_two_launches_are_an_incumbent_like_any_tiling() -> None:
 def test_the_incumbent_is_timed_first_and_once() -> None:
     assert incumbent_first("b", ["a", "b", "c"]) == ["b", "a", "c"]
     assert incumbent_first(None, ["a", "b"]) == ["a", "b"]
+
+
+def test_the_suites_last_section_gets_all_the_time_left() -> None:
+    from bench.engine.suite import SECTIONS, section_shares
+
+    shares = section_shares(["sweep_fp8", "gemv", "w4"])  # run in SECTIONS' order
+    assert list(shares) == [name for name in SECTIONS if name in {"sweep_fp8", "gemv", "w4"}]
+    *first, last = shares
+    assert shares[last] == 1.0
+    assert all(shares[name] == SECTIONS[name][1] for name in first)
+    assert section_shares(["fp8"]) == {"fp8": 1.0}
