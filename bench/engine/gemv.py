@@ -275,8 +275,6 @@ def silu_mul_choice(args: argparse.Namespace, n: int, k: int, fp8: bool) -> dict
     tilings = [fp8k.silu_mul_tiling(n // 2, k, fp8), fp8k.DecodeTiling(32, 128, 1, 2, 3)]
     tilings += [fp8k.DecodeTiling(32, 256, 1, 2, 2), fp8k.DecodeTiling(16, 256, 1, 2, 3)]
     tilings += [fp8k.DecodeTiling(32, 128, 1, 4, 4)]
-    if incumbent is not None:
-        tilings.insert(0, incumbent)
 
     def two(i: int) -> None:
         w, s = sets[i]

@@ -13,6 +13,14 @@ import triton.language as tl
 from worker.kernels.triton._launch import kernel, pdl_wait
 
 
+@triton.jit
+def silu_times(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up of fp32 values, in `dtype`: silu rounded to `dtype` before the product,
+    as F.silu(gate) * up does."""
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype)
+
+
 @kernel
 def _silu_mul_kernel(
     x, out, F, stride_x, BLOCK: tl.constexpr, PAIRED: tl.constexpr, PDL: tl.constexpr
@@ -29,9 +37,7 @@ def _silu_mul_kernel(
         up_cols = F + cols
     gate = tl.load(x + row * stride_x + gate_cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x + row * stride_x + up_cols, mask=mask, other=0.0).to(tl.float32)
-    # round silu to the activation dtype before the product, as F.silu(gate) * up does
-    act = (gate / (1.0 + tl.exp(-gate))).to(out.dtype.element_ty).to(tl.float32)
-    tl.store(out + row * F + cols, (act * up).to(out.dtype.element_ty), mask=mask)
+    tl.store(out + row * F + cols, silu_times(gate, up, out.dtype.element_ty), mask=mask)
 
 
 def silu_mul(x: torch.Tensor, paired: int = 0) -> torch.Tensor:

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from worker.kernels.triton._launch import dot_dtype, kernel, pdl_wait
+from worker.kernels.triton.activations import silu_mul, silu_times
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_MAX_VALUE: tl.constexpr = tl.constexpr(FP8_MAX)  # the same, inside kernels
@@ -826,8 +827,6 @@ def linear_silu_mul(
     """silu(gate) * up of x [..., K] times a fused gate|up weight [2F, K] (fp8 with scales [2F],
     or 16-bit with scale None) -> [..., F]: decode rows (<= 16, no bias) in one GEMV launch
     whose epilogue forms the activation; other calls as the projection, then silu_mul."""
-    from worker.kernels.triton.activations import silu_mul
-
     rows = x.reshape(-1, x.shape[-1])
     two_f, k = weight.shape
     fp8 = weight.dtype == torch.float8_e4m3fn
@@ -938,8 +937,7 @@ def _silu_mul_cols(y, row, stride_y, F, cols):
     mask = cols < F
     gate = tl.load(y + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(y + row * stride_y + F + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(y.dtype.element_ty).to(tl.float32)
-    return (act * up).to(y.dtype.element_ty).to(tl.float32)
+    return silu_times(gate, up, y.dtype.element_ty).to(tl.float32)
 
 
 def silu_mul_quantize_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -985,6 +983,14 @@ def scaled_mm(
 FP8_FUSED_SILU_QUANT = os.environ.get("TOKENMILL_FP8_FUSED_SILU_QUANT", "1") != "0"
 
 
+def _wide_tiling(weight: torch.Tensor, m: int) -> DecodeTiling | None:
+    """The measured tiling for a 17-64-row decode batch of `weight` (None: not measured, other
+    rows, or TOKENMILL_FP8_WIDE_GEMV=0)."""
+    if not (FP8_WIDE_GEMV and 16 < m <= 64):
+        return None
+    return WIDE_DECODE_TILINGS.get((*weight.shape, wide_rows(m)))
+
+
 def fp8_linear_of_silu_mul(
     y: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -993,15 +999,9 @@ def fp8_linear_of_silu_mul(
     FP8_SCALED_MM_MIN_ROWS rows, the 17-64-row tilings that take x per token), one kernel forms
     the activation and its e4m3 codes, and the 16-bit activation is never written: at a 4,096-
     token prefill step that is 143 MB written and read back a layer; in a decode step, a launch."""
-    from worker.kernels.triton.activations import silu_mul
-
     rows = y.reshape(-1, y.shape[-1])
-    m, f = rows.shape[0], y.shape[-1] // 2
-    wide = (
-        WIDE_DECODE_TILINGS.get((weight.shape[0], f, wide_rows(m)))
-        if FP8_WIDE_GEMV and 16 < m <= 64
-        else None
-    )
+    m = rows.shape[0]
+    wide = _wide_tiling(weight, m)
     takes_codes = (
         wide.act_fp8 and wide.x_per_token if wide is not None else m >= FP8_SCALED_MM_MIN_ROWS
     )
@@ -1022,11 +1022,7 @@ def fp8_linear(
     WIDE_DECODE_TILINGS has the shape; w8a16 below FP8_SCALED_MM_MIN_ROWS, scaled_mm from there."""
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
-    wide = (
-        WIDE_DECODE_TILINGS.get((*weight.shape, wide_rows(m)))
-        if FP8_WIDE_GEMV and 16 < m <= 64
-        else None
-    )
+    wide = _wide_tiling(weight, m)
     if wide is not None:
         out = w8_gemv(rows, weight, scale, bias, wide)
     elif m >= FP8_SCALED_MM_MIN_ROWS:
