@@ -97,7 +97,9 @@ def governance_admin_router(services: Services, admission: Admission) -> Router:
             raise ProblemError(
                 409, "concurrent_write", "limits changed meanwhile; re-read and retry"
             ) from e
+        # read-your-writes: the limits admission enforces, and the version the GET reports
         await admission.limits.position.wait_for(seq, within_s=5.0)
+        await services.view.wait_for(seq)
         return Response({"version": seq, "policy": policy_out(event)}, headers={"ETag": f'"{seq}"'})
 
     @limits_write("/tenants/{tenant_id:str}/limits", "Set a tenant's limits")
