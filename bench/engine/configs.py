@@ -25,6 +25,7 @@ from bench.engine.profiler import (
     overlap_check,
 )
 from worker.engine.block_manager import staged_recent_blocks
+from worker.engine.config import DEFAULT_STEP_TOKENS
 from worker.engine.engine import EngineConfig, LLMEngine
 from worker.engine.sequence import SamplingParams
 
@@ -60,7 +61,7 @@ def load_point_engine(
     kv_staging: str | None = None,
 ) -> LLMEngine:
     """An engine for the load point's lengths: KV for `max_num_seqs` whole sequences (fp8
-    unless bf16 weights), `batched_tokens` a step; a tokenizer only where the section needs
+    unless bf16 weights), `batched_tokens` a step (0: the engine's default for the weights); a tokenizer only where the section needs
     text (grammars). With `kv_staging` ("k4v3") the pool is staged: the recent pages the
     sequences need on top of room for them all compressed, so no page stays FP8 for want of a
     compressed one."""
@@ -70,7 +71,7 @@ def load_point_engine(
         blocks += staged_recent_blocks(
             max_num_seqs,
             16,
-            batched_tokens,
+            batched_tokens or DEFAULT_STEP_TOKENS,
             EngineConfig.kv_staging_window_pages,
             EngineConfig.kv_staging_anchor_pages,
         )
@@ -111,11 +112,12 @@ def engine_config(
         args,
         precision,
         args.concurrency,
-        args.prompt_len * args.concurrency,
+        getattr(args, "batched_tokens", 0),
         True,
         kv_staging=kv_staging,
     )
     result: dict[str, Any] = {
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "kv_staging": kv_staging,
         "num_compressed_blocks": engine.block_manager.num_compressed_blocks,
         "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / GIB,

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from bench.common import result_path, write_result
-from worker.engine.config import EngineConfig
+from worker.engine.config import DEFAULT_STEP_TOKENS
 from worker.models.cache import StagedAttentionCache
 from worker.models.presets import QWEN3_6_27B
 
@@ -94,7 +94,7 @@ def memory_table(
     anchor: int = 1,
     context: int = 32_768,
     max_num_seqs: int = 8,
-    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
+    max_num_batched_tokens: int = DEFAULT_STEP_TOKENS,
     layer_bits: dict[int, tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
     fp8_bpt, tq_bpt = per_token_bytes(k_bits, v_bits, layer_bits)

@@ -230,7 +230,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--sweep", default="1,2,4,8,16,32,64", help="concurrencies of the sweep sections"
     )
-    p.add_argument("--sweep-batched-tokens", type=int, default=4096)
+    p.add_argument(
+        "--batched-tokens",
+        type=int,
+        default=0,
+        help="tokens a step of the load-point sections (0: the engine's default for the weights:"
+        " 4,096, int4 2,048)",
+    )
+    p.add_argument("--sweep-batched-tokens", type=int, default=0, help="the same for the sweeps")
     p.add_argument(
         "--long-batched-tokens", type=int, default=8192, help="prefill chunk of long_context"
     )

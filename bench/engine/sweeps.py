@@ -38,7 +38,7 @@ def concurrency_sweep(
         "build_and_capture_s": built - began,
         "warm_up_s": time.perf_counter() - built,
         "warm_up_compositions": len(compositions),
-        "max_num_batched_tokens": args.sweep_batched_tokens,
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "points": [],
     }
     steps = StepLog(engine.runner)

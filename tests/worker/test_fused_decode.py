@@ -451,12 +451,12 @@ def test_silu_mul_quantize_rows_has_the_bits_of_quantize_rows_of_silu_mul(m, f) 
     ("m", "wide"),
     [
         (8, None),  # decode rows: the 16-bit activation, then the GEMV
-        (40, DecodeTiling(32, 128, 2, 4, 2, act_fp8=True, x_per_token=True)),  # wide GEMV
-        (40, DecodeTiling(32, 128, 2, 4, 2, act_fp8=True)),  # per K block: no codes to take
-        (80, None),  # scaled_mm's rows
+        (40, DecodeTiling(32, 128, 2, 4, 2, act_fp8=True, x_per_token=True)),  # wide GEMV too
+        (40, None),  # 17-64 rows without a wide tiling: w8a16, no codes to take
+        (80, None),  # scaled_mm's rows: the codes
     ],
 )
-def test_fp8_down_projection_of_silu_mul_takes_the_codes_where_its_gemm_does(
+def test_fp8_down_projection_of_silu_mul_takes_the_codes_past_the_decode_rows(
     monkeypatch, m, wide
 ) -> None:
     from worker.kernels.triton import fp8_gemm
@@ -474,11 +474,10 @@ def test_fp8_down_projection_of_silu_mul_takes_the_codes_where_its_gemm_does(
     )
     out = fp8_gemm.fp8_linear_of_silu_mul(y, q, scale)
     assert out.shape == (2, m // 2, n) and out.dtype == y.dtype
-    takes_codes = m >= 17 and (wide is None or wide.x_per_token)
-    assert len(fused) == int(takes_codes)
+    assert len(fused) == int(m > 64)
     unfused = fp8_gemm.fp8_linear(silu_mul(y), q, scale)
-    if takes_codes:  # the same codes and scales as the GEMM would have rounded itself
-        assert torch.equal(out, unfused)
+    # the same codes and scales as the GEMM would have rounded itself
+    assert torch.equal(out, unfused)
     assert rel_err(out, reference.fp8_linear_of_silu_mul(y, q, scale)) < 8e-2
     monkeypatch.setattr(fp8_gemm, "FP8_FUSED_SILU_QUANT", False)
     fused.clear()
@@ -486,7 +485,7 @@ def test_fp8_down_projection_of_silu_mul_takes_the_codes_where_its_gemm_does(
     assert not fused
 
 
-@pytest.mark.parametrize("tokens", [8, 40])
+@pytest.mark.parametrize("tokens", [8, 40, 80])
 def test_an_fp8_mlp_past_the_decode_rows_hands_gate_up_output_to_the_down_projection(
     monkeypatch, tokens
 ) -> None:
@@ -503,7 +502,7 @@ def test_an_fp8_mlp_past_the_decode_rows_hands_gate_up_output_to_the_down_projec
     of_silu_mul = mlp.down_proj.of_silu_mul
     monkeypatch.setattr(mlp.down_proj, "of_silu_mul", lambda y: calls.append("of") or of_silu_mul(y))  # fmt: skip
     out = mlp(x)
-    assert calls == (["of"] if tokens > 16 else [])
+    assert calls == (["of"] if tokens > 64 else [])
     # the same as the activation formed first (the references on a CPU)
     want = mlp.down_proj(reference.silu_mul(mlp.gate_up_proj(x)))
     assert torch.equal(out, want)

@@ -89,6 +89,21 @@ def context_limit(config: EngineConfig, model: Any) -> int:
     return config.max_model_len
 
 
+# Tokens a step by default: the load point's 8 x 512 prompt tokens prefill in one step (vLLM's
+# API server takes 8,192 on GPUs of 70 GiB and more), a 4,096-token FP8 step ~0.23 s on one
+# H200. Int4 weights prefill through a per-layer dequantization at ~1.5x FP8's time a token
+# (0.35 s for 4,096 tokens), past the 250 ms a running decode should wait, so half as many.
+DEFAULT_STEP_TOKENS = 4096
+INT4_STEP_TOKENS = 2048
+
+
+def step_token_budget(config: EngineConfig, int4_weights: bool) -> int:
+    """max_num_batched_tokens as configured, else the default for the model's weights."""
+    if config.max_num_batched_tokens > 0:
+        return config.max_num_batched_tokens
+    return INT4_STEP_TOKENS if int4_weights else DEFAULT_STEP_TOKENS
+
+
 _WIDTHS = r"k([1-4])v([1-4])"
 
 
@@ -155,11 +170,10 @@ class EngineConfig:
     max_num_seqs: int = (
         8  # running sequences = DeltaNet state slots (TOKENMILL_ENGINE_MAX_NUM_SEQS)
     )
-    # Tokens per step (TOKENMILL_ENGINE_MAX_NUM_BATCHED_TOKENS): what the engine benchmarks run,
-    # so the load point's 8 x 512 prompt tokens prefill in one step (vLLM's API server takes
-    # 8,192 on GPUs of 70 GiB and more); a larger budget makes longer prefill steps, which the
-    # running decodes wait on.
-    max_num_batched_tokens: int = 4096
+    # Tokens per step (TOKENMILL_ENGINE_MAX_NUM_BATCHED_TOKENS); 0: the weights' own budget
+    # (`step_token_budget`), resolved in place when the engine starts. A larger budget makes
+    # longer prefill steps, which the running decodes wait on.
+    max_num_batched_tokens: int = 0
     # prompt + output tokens (TOKENMILL_ENGINE_MAX_MODEL_LEN); 0: the model's
     # max_position_embeddings (262,144 for Qwen3.6), resolved in place when the engine starts.
     # An operator may lower it, never raise it past the model's positions.

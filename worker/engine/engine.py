@@ -30,6 +30,7 @@ from worker.engine.config import (
     kv_staging_bits,
     kv_staging_layer_bits,
     size_text,
+    step_token_budget,
 )
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.runner import ModelRunner, SampledTokens, model_device, model_dtype
@@ -38,7 +39,7 @@ from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import PENDING_TOKEN, FinishReason, SamplingParams, Sequence
 from worker.engine.state_slots import StateCheckpoints, StateSlotPool
 from worker.models.cache import KVStaging
-from worker.models.int4 import use_mma_kernels
+from worker.models.int4 import has_int4_weights, use_mma_kernels
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class LLMEngine:
         # int4 layers in the mma kernels' layout where those run (after fusing: it joins rows)
         use_mma_kernels(model, model_dtype(model), config.max_num_seqs)
         config.max_model_len = context_limit(config, model)
+        config.max_num_batched_tokens = step_token_budget(config, has_int4_weights(model))
         self.kv_staging_bits = kv_staging_bits(config.kv_staging)
         self.kv_staging_layer_bits = kv_staging_layer_bits(config.kv_staging)
         if config.enable_prefix_caching and self.kv_staging_bits is not None:

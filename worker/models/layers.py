@@ -187,11 +187,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate_up = cast(GatedProjection, self.gate_up_proj)
-            # Past the decode rows whose gate|up GEMV forms the activation in its epilogue, a
+            # Past the decode rows (whose gate|up GEMV forms the activation in its epilogue), a
             # down projection that rounds its input (FP8) takes the activation from gate|up's
             # output in that same pass.
             of_silu_mul = getattr(self.down_proj, "of_silu_mul", None)
-            if of_silu_mul is not None and x.numel() > 16 * x.shape[-1]:
+            if of_silu_mul is not None and x.numel() > 64 * x.shape[-1]:
                 return cast(torch.Tensor, of_silu_mul(gate_up(x)))
             return self.down_proj(gate_up.silu_mul(x))
         assert self.gate_proj is not None and self.up_proj is not None

@@ -576,14 +576,9 @@ def w8_gemv(
     scale: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     tiling: DecodeTiling | None = None,
-    *,
-    x_scale: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Decode GEMM in one launch: x [M <= 16, K] 16-bit times weight [N, K], either fp8 with an
-    fp32 scale [N] (widened to fp16 for the dot) or 16-bit like x (scale None). With `x_scale`
-    [M, 1], x arrives rounded to e4m3 per row already (as `quantize_rows` gives it, for a tiling
-    that takes x per token) and the output is `out_dtype`."""
+    fp32 scale [N] (widened to fp16 for the dot) or 16-bit like x (scale None)."""
     m, k = x.shape
     n = weight.shape[0]
     if m > 64:
@@ -592,9 +587,6 @@ def w8_gemv(
     if fp8 != (scale is not None):
         raise ValueError("fp8 weights take a scale, 16-bit weights none")
     tiling = tiling or DECODE_TILINGS.get((n, k)) or default_tiling(n, k)
-    per_token = fp8 and tiling.act_fp8 and tiling.x_per_token
-    if x_scale is not None and not (per_token and out_dtype is not None):
-        raise ValueError("x rounded per token needs a tiling that takes it and an out_dtype")
     # Past 16 rows the row tile grows; the two-pass and stream-K forms keep 16-row slabs.
     bm = 16 if m <= 16 else triton.next_power_of_2(m)
     if tiling.two_pass and bm == 16:
@@ -604,7 +596,7 @@ def w8_gemv(
         return _stream_k_gemv(x, weight, scale, bias, tiling)
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, tiling.splits), tiling.bk) * tiling.bk
     splits = triton.cdiv(k, k_per_split)
     tiles = triton.cdiv(n, tiling.bn)
@@ -613,12 +605,14 @@ def w8_gemv(
     )
     arrivals = _arrival_counters(x.device, tiles) if splits > 1 else out
     on_gpu = x.is_cuda
-    dot = _gemv_dot(out, fp8)
-    if per_token and x_scale is None:
+    dot = _gemv_dot(x, fp8)
+    per_token = fp8 and tiling.act_fp8 and tiling.x_per_token
+    x_scale: torch.Tensor = out
+    if per_token:
         x, x_scale = quantize_rows(x)
     _gemv_kernel[(tiles, splits)](
         x,
-        out if x_scale is None else x_scale,
+        x_scale,
         weight,
         scale if scale is not None else weight,
         bias if bias is not None else weight,
@@ -978,9 +972,13 @@ def scaled_mm(
     return out if bias is None else out + bias
 
 
-# The down projection takes silu(gate) * up rounded to e4m3 straight from the gate|up output
+# Past the decode rows (prefill steps, where scaled_mm rounds its input per token anyway) the down
+# projection takes silu(gate) * up as e4m3 codes straight from the gate|up output
 # (`fp8_linear_of_silu_mul`); TOKENMILL_FP8_FUSED_SILU_QUANT=0 forms the 16-bit activation first.
+# Not at 17-64 rows: there its one program a row left most SMs idle, and on one H200 the C = 64
+# step took 16.16 ms against 15.14 with silu_mul then the wide GEMV (docs/performance.md).
 FP8_FUSED_SILU_QUANT = os.environ.get("TOKENMILL_FP8_FUSED_SILU_QUANT", "1") != "0"
+FP8_FUSED_SILU_QUANT_MIN_ROWS = 65
 
 
 def _wide_tiling(weight: torch.Tensor, m: int) -> DecodeTiling | None:
@@ -995,23 +993,17 @@ def fp8_linear_of_silu_mul(
     y: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """fp8_linear(silu_mul(y)) for a gate|up output y [..., 2F] and the down projection's e4m3
-    weight [N, F]: where that GEMM rounds its input per token (scaled_mm from
-    FP8_SCALED_MM_MIN_ROWS rows, the 17-64-row tilings that take x per token), one kernel forms
-    the activation and its e4m3 codes, and the 16-bit activation is never written: at a 4,096-
-    token prefill step that is 143 MB written and read back a layer; in a decode step, a launch."""
+    weight [N, F]: from FP8_FUSED_SILU_QUANT_MIN_ROWS rows one kernel forms the activation and
+    the per-token e4m3 codes scaled_mm takes, so the 16-bit activation is never written (at a
+    4,096-token prefill step, 143 MB written and read back a layer)."""
     rows = y.reshape(-1, y.shape[-1])
     m = rows.shape[0]
-    wide = _wide_tiling(weight, m)
-    takes_codes = (
-        wide.act_fp8 and wide.x_per_token if wide is not None else m >= FP8_SCALED_MM_MIN_ROWS
-    )
-    if not (FP8_FUSED_SILU_QUANT and takes_codes):
+    if not (
+        FP8_FUSED_SILU_QUANT and m >= max(FP8_FUSED_SILU_QUANT_MIN_ROWS, FP8_SCALED_MM_MIN_ROWS)
+    ):
         return fp8_linear(silu_mul(y), weight, scale, bias)
     q, x_scale = silu_mul_quantize_rows(rows)
-    if wide is not None:
-        out = w8_gemv(q, weight, scale, bias, wide, x_scale=x_scale, out_dtype=y.dtype)
-    else:
-        out = scaled_mm(q, weight, scale, bias, x_scale=x_scale, out_dtype=y.dtype)
+    out = scaled_mm(q, weight, scale, bias, x_scale=x_scale, out_dtype=y.dtype)
     return out.view(*y.shape[:-1], weight.shape[0])
 
 
