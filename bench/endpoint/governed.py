@@ -342,6 +342,20 @@ def slow_steps(worker_log: str, since: datetime) -> list[str]:
     return found
 
 
+class SlowStepWatch:
+    """Prints the worker's slow-step warnings as they appear (after each round and sweep point),
+    so a run cut short by a time limit still shows the ones it met."""
+
+    def __init__(self, worker_log: Path, since: datetime) -> None:
+        self.worker_log, self.since, self.seen = worker_log, since, 0
+
+    def report(self, where: str) -> None:
+        found = slow_steps(self.worker_log.read_text(errors="replace"), self.since)
+        for line in found[self.seen :]:
+            print(f"slow step ({where}): {line}", flush=True)
+        self.seen = len(found)
+
+
 def median_of_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One summary from a mode's rounds: each number the median over them, errors summed."""
     merged: dict[str, Any] = {"rounds": len(rounds)}
@@ -355,12 +369,19 @@ def median_of_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def concurrency_sweep(b: Any, sku: dict[str, Any], a: argparse.Namespace) -> list[dict[str, Any]]:
+def concurrency_sweep(
+    b: Any, sku: dict[str, Any], a: argparse.Namespace, watch: SlowStepWatch, deadline: float
+) -> list[dict[str, Any]]:
     """Each concurrency C: 2 x C requests, a warm gateway round, then `--sweep-rounds` rounds
-    alternating direct and governed (medians; the rounds are kept beside them)."""
+    alternating direct and governed (medians; the rounds are kept beside them). Points left
+    when the clock passes `deadline` (time.perf_counter) are skipped, and said so."""
     rows = []
     load_point = a.concurrency
     for c in a.sweep:
+        if time.perf_counter() > deadline:
+            print(f"sweep C={c}: skipped, past --budget-s", flush=True)
+            rows.append({"concurrency": c, "skipped": "past --budget-s"})
+            continue
         a.concurrency = c
         prompts = [prompt_text(a.prompt_tokens, 1000 * c + i) for i in range(2 * c)]
         asyncio.run(through_gateway(b.url, b.key, sku["name"], prompts, a, set()))
@@ -381,6 +402,7 @@ def concurrency_sweep(b: Any, sku: dict[str, Any], a: argparse.Namespace) -> lis
             f"(medians of {a.sweep_rounds})",
             flush=True,
         )
+        watch.report(f"sweep C={c}")
     a.concurrency = load_point
     return rows
 
@@ -389,6 +411,9 @@ def print_sweep(rows: list[dict[str, Any]]) -> None:
     print(f"{'C':>4}{'direct tok/s':>14}{'governed tok/s':>16}{'gov/direct':>12}"
           f"{'TTFT p50':>10}{'TTFT p95':>10}{'errors':>8}")  # fmt: skip
     for r in rows:
+        if "skipped" in r:
+            print(f"{r['concurrency']:>4}  skipped: {r['skipped']}")
+            continue
         d, g = r["direct"], r["gateway"]
         ratio = g["output_tokens_per_s"] / d["output_tokens_per_s"]
         print(
@@ -418,6 +443,13 @@ def main() -> int:
     ap.add_argument("--sweep-rounds", type=int, default=1, help="rounds of each mode a point")
     ap.add_argument("--slow-step-s", type=float, default=0.25, help="worker steps logged as slow")
     ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=0,
+        help="skip the sweep points left once this many seconds have passed (0: no limit), so a "
+        "run under a time limit still writes its JSON",
+    )
+    ap.add_argument(
         "--long-prompt-tokens",
         type=int,
         default=0,
@@ -436,6 +468,7 @@ def main() -> int:
     prompts = [prompt_text(a.prompt_tokens, i) for i in range(a.requests)]
     runs: dict[str, list[tuple[list[dict[str, Any]], float]]] = {"direct": [], "gateway": []}
     alone = engine_alone(a, prompts) if a.engine_rounds else None
+    began = time.perf_counter()
     with ExitStack() as stack:
         b = Bench(a, stack)
         b.start()
@@ -444,6 +477,7 @@ def main() -> int:
         load_s = time.perf_counter() - t0
         ready_at = datetime.now()
         print(f"worker ready in {load_s:.0f} s", flush=True)
+        watch = SlowStepWatch(b.tmp / "worker.log", ready_at)
 
         def one_round(mode: str) -> tuple[list[dict[str, Any]], float]:
             if mode == "direct":
@@ -463,6 +497,7 @@ def main() -> int:
                     f"TTFT p50 {s['ttft_s_p50']:.3f} s p95 {s['ttft_s_p95']:.3f} s",
                     flush=True,
                 )
+                watch.report(f"round {i + 1} {mode}")
         asyncio.run(worker_view(b, [r for rs, _ in runs["direct"] for r in rs]))
         since = datetime.now(UTC)
         hang_up = set(range(0, a.requests, max(1, a.requests // max(1, a.hang_up))))
@@ -471,7 +506,8 @@ def main() -> int:
         )
         report = b.reconcile(len(prompts), since)
         long_prompt = long_prompt_through_gateway(b, sku, a) if a.long_prompt_tokens else None
-        sweep_rows = concurrency_sweep(b, sku, a) if a.sweep else []
+        deadline = began + a.budget_s if a.budget_s > 0 else float("inf")
+        sweep_rows = concurrency_sweep(b, sku, a, watch, deadline) if a.sweep else []
         worker_log = (b.tmp / "worker.log").read_text(errors="replace")
     modes = {
         mode: summary([r for rs, _ in rr for r in rs], sum(w for _, w in rr))

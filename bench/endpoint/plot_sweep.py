@@ -28,7 +28,9 @@ def main(argv: list[str]) -> int:
 
     src, dst = args.sweep_json, args.png
     report = json.loads(src.read_text())
-    rows = sorted(report["sweep"], key=lambda r: r["concurrency"])
+    rows = sorted(
+        (r for r in report["sweep"] if "skipped" not in r), key=lambda r: r["concurrency"]
+    )
     load_point = int(report["config"]["concurrency"])
     if all(r["concurrency"] != load_point for r in rows):  # the load point's rounds, same worker
         rows.append(

@@ -186,7 +186,7 @@ class EngineConfig:
     # bits per coordinate, 1-4 each; worker/kvcache/), ~2.2x fewer bytes per token than FP8 KV;
     # "k4v3+k4v4@3,7" gives model layers 3 and 7 widths of their own (kv_staging_layer_bits).
     # Off by default: on one H200 the Triton decode over mixed pages takes 1.9x FP8 KV's time
-    # at 8 x 32K, and the load point runs at 0.948x FP8 KV's output tok/s (docs/performance.md).
+    # at 8 x 32K, and the load point runs at 0.955x FP8 KV's output tok/s (docs/performance.md).
     kv_staging: str | None = None
     kv_staging_window_pages: int = 8
     kv_staging_anchor_pages: int = 1
