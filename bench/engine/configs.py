@@ -168,6 +168,8 @@ def engine_config(
 
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     repeats: list[Any] = []
+    kinds_before = dict(engine.step_kinds)
+    restaged_before = engine.runner.restaged_pages
     while len(repeats) < args.repeats:
         spent = time.perf_counter() - began
         longest = max((r.wall_s for r in repeats), default=0.0)
@@ -181,6 +183,11 @@ def engine_config(
             file=sys.stderr,
         )
     result["phases"].update(steps.summary())
+    # how the timed rounds' steps ran (engine.step_kinds) and the pages they restaged
+    result["step_kinds"] = {
+        kind: n - kinds_before.get(kind, 0) for kind, n in engine.step_kinds.items()
+    }
+    result["restaged_pages"] = engine.runner.restaged_pages - restaged_before
     ttft = [t for r in repeats for t in r.ttft_s]
     e2e = [t for r in repeats for t in r.e2e_s]
     tok_s = statistics.median(r.output_tok_s for r in repeats)

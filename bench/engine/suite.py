@@ -189,6 +189,13 @@ def print_table(report: dict[str, Any]) -> None:
     if "output_tok_s" in staged and "output_tok_s" in fp8:
         ratio = staged["output_tok_s"] / fp8["output_tok_s"]
         print(f"staged KV (k4v3) / FP8 KV output tok/s: {ratio:.3f} (target >= 0.97)")
+    for name in ("fp8", "staged", "w4"):
+        if kinds := s.get(name, {}).get("step_kinds"):
+            print(
+                f"{name} steps of the timed rounds: "
+                + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+                + f"; {s[name].get('restaged_pages', 0)} pages restaged"
+            )
     if "modes" in s.get("structured", {}):
         from bench.engine.structured_load import print_table as structured_table
 

@@ -252,3 +252,18 @@ def test_gpu_graph_decode_overlapped_equals_synchronous():
         results.append(summary(serve(engine, script)))
         assert bool(launches) is overlap
     assert results[0] == results[1]
+
+
+def test_step_kinds_count_how_steps_ran():
+    """One prompt: a synchronous prefill, then decodes launched ahead; a second request joining
+    mid-run drains the step in flight before its prefill runs synchronously."""
+    engine = make_engine(True)
+    launches = counting_launches(engine)
+    serve(engine, [(0, "add", ([1, 2, 3], greedy(12))), (6, "add", ([4, 5], greedy(4)))])
+    kinds = engine.step_kinds
+    assert kinds["overlapped"] == len(launches) > 0
+    assert kinds["synchronous"] >= 2  # the two prefills
+    assert kinds["drained"] >= 1  # the join waited for the step in flight
+    sync_engine = make_engine(False)
+    serve(sync_engine, [(0, "add", ([1, 2, 3], greedy(12)))])
+    assert set(sync_engine.step_kinds) == {"synchronous"}

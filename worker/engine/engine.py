@@ -6,6 +6,7 @@ config and KV sizing are in config.py.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import sys
@@ -130,6 +131,10 @@ class LLMEngine:
         if config.enable_prefix_caching and config.prefix_checkpoint_blocks < 1:
             raise ValueError("prefix_checkpoint_blocks must be >= 1")
         self.num_checkpoint_slots = 0
+        # How steps ran, for the benchmarks: "overlapped" launched behind the step in flight (or
+        # first of a run), "drained" waited for the step in flight first (the next batch was
+        # not a launch ahead), "synchronous" ran without overlap (prefills, sampling on host).
+        self.step_kinds: collections.Counter[str] = collections.Counter()
         if config.enable_prefix_caching:
             slots = config.prefix_checkpoint_slots
             default = 2 * config.max_num_seqs  # a tail per running sequence, as many keyed
@@ -452,6 +457,7 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         outputs, self._finished_outside_step = self._finished_outside_step, []
         if self._in_flight is not None and not self._can_launch_ahead():
+            self.step_kinds["drained"] += 1
             outputs += self._settle()
         # staged KV: pages that aged out move before the schedule, so its growth can reuse them
         self.runner.restage(self.block_manager, self.scheduler.running, self.scheduler.step + 1)
@@ -459,9 +465,11 @@ class LLMEngine:
         if batch.is_empty:
             return outputs + self._settle()
         if self._overlaps(batch):
+            self.step_kinds["overlapped"] += 1
             return outputs + self._launch(batch)
         if self._in_flight is not None:  # _can_launch_ahead promised an overlapping batch
             raise RuntimeError("a step was scheduled on tokens still in flight")
+        self.step_kinds["synchronous"] += 1
         try:
             self.runner.copy_states(batch.state_restores)
             next_tokens = self.runner.execute(batch)
