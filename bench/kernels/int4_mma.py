@@ -10,8 +10,10 @@ today's triton int4 GEMV and the FP8 GEMV, on one GPU.
    weight copies larger than L2 (median of 10 replays); the best at M = 1, 16, 32, 64; the
    triton int4 GEMV at its tuned tiling and FP8 `w8_gemv` at the same shape and M = 8; the
    best register-pipeline and bulk-copy tilings again as probes without the math.
-4. prefill: the mma layout's dequantization + cuBLAS against the triton dequantization + cuBLAS
-   at M = 512 and 2048.
+4. prefill (gate|up and down, M = 512, 2048, 4096): the mma layout's dequantization + cuBLAS,
+   the triton layout's, the e4m3 scratch + scaled_mm (`TOKENMILL_INT4_PREFILL=fp8`), the W4A8
+   GEMM per candidate tiling (`=w4a8`), each with its relative error against the exact
+   product, and an FP8 weight's scaled_mm of the shape. `--prefill-only` runs this alone.
 Prints the table and `MMA_DECODE_TILINGS` entries to paste; writes JSON.
 """
 
@@ -35,7 +37,7 @@ from worker.kernels import reference
 from worker.kernels.cuda import int4_mma
 from worker.kernels.cuda.int4_mma import MmaTiling
 from worker.kernels.triton import int4_gemm as i4
-from worker.kernels.triton.fp8_gemm import scaled_mm
+from worker.kernels.triton.fp8_gemm import quantize_rows, scaled_mm
 
 
 def log(*args: Any) -> None:
@@ -188,6 +190,17 @@ def decode_shape(
     return result
 
 
+# W4A8 prefill tilings timed beside the default (`int4_gemm.W4A8_TILING`, the first).
+W4A8_CANDIDATES = [
+    i4.W4A8_TILING,
+    i4.W4A8Tiling(128, 256, 128, 8, 8, 3),
+    i4.W4A8Tiling(128, 128, 128, 8, 4, 4),
+    i4.W4A8Tiling(64, 128, 128, 8, 4, 4),
+    i4.W4A8Tiling(128, 128, 64, 8, 8, 5),
+    i4.W4A8Tiling(256, 128, 128, 8, 8, 3),
+]
+
+
 def prefill_section() -> dict[str, Any]:
     result: dict[str, Any] = {}
     for name, n, k in SHAPES[:2]:
@@ -203,6 +216,14 @@ def prefill_section() -> dict[str, Any]:
         def e4m3_path(x: torch.Tensor, mq: torch.Tensor = mq, ms: torch.Tensor = ms) -> Any:
             w8, channel = int4_mma.dequantize_e4m3(mq, ms, GROUP)
             return scaled_mm(x, w8, channel)
+
+        def w4a8_path(x: torch.Tensor, t: Any, mq: torch.Tensor = mq, ms: torch.Tensor = ms) -> Any:
+            a, a_scale = quantize_rows(x)
+            codes = int4_mma.codes_e4m3(mq)
+            return i4.w4a8_gemm(a, a_scale, codes, ms, GROUP, None, x.dtype, tiling=t)
+
+        fp8_weight = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+        fp8_scale = torch.full((n,), 1e-2, device="cuda")
 
         for m in (512, 2048, 4096):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -220,7 +241,21 @@ def prefill_section() -> dict[str, Any]:
                 # TOKENMILL_INT4_PREFILL=fp8 on the mma layout: e4m3 scratch + scaled_mm
                 "mma_e4m3_us": e4m3_t * 1e3,
                 "mma_e4m3_rel_err": rel_err(e4m3_path(x), exact),
+                # an FP8 model's prefill GEMM of the shape (scaled_mm, x rounded per token)
+                "fp8_scaled_mm_us": 1e3
+                * triton.testing.do_bench(
+                    lambda x=x, w=fp8_weight, sc=fp8_scale: scaled_mm(x, w, sc)
+                ),
+                # TOKENMILL_INT4_PREFILL=w4a8: codes + quantize_rows + w4a8_gemm, per tiling
+                "w4a8": {},
             }
+            for t in W4A8_CANDIDATES:
+                try:
+                    err_t = rel_err(w4a8_path(x, t), exact)
+                    us = 1e3 * triton.testing.do_bench(lambda x=x, t=t: w4a8_path(x, t))
+                    rows[str(m)]["w4a8"][str(t)] = {"us": us, "rel_err": err_t}
+                except Exception as exc:  # a tiling that does not fit is recorded, not fatal
+                    rows[str(m)]["w4a8"][str(t)] = {"error": err(exc)}
         result[name] = rows
         torch.cuda.empty_cache()
     return result
@@ -244,8 +279,23 @@ def print_table(report: dict[str, Any]) -> None:
             print(f"probe {name:<22} {probe}: {p.get('us', float('nan')):.2f} us "
                   f"({100 * p.get('of_copy', float('nan')):.1f}% of copy; with the math "
                   f"{p['math_us']:.2f} us) of {p['of']}")  # fmt: skip
-    for name, rows in report.get("prefill", {}).items():
-        print(f"prefill {name}: {rows}")
+    prefill = report.get("prefill", {})
+    if "error" in prefill:
+        print(f"prefill: {prefill['error']}")
+        prefill = {}
+    if prefill:
+        print(f"\n{'prefill':<14} {'M':>5} {'bf16 us':>8} {'e4m3 us':>8} {'err':>6} {'w4a8 us':>8} "
+              f"{'err':>6} {'fp8 us':>7}  w4a8 tiling")  # fmt: skip
+    for name, rows in prefill.items():
+        for m, r in rows.items():
+            if not isinstance(r, dict):
+                continue
+            timed = {t: v for t, v in r.get("w4a8", {}).items() if "us" in v}
+            best = min(timed, key=lambda t: timed[t]["us"], default=None)
+            w = timed.get(best, {}) if best else {}
+            print(f"{name[:14]:<14} {m:>5} {r['mma_us']:>8.1f} {r['mma_e4m3_us']:>8.1f} "
+                  f"{r['mma_e4m3_rel_err']:>6.3f} {w.get('us', float('nan')):>8.1f} "
+                  f"{w.get('rel_err', float('nan')):>6.3f} {r['fp8_scaled_mm_us']:>7.1f}  {best}")  # fmt: skip
     print("\n# MMA_DECODE_TILINGS (worker/kernels/cuda/int4_mma.py)")
     for line in report.get("paste", []):
         print(line)
@@ -265,6 +315,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=None,
         help="only these kernel modes, timed in this order, e.g. 4,5,2 (default: all)",
     )
+    parser.add_argument("--prefill-only", action="store_true", help="the prefill section alone")
     args = parser.parse_args(argv)
     modes = [int(m) for m in args.modes.split(",")] if args.modes else None
     # --out: a JSON file, or a folder for the dated name
@@ -284,7 +335,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bandwidth = report["copy_gb_s"] * 1e9
     report["decode"] = {}
     report["paste"] = []
-    for index, (name, n, k) in enumerate(SHAPES):
+    for index, (name, n, k) in enumerate([] if args.prefill_only else SHAPES):
         left = args.budget_s - 40 - (time.perf_counter() - start)
         deadline = time.perf_counter() + left / (len(SHAPES) - index)
         try:

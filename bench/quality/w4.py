@@ -66,10 +66,11 @@ def fake_quantize_rtn(model: CausalLM, targets: set[str], scheme: Scheme) -> Non
 
 
 @contextmanager
-def e4m3_prefill(model: CausalLM, targets: set[str]) -> Iterator[None]:
+def e4m3_prefill(model: CausalLM, targets: set[str], weights: bool = True) -> Iterator[None]:
     """The numerics of the e4m3 prefill path (`TOKENMILL_INT4_PREFILL=fp8`: the int4 weight
     dequantized to e4m3 with a scale per output channel, x rounded to e4m3 per token, as
-    `scaled_mm` does) on every target linear while inside; the weights are restored after."""
+    `scaled_mm` does) on every target linear while inside; the weights are restored after.
+    `weights=False`: the W4A8 path's (`=w4a8`), x rounded per token and the weight exact."""
     kept: dict[str, torch.Tensor] = {}
     hooks = []
 
@@ -81,8 +82,9 @@ def e4m3_prefill(model: CausalLM, targets: set[str]) -> Iterator[None]:
         for name in targets:
             module = model.get_submodule(name)
             weight = module.get_parameter("weight")
-            kept[name] = weight.detach().clone()
-            weight.copy_(rounded(weight, 1))
+            if weights:
+                kept[name] = weight.detach().clone()
+                weight.copy_(rounded(weight, 1))
             hooks.append(module.register_forward_pre_hook(lambda _, a: (rounded(a[0], -1),)))
     try:
         yield
@@ -102,6 +104,7 @@ def evaluate(
     act_order: bool = True,
     log: Any = None,
     e4m3: bool = False,
+    w4a8: bool = False,
 ) -> dict[str, Any]:
     """The quality table as a JSON-ready dict (rows: 16-bit, RTN and GPTQ per scheme)."""
     model, tokenizer = load_model(gguf, "cpu", torch.float32)
@@ -127,11 +130,12 @@ def evaluate(
     say(f"16-bit: {ref:.3f}")
 
     def with_e4m3_prefill(name: str, targets: set[str]) -> None:
-        if e4m3:
-            with e4m3_prefill(model, targets):
-                ppl = perplexity(model, eval_ids, WINDOW)
-            rows.append(Row(f"{name}, e4m3 prefill", ppl, 100 * (ppl / ref - 1), 0.0))
-            say(f"{rows[-1].name}: {ppl:.3f} ({rows[-1].vs_16bit_pct:+.1f}%)")
+        for path, on, weights in (("e4m3", e4m3, True), ("w4a8", w4a8, False)):
+            if on:
+                with e4m3_prefill(model, targets, weights):
+                    ppl = perplexity(model, eval_ids, WINDOW)
+                rows.append(Row(f"{name}, {path} prefill", ppl, 100 * (ppl / ref - 1), 0.0))
+                say(f"{rows[-1].name}: {ppl:.3f} ({rows[-1].vs_16bit_pct:+.1f}%)")
 
     with_e4m3_prefill("16-bit", int4_targets(model, Scheme()))
     schemes = [Scheme(128, True)] + ([Scheme(128, False)] if asym else [])
@@ -202,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="each row again with the e4m3 prefill path's rounding (weights per channel, x per token)",
     )
+    parser.add_argument(
+        "--w4a8-prefill",
+        action="store_true",
+        help="each row again with the W4A8 prefill path's rounding (x per token, weights exact)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--out", type=Path, default=result_path("w4_quality"))
     args = parser.parse_args(argv)
@@ -215,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         act_order=args.act_order,
         log=sys.stderr,
         e4m3=args.e4m3_prefill,
+        w4a8=args.w4a8_prefill,
     )
     print(table(result))
     write_result(args.out, result)

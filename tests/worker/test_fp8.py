@@ -115,3 +115,17 @@ def test_write_kv_cache_kernel_matches_reference():
     reference.write_kv_cache(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert caches[0].count_nonzero() == 2 * 2 * 8
+
+
+def test_quantize_rows_rounds_as_torch_casts_to_e4m3() -> None:
+    """Per-token e4m3 on CPU (the interpreter) has the bits of torch's cast: values that round
+    up into the next binade keep their carry."""
+    from worker.kernels.triton.fp8_gemm import quantize_rows
+
+    torch.manual_seed(0)
+    x = torch.randn(37, 300).bfloat16()
+    q, scales = quantize_rows(x)
+    want_scales = (x.float().abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(1e-12)
+    assert torch.equal(scales, want_scales)
+    want = (x.float() / want_scales).to(torch.float8_e4m3fn)
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))

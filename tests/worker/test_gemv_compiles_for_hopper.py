@@ -222,9 +222,10 @@ from triton.compiler import ASTSource
 from worker.kernels.triton.fp8_gemm import _silu_mul_quantize_rows_kernel
 
 signature = {"y": "*bf16", "q": "*fp8e4nv", "scales": "*fp32", "F": "i32", "stride_y": "i32",
-             "BK": "constexpr", "FP8_MAX": "constexpr", "PDL": "constexpr"}
+             "BK": "constexpr", "FP8_MAX": "constexpr", "EXACT_E4M3": "constexpr",
+             "PDL": "constexpr"}
 names = list(signature)
-constexprs = {"BK": 4096, "FP8_MAX": 448.0, "PDL": True}
+constexprs = {"BK": 4096, "FP8_MAX": 448.0, "EXACT_E4M3": False, "PDL": True}
 source = ASTSource(
     fn=_silu_mul_quantize_rows_kernel.compiled,
     signature=signature,
@@ -248,3 +249,54 @@ def test_silu_mul_quantize_rows_compiles_for_hopper(tmp_path: Path) -> None:
         timeout=300,
     )
     assert done.returncode == 0 and done.stdout == "ok\n", done.stderr[-4000:]
+
+
+# The W4A8 prefill GEMM at its default tiling: e4m3 operands on Hopper's FP8 tensor cores.
+_COMPILE_W4A8_FOR_HOPPER = """
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from worker.kernels.triton.int4_gemm import W4A8_TILING as t, _w4a8_gemm_kernel
+
+signature = {"a": "*fp8e4nv", "a_scale": "*fp32", "w": "*fp8e4nv", "w_scale": "*fp16",
+             "bias": "*bf16", "out": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+             "stride_am": "i32", "stride_wn": "i32", "stride_om": "i32", "s_tile": "i32",
+             "s_group": "i32", "s_row": "i32", "GROUP": "constexpr", "HAS_BIAS": "constexpr",
+             "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "GROUP_M": "constexpr",
+             "FP8_DOT": "constexpr", "DOT": "constexpr"}
+names = list(signature)
+constexprs = {"GROUP": 128, "HAS_BIAS": False, "BM": t.bm, "BN": t.bn, "BK": t.bk,
+              "GROUP_M": t.group_m, "FP8_DOT": True, "DOT": tl.bfloat16}
+divisible = ("a", "a_scale", "w", "w_scale", "out", "N", "K", "stride_am", "stride_wn",
+             "stride_om", "s_tile", "s_group")
+source = ASTSource(
+    fn=_w4a8_gemm_kernel.compiled,
+    signature=signature,
+    constexprs={(names.index(k),): c for k, c in constexprs.items()},
+    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in divisible},
+)
+compiled = triton.compile(
+    source, target=GPUTarget("cuda", 90, 32),
+    options={"num_warps": t.num_warps, "num_stages": t.num_stages},
+)
+ptx = compiled.asm["ptx"]
+print("wgmma e4m3" if "wgmma.mma_async" in ptx and "e4m3" in ptx else "no wgmma e4m3")
+print(compiled.metadata.shared)
+"""
+
+
+def test_w4a8_gemm_compiles_to_fp8_wgmma_for_hopper(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_W4A8_FOR_HOPPER],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "wgmma e4m3", done.stdout
+    assert int(lines[1]) <= 227 * 1024, f"{lines[1]} bytes of shared memory: past an SM's"

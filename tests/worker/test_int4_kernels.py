@@ -241,3 +241,61 @@ def test_gpu_int4_linear_27b(n: int, k: int) -> None:
 def test_gpu_int4_gate_up_silu_mul_27b() -> None:
     for m in (1, 8, 16):
         check_silu_mul(m, 17408, 5120, 128, True, None, False, "cuda")
+
+
+# --- W4A8 prefill: int4 codes exactly in e4m3, group scales on the fp32 sums
+
+
+def e4m3_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x rounded to e4m3 per row as `quantize_rows` rounds it."""
+    scale = (x.float().abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(1e-12)
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group", "tiling"),
+    [
+        (40, 64, 256, 128, int4_gemm.W4A8Tiling(32, 32, 64, 2)),
+        (7, 48, 128, 64, int4_gemm.W4A8Tiling(16, 32, 64, 1)),  # ragged M and N
+        (33, 80, 384, 128, int4_gemm.W4A8Tiling(16, 64, 128, 4)),  # BK = the group
+    ],
+)
+@pytest.mark.parametrize("mma_scales", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_w4a8_gemm_matches_its_reference(m, n, k, group, tiling, mma_scales, with_bias) -> None:
+    torch.manual_seed(m + n)
+    q = int4_weight(n, k, group, True, "cpu")
+    codes = torch.stack((q.qweight & 0xF, q.qweight >> 4), dim=-1).reshape(n, k).float() - 8
+    a, a_scale = e4m3_rows(torch.randn(m, k))
+    bias = torch.randn(n).bfloat16() if with_bias else None
+    scales = reference.int4_mma_pack(q.qweight, q.scales)[1] if mma_scales else q.scales
+    got = int4_gemm.w4a8_gemm(
+        a, a_scale, codes.to(torch.float8_e4m3fn), scales, group, bias,
+        mma_scales=mma_scales, tiling=tiling,
+    )  # fmt: skip
+    want = reference.w4a8_gemm(a, a_scale, codes, q.scales, group, bias)
+    assert got.dtype == torch.bfloat16 and rel_err(got.float(), want.float()) < 1e-2
+
+
+def test_int4_codes_are_exact_in_e4m3() -> None:
+    q = int4_weight(48, 256, 128, True, "cpu")
+    codes = torch.stack((q.qweight & 0xF, q.qweight >> 4), dim=-1).reshape(48, 256).float() - 8
+    assert torch.equal(int4_gemm.int4_codes_e4m3(q.qweight).float(), codes)
+
+
+def test_w4a8_prefill_rounds_only_the_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """INT4_PREFILL=w4a8 through `int4_linear`'s prefill rows: symmetric weights take the W4A8
+    GEMM and answer within e4m3's rounding of x; affine ones keep the 16-bit scratch."""
+    torch.manual_seed(3)
+    x = torch.randn(80, 256).bfloat16()  # past the GEMV's 64 rows
+    monkeypatch.setattr(int4_gemm, "INT4_PREFILL", "w4a8")
+    calls: list[int] = []
+    real = int4_gemm.w4a8_gemm
+    monkeypatch.setattr(int4_gemm, "w4a8_gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    sym = int4_weight(64, 256, 128, True, "cpu")
+    got = int4_linear(x, sym.qweight, sym.scales, None, 128)
+    assert calls == [1]
+    assert 1e-3 < rel_err(got.float(), exact_linear(x, sym, None)) < 4e-2  # x's e4m3 rounding
+    affine = int4_weight(64, 256, 128, False, "cpu")
+    got = int4_linear(x, affine.qweight, affine.scales, affine.mins, 128)
+    assert calls == [1] and rel_err(got.float(), exact_linear(x, affine, None)) < 1e-2

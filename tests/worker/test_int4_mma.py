@@ -394,6 +394,27 @@ def test_e4m3_dequantize_and_prefill_on_gpu(monkeypatch: pytest.MonkeyPatch) -> 
     assert 1e-3 < rel_err(got.float(), exact) < 6e-2  # e4m3's rounding, x per token
 
 
+@GPU
+@needs_cuda
+def test_w4a8_codes_and_prefill_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TOKENMILL_INT4_PREFILL=w4a8: the codes exactly, the group scales on the fp32 sums, so
+    the only rounding is x's per token: closer to the exact product than the e4m3 weights."""
+    from worker.kernels.cuda import int4_mma
+    from worker.kernels.triton import int4_gemm
+
+    q = quantize_rtn(torch.randn(512, 1024, device="cuda") * 0.02, 128, True)
+    words, mma_scales = reference.int4_mma_pack(q.qweight, q.scales)
+    codes = torch.stack((q.qweight & 0xF, q.qweight >> 4), dim=-1).reshape(512, 1024).float() - 8
+    assert torch.equal(int4_mma.codes_e4m3(words).float(), codes)
+    x = torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16)
+    exact = x.float() @ reference.int4_dequantize(q.qweight, q.scales, None, 128).T
+    monkeypatch.setattr(int4_gemm, "INT4_PREFILL", "w4a8")
+    got = int4_mma.int4_mma_linear(x, words, mma_scales, 128)
+    monkeypatch.setattr(int4_gemm, "INT4_PREFILL", "fp8")
+    e4m3_weights = int4_mma.int4_mma_linear(x, words, mma_scales, 128)
+    assert 1e-3 < rel_err(got.float(), exact) < rel_err(e4m3_weights.float(), exact)
+
+
 _gate_ups: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
 

@@ -399,6 +399,26 @@ def int4_linear(
     return F.linear(x, weight, bias)
 
 
+def w4a8_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """(a * a_scale) @ (codes * s).T in fp32: a [M, K] e4m3 with row scales [M, 1], codes [N, K]
+    (int4 values held in any dtype), group scales s [N, G] over groups of `group_size` of K."""
+    weight = (
+        codes.float() * scales.float().repeat_interleave(group_size, dim=1)[:, : codes.shape[1]]
+    )
+    out = (a.float() * a_scale.float()) @ weight.T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
 def int4_linear_silu_mul(
     x: torch.Tensor,
     qweight: torch.Tensor,

@@ -735,8 +735,9 @@ __global__ void __launch_bounds__(288, 2) w4_gemv_bulk(TM_GEMV_PARAMS, int D) {
 
 // One thread per 16-byte word quad: rows (g, g + 8) of its tile, 16 consecutive k each, as
 // 16-bit floats (prefill through cuBLAS) or, SCALED, as e4m3 of q * s_g / cs_n, cs the scale
-// per output channel (the FP8 prefill path's scaled_mm operand).
-template <typename Out, bool SCALED>
+// per output channel (the FP8 prefill path's scaled_mm operand), or, CODES, q - 8 itself
+// (exact in e4m3: the W4A8 prefill GEMM applies the group scales to its fp32 sums).
+template <typename Out, bool SCALED, bool CODES = false>
 __global__ void w4_dequant_kernel(const uint4* __restrict__ qw, const __half* __restrict__ sc,
                                   const float* __restrict__ cs, Out* __restrict__ out, int N,
                                   int K, int gc) {
@@ -746,8 +747,8 @@ __global__ void w4_dequant_kernel(const uint4* __restrict__ qw, const __half* __
   if (idx >= (size_t)(N >> 4) * NC * 32) return;
   const int lane = idx & 31, c = (idx >> 5) % NC, rt = (int)((idx >> 5) / NC);
   const int g = lane >> 2, t = lane & 3;
-  float s0 = __half2float(sc[((size_t)rt * G + c / gc) * 16 + g]);
-  float s1 = __half2float(sc[((size_t)rt * G + c / gc) * 16 + g + 8]);
+  float s0 = CODES ? 1.f : __half2float(sc[((size_t)rt * G + c / gc) * 16 + g]);
+  float s1 = CODES ? 1.f : __half2float(sc[((size_t)rt * G + c / gc) * 16 + g + 8]);
   if (SCALED) {
     s0 *= 1.f / cs[rt * 16 + g];
     s1 *= 1.f / cs[rt * 16 + g + 8];
@@ -1011,6 +1012,16 @@ int tm_w4_dequant_e4m3(const void* qw, const void* sc, const void* cs, void* out
   w4_dequant_kernel<__nv_fp8_e4m3, true><<<blocks, 256, 0, s>>>(
       static_cast<const uint4*>(qw), static_cast<const __half*>(sc),
       static_cast<const float*>(cs), static_cast<__nv_fp8_e4m3*>(out), N, K, gc);
+  return (int)cudaGetLastError();
+}
+
+// out[N, K] e4m3 = q - 8 from the int4-mma layout: the codes alone, in row-major order.
+int tm_w4_codes_e4m3(const void* qw, void* out, int N, int K, void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (N % 16 || K % 64) return -1;
+  const unsigned blocks = (unsigned)(((size_t)(N / 16) * (K / 64) * 32 + 255) / 256);
+  w4_dequant_kernel<__nv_fp8_e4m3, false, true><<<blocks, 256, 0, s>>>(
+      static_cast<const uint4*>(qw), nullptr, nullptr, static_cast<__nv_fp8_e4m3*>(out), N, K, 1);
   return (int)cudaGetLastError();
 }
 

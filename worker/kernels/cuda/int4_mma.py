@@ -111,6 +111,7 @@ SIGNATURES = {
     "tm_w4_gemv": [_P] * 6 + [_I] * 14 + [_P],
     "tm_w4_dequant": [_P] * 3 + [_I] * 4 + [_P],
     "tm_w4_dequant_e4m3": [_P] * 4 + [_I] * 3 + [_P],
+    "tm_w4_codes_e4m3": [_P] * 2 + [_I] * 2 + [_P],
 }
 
 
@@ -254,11 +255,25 @@ def dequantize_e4m3(
     return out, channel
 
 
-def _prefill_in_e4m3() -> bool:
-    """TOKENMILL_INT4_PREFILL=fp8, the switch the triton layout's prefill reads too."""
+def codes_e4m3(qweight: torch.Tensor) -> torch.Tensor:
+    """The [N, K] codes q - 8 in e4m3 (exact), row-major, in the scratch: the W4A8 prefill
+    GEMM's weight operand (`int4_gemm.w4a8_gemm`)."""
+    n, k = 16 * qweight.shape[0], 64 * qweight.shape[1]
+    out = _scratch(qweight.device, n, k, torch.float8_e4m3fn)
+    code = _library(qweight.device).tm_w4_codes_e4m3(
+        qweight.data_ptr(), out.data_ptr(), n, k,
+        torch.cuda.current_stream(qweight.device).cuda_stream,
+    )  # fmt: skip
+    _check(code, "int4-mma codes to e4m3")
+    return out
+
+
+def _prefill_mode() -> str:
+    """TOKENMILL_INT4_PREFILL (bf16, fp8 or w4a8), the switch the triton layout's prefill reads
+    too."""
     from worker.kernels.triton import int4_gemm
 
-    return int4_gemm.INT4_PREFILL == "fp8"
+    return int4_gemm.INT4_PREFILL
 
 
 def int4_mma_linear(
@@ -275,11 +290,17 @@ def int4_mma_linear(
         y = gemv(x2, qweight, scales, group_size)
         if bias is not None:
             y = y + bias
-    elif _prefill_in_e4m3():
+    elif _prefill_mode() == "fp8":
         from worker.kernels.triton.fp8_gemm import scaled_mm
 
         w8, channel = dequantize_e4m3(qweight, scales, group_size)
         y = scaled_mm(x2, w8, channel, bias)
+    elif _prefill_mode() == "w4a8":
+        from worker.kernels.triton.fp8_gemm import quantize_rows
+        from worker.kernels.triton.int4_gemm import w4a8_gemm
+
+        a, a_scale = quantize_rows(x2)
+        y = w4a8_gemm(a, a_scale, codes_e4m3(qweight), scales, group_size, bias, x.dtype)
     else:
         y = F.linear(x2, dequantize(qweight, scales, group_size, x.dtype), bias)
     return y.reshape(*lead, y.shape[-1])

@@ -424,12 +424,17 @@ def _stream_k_count(
 
 @triton.jit
 def _round_to_e4m3(v):
-    """v (|v| <= 448) rounded to the nearest e4m3 value, in fp32 arithmetic: the interpreter's
-    fp8 cast loses the carry when rounding up into the next binade (127.6 -> 64), so CPU runs
-    round by hand (3 mantissa bits; subnormal spacing 2^-9 below 2^-6)."""
+    """v (|v| <= 448) rounded to the nearest e4m3 value, ties to even as the GPU's cast and
+    torch's, in fp32 arithmetic: the interpreter's fp8 cast loses the carry when rounding up
+    into the next binade (127.6 -> 64), so CPU runs round by hand (3 mantissa bits; subnormal
+    spacing 2^-9 below 2^-6)."""
     a = tl.abs(v)
     step = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), -6.0) - 3.0)
-    r = tl.minimum(tl.floor(a / step + 0.5) * step, 448.0)
+    t = a / step
+    n = tl.floor(t + 0.5)
+    odd = n - 2.0 * tl.floor(n * 0.5) == 1.0
+    n = tl.where((n - t == 0.5) & odd, n - 1.0, n)
+    r = tl.minimum(n * step, 448.0)
     return tl.where(v < 0, -r, r)
 
 
@@ -874,8 +879,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 @kernel
 def _quantize_rows_kernel(
-    x, q, scales, K, stride_x, BK: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr
+    x,
+    q,
+    scales,
+    K,
+    stride_x,
+    BK: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    EXACT_E4M3: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    """One row of x rounded to e4m3 over its amax / FP8_MAX. EXACT_E4M3 (CPU): rounded in fp32
+    first, as the interpreter's own cast loses carries (`_round_to_e4m3`)."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BK)
@@ -887,8 +902,10 @@ def _quantize_rows_kernel(
     tl.store(scales + row, scale)
     for k0 in range(0, K, BK):
         xr = tl.load(x + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
-        qr = (xr.to(tl.float32) / scale).to(q.dtype.element_ty)
-        tl.store(q + row * K + k0 + cols, qr, mask=k0 + cols < K)
+        v = xr.to(tl.float32) / scale
+        if EXACT_E4M3:
+            v = _round_to_e4m3(v)
+        tl.store(q + row * K + k0 + cols, v.to(q.dtype.element_ty), mask=k0 + cols < K)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -899,14 +916,23 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.stride(1) != 1:
         x = x.contiguous()
     _quantize_rows_kernel[(m,)](
-        x, q, scales, k, x.stride(0), BK=min(4096, triton.next_power_of_2(k)), FP8_MAX=FP8_MAX
-    )
+        x, q, scales, k, x.stride(0), BK=min(4096, triton.next_power_of_2(k)), FP8_MAX=FP8_MAX,
+        EXACT_E4M3=not x.is_cuda,
+    )  # fmt: skip
     return q, scales
 
 
 @kernel
 def _silu_mul_quantize_rows_kernel(
-    y, q, scales, F, stride_y, BK: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr
+    y,
+    q,
+    scales,
+    F,
+    stride_y,
+    BK: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    EXACT_E4M3: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """quantize_rows(silu_mul(y)) for one row of a gate|up output y [., 2F]: the activation is
     rounded to y's dtype as `silu_mul` rounds it, so the codes and scale have the same bits, but
@@ -921,8 +947,10 @@ def _silu_mul_quantize_rows_kernel(
     scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, 1e-12)
     tl.store(scales + row, scale)
     for k0 in range(0, F, BK):
-        h = _silu_mul_cols(y, row, stride_y, F, k0 + cols)
-        tl.store(q + row * F + k0 + cols, (h / scale).to(q.dtype.element_ty), mask=k0 + cols < F)
+        v = _silu_mul_cols(y, row, stride_y, F, k0 + cols) / scale
+        if EXACT_E4M3:
+            v = _round_to_e4m3(v)
+        tl.store(q + row * F + k0 + cols, v.to(q.dtype.element_ty), mask=k0 + cols < F)
 
 
 @triton.jit
@@ -945,8 +973,9 @@ def silu_mul_quantize_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         y = y.contiguous()
     if m:
         _silu_mul_quantize_rows_kernel[(m,)](
-            y, q, scales, f, y.stride(0), BK=min(4096, triton.next_power_of_2(f)), FP8_MAX=FP8_MAX
-        )
+            y, q, scales, f, y.stride(0), BK=min(4096, triton.next_power_of_2(f)), FP8_MAX=FP8_MAX,
+            EXACT_E4M3=not y.is_cuda,
+        )  # fmt: skip
     return q, scales
 
 

@@ -43,12 +43,18 @@ from worker.kernels.triton.fp8_gemm import (
     _round_to_e4m3,
     _stream_k_count,
     _stream_k_workspace,
+    quantize_rows,
     scaled_mm,
     stream_k_programs,
 )
 
 INT4_GEMV_MAX_ROWS = int(os.environ.get("TOKENMILL_INT4_GEMV_MAX_ROWS", "64"))
-INT4_PREFILL = os.environ.get("TOKENMILL_INT4_PREFILL", "bf16")  # or "fp8": e4m3 + scaled_mm
+# How prefill rows multiply int4 weights (TOKENMILL_INT4_PREFILL): "bf16", dequantized into a
+# 16-bit scratch for cuBLAS; "fp8", into e4m3 over per-channel scales for scaled_mm (each weight
+# rounded to e4m3: +2.4% perplexity on SmolLM2); "w4a8", the codes exactly in e4m3 and
+# `w4a8_gemm` applying the group scales to its fp32 sums (symmetric weights; only the
+# activations are rounded, per token, as FP8's prefill rounds them).
+INT4_PREFILL = os.environ.get("TOKENMILL_INT4_PREFILL", "bf16")
 _E4M3_MAX = 448.0
 
 
@@ -653,12 +659,14 @@ def int4_gemv_silu_mul(
 def _int4_dequant_kernel(
     qw, scales, mins, w, channel_scale, N, K, G, stride_qn, stride_sn, stride_wn,
     BN: tl.constexpr, BJ: tl.constexpr, GP: tl.constexpr, GROUP: tl.constexpr,
-    HAS_MINS: tl.constexpr, OUT_FP8: tl.constexpr, EXACT_E4M3: tl.constexpr, PDL: tl.constexpr,
+    HAS_MINS: tl.constexpr, OUT_FP8: tl.constexpr, EXACT_E4M3: tl.constexpr,
+    CODES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """w [N, K] = the int4 weight dequantized (in fp32 as the reference: code times scale is
     exact, so fusing the min's add into an FMA rounds the same), rounded to w's dtype. OUT_FP8:
     divided by a per-channel scale (the largest magnitude the channel's groups can reach / 448,
-    written by the first K program) so it fits e4m3."""
+    written by the first K program) so it fits e4m3. CODES (symmetric): q - 8 alone, exact in
+    any of w's dtypes."""
     pid_n, pid_j = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
     rj = pid_j * BJ + tl.arange(0, BJ)
@@ -668,17 +676,21 @@ def _int4_dequant_kernel(
     b = tl.load(qw + rn[:, None].to(tl.int64) * stride_qn + rj[None, :], mask=mask, other=0)
     g = (2 * rj) // GROUP  # k = 2j and 2j + 1 share a group (even group sizes)
     s_off = rn[:, None].to(tl.int64) * stride_sn + g[None, :]
-    s = tl.load(scales + s_off, mask=mask, other=0.0).to(tl.float32)
     lo = (b & 0xF).to(tl.float32)
     hi = (b >> 4).to(tl.float32)
-    if HAS_MINS:
-        mn = tl.load(mins + s_off, mask=mask, other=0.0).to(tl.float32)
-        w_lo = lo * s + mn
-        w_hi = hi * s + mn
+    if CODES:
+        w_lo = lo - 8.0
+        w_hi = hi - 8.0
     else:
-        w_lo = (lo - 8.0) * s
-        w_hi = (hi - 8.0) * s
-    if OUT_FP8:
+        s = tl.load(scales + s_off, mask=mask, other=0.0).to(tl.float32)
+        if HAS_MINS:
+            mn = tl.load(mins + s_off, mask=mask, other=0.0).to(tl.float32)
+            w_lo = lo * s + mn
+            w_hi = hi * s + mn
+        else:
+            w_lo = (lo - 8.0) * s
+            w_hi = (hi - 8.0) * s
+    if OUT_FP8 and not CODES:
         rg = tl.arange(0, GP)
         g_off = rn[:, None].to(tl.int64) * stride_sn + rg[None, :]
         g_mask = n_ok[:, None] & (rg < G)[None, :]
@@ -729,9 +741,29 @@ def int4_dequantize(
         channel_scale if channel_scale is not None else scales,
         n, k, groups, qweight.stride(0), scales.stride(0), w.stride(0),
         BN=bn, BJ=bj, GP=triton.next_power_of_2(groups), GROUP=group_size,
-        HAS_MINS=mins is not None, OUT_FP8=fp8, EXACT_E4M3=not qweight.is_cuda, num_warps=4,
+        HAS_MINS=mins is not None, OUT_FP8=fp8, EXACT_E4M3=not qweight.is_cuda, CODES=False,
+        num_warps=4,
     )  # fmt: skip
     return w, channel_scale
+
+
+def int4_codes_e4m3(qweight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The codes q - 8 of a symmetric int4 weight [N, K / 2] as e4m3 [N, K] (exact), into `out`
+    when given (a scratch view): the W4A8 prefill GEMM's weight operand."""
+    n, half = qweight.shape
+    k = 2 * half
+    w = (
+        out
+        if out is not None
+        else torch.empty((n, k), dtype=torch.float8_e4m3fn, device=qweight.device)
+    )
+    bn, bj = 32, 128
+    _int4_dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(half, bj))](
+        qweight, qweight, qweight, w, qweight, n, k, 1, qweight.stride(0), 0, w.stride(0),
+        BN=bn, BJ=bj, GP=1, GROUP=k, HAS_MINS=False, OUT_FP8=True, EXACT_E4M3=False, CODES=True,
+        num_warps=4,
+    )  # fmt: skip
+    return w
 
 
 _scratch: dict[torch.device, torch.Tensor] = {}
@@ -757,8 +789,13 @@ def int4_dequant_linear(
     fp8: bool | None = None,
 ) -> torch.Tensor:
     """Prefill rows x [M, K]: the weight dequantized into the scratch, then cuBLAS in x's dtype,
-    or (fp8) e4m3 with per-channel scales and fp8_gemm's per-token scaled_mm."""
+    or (fp8) e4m3 with per-channel scales and fp8_gemm's per-token scaled_mm, or (INT4_PREFILL
+    "w4a8", symmetric weights) the codes and `w4a8_gemm`."""
     n, k = qweight.shape[0], 2 * qweight.shape[1]
+    if fp8 is None and INT4_PREFILL == "w4a8" and mins is None:
+        codes = int4_codes_e4m3(qweight, dequant_scratch(x.device, n, k, torch.float8_e4m3fn))
+        a, a_scale = quantize_rows(x)
+        return w4a8_gemm(a, a_scale, codes, scales, group_size, bias, x.dtype, mma_scales=False)
     fp8 = INT4_PREFILL == "fp8" if fp8 is None else fp8
     if fp8 and x.is_cuda:
         w8 = dequant_scratch(x.device, n, k, torch.float8_e4m3fn)
@@ -815,3 +852,130 @@ def int4_linear_silu_mul(
         return silu_mul(int4_linear(x, qweight, scales, mins, group_size, bias))
     out = int4_gemv_silu_mul(rows, qweight, scales, mins, group_size, bias)
     return out.view(*x.shape[:-1], two_f // 2)
+
+
+# ---------------------------------------------------------------- W4A8 prefill
+
+
+@dataclass(frozen=True)
+class W4A8Tiling:
+    """Tiles of `w4a8_gemm`: BM rows x BN channels per program, BK of K per step (a divisor of
+    the group size, so each step's partial sum takes one group scale), GROUP_M row tiles
+    walked together (L2 reuse of the weight tiles)."""
+
+    bm: int = 128
+    bn: int = 128
+    bk: int = 128
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 4
+
+
+# Before a measurement on the GPU: the shape Triton's Hopper FP8 GEMMs commonly take.
+W4A8_TILING = W4A8Tiling()
+
+
+@kernel
+def _w4a8_gemm_kernel(
+    a,
+    a_scale,
+    w,
+    w_scale,
+    bias,
+    out,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_wn,
+    stride_om,
+    s_tile,
+    s_group,
+    s_row,
+    GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    FP8_DOT: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    """out [M, N] = (a * a_scale) @ (w * s).T: a [M, K] e4m3 rounded per row (a_scale [M]), w
+    [N, K] e4m3 holding int4 codes exactly, s the group scales, scale (n, g) at w_scale +
+    (n // 16) s_tile + g s_group + (n % 16) s_row (the int4-mma layout's [N / 16, G, 16], or a
+    plain [N, G]). Each BK step's fp32 partial sum takes its group's scale: no weight rounding."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_here = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows_here
+    pid_n = (pid % per_group) // rows_here
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    m_ok = rm < M
+    n_ok = rn < N
+    a_rows = a + rm.to(tl.int64)[:, None] * stride_am
+    w_cols = w + rn.to(tl.int64)[None, :] * stride_wn
+    s_cols = w_scale + (rn // 16).to(tl.int64) * s_tile + (rn % 16) * s_row
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ab = tl.load(a_rows + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
+        wb = tl.load(w_cols + (k0 + rk)[:, None], mask=n_ok[None, :], other=0.0)
+        if FP8_DOT:
+            part = tl.dot(ab, wb)
+        else:
+            part = tl.dot(ab.to(DOT), wb.to(DOT))
+        s = tl.load(s_cols + (k0 // GROUP) * s_group, mask=n_ok, other=0.0).to(tl.float32)
+        acc += part * s[None, :]
+    acc *= tl.load(a_scale + rm, mask=m_ok, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    o = out + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(o, acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def w4a8_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    mma_scales: bool = True,
+    tiling: W4A8Tiling | None = None,
+) -> torch.Tensor:
+    """a [M, K] e4m3 with row scales a_scale [M, 1] (`quantize_rows`) times int4 codes [N, K]
+    held in e4m3 with group scales (`mma_scales`: the int4-mma layout's [N / 16, G, 16], else
+    [N, G]) -> [M, N] in out_dtype."""
+    m, k = a.shape
+    n = codes.shape[0]
+    t = tiling or W4A8_TILING
+    bk = min(t.bk, group_size)
+    if group_size % bk or k % bk:
+        raise ValueError(f"w4a8_gemm needs K ({k}) and the group ({group_size}) in steps of {bk}")
+    if mma_scales:
+        groups = scales.shape[1]
+        s_tile, s_group, s_row = scales.stride(0), scales.stride(1), scales.stride(2)
+    else:
+        groups = scales.shape[1]
+        s_tile, s_group, s_row = 16 * scales.stride(0), scales.stride(1), scales.stride(0)
+    if groups * group_size < k:
+        raise ValueError(f"{groups} groups of {group_size} do not cover K = {k}")
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, t.bm) * triton.cdiv(n, t.bn),)
+    on_gpu = a.is_cuda
+    _w4a8_gemm_kernel[grid](
+        a, a_scale, codes, scales, bias if bias is not None else out, out,
+        m, n, k, a.stride(0), codes.stride(0), out.stride(0), s_tile, s_group, s_row,
+        GROUP=group_size, HAS_BIAS=bias is not None, BM=t.bm, BN=t.bn, BK=bk,
+        GROUP_M=t.group_m, FP8_DOT=on_gpu, DOT=dot_dtype(a.device),
+        **({"num_warps": t.num_warps, "num_stages": t.num_stages} if on_gpu else {}),
+    )  # fmt: skip
+    return out
