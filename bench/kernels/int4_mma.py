@@ -201,6 +201,74 @@ W4A8_CANDIDATES = [
 ]
 
 
+# 17-64-row W4A8 tilings (`int4_gemm.w4a8_wide`) timed beside the default for each shape.
+W4A8_WIDE_CANDIDATES = [
+    i4.W4A8WideTiling(64, 128, 1),
+    i4.W4A8WideTiling(64, 128, 2),
+    i4.W4A8WideTiling(128, 128, 1, 8),
+    i4.W4A8WideTiling(32, 128, 2),
+    i4.W4A8WideTiling(64, 256, 1, 4, 3),
+]
+
+
+def w4a8_wide_section() -> dict[str, Any]:
+    """Per shape and M = 16, 32, 64: today's triton int4 GEMV (the path at max_num_seqs > 8),
+    `w4a8_wide` at its default and candidate tilings, and FP8 `fp8_linear` (with the tuning
+    file's 17-64-row tilings) on a weight of the same shape; CUDA-graph replays over weight
+    copies larger than L2, each candidate's relative error against the exact product kept."""
+    result: dict[str, Any] = {}
+    for name, n, k in SHAPES:
+        result[name] = _w4a8_wide_shape(n, k)
+        torch.cuda.empty_cache()
+    return result
+
+
+def _w4a8_wide_shape(n: int, k: int) -> dict[str, Any]:
+    from worker.kernels.triton.fp8_gemm import fp8_linear
+    from worker.models.fp8 import quantize_weight
+
+    copies = max(2, L2_SET_BYTES // int4_bytes(64, n, k))
+    qs = [torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda") for _ in range(copies)]  # fmt: skip
+    ss = [(torch.rand(n, k // GROUP, device="cuda") * 0.004 + 0.001).half() for _ in range(copies)]  # fmt: skip
+    w8, w8s = quantize_weight(torch.randn(n, k, device="cuda") * 0.02)
+    fp8_copies = max(2, L2_SET_BYTES // (n * k))
+    w8c = [w8.clone() for _ in range(fp8_copies)]
+
+    def int4(i: int, x: torch.Tensor) -> Any:
+        return i4.int4_gemv(x, qs[i], ss[i], None, GROUP)
+
+    def fp8(i: int, x: torch.Tensor) -> Any:
+        return fp8_linear(x, w8c[i], w8s)
+
+    def w4a8(i: int, x: torch.Tensor, t: Any) -> Any:
+        return i4.w4a8_wide(x, qs[i], ss[i], GROUP, None, t)
+
+    rows: dict[str, Any] = {}
+    for m in (16, 32, 64):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        exact = x.float() @ reference.int4_dequantize(qs[0], ss[0], None, GROUP).T
+        row: dict[str, Any] = {
+            "triton_int4_us": 1e6 * graph_time(_with_x(int4, x), copies),
+            "fp8_us": 1e6 * graph_time(_with_x(fp8, x), fp8_copies),
+            "w4a8": {},
+        }
+        for t in [None, *W4A8_WIDE_CANDIDATES]:
+            label = str(t or i4.default_wide_tiling(n, k))
+            try:
+                got = w4a8(0, x, t)
+                us = 1e6 * graph_time(_with_x(w4a8, x, t), copies)
+                row["w4a8"][label] = {"us": us, "rel_err": rel_err(got, exact)}
+            except Exception as exc:  # a tiling that does not fit is recorded, not fatal
+                row["w4a8"][label] = {"error": err(exc)}
+        rows[str(m)] = row
+    return rows
+
+
+def _with_x(fn: Any, x: torch.Tensor, *rest: Any) -> Any:
+    """graph_time's fn(i) for fn(i, x, *rest): bound here, not in a loop's lambda."""
+    return lambda i: fn(i, x, *rest)
+
+
 def prefill_section() -> dict[str, Any]:
     result: dict[str, Any] = {}
     for name, n, k in SHAPES[:2]:
@@ -279,6 +347,19 @@ def print_table(report: dict[str, Any]) -> None:
             print(f"probe {name:<22} {probe}: {p.get('us', float('nan')):.2f} us "
                   f"({100 * p.get('of_copy', float('nan')):.1f}% of copy; with the math "
                   f"{p['math_us']:.2f} us) of {p['of']}")  # fmt: skip
+    wide = report.get("w4a8_wide", {})
+    if "error" in wide:
+        print(f"w4a8_wide: {wide['error']}")
+        wide = {}
+    if wide:
+        print(f"\n{'17-64 rows':<28} {'M':>3} {'int4 us':>8} {'w4a8 us':>8} {'err':>6} {'fp8 us':>7}  w4a8 tiling")  # fmt: skip
+    for name, rows in wide.items():
+        for m, r in rows.items():
+            timed = {t: v for t, v in r["w4a8"].items() if "us" in v}
+            best = min(timed, key=lambda t: timed[t]["us"], default=None)
+            w = timed.get(best, {}) if best else {}
+            print(f"{name:<28} {m:>3} {r['triton_int4_us']:>8.1f} {w.get('us', float('nan')):>8.1f} "
+                  f"{w.get('rel_err', float('nan')):>6.3f} {r['fp8_us']:>7.1f}  {best}")  # fmt: skip
     prefill = report.get("prefill", {})
     if "error" in prefill:
         print(f"prefill: {prefill['error']}")
@@ -316,6 +397,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="only these kernel modes, timed in this order, e.g. 4,5,2 (default: all)",
     )
     parser.add_argument("--prefill-only", action="store_true", help="the prefill section alone")
+    parser.add_argument(
+        "--w4a8-wide",
+        action="store_true",
+        help="only the 17-64-row W4A8 section (and the prefill one unless --no-prefill)",
+    )
+    parser.add_argument("--no-prefill", action="store_true")
     args = parser.parse_args(argv)
     modes = [int(m) for m in args.modes.split(",")] if args.modes else None
     # --out: a JSON file, or a folder for the dated name
@@ -335,7 +422,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bandwidth = report["copy_gb_s"] * 1e9
     report["decode"] = {}
     report["paste"] = []
-    for index, (name, n, k) in enumerate([] if args.prefill_only else SHAPES):
+    for index, (name, n, k) in enumerate([] if args.prefill_only or args.w4a8_wide else SHAPES):
         left = args.budget_s - 40 - (time.perf_counter() - start)
         deadline = time.perf_counter() + left / (len(SHAPES) - index)
         try:
@@ -358,10 +445,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         data["int4_mma_decode_tilings"] = winners
         tuning.write(path, data)
         report["tuning_file"] = str(path)
-    try:
-        report["prefill"] = prefill_section()
-    except Exception as exc:
-        report["prefill"] = {"error": err(exc)}
+    if args.w4a8_wide:
+        try:
+            report["w4a8_wide"] = w4a8_wide_section()
+        except Exception as exc:
+            report["w4a8_wide"] = {"error": err(exc)}
+        write_result(out, report)
+    if not args.no_prefill:
+        try:
+            report["prefill"] = prefill_section()
+        except Exception as exc:
+            report["prefill"] = {"error": err(exc)}
     write_result(out, report)
     print_table(report)
     return report

@@ -237,18 +237,25 @@ print("ok")
 """
 
 
-def test_silu_mul_quantize_rows_compiles_for_hopper(tmp_path: Path) -> None:
+def compile_in_a_fresh_interpreter(script: str, tmp_path: Path) -> str:
+    """Run `script` (it compiles for sm_90 and prints) where triton is not in interpreter mode;
+    its stdout."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     done = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SILU_QUANT_FOR_HOPPER],
+        [sys.executable, "-c", script],
         capture_output=True,
         text=True,
         env=env,
         cwd=ROOT,
         timeout=300,
     )
-    assert done.returncode == 0 and done.stdout == "ok\n", done.stderr[-4000:]
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
+def test_silu_mul_quantize_rows_compiles_for_hopper(tmp_path: Path) -> None:
+    assert compile_in_a_fresh_interpreter(_COMPILE_SILU_QUANT_FOR_HOPPER, tmp_path) == "ok\n"
 
 
 # The W4A8 prefill GEMM at its default tiling: e4m3 operands on Hopper's FP8 tensor cores.
@@ -286,17 +293,43 @@ print(compiled.metadata.shared)
 
 
 def test_w4a8_gemm_compiles_to_fp8_wgmma_for_hopper(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE_W4A8_FOR_HOPPER],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    lines = done.stdout.splitlines()
-    assert lines[0] == "wgmma e4m3", done.stdout
+    lines = compile_in_a_fresh_interpreter(_COMPILE_W4A8_FOR_HOPPER, tmp_path).splitlines()
+    assert lines[0] == "wgmma e4m3", lines
     assert int(lines[1]) <= 227 * 1024, f"{lines[1]} bytes of shared memory: past an SM's"
+
+
+# The 17-64-row W4A8 GEMV: codes to e4m3 in registers, channels on wgmma's M side, x's rows on N.
+_COMPILE_W4A8_WIDE_FOR_HOPPER = """
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from worker.kernels.triton.int4_gemm import _w4a8_wide_kernel
+
+signature = {"a": "*fp8e4nv", "a_scale": "*fp32", "qw": "*u8", "scales": "*fp16",
+             "bias": "*bf16", "out": "*bf16", "partial": "*fp32", "arrivals": "*i32",
+             "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "stride_am": "i32",
+             "stride_qn": "i32", "stride_sn": "i32", "stride_om": "i32", "GROUP": "constexpr",
+             "HAS_BIAS": "constexpr", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr",
+             "SPLIT": "constexpr", "FP8_DOT": "constexpr", "DOT": "constexpr",
+             "FAST": "constexpr", "PDL": "constexpr"}
+names = list(signature)
+divisible = ("a", "a_scale", "qw", "scales", "out", "partial", "arrivals", "N", "K",
+             "k_per_split", "stride_am", "stride_qn", "stride_sn", "stride_om")
+for bm, split, bn in ((32, False, 64), (64, True, 64), (64, False, 128)):
+    constexprs = {"GROUP": 128, "HAS_BIAS": split, "BM": bm, "BN": bn, "BK": 128,
+                  "SPLIT": split, "FP8_DOT": True, "DOT": tl.bfloat16, "FAST": 2, "PDL": True}
+    source = ASTSource(
+        fn=_w4a8_wide_kernel.compiled,
+        signature=signature,
+        constexprs={(names.index(k),): c for k, c in constexprs.items()},
+        attrs={(names.index(k),): [["tt.divisibility", 16]] for k in divisible},
+    )
+    ptx = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}
+    ).asm["ptx"]
+    print(f"m64n{bm}k32.f32.e4m3" in ptx and ".local" not in ptx)
+"""
+
+
+def test_w4a8_wide_compiles_to_fp8_wgmma_for_hopper(tmp_path: Path) -> None:
+    assert compile_in_a_fresh_interpreter(_COMPILE_W4A8_WIDE_FOR_HOPPER, tmp_path) == "True\n" * 3

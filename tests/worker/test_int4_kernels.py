@@ -299,3 +299,53 @@ def test_w4a8_prefill_rounds_only_the_activations(monkeypatch: pytest.MonkeyPatc
     affine = int4_weight(64, 256, 128, False, "cpu")
     got = int4_linear(x, affine.qweight, affine.scales, affine.mins, 128)
     assert calls == [1] and rel_err(got.float(), exact_linear(x, affine, None)) < 1e-2
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "tiling"),
+    [
+        (40, 96, 512, int4_gemm.W4A8WideTiling(32, 128, 1)),
+        (17, 64, 768, int4_gemm.W4A8WideTiling(32, 128, 3)),  # split K, ragged rows
+        (64, 80, 256, int4_gemm.W4A8WideTiling(16, 128, 2)),
+        (33, 48, 384, None),  # the default tiling
+    ],
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_w4a8_wide_matches_its_reference(m, n, k, tiling, with_bias) -> None:
+    """17-64 decode rows on the nibble layout: codes turned to e4m3 in the kernel, each BK
+    block's even k against the low nibbles and odd k against the high ones."""
+    torch.manual_seed(m + k)
+    q = int4_weight(n, k, 128, True, "cpu")
+    x = torch.randn(m, k).bfloat16()
+    bias = torch.randn(n).bfloat16() if with_bias else None
+    got = int4_gemm.w4a8_wide(x, q.qweight, q.scales, 128, bias, tiling)
+    a, a_scale = e4m3_rows(x)  # per element, so the kernel's reordered codes are these
+    codes = torch.stack((q.qweight & 0xF, q.qweight >> 4), dim=-1).reshape(n, k).float() - 8
+    want = reference.w4a8_gemm(a, a_scale, codes, q.scales, 128, bias)
+    assert got.shape == (m, n) and rel_err(got.float(), want.float()) < 1e-2
+    assert rel_err(got.float(), exact_linear(x, q, bias)) < 4e-2  # x's e4m3 rounding
+    assert_rearmed(torch.device("cpu"))
+    assert torch.equal(int4_gemm.w4a8_wide(x, q.qweight, q.scales, 128, bias, tiling), got)
+
+
+def test_int4_linear_takes_w4a8_from_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TOKENMILL_INT4_W4A8_ROWS: symmetric weights in groups of 128 take w4a8_wide from that
+    many decode rows to 64; fewer rows, affine weights and prefill keep their paths."""
+    monkeypatch.setattr(int4_gemm, "INT4_W4A8_ROWS", 17)
+    calls: list[int] = []
+    real = int4_gemm.w4a8_wide
+    monkeypatch.setattr(
+        int4_gemm, "w4a8_wide", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw)
+    )
+    sym = int4_weight(64, 256, 128, True, "cpu")
+    affine = int4_weight(64, 256, 128, False, "cpu")
+    for m in (16, 17, 64, 65):
+        x = torch.randn(m, 256).bfloat16()
+        int4_linear(x, sym.qweight, sym.scales, None, 128)
+        int4_linear(x, affine.qweight, affine.scales, affine.mins, 128)
+    assert calls == [17, 64]
+    x = torch.randn(32, 256).bfloat16()
+    got = int4_linear_silu_mul(x, sym.qweight, sym.scales, None, 128)
+    assert calls == [17, 64, 32]
+    want = reference.silu_mul(exact_linear(x, sym, None))
+    assert rel_err(got.float(), want) < 5e-2

@@ -823,7 +823,9 @@ def int4_linear(
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     n = qweight.shape[0]
-    if rows.shape[0] <= min(INT4_GEMV_MAX_ROWS, 64) and _gemv_supports(k, group_size):
+    if _takes_w4a8_wide(rows.shape[0], k, group_size, mins):
+        out = w4a8_wide(rows, qweight, scales, group_size, bias)
+    elif rows.shape[0] <= min(INT4_GEMV_MAX_ROWS, 64) and _gemv_supports(k, group_size):
         out = int4_gemv(rows, qweight, scales, mins, group_size, bias)
     else:
         out = int4_dequant_linear(rows, qweight, scales, mins, group_size, bias)
@@ -847,6 +849,7 @@ def int4_linear_silu_mul(
     rows = x.reshape(-1, k)
     two_f = qweight.shape[0]
     gemv = rows.shape[0] <= min(INT4_GEMV_MAX_ROWS, 64) and _gemv_supports(k, group_size)
+    gemv = gemv and not _takes_w4a8_wide(rows.shape[0], k, group_size, mins)
     measured_unfused = INT4_SILU_MUL_TILINGS.get((two_f, k), ()) is None
     if not gemv or two_f % 2 or measured_unfused:
         return silu_mul(int4_linear(x, qweight, scales, mins, group_size, bias))
@@ -979,3 +982,149 @@ def w4a8_gemm(
         **({"num_warps": t.num_warps, "num_stages": t.num_stages} if on_gpu else {}),
     )  # fmt: skip
     return out
+
+
+# ---------------------------------------------------------------- W4A8 decode, 17-64 rows
+
+
+@dataclass(frozen=True)
+class W4A8WideTiling:
+    """Tiles of `w4a8_wide`: BN channels per program (the tensor-core M side), all rows of x
+    as the N side, BK of K per step (within one group), K cut into `splits` ranges."""
+
+    bn: int = 64
+    bk: int = 128
+    splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Before a measurement on the GPU: channels per program and splits so a 27B shape fills the
+# 132 SMs at least once (the small ones split K).
+def default_wide_tiling(n: int, k: int) -> W4A8WideTiling:
+    tiles = triton.cdiv(n, 64)
+    splits = max(1, min(8, 264 // tiles, k // 1024))
+    return W4A8WideTiling(64, 128, splits)
+
+
+@kernel
+def _w4a8_wide_kernel(
+    a, a_scale, qw, scales, bias, out, partial, arrivals,
+    M, N, K, k_per_split, stride_am, stride_qn, stride_sn, stride_om,
+    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, SPLIT: tl.constexpr, FP8_DOT: tl.constexpr, DOT: tl.constexpr,
+    FAST: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """out [M, N] = (a * a_scale) @ (q - 8) s^T for a nibble-layout symmetric int4 weight qw
+    [N, K / 2] and x rounded per token to e4m3 with each BK block's even k first, then its odd
+    k (`w4a8_wide`): the low nibbles dot the even half, the high ones the odd half, as e4m3
+    codes on FP8 tensor cores (out^T = W x^T: channels on the M side), each step's fp32 sum
+    times its group's scale. Split K: each split's partial to `partial`, the last to arrive at
+    a column tile sums them in order (the same bits every run) and writes the tile."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    splits = tl.num_programs(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    rj = tl.arange(0, BK // 2)
+    n_ok = rn < N
+    m_ok = rm < M
+    w_rows = qw + rn.to(tl.int64)[:, None] * stride_qn
+    a_rows = a + rm.to(tl.int64)[:, None] * stride_am
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    k_start = split * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    pdl_wait(PDL)
+    for k0 in range(k_start, k_end, BK):
+        b = tl.load(w_rows + (k0 // 2 + rj)[None, :], mask=n_ok[:, None], other=0)
+        a_lo = tl.load(a_rows + (k0 + rj)[None, :], mask=m_ok[:, None], other=0.0)
+        a_hi = tl.load(a_rows + (k0 + BK // 2 + rj)[None, :], mask=m_ok[:, None], other=0.0)
+        if FP8_DOT:
+            lo, hi = _codes(b, tl.float16, 8.0, FAST, 0x6400, 1024.0)
+            part = tl.dot(lo.to(tl.float8e4nv), tl.trans(a_lo))
+            part = tl.dot(hi.to(tl.float8e4nv), tl.trans(a_hi), part)
+        else:
+            lo, hi = _codes(b, DOT, 8.0, False, 0, 0.0)
+            part = tl.dot(lo, tl.trans(a_lo.to(DOT)))
+            part = tl.dot(hi, tl.trans(a_hi.to(DOT)), part)
+        s = tl.load(scales + rn.to(tl.int64) * stride_sn + k0 // GROUP, mask=n_ok, other=0.0)
+        acc += part * s.to(tl.float32)[:, None]
+    acc *= tl.load(a_scale + rm, mask=m_ok, other=0.0)[None, :]
+    mask = n_ok[:, None] & m_ok[None, :]
+    o = out + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
+    if not SPLIT:
+        if HAS_BIAS:
+            acc += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(o, acc.to(out.dtype.element_ty), mask=mask)
+    else:
+        slab = (rm[None, :] * N + rn[:, None]).to(tl.int64)
+        tl.store(partial + split * M * N + slab, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+        arrived = tl.atomic_add(arrivals + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            total = tl.zeros((BN, BM), dtype=tl.float32)
+            for s in range(0, splits):  # .cg: the other SMs' partials, from L2
+                total += tl.load(
+                    partial + s * M * N + slab, mask=mask, other=0.0, cache_modifier=".cg"
+                )
+            tl.atomic_xchg(arrivals + pid_n, 0)
+            if HAS_BIAS:
+                total += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(o, total.to(out.dtype.element_ty), mask=mask)
+
+
+def wide_x_e4m3(x: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] rounded to e4m3 per row, each BK block reordered to its even k then its odd k
+    (the order `_w4a8_wide_kernel` dots the low and high nibbles in); the row scales [M, 1]."""
+    m, k = x.shape
+    split = x.reshape(m, k // bk, bk // 2, 2).transpose(2, 3).reshape(m, k)
+    return quantize_rows(split)
+
+
+def w4a8_wide(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    tiling: W4A8WideTiling | None = None,
+) -> torch.Tensor:
+    """x [17-64 rows, K] (16-bit) times a symmetric nibble-layout int4 weight [N, K / 2] with
+    scales [N, G]: x rounded per token to e4m3, the codes to e4m3 in the kernel, FP8 tensor
+    cores, the group scales on the fp32 sums (`TOKENMILL_INT4_W4A8_ROWS`)."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    t = tiling or INT4_W4A8_WIDE_TILINGS.get((n, k)) or default_wide_tiling(n, k)
+    if m > 64 or k % t.bk or group_size % t.bk:
+        raise ValueError(f"w4a8_wide takes <= 64 rows and K, group in steps of {t.bk}")
+    a, a_scale = wide_x_e4m3(x, t.bk)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, t.splits), t.bk) * t.bk
+    splits = triton.cdiv(k, k_per_split)
+    tiles = triton.cdiv(n, t.bn)
+    partial = (
+        torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+    )
+    arrivals = _arrival_counters(x.device, tiles) if splits > 1 else out
+    on_gpu = x.is_cuda
+    _w4a8_wide_kernel[(tiles, splits)](
+        a, a_scale, qweight, scales, bias if bias is not None else out, out, partial, arrivals,
+        m, n, k, k_per_split, a.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+        GROUP=group_size, HAS_BIAS=bias is not None, BM=max(16, triton.next_power_of_2(m)),
+        BN=t.bn, BK=t.bk, SPLIT=splits > 1, FP8_DOT=on_gpu, DOT=dot_dtype(x.device),
+        FAST=2 if on_gpu else 0,
+        **({"num_warps": t.num_warps, "num_stages": t.num_stages} if on_gpu else {}),
+    )  # fmt: skip
+    return out
+
+
+# Decode rows from which `int4_linear` takes `w4a8_wide` (TOKENMILL_INT4_W4A8_ROWS; 0, the
+# default until it is measured on the GPU: never): up to 64, symmetric weights, groups of a
+# multiple of 128.
+INT4_W4A8_ROWS = int(os.environ.get("TOKENMILL_INT4_W4A8_ROWS", "0"))
+# Measured tilings per (N, K) (none yet: `default_wide_tiling`).
+INT4_W4A8_WIDE_TILINGS: dict[tuple[int, int], W4A8WideTiling] = {}
+
+
+def _takes_w4a8_wide(m: int, k: int, group_size: int, mins: torch.Tensor | None) -> bool:
+    return 0 < INT4_W4A8_ROWS <= m <= 64 and mins is None and group_size % 128 == 0 and k % 128 == 0
