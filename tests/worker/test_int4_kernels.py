@@ -349,3 +349,13 @@ def test_int4_linear_takes_w4a8_from_its_rows(monkeypatch: pytest.MonkeyPatch) -
     assert calls == [17, 64, 32]
     want = reference.silu_mul(exact_linear(x, sym, None))
     assert rel_err(got.float(), want) < 5e-2
+
+
+def test_the_w4a8_switches_are_checked() -> None:
+    assert int4_gemm.prefill_path("W4A8") == "w4a8" and int4_gemm.prefill_path("") == "bf16"
+    with pytest.raises(ValueError, match="TOKENMILL_INT4_PREFILL='fp4'"):
+        int4_gemm.prefill_path("fp4")
+    assert int4_gemm.w4a8_rows("17") == 17 and int4_gemm.w4a8_rows("0") == 0
+    for bad in ("65", "-1", "many"):
+        with pytest.raises(ValueError, match="0 \\(off\\) or 1-64"):
+            int4_gemm.w4a8_rows(bad)

@@ -54,7 +54,18 @@ INT4_GEMV_MAX_ROWS = int(os.environ.get("TOKENMILL_INT4_GEMV_MAX_ROWS", "64"))
 # rounded to e4m3: +2.4% perplexity on SmolLM2); "w4a8", the codes exactly in e4m3 and
 # `w4a8_gemm` applying the group scales to its fp32 sums (symmetric weights; only the
 # activations are rounded, per token, as FP8's prefill rounds them).
-INT4_PREFILL = os.environ.get("TOKENMILL_INT4_PREFILL", "bf16")
+PREFILL_PATHS = ("bf16", "fp8", "w4a8")
+
+
+def prefill_path(value: str) -> str:
+    """A TOKENMILL_INT4_PREFILL value, checked: a typo would otherwise run bf16 silently."""
+    path = value.strip().lower() or "bf16"
+    if path not in PREFILL_PATHS:
+        raise ValueError(f"TOKENMILL_INT4_PREFILL={value!r}: expected one of {PREFILL_PATHS}")
+    return path
+
+
+INT4_PREFILL = prefill_path(os.environ.get("TOKENMILL_INT4_PREFILL", "bf16"))
 _E4M3_MAX = 448.0
 
 
@@ -1121,7 +1132,15 @@ def w4a8_wide(
 # Decode rows from which `int4_linear` takes `w4a8_wide` (TOKENMILL_INT4_W4A8_ROWS; 0, the
 # default until it is measured on the GPU: never): up to 64, symmetric weights, groups of a
 # multiple of 128.
-INT4_W4A8_ROWS = int(os.environ.get("TOKENMILL_INT4_W4A8_ROWS", "0"))
+def w4a8_rows(value: str) -> int:
+    """A TOKENMILL_INT4_W4A8_ROWS value, checked: 0 (off) or 1-64."""
+    rows = int(value) if value.strip().lstrip("-").isdigit() else -1
+    if not 0 <= rows <= 64:
+        raise ValueError(f"TOKENMILL_INT4_W4A8_ROWS={value!r}: expected 0 (off) or 1-64 rows")
+    return rows
+
+
+INT4_W4A8_ROWS = w4a8_rows(os.environ.get("TOKENMILL_INT4_W4A8_ROWS", "0"))
 # Measured tilings per (N, K) (none yet: `default_wide_tiling`).
 INT4_W4A8_WIDE_TILINGS: dict[tuple[int, int], W4A8WideTiling] = {}
 
