@@ -312,3 +312,68 @@ def test_mma_layout_pairs_gate_up_tiles_with_the_same_logits(
     others = [m for m in model.modules() if isinstance(m, Int4Linear) and m not in gate_ups]
     assert others and not any(m.gate_up_paired for m in others)
     assert torch.equal(prefill_logits(model), want)
+
+
+def batch_logits(model: CausalLM, prompts: list[list[int]]) -> torch.Tensor:
+    """Every prompt's last logits after one prefill step of all of them, then the logits of
+    one decode step of all of them (a row each)."""
+    driver = ModelDriver(model, num_blocks=64, block_size=4, num_slots=len(prompts))
+    for i, p in enumerate(prompts):
+        driver.add(i, p)
+    driver.step({i: len(p) for i, p in enumerate(prompts)})
+    last = [driver.seqs[i].logits[len(p) - 1] for i, p in enumerate(prompts)]
+    for i in range(len(prompts)):
+        driver.seqs[i].tokens.append(int(last[i].argmax()))
+    driver.step({i: 1 for i in range(len(prompts))})
+    decoded = [driver.seqs[i].logits[len(p)] for i, p in enumerate(prompts)]
+    return torch.stack(last + decoded)
+
+
+def test_w4a8_paths_in_the_model_round_only_x(monkeypatch) -> None:
+    """Tiny Qwen3.5 at g128: a 100-row prefill through the W4A8 GEMM and a 20-row decode step
+    through the W4A8 GEMV give the logits of the exact int4 model with each int4 layer's input
+    rounded to e4m3 per token, and nothing else (random tiny layers amplify that rounding to
+    ~0.4 of the logits, so it is emulated, not bounded)."""
+    from worker.kernels import ops
+    from worker.kernels.triton import int4_gemm
+
+    model = build_random(TINY_QWEN3_5, "cpu", torch.float32, seed=7)
+    q = quantize_int4(model, group_size=128, symmetric=True)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 512, (5,), generator=gen).tolist() for _ in range(20)]
+    exact = batch_logits(q, prompts)
+
+    def e4m3_rows(_: Any, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        x = args[0]
+        scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 448.0
+        return ((x / scale).to(torch.float8_e4m3fn).to(x.dtype) * scale,)
+
+    int4 = [m for m in q.modules() if isinstance(m, Int4Linear)]
+    hooks = [m.register_forward_pre_hook(e4m3_rows) for m in int4]
+    emulated = batch_logits(q, prompts)
+    for h in hooks:
+        h.remove()
+    select = ops.select
+    kernels = {"int4_linear": "int4_linear", "int4_linear_silu_mul": "int4_linear_silu_mul"}
+
+    def triton_int4(
+        op: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+    ) -> ops.Implementation:  # the triton kernels under the interpreter, as on a GPU
+        impl = select(op, device, dtype, kv_dtype)
+        return replace(impl, fn=getattr(int4_gemm, kernels[op])) if op in kernels else impl
+
+    monkeypatch.setattr(ops, "select", triton_int4)
+    assert rel_err(batch_logits(q, prompts), exact) < 1e-5  # the default paths: no rounding
+    monkeypatch.setattr(int4_gemm, "INT4_PREFILL", "w4a8")
+    monkeypatch.setattr(int4_gemm, "INT4_W4A8_ROWS", 17)
+    calls: list[str] = []
+    for name in ("w4a8_gemm", "w4a8_wide"):
+        real = getattr(int4_gemm, name)
+        monkeypatch.setattr(
+            int4_gemm,
+            name,
+            lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw),
+        )
+    w4a8 = batch_logits(q, prompts)
+    assert {"w4a8_gemm", "w4a8_wide"} <= set(calls)
+    assert rel_err(w4a8, emulated) < 1e-2 < rel_err(w4a8, exact)
