@@ -14,7 +14,10 @@ Two paths, picked by the number of rows (tokens) of x:
 - prefill (more rows): `int4_dequantize` writes the 16-bit weight (or e4m3 with per-channel scales,
   `TOKENMILL_INT4_PREFILL=fp8`) into one reusable scratch per device, then cuBLAS (`F.linear`) or
   fp8_gemm's `scaled_mm` runs on it: the dequant costs one weight write + read, small next to the
-  GEMM's time at prefill sizes.
+  GEMM's time at prefill sizes. `=w4a8` writes the codes alone (exact in e4m3) and `w4a8_gemm`
+  applies the group scales to FP8 tensor-core sums, so only x is rounded.
+- decode at 17-64 rows, opt-in (`TOKENMILL_INT4_W4A8_ROWS`): `w4a8_wide`, the codes turned to
+  e4m3 in registers and dotted with x rounded per token on FP8 tensor cores.
 
 Codes become 16-bit floats exactly (0..15, minus 8 when symmetric) with the exponent trick: the
 code OR'ed into the mantissa of 1024 (fp16) or 128 (bf16) is 1024 + q (128 + q) exactly, so one
