@@ -86,14 +86,37 @@ SECTIONS: dict[str, Section] = {
         0.5,
     ),
     "w4": (lambda args, config, budget: engine_config(args, config, "w4", budget), 0.5),
+    # the w4 section with both W4A8 paths on (prefill `TOKENMILL_INT4_PREFILL=w4a8`, 17-64 decode
+    # rows `TOKENMILL_INT4_W4A8_ROWS=17`): `--sections fp8,w4,w4a8` measures all three at once
+    "w4a8": (
+        lambda args, config, budget: with_w4a8(engine_config, args, config, "w4", budget),
+        0.5,
+    ),
     "bf16": (lambda args, config, budget: engine_config(args, config, "bf16", budget), 0.9),
     "sweep_fp8": (lambda args, config, budget: concurrency_sweep(args, config, "fp8", budget), 0.5),
     "sweep_w4": (lambda args, config, budget: concurrency_sweep(args, config, "w4", budget), 0.9),
+    "sweep_w4a8": (
+        lambda args, config, budget: with_w4a8(concurrency_sweep, args, config, "w4", budget),
+        0.9,
+    ),
     "hf": (hf_baseline, 0.9),
     "long_context": (long_context, 0.95),
     "prefix_cache": (prefix_cache, 0.95),
     "structured": (structured_load, 0.95),
 }
+
+
+def with_w4a8(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """`run(*args)` with both W4A8 int4 paths switched on, then back to what they were."""
+    from worker.kernels.triton import int4_gemm
+
+    kept = int4_gemm.INT4_PREFILL, int4_gemm.INT4_W4A8_ROWS
+    int4_gemm.INT4_PREFILL, int4_gemm.INT4_W4A8_ROWS = "w4a8", 17
+    try:
+        result = run(*args)
+    finally:
+        int4_gemm.INT4_PREFILL, int4_gemm.INT4_W4A8_ROWS = kept
+    return {**result, "int4_prefill": "w4a8", "int4_w4a8_rows": 17}
 
 
 class Suite:
@@ -144,8 +167,8 @@ def print_table(report: dict[str, Any]) -> None:
     cols = ("output tok/s", "TTFT p50/p95 s", "E2E p50/p95 s", "weights GiB", "KV GiB@1M",
             "state MiB/seq", "GPU-h/1M tok", "decode ms (graph/eager)")  # fmt: skip
     print(" | ".join(["config", *cols]))
-    for name in ("bf16", "fp8", "staged", "w4", "hf"):
-        if name == "staged" and name not in s:
+    for name in ("bf16", "fp8", "staged", "w4", "w4a8", "hf"):
+        if name in ("staged", "w4a8") and name not in s:
             continue
         r = s.get(name, {})
         if "output_tok_s" not in r:
@@ -173,7 +196,7 @@ def print_table(report: dict[str, Any]) -> None:
                 ]
             )
         )
-    for name in ("sweep_fp8", "sweep_w4"):
+    for name in ("sweep_fp8", "sweep_w4", "sweep_w4a8"):
         for point in s.get(name, {}).get("points", []):
             if "output_tok_s" in point:
                 print(
@@ -182,14 +205,16 @@ def print_table(report: dict[str, Any]) -> None:
                     f"{point['decode_step_ms_p50'] or float('nan'):.2f} ms, "
                     f"{point['preemptions']} preemptions, {point['compiles_after_warm_up']} compiles"
                 )
-    w4, fp8 = s.get("w4", {}), s.get("fp8", {})
-    if "output_tok_s" in w4 and "output_tok_s" in fp8:
-        print(f"W4 / FP8 output tok/s: {w4['output_tok_s'] / fp8['output_tok_s']:.3f}")
+    fp8 = s.get("fp8", {})
+    for name in ("w4", "w4a8"):
+        w4 = s.get(name, {})
+        if "output_tok_s" in w4 and "output_tok_s" in fp8:
+            print(f"{name} / FP8 output tok/s: {w4['output_tok_s'] / fp8['output_tok_s']:.3f}")
     staged = s.get("staged", {})
     if "output_tok_s" in staged and "output_tok_s" in fp8:
         ratio = staged["output_tok_s"] / fp8["output_tok_s"]
         print(f"staged KV (k4v3) / FP8 KV output tok/s: {ratio:.3f} (target >= 0.97)")
-    for name in ("fp8", "staged", "w4"):
+    for name in ("fp8", "staged", "w4", "w4a8"):
         if kinds := s.get(name, {}).get("step_kinds"):
             print(
                 f"{name} steps of the timed rounds: "

@@ -51,3 +51,14 @@ def test_the_suites_last_section_gets_all_the_time_left() -> None:
     assert shares[last] == 1.0
     assert all(shares[name] == SECTIONS[name][1] for name in first)
     assert section_shares(["fp8"]) == {"fp8": 1.0}
+
+
+def test_the_w4a8_sections_switch_both_paths_on_and_back() -> None:
+    from bench.engine.suite import SECTIONS, with_w4a8
+    from worker.kernels.triton import int4_gemm
+
+    assert {"w4a8", "sweep_w4a8"} <= set(SECTIONS)
+    before = int4_gemm.INT4_PREFILL, int4_gemm.INT4_W4A8_ROWS
+    seen = with_w4a8(lambda: {"paths": (int4_gemm.INT4_PREFILL, int4_gemm.INT4_W4A8_ROWS)})
+    assert seen == {"paths": ("w4a8", 17), "int4_prefill": "w4a8", "int4_w4a8_rows": 17}
+    assert (int4_gemm.INT4_PREFILL, int4_gemm.INT4_W4A8_ROWS) == before
