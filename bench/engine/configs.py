@@ -112,7 +112,7 @@ def engine_config(
         args,
         precision,
         args.concurrency,
-        getattr(args, "batched_tokens", 0),
+        args.batched_tokens,
         True,
         kv_staging=kv_staging,
     )

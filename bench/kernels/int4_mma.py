@@ -330,6 +330,13 @@ def prefill_section() -> dict[str, Any]:
     return result
 
 
+def fastest(candidates: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """The label and row of the fastest timed candidate (rows with an error have no "us")."""
+    timed = {t: v for t, v in candidates.items() if "us" in v}
+    best = min(timed, key=lambda t: timed[t]["us"], default=None)
+    return best, timed.get(best, {}) if best else {}
+
+
 def print_table(report: dict[str, Any]) -> None:
     print(f"\nbuild {report.get('build_s', float('nan')):.1f} s; copy {report.get('copy_gb_s', float('nan')):.0f} GB/s")  # fmt: skip
     print(
@@ -356,9 +363,7 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"\n{'17-64 rows':<28} {'M':>3} {'int4 us':>8} {'w4a8 us':>8} {'err':>6} {'fp8 us':>7}  w4a8 tiling")  # fmt: skip
     for name, rows in wide.items():
         for m, r in rows.items():
-            timed = {t: v for t, v in r["w4a8"].items() if "us" in v}
-            best = min(timed, key=lambda t: timed[t]["us"], default=None)
-            w = timed.get(best, {}) if best else {}
+            best, w = fastest(r["w4a8"])
             print(f"{name:<28} {m:>3} {r['triton_int4_us']:>8.1f} {w.get('us', float('nan')):>8.1f} "
                   f"{w.get('rel_err', float('nan')):>6.3f} {r['fp8_us']:>7.1f}  {best}")  # fmt: skip
     prefill = report.get("prefill", {})
@@ -372,9 +377,7 @@ def print_table(report: dict[str, Any]) -> None:
         for m, r in rows.items():
             if not isinstance(r, dict):
                 continue
-            timed = {t: v for t, v in r.get("w4a8", {}).items() if "us" in v}
-            best = min(timed, key=lambda t: timed[t]["us"], default=None)
-            w = timed.get(best, {}) if best else {}
+            best, w = fastest(r.get("w4a8", {}))
             print(f"{name[:14]:<14} {m:>5} {r['mma_us']:>8.1f} {r['mma_e4m3_us']:>8.1f} "
                   f"{r['mma_e4m3_rel_err']:>6.3f} {w.get('us', float('nan')):>8.1f} "
                   f"{w.get('rel_err', float('nan')):>6.3f} {r['fp8_scaled_mm_us']:>7.1f}  {best}")  # fmt: skip

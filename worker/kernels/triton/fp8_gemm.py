@@ -298,17 +298,8 @@ def _gemv_kernel(
     if not SPLIT:
         _gemv_epilogue(acc, scale, bias, out, rn, rm, N, stride_om, mask, HAS_SCALE, HAS_BIAS)
     else:
-        slab = (rm[None, :] * N + rn[:, None]).to(tl.int64)
-        tl.store(partial + split * M * N + slab, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
-        arrived = tl.atomic_add(arrivals + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == splits - 1:
-            total = tl.zeros((BN, BM), dtype=tl.float32)
-            for s in range(0, splits):  # .cg: the other SMs' partials, from L2
-                total += tl.load(
-                    partial + s * M * N + slab, mask=mask, other=0.0, cache_modifier=".cg"
-                )
-            tl.atomic_xchg(arrivals + pid_n, 0)
+        total, last = _sum_splits(acc, partial, arrivals, pid_n, split, splits, M, N, rn, rm, mask)
+        if last:
             _gemv_epilogue(total, scale, bias, out, rn, rm, N, stride_om, mask, HAS_SCALE, HAS_BIAS)
 
 
@@ -436,6 +427,24 @@ def _round_to_e4m3(v):
     n = tl.where((n - t == 0.5) & odd, n - 1.0, n)
     r = tl.minimum(n * step, 448.0)
     return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _sum_splits(acc, partial, arrivals, pid_n, split, splits, M, N, rn, rm, mask):
+    """Split K's in-launch reduction of one [BN, BM] column tile: this split's partial to
+    `partial`, then the last split to arrive sums them all in split order (the same bits every
+    run) and re-arms the tile's counter. (the sum, whether this program is that last one)"""
+    slab = (rm[None, :] * N + rn[:, None]).to(tl.int64)
+    tl.store(partial + split * M * N + slab, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+    arrived = tl.atomic_add(arrivals + pid_n, 1, sem="acq_rel", scope="gpu")
+    last = arrived == splits - 1
+    total = tl.zeros_like(acc)
+    if last:
+        for s in range(0, splits):  # .cg: the other SMs' partials, from L2
+            total += tl.load(partial + s * M * N + slab, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(arrivals + pid_n, 0)
+    return total, last
 
 
 @triton.jit

@@ -46,6 +46,7 @@ from worker.kernels.triton.fp8_gemm import (
     _round_to_e4m3,
     _stream_k_count,
     _stream_k_workspace,
+    _sum_splits,
     quantize_rows,
     scaled_mm,
     stream_k_programs,
@@ -326,17 +327,8 @@ def _int4_gemv_kernel(
     if not SPLIT:
         _gemv_epilogue(acc, bias, bias, out, rn, rm, N, stride_om, mask, False, HAS_BIAS)
     else:
-        slab = (rm[None, :] * N + rn[:, None]).to(tl.int64)
-        tl.store(partial + split * M * N + slab, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
-        arrived = tl.atomic_add(arrivals + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == splits - 1:
-            total = tl.zeros((BN, BM), dtype=tl.float32)
-            for s in range(0, splits):  # .cg: the other SMs' partials, from L2
-                total += tl.load(
-                    partial + s * M * N + slab, mask=mask, other=0.0, cache_modifier=".cg"
-                )
-            tl.atomic_xchg(arrivals + pid_n, 0)
+        total, last = _sum_splits(acc, partial, arrivals, pid_n, split, splits, M, N, rn, rm, mask)
+        if last:
             _gemv_epilogue(total, bias, bias, out, rn, rm, N, stride_om, mask, False, HAS_BIAS)
 
 
@@ -1065,26 +1057,12 @@ def _w4a8_wide_kernel(
         acc += part * s.to(tl.float32)[:, None]
     acc *= tl.load(a_scale + rm, mask=m_ok, other=0.0)[None, :]
     mask = n_ok[:, None] & m_ok[None, :]
-    o = out + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
     if not SPLIT:
-        if HAS_BIAS:
-            acc += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(o, acc.to(out.dtype.element_ty), mask=mask)
+        _gemv_epilogue(acc, bias, bias, out, rn, rm, N, stride_om, mask, False, HAS_BIAS)
     else:
-        slab = (rm[None, :] * N + rn[:, None]).to(tl.int64)
-        tl.store(partial + split * M * N + slab, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
-        arrived = tl.atomic_add(arrivals + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == splits - 1:
-            total = tl.zeros((BN, BM), dtype=tl.float32)
-            for s in range(0, splits):  # .cg: the other SMs' partials, from L2
-                total += tl.load(
-                    partial + s * M * N + slab, mask=mask, other=0.0, cache_modifier=".cg"
-                )
-            tl.atomic_xchg(arrivals + pid_n, 0)
-            if HAS_BIAS:
-                total += tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            tl.store(o, total.to(out.dtype.element_ty), mask=mask)
+        total, last = _sum_splits(acc, partial, arrivals, pid_n, split, splits, M, N, rn, rm, mask)
+        if last:
+            _gemv_epilogue(total, bias, bias, out, rn, rm, N, stride_om, mask, False, HAS_BIAS)
 
 
 def wide_x_e4m3(x: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
