@@ -71,6 +71,36 @@ class StepLog:
         }
 
 
+class SlowSteps:
+    """Wraps engine.step: every call over `limit_s` (the wall time the engine's own slow-step
+    log measures: a running decode waited that long), with its batch, until close()."""
+
+    def __init__(self, engine: LLMEngine, limit_s: float = 0.25) -> None:
+        self.engine, self.inner, self.limit_s = engine, engine.step, limit_s
+        self.found: list[dict[str, Any]] = []
+        engine.step = self  # type: ignore[method-assign]
+
+    def __call__(self) -> Any:
+        t0 = time.perf_counter()
+        out = self.inner()
+        took = time.perf_counter() - t0
+        b = self.engine._last_batch
+        if took > self.limit_s and b is not None:
+            self.found.append(
+                {
+                    "s": round(took, 3),
+                    "prefill_chunks": len(b.prefills),
+                    "prefill_tokens": sum(e.num_tokens for e in b.prefills),
+                    "decodes": len(b.decodes),
+                }
+            )
+        return out
+
+    def close(self) -> list[dict[str, Any]]:
+        del self.engine.step  # the instance attribute: the class's method again
+        return self.found
+
+
 KERNEL_GROUPS = (
     ("fp8 gemv (one launch)", ("_gemv_kernel",)),
     ("fused elementwise (silu*mul, gdn gates, rotary)", ("_silu_mul", "_gdn_gates", "_rotary")),

@@ -85,3 +85,44 @@ def test_structured_section_constrains_every_token_in_every_round(tmp_path, one_
     assert r["ratio_json_vs_free"] == pytest.approx(
         j["output_tok_s"] / r["modes"]["free"]["output_tok_s"]
     )
+
+
+def test_the_suites_fp8_section_counts_compiles_and_slow_steps_of_its_timed_rounds(
+    tmp_path, one_thread
+):
+    """The load-point section reports what the no-stall target reads: kernel compiles and steps
+    over 250 ms in its timed rounds (none on CPU, whose kernels are interpreted)."""
+    from bench.engine import suite
+
+    argv = [
+        "--sections", "fp8", "--preset", "tiny-qwen3_5", "--device", "cpu", "--num-requests", "2",
+        "--concurrency", "2", "--prompt-len", "16", "--max-tokens", "6", "--repeats", "1",
+        "--out", str(tmp_path),
+    ]  # fmt: skip
+    r = suite.main(argv)["sections"]["fp8"]
+    assert "error" not in r, r.get("error")
+    assert r["compiles_after_warm_up"] == 0
+    assert r["steps_over_250ms"] == []
+
+
+def test_slow_steps_are_recorded_with_their_batch_and_the_engine_is_given_back():
+    from bench.engine.profiler import SlowSteps
+    from tests.worker.engine_fakes import FakeCausalLM
+    from worker.engine.engine import EngineConfig, LLMEngine
+    from worker.engine.sequence import SamplingParams
+
+    engine = LLMEngine(FakeCausalLM(), None, EngineConfig(max_num_seqs=2, max_model_len=64))
+    every = SlowSteps(engine, limit_s=0.0)
+    engine.add_request([1] * 9, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    engine.add_request([2] * 5, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    found = every.close()
+    assert found[0] == {"s": found[0]["s"], "prefill_chunks": 2, "prefill_tokens": 14, "decodes": 0}
+    assert any(f["decodes"] == 2 and f["prefill_chunks"] == 0 for f in found)
+    assert engine.step.__func__ is LLMEngine.step  # unwrapped
+    none = SlowSteps(engine, limit_s=60.0)
+    engine.add_request([3] * 4, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert none.close() == []

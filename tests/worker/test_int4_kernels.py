@@ -359,3 +359,58 @@ def test_the_w4a8_switches_are_checked() -> None:
     for bad in ("65", "-1", "many"):
         with pytest.raises(ValueError, match="0 \\(off\\) or 1-64"):
             int4_gemm.w4a8_rows(bad)
+
+
+@pytest.mark.parametrize(("m", "k", "multiple"), [(5, 256, 1), (37, 384, 16), (1, 1280, 16)])
+def test_quantize_blocks_rounds_each_block_of_128_on_its_own(m, k, multiple) -> None:
+    """x per (token, 128 columns): the codes are x / s rounded to e4m3 (ties to even), s the
+    block's amax / 448, laid out as cuBLAS's 1x128 scaling reads them; padded rows are zero."""
+    from worker.kernels.triton.fp8_gemm import quantize_blocks
+
+    torch.manual_seed(k)
+    x = torch.randn(m, k).bfloat16() * torch.logspace(-2, 2, k // 128).repeat_interleave(128)
+    q, s = quantize_blocks(x, 128, multiple)
+    rows = -(-m // multiple) * multiple
+    assert q.shape == (rows, k) and s.shape == (rows, k // 128) and s.stride() == (1, rows)
+    blocks = x.float().view(m, k // 128, 128)
+    want_s = blocks.abs().amax(-1) / 448.0
+    assert torch.equal(s[:m], want_s)
+    want_q = (blocks / want_s[..., None]).to(torch.float8_e4m3fn).view(m, k)
+    assert torch.equal(q[:m].view(torch.uint8), want_q.view(torch.uint8))
+    assert not q[m:].float().any()
+
+
+@pytest.mark.parametrize("group", [128, 256])
+@pytest.mark.parametrize("mma_scales", [False, True])
+def test_blockwise_scales_give_each_128_columns_their_group_scale(group, mma_scales) -> None:
+    n, k = 48, 512
+    q = int4_weight(n, k, group, True, "cpu")
+    scales = reference.int4_mma_pack(q.qweight, q.scales)[1] if mma_scales else q.scales
+    got = int4_gemm.blockwise_scales(scales, group, k, mma_scales)
+    assert got.shape == (n, k // 128) and got.stride() == (1, n) and got.dtype == torch.float32
+    want = q.scales.float().repeat_interleave(group // 128, dim=1)
+    assert torch.equal(got, want)
+
+
+@GPU
+@needs_cuda
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group"), [(300, 512, 1024, 128), (4096, 34816, 5120, 128), (77, 256, 768, 256)]
+)
+def test_w4a8_linear_on_gpu_is_the_w4a8_product(m, n, k, group) -> None:
+    """cuBLAS's blockwise GEMM (x per token and 128 columns) and the Triton W4A8 GEMM (x per
+    token) both answer within x's e4m3 rounding of the exact product; the blockwise one runs
+    here (torch's scaled_mm with 1x128 blocks on the H200)."""
+    torch.manual_seed(n)
+    q = int4_weight(n, k, group, True, "cuda")
+    codes = int4_gemm.int4_codes_e4m3(q.qweight)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    exact = exact_linear(x, q, bias)
+    assert int4_gemm.blockwise_runs(x.device)
+    blockwise = int4_gemm.w4a8_linear(x, codes, q.scales, group, bias, mma_scales=False)
+    a, a_scale = int4_gemm.quantize_rows(x)
+    per_token = int4_gemm.w4a8_gemm(a, a_scale, codes, q.scales, group, bias, mma_scales=False)
+    assert blockwise.shape == (m, n) and blockwise.dtype == torch.bfloat16
+    assert rel_err(blockwise.float(), exact) < 4e-2
+    assert rel_err(blockwise.float(), exact) <= 1.05 * rel_err(per_token.float(), exact)

@@ -296,11 +296,9 @@ def int4_mma_linear(
         w8, channel = dequantize_e4m3(qweight, scales, group_size)
         y = scaled_mm(x2, w8, channel, bias)
     elif _prefill_mode() == "w4a8":
-        from worker.kernels.triton.fp8_gemm import quantize_rows
-        from worker.kernels.triton.int4_gemm import w4a8_gemm
+        from worker.kernels.triton.int4_gemm import w4a8_linear
 
-        a, a_scale = quantize_rows(x2)
-        y = w4a8_gemm(a, a_scale, codes_e4m3(qweight), scales, group_size, bias, x.dtype)
+        y = w4a8_linear(x2, codes_e4m3(qweight), scales, group_size, bias)
     else:
         y = F.linear(x2, dequantize(qweight, scales, group_size, x.dtype), bias)
     return y.reshape(*lead, y.shape[-1])

@@ -932,6 +932,64 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @kernel
+def _quantize_blocks_kernel(
+    x,
+    q,
+    scales,
+    M,
+    rows,
+    K,
+    stride_x,
+    BLOCK: tl.constexpr,
+    NB: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    EXACT_E4M3: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """NB blocks of BLOCK columns of one row of x, each rounded to e4m3 over its own amax; the
+    scales go to [K / BLOCK, rows] (column-major [rows, K / BLOCK], as cuBLAS's blockwise GEMM
+    reads them). Rows from M to `rows` are padding: zero codes."""
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * NB
+    b = first + tl.arange(0, NB)
+    cols = b[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    ok = cols < K
+    src = tl.minimum(row, M - 1)  # padding rows read the last row, then zero it
+    xr = tl.load(x + src * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    xr = tl.where(row < M, xr, 0.0)
+    scale = tl.maximum(tl.max(tl.abs(xr), 1) / FP8_MAX, 1e-12)
+    tl.store(scales + b.to(tl.int64) * rows + row, scale, mask=b * BLOCK < K)
+    v = xr / scale[:, None]
+    if EXACT_E4M3:
+        v = _round_to_e4m3(v)
+    tl.store(q + row * K + cols, v.to(q.dtype.element_ty), mask=ok)
+
+
+def quantize_blocks(
+    x: torch.Tensor, block: int = 128, row_multiple: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-(token, block of `block` columns) e4m3 quantization: q [R, K] fp8 and scales [R,
+    K / block] fp32 with strides (1, R), x ~ q * s blockwise (cuBLAS's 1x128 scaling). R is M
+    rounded up to `row_multiple`; the rows past M are zero."""
+    m, k = x.shape
+    if k % block:
+        raise ValueError(f"quantize_blocks needs K ({k}) in blocks of {block}")
+    rows = -(-m // row_multiple) * row_multiple
+    q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((k // block, rows), dtype=torch.float32, device=x.device)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if rows:
+        nb = min(8, triton.next_power_of_2(k // block))
+        _quantize_blocks_kernel[(rows, triton.cdiv(k // block, nb))](
+            x, q, scales, m, rows, k, x.stride(0), BLOCK=block, NB=nb, FP8_MAX=FP8_MAX,
+            EXACT_E4M3=not x.is_cuda,
+        )  # fmt: skip
+    return q, scales.t()
+
+
+@kernel
 def _silu_mul_quantize_rows_kernel(
     y,
     q,

@@ -47,6 +47,7 @@ from worker.kernels.triton.fp8_gemm import (
     _stream_k_count,
     _stream_k_workspace,
     _sum_splits,
+    quantize_blocks,
     quantize_rows,
     scaled_mm,
     stream_k_programs,
@@ -796,12 +797,11 @@ def int4_dequant_linear(
 ) -> torch.Tensor:
     """Prefill rows x [M, K]: the weight dequantized into the scratch, then cuBLAS in x's dtype,
     or (fp8) e4m3 with per-channel scales and fp8_gemm's per-token scaled_mm, or (INT4_PREFILL
-    "w4a8", symmetric weights) the codes and `w4a8_gemm`."""
+    "w4a8", symmetric weights) the codes and `w4a8_linear`."""
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     if fp8 is None and INT4_PREFILL == "w4a8" and mins is None:
         codes = int4_codes_e4m3(qweight, dequant_scratch(x.device, n, k, torch.float8_e4m3fn))
-        a, a_scale = quantize_rows(x)
-        return w4a8_gemm(a, a_scale, codes, scales, group_size, bias, x.dtype, mma_scales=False)
+        return w4a8_linear(x, codes, scales, group_size, bias, mma_scales=False)
     fp8 = INT4_PREFILL == "fp8" if fp8 is None else fp8
     if fp8 and x.is_cuda:
         w8 = dequant_scratch(x.device, n, k, torch.float8_e4m3fn)
@@ -988,6 +988,87 @@ def w4a8_gemm(
         **({"num_warps": t.num_warps, "num_stages": t.num_stages} if on_gpu else {}),
     )  # fmt: skip
     return out
+
+
+# cuBLAS's blockwise-scaled FP8 GEMM (`torch.nn.functional.scaled_mm`, 1x128 blocks on both
+# operands, CUDA 12.9+ on sm_90): x rounded per token and block of 128, the int4 codes exactly
+# in e4m3 with their group scales as the weight's 1x128 blocks, so it is the W4A8 product itself
+# at cuBLAS's speed. `w4a8_gemm` (Triton, x per token) where it cannot run.
+# TOKENMILL_INT4_W4A8_GEMM=triton keeps the Triton GEMM (to compare them).
+W4A8_GEMM = os.environ.get("TOKENMILL_INT4_W4A8_GEMM", "auto").strip().lower()
+_BLOCKWISE_RUNS: dict[int, bool] = {}  # CUDA device index -> the blockwise GEMM ran correctly
+
+
+def blockwise_scales(
+    scales: torch.Tensor, group_size: int, k: int, mma_scales: bool
+) -> torch.Tensor:
+    """A weight's group scales as cuBLAS's 1x128 blocks: [N, K / 128] fp32, strides (1, N).
+    `scales` is [N, G], or the int4-mma layout's [N / 16, G, 16] (`mma_scales`)."""
+    if mma_scales:
+        by_group = scales.permute(1, 0, 2).reshape(scales.shape[1], -1)
+    else:
+        by_group = scales.t()
+    by_group = by_group.float().repeat_interleave(group_size // 128, dim=0)[: k // 128]
+    return by_group.contiguous().t()
+
+
+def _blockwise_gemm(
+    a: torch.Tensor, a_scale: torch.Tensor, codes: torch.Tensor, b_scale: torch.Tensor, dtype: Any
+) -> torch.Tensor:
+    f = torch.nn.functional
+    blocks = f.ScalingType.BlockWise1x128  # type: ignore[attr-defined]
+    return f.scaled_mm(a, codes.t(), a_scale, blocks, b_scale, blocks, output_dtype=dtype)  # type: ignore[attr-defined]
+
+
+def blockwise_runs(device: torch.device) -> bool:
+    """Whether cuBLAS's 1x128 blockwise FP8 GEMM runs on this GPU with this torch, checked once
+    per device on a small product against its fp32 value (torch without `scaled_mm`, a cuBLAS
+    older than 12.9, or a GPU other than sm_90 say no)."""
+    if device.type != "cuda" or W4A8_GEMM == "triton":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _BLOCKWISE_RUNS:
+        ok = hasattr(torch.nn.functional, "scaled_mm")
+        if ok:
+            try:
+                gen = torch.Generator(device=device).manual_seed(0)
+                x = torch.randn(48, 256, device=device, generator=gen, dtype=torch.bfloat16)
+                codes = torch.randint(-8, 8, (128, 256), device=device, generator=gen)
+                s = torch.rand(128, 2, device=device, generator=gen) + 0.5
+                a, a_scale = quantize_blocks(x, 128, 16)
+                got = _blockwise_gemm(
+                    a, a_scale, codes.to(torch.float8_e4m3fn), blockwise_scales(s, 128, 256, False),
+                    torch.float32,
+                )[:48]  # fmt: skip
+                want = (a[:48].float() * a_scale[:48].repeat_interleave(128, 1)) @ (
+                    codes.float() * s.repeat_interleave(128, 1)
+                ).T
+                ok = bool(torch.allclose(got, want, rtol=1e-3, atol=1e-2))
+            except (RuntimeError, TypeError, ValueError):
+                ok = False
+        _BLOCKWISE_RUNS[index] = ok
+    return _BLOCKWISE_RUNS[index]
+
+
+def w4a8_linear(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    mma_scales: bool = True,
+) -> torch.Tensor:
+    """x [M, K] (16-bit) times int4 codes [N, K] held exactly in e4m3 with group scales (see
+    `blockwise_scales` for the layouts): cuBLAS's blockwise FP8 GEMM where it runs (groups of a
+    multiple of 128), else `w4a8_gemm`. Only x is rounded."""
+    m, k = x.shape
+    if group_size % 128 == 0 and k % 128 == 0 and blockwise_runs(x.device):
+        a, a_scale = quantize_blocks(x, 128, 16)
+        b_scale = blockwise_scales(scales, group_size, k, mma_scales)
+        out = _blockwise_gemm(a, a_scale, codes, b_scale, x.dtype)[:m]
+        return out if bias is None else out + bias
+    a, a_scale = quantize_rows(x)
+    return w4a8_gemm(a, a_scale, codes, scales, group_size, bias, x.dtype, mma_scales=mma_scales)
 
 
 # ---------------------------------------------------------------- W4A8 decode, 17-64 rows
