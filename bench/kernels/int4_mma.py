@@ -317,7 +317,7 @@ def prefill_section() -> dict[str, Any]:
                 codes = int4_mma.codes_e4m3(mq)
                 blockwise = i4.w4a8_linear(x, codes, ms, GROUP)
                 rows[str(m)]["w4a8_blockwise"] = {
-                    "runs": i4.blockwise_runs(x.device),
+                    "refusal": i4.blockwise_refusal(x.device),
                     "rel_err": rel_err(blockwise, exact),
                     "us": 1e3
                     * triton.testing.do_bench(
@@ -398,7 +398,8 @@ def print_table(report: dict[str, Any]) -> None:
                   f"{r['mma_e4m3_rel_err']:>6.3f} {w.get('us', nan):>8.1f} "
                   f"{w.get('rel_err', nan):>6.3f} {b.get('us', nan):>9.1f} {b.get('gemm_us', nan):>8.1f} "
                   f"{b.get('rel_err', nan):>6.3f} {r['fp8_scaled_mm_us']:>7.1f}  {best}"
-                  + (f"  blockwise: {b['error']}" if "error" in b else ""))  # fmt: skip
+                  + (f"  blockwise: {b['error']}" if "error" in b else "")
+                  + (f"  blockwise refused ({b['refusal']}): the Triton GEMM ran" if b.get("refusal") else ""))  # fmt: skip
     print("\n# MMA_DECODE_TILINGS (worker/kernels/cuda/int4_mma.py)")
     for line in report.get("paste", []):
         print(line)

@@ -996,7 +996,8 @@ def w4a8_gemm(
 # at cuBLAS's speed. `w4a8_gemm` (Triton, x per token) where it cannot run.
 # TOKENMILL_INT4_W4A8_GEMM=triton keeps the Triton GEMM (to compare them).
 W4A8_GEMM = os.environ.get("TOKENMILL_INT4_W4A8_GEMM", "auto").strip().lower()
-_BLOCKWISE_RUNS: dict[int, bool] = {}  # CUDA device index -> the blockwise GEMM ran correctly
+# CUDA device index -> why cuBLAS's blockwise GEMM cannot run there ("" when it ran correctly)
+_BLOCKWISE_REFUSAL: dict[int, str] = {}
 
 
 def blockwise_scales(
@@ -1020,34 +1021,46 @@ def _blockwise_gemm(
     return f.scaled_mm(a, codes.t(), a_scale, blocks, b_scale, blocks, output_dtype=dtype)  # type: ignore[attr-defined]
 
 
-def blockwise_runs(device: torch.device) -> bool:
-    """Whether cuBLAS's 1x128 blockwise FP8 GEMM runs on this GPU with this torch, checked once
-    per device on a small product against its fp32 value (torch without `scaled_mm`, a cuBLAS
-    older than 12.9, or a GPU other than sm_90 say no)."""
-    if device.type != "cuda" or W4A8_GEMM == "triton":
-        return False
+def blockwise_refusal(device: torch.device) -> str:
+    """Why cuBLAS's 1x128 blockwise FP8 GEMM cannot serve the W4A8 prefill on this device ("" when
+    it can), found once per device on a small product against its fp32 value: a CPU,
+    TOKENMILL_INT4_W4A8_GEMM=triton, torch without `scaled_mm`, or the error cuBLAS gave (it needs
+    CUDA 12.9+ and sm_90)."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    if W4A8_GEMM == "triton":
+        return "TOKENMILL_INT4_W4A8_GEMM=triton"
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _BLOCKWISE_RUNS:
-        ok = hasattr(torch.nn.functional, "scaled_mm")
-        if ok:
-            try:
-                gen = torch.Generator(device=device).manual_seed(0)
-                x = torch.randn(48, 256, device=device, generator=gen, dtype=torch.bfloat16)
-                codes = torch.randint(-8, 8, (128, 256), device=device, generator=gen)
-                s = torch.rand(128, 2, device=device, generator=gen) + 0.5
-                a, a_scale = quantize_blocks(x, 128, 16)
-                got = _blockwise_gemm(
-                    a, a_scale, codes.to(torch.float8_e4m3fn), blockwise_scales(s, 128, 256, False),
-                    torch.float32,
-                )[:48]  # fmt: skip
-                want = (a[:48].float() * a_scale[:48].repeat_interleave(128, 1)) @ (
-                    codes.float() * s.repeat_interleave(128, 1)
-                ).T
-                ok = bool(torch.allclose(got, want, rtol=1e-3, atol=1e-2))
-            except (RuntimeError, TypeError, ValueError):
-                ok = False
-        _BLOCKWISE_RUNS[index] = ok
-    return _BLOCKWISE_RUNS[index]
+    if index not in _BLOCKWISE_REFUSAL:
+        _BLOCKWISE_REFUSAL[index] = _try_blockwise(torch.device("cuda", index))
+    return _BLOCKWISE_REFUSAL[index]
+
+
+def _try_blockwise(device: torch.device) -> str:
+    if not hasattr(torch.nn.functional, "scaled_mm"):
+        return f"torch {torch.__version__} has no torch.nn.functional.scaled_mm"
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(48, 256, device=device, generator=gen, dtype=torch.bfloat16)
+        codes = torch.randint(-8, 8, (128, 256), device=device, generator=gen)
+        s = torch.rand(128, 2, device=device, generator=gen) + 0.5
+        a, a_scale = quantize_blocks(x, 128, 16)
+        b_scale = blockwise_scales(s, 128, 256, False)
+        e4m3 = codes.to(torch.float8_e4m3fn)
+        got = _blockwise_gemm(a, a_scale, e4m3, b_scale, torch.float32)[:48]
+        want = (a[:48].float() * a_scale[:48].repeat_interleave(128, 1)) @ (
+            codes.float() * s.repeat_interleave(128, 1)
+        ).T
+    except (RuntimeError, TypeError, ValueError, AttributeError) as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    if not torch.allclose(got, want, rtol=1e-3, atol=1e-2):
+        return f"wrong product (largest difference {(got - want).abs().max().item():.3g})"
+    return ""
+
+
+def blockwise_runs(device: torch.device) -> bool:
+    """Whether `w4a8_linear` takes cuBLAS's blockwise GEMM on this device (`blockwise_refusal`)."""
+    return not blockwise_refusal(device)
 
 
 def w4a8_linear(
