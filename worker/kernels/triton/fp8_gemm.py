@@ -896,10 +896,12 @@ def _quantize_rows_kernel(
     BK: tl.constexpr,
     FP8_MAX: tl.constexpr,
     EXACT_E4M3: tl.constexpr,
+    SPLIT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One row of x rounded to e4m3 over its amax / FP8_MAX. EXACT_E4M3 (CPU): rounded in fp32
-    first, as the interpreter's own cast loses carries (`_round_to_e4m3`)."""
+    first, as the interpreter's own cast loses carries (`_round_to_e4m3`). SPLIT > 0: each
+    block of SPLIT columns is stored even columns first, then odd (`int4_gemm.wide_x_e4m3`)."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BK)
@@ -914,19 +916,27 @@ def _quantize_rows_kernel(
         v = xr.to(tl.float32) / scale
         if EXACT_E4M3:
             v = _round_to_e4m3(v)
-        tl.store(q + row * K + k0 + cols, v.to(q.dtype.element_ty), mask=k0 + cols < K)
+        dest = k0 + cols
+        if SPLIT > 0:
+            j = dest % SPLIT
+            dest = dest - j + (j % 2) * (SPLIT // 2) + j // 2
+        tl.store(q + row * K + dest, v.to(q.dtype.element_ty), mask=k0 + cols < K)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row (per-token) e4m3 quantization: q [M, K] fp8 and scales [M, 1] fp32, x ~ q * s."""
+def quantize_rows(x: torch.Tensor, split: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (per-token) e4m3 quantization: q [M, K] fp8 and scales [M, 1] fp32, x ~ q * s.
+    `split` > 0 (a divisor of K): each block of that many columns of q holds x's even columns
+    first, then its odd ones."""
     m, k = x.shape
+    if split and (k % split or split % 2):
+        raise ValueError(f"quantize_rows: K ({k}) must be whole even blocks of {split}")
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
     _quantize_rows_kernel[(m,)](
         x, q, scales, k, x.stride(0), BK=min(4096, triton.next_power_of_2(k)), FP8_MAX=FP8_MAX,
-        EXACT_E4M3=not x.is_cuda,
+        EXACT_E4M3=not x.is_cuda, SPLIT=split,
     )  # fmt: skip
     return q, scales
 

@@ -1162,9 +1162,7 @@ def _w4a8_wide_kernel(
 def wide_x_e4m3(x: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] rounded to e4m3 per row, each BK block reordered to its even k then its odd k
     (the order `_w4a8_wide_kernel` dots the low and high nibbles in); the row scales [M, 1]."""
-    m, k = x.shape
-    split = x.reshape(m, k // bk, bk // 2, 2).transpose(2, 3).reshape(m, k)
-    return quantize_rows(split)
+    return quantize_rows(x, split=bk)
 
 
 def w4a8_wide(
