@@ -1053,8 +1053,10 @@ def _try_blockwise(device: torch.device) -> str:
         ).T
     except (RuntimeError, TypeError, ValueError, AttributeError) as exc:
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-    if not torch.allclose(got, want, rtol=1e-3, atol=1e-2):
-        return f"wrong product (largest difference {(got - want).abs().max().item():.3g})"
+    # cuBLAS sums in its own order: ~1e-4 of the largest output on one H200
+    worst = ((got - want).abs().max() / want.abs().max()).item()
+    if not worst <= 1e-3:
+        return f"wrong product (largest difference {worst:.3g} of the largest output)"
     return ""
 
 
