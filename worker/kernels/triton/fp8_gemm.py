@@ -584,6 +584,21 @@ def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return counters
 
 
+def _split_k(
+    out: torch.Tensor, k: int, splits: int, bk: int, tiles: int, width: int | None = None
+) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """K cut into at most `splits` ranges of whole BK steps for a GEMV writing `out` [M, N]:
+    (K per split, the splits that remain, an fp32 partial [splits, M, width or N] and the
+    arrival counters of its `tiles` column tiles; both are `out` when one split remains)."""
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), bk) * bk
+    splits = triton.cdiv(k, k_per_split)
+    if splits == 1:
+        return k_per_split, 1, out, out
+    m, n = out.shape
+    partial = torch.empty((splits, m, width or n), dtype=torch.float32, device=out.device)
+    return k_per_split, splits, partial, _arrival_counters(out.device, tiles)
+
+
 def w8_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -611,13 +626,8 @@ def w8_gemv(
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    k_per_split = triton.cdiv(triton.cdiv(k, tiling.splits), tiling.bk) * tiling.bk
-    splits = triton.cdiv(k, k_per_split)
     tiles = triton.cdiv(n, tiling.bn)
-    partial = (
-        torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
-    )
-    arrivals = _arrival_counters(x.device, tiles) if splits > 1 else out
+    k_per_split, splits, partial, arrivals = _split_k(out, k, tiling.splits, tiling.bk, tiles)
     on_gpu = x.is_cuda
     dot = _gemv_dot(x, fp8)
     per_token = fp8 and tiling.act_fp8 and tiling.x_per_token

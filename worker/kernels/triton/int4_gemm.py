@@ -44,6 +44,7 @@ from worker.kernels.triton.fp8_gemm import (
     _arrival_counters,
     _gemv_epilogue,
     _round_to_e4m3,
+    _split_k,
     _stream_k_count,
     _stream_k_workspace,
     _sum_splits,
@@ -593,12 +594,7 @@ def int4_gemv(
             m, n, k, ksteps, tiles * ksteps, *strides, **common,
         )  # fmt: skip
         return out
-    k_per_split = triton.cdiv(triton.cdiv(k, tiling.splits), bk) * bk
-    splits = triton.cdiv(k, k_per_split)
-    partial = (
-        torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
-    )
-    arrivals = _arrival_counters(x.device, tiles) if splits > 1 else out
+    k_per_split, splits, partial, arrivals = _split_k(out, k, tiling.splits, bk, tiles)
     _int4_gemv_kernel[(tiles, splits)](
         x, qweight, scales, mn, b, out, partial, arrivals,
         m, n, k, k_per_split, splits, *strides, SPLIT=splits > 1, **common,
@@ -640,12 +636,7 @@ def int4_gemv_silu_mul(
     out = torch.empty((m, f), dtype=x.dtype, device=x.device)
     bm, bk = _block_m(m), tiling.bk
     tiles = triton.cdiv(f, tiling.bn)
-    k_per_split = triton.cdiv(triton.cdiv(k, tiling.splits), bk) * bk
-    splits = triton.cdiv(k, k_per_split)
-    partial = (
-        torch.empty((splits, m, two_f), dtype=torch.float32, device=x.device) if splits > 1 else out
-    )
-    arrivals = _arrival_counters(x.device, tiles) if splits > 1 else out
+    k_per_split, splits, partial, arrivals = _split_k(out, k, tiling.splits, bk, tiles, two_f)
     on_gpu = x.is_cuda
     _int4_silu_mul_kernel[(tiles, splits)](
         x, qweight, scales, mins if mins is not None else scales,
@@ -1185,13 +1176,8 @@ def w4a8_wide(
         raise ValueError(f"w4a8_wide takes <= 64 rows and K, group in steps of {t.bk}")
     a, a_scale = wide_x_e4m3(x, t.bk)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    k_per_split = triton.cdiv(triton.cdiv(k, t.splits), t.bk) * t.bk
-    splits = triton.cdiv(k, k_per_split)
     tiles = triton.cdiv(n, t.bn)
-    partial = (
-        torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
-    )
-    arrivals = _arrival_counters(x.device, tiles) if splits > 1 else out
+    k_per_split, splits, partial, arrivals = _split_k(out, k, t.splits, t.bk, tiles)
     on_gpu = x.is_cuda
     _w4a8_wide_kernel[(tiles, splits)](
         a, a_scale, qweight, scales, bias if bias is not None else out, out, partial, arrivals,
