@@ -92,11 +92,6 @@ SECTIONS: dict[str, Section] = {
         lambda args, config, budget: with_w4a8(engine_config, args, config, "w4", budget),
         0.5,
     ),
-    # the w4 section with the int4-mma GEMV on int8 tensor cores (`TOKENMILL_INT4_DECODE=int8`)
-    "w4_int8": (
-        lambda args, config, budget: with_int8_decode(engine_config, args, config, "w4", budget),
-        0.5,
-    ),
     "bf16": (lambda args, config, budget: engine_config(args, config, "bf16", budget), 0.9),
     "sweep_fp8": (lambda args, config, budget: concurrency_sweep(args, config, "fp8", budget), 0.5),
     "sweep_w4": (lambda args, config, budget: concurrency_sweep(args, config, "w4", budget), 0.9),
@@ -111,34 +106,17 @@ SECTIONS: dict[str, Section] = {
 }
 
 
-def with_switches(
-    module: Any, values: dict[str, Any], run: Callable[..., dict[str, Any]], *args: Any
-) -> dict[str, Any]:
-    """`run(*args)` with `module`'s switches (its env-read constants) set to `values`, then back
-    to what they were; the result records them (lower-case names)."""
-    kept = {name: getattr(module, name) for name in values}
-    for name, value in values.items():
-        setattr(module, name, value)
+def with_w4a8(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """`run(*args)` with both W4A8 int4 paths switched on, then back to what they were."""
+    from worker.kernels.triton import int4_gemm
+
+    kept = int4_gemm.INT4_PREFILL, int4_gemm.INT4_W4A8_ROWS
+    int4_gemm.INT4_PREFILL, int4_gemm.INT4_W4A8_ROWS = "w4a8", 17
     try:
         result = run(*args)
     finally:
-        for name, value in kept.items():
-            setattr(module, name, value)
-    return {**result, **{name.lower(): value for name, value in values.items()}}
-
-
-def with_w4a8(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
-    """`run(*args)` with both W4A8 int4 paths switched on."""
-    from worker.kernels.triton import int4_gemm
-
-    return with_switches(int4_gemm, {"INT4_PREFILL": "w4a8", "INT4_W4A8_ROWS": 17}, run, *args)
-
-
-def with_int8_decode(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
-    """`run(*args)` with the int4-mma GEMV on int8 tensor cores."""
-    from worker.kernels.cuda import int4_mma
-
-    return with_switches(int4_mma, {"INT4_DECODE": "int8"}, run, *args)
+        int4_gemm.INT4_PREFILL, int4_gemm.INT4_W4A8_ROWS = kept
+    return {**result, "int4_prefill": "w4a8", "int4_w4a8_rows": 17}
 
 
 class Suite:
@@ -189,8 +167,8 @@ def print_table(report: dict[str, Any]) -> None:
     cols = ("output tok/s", "TTFT p50/p95 s", "E2E p50/p95 s", "weights GiB", "KV GiB@1M",
             "state MiB/seq", "GPU-h/1M tok", "decode ms (graph/eager)")  # fmt: skip
     print(" | ".join(["config", *cols]))
-    for name in ("bf16", "fp8", "staged", "w4", "w4a8", "w4_int8", "hf"):
-        if name in ("staged", "w4a8", "w4_int8") and name not in s:
+    for name in ("bf16", "fp8", "staged", "w4", "w4a8", "hf"):
+        if name in ("staged", "w4a8") and name not in s:
             continue
         r = s.get(name, {})
         if "output_tok_s" not in r:
@@ -228,7 +206,7 @@ def print_table(report: dict[str, Any]) -> None:
                     f"{point['preemptions']} preemptions, {point['compiles_after_warm_up']} compiles"
                 )
     fp8 = s.get("fp8", {})
-    for name in ("w4", "w4a8", "w4_int8"):
+    for name in ("w4", "w4a8"):
         w4 = s.get(name, {})
         if "output_tok_s" in w4 and "output_tok_s" in fp8:
             print(f"{name} / FP8 output tok/s: {w4['output_tok_s'] / fp8['output_tok_s']:.3f}")
@@ -236,7 +214,7 @@ def print_table(report: dict[str, Any]) -> None:
     if "output_tok_s" in staged and "output_tok_s" in fp8:
         ratio = staged["output_tok_s"] / fp8["output_tok_s"]
         print(f"staged KV (k4v3) / FP8 KV output tok/s: {ratio:.3f} (target >= 0.97)")
-    for name in ("fp8", "staged", "w4", "w4a8", "w4_int8"):
+    for name in ("fp8", "staged", "w4", "w4a8"):
         if kinds := s.get(name, {}).get("step_kinds"):
             print(
                 f"{name} steps of the timed rounds: "

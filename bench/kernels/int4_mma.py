@@ -9,9 +9,7 @@ today's triton int4 GEMV and the FP8 GEMV, on one GPU.
    loads in flight), each checked against the reference and timed as CUDA-graph replays over
    weight copies larger than L2 (median of 10 replays); the best at M = 1, 16, 32, 64; the
    triton int4 GEMV at its tuned tiling and FP8 `w8_gemv` at the same shape and M = 8; the
-   best register-pipeline and bulk-copy tilings again as probes without the math; the best
-   mode-2 tilings again on int8 tensor cores (mode 7, `TOKENMILL_INT4_DECODE=int8`), checked
-   against `reference.int4_mma_linear_a8` (x rounded per token and 64-k chunk), at M = 1-16.
+   best register-pipeline and bulk-copy tilings again as probes without the math.
 4. prefill (gate|up and down, M = 512, 2048, 4096): the mma layout's dequantization + cuBLAS,
    the triton layout's, the e4m3 scratch + scaled_mm (`TOKENMILL_INT4_PREFILL=fp8`), the W4A8
    GEMM per candidate tiling (`=w4a8`), each with its relative error against the exact
@@ -96,7 +94,7 @@ def candidates(n: int, k: int, modes: list[int] | None = None) -> list[MmaTiling
 
 
 def time_mma(m: int, n: int, k: int, ws: list[Any], x: torch.Tensor, ref: torch.Tensor,
-             tiling: MmaTiling, bandwidth: float, tolerance: float = 1e-2) -> dict[str, Any]:  # fmt: skip
+             tiling: MmaTiling, bandwidth: float) -> dict[str, Any]:  # fmt: skip
     outs: list[Any] = [None] * len(ws)
     row: dict[str, Any] = {"tiling": repr(tiling)}
     try:
@@ -108,7 +106,7 @@ def time_mma(m: int, n: int, k: int, ws: list[Any], x: torch.Tensor, ref: torch.
         e = rel_err(outs[0], ref)
         gbs = int4_bytes(m, n, k) / t
         row.update({"us": t * 1e6, "gb_s": gbs / 1e9, "of_copy": gbs / bandwidth, "rel_err": e})
-        row["ok"] = e < tolerance
+        row["ok"] = e < 1e-2
     except Exception as exc:
         row["error"] = err(exc)
     return row
@@ -134,17 +132,15 @@ def probes(rows: list[dict[str, Any]], ws: list[Any], x: torch.Tensor, ref: torc
            n: int, k: int, bandwidth: float) -> dict[str, Any]:  # fmt: skip
     """Where the time goes: the best register-pipeline (mode 2) and bulk-copy (mode 4) tilings
     at M = 8 timed again as probes that stream the same weights without x or the products
-    (modes 6 and 5), and mode 2's with x's loads but no products (10). A probe near copy
-    bandwidth says the math holds the stream back."""
+    (modes 6 and 5). A probe near copy bandwidth says the math holds the stream back."""
     out: dict[str, Any] = {}
-    for mode, probe in ((2, 6), (2, 10), (4, 5)):
+    for mode, probe in ((2, 6), (4, 5)):
         good = [r for r in rows if r.get("ok") and f"mode={mode})" in r["tiling"]]
         if not good:
             continue
         best = min(good, key=lambda r: r["us"])
         t = eval(best["tiling"], {"MmaTiling": MmaTiling})  # noqa: S307 (our own repr)
-        t = dataclasses.replace(t, mode=probe, depth=2 if probe in (6, 10) else t.depth)
-        row = time_mma(8, n, k, ws, x, ref, t, bandwidth)
+        row = time_mma(8, n, k, ws, x, ref, dataclasses.replace(t, mode=probe), bandwidth)
         row.pop("ok", None)
         row.pop("rel_err", None)
         out[f"mode{probe}"] = {"of": best["tiling"], "math_us": best["us"], **row}
@@ -189,53 +185,9 @@ def decode_shape(
         xm, refm = case(m)
         result["by_m"][m] = {"mma": time_mma(m, n, k, ws, xm, refm, best_tiling, bandwidth)}
     result["probes"] = probes(result["m8"], ws, x, ref, n, k, bandwidth)
-    result["int8"] = int8_rows(result["m8"], ws, case, n, k, bandwidth)
     ws.clear()
     torch.cuda.empty_cache()
     return result
-
-
-def int8_rows(rows: list[dict[str, Any]], ws: list[Any], case: Any, n: int, k: int,
-              bandwidth: float) -> dict[str, Any]:  # fmt: skip
-    """The grids of the 2 fastest mode-2 tilings at M = 8 again as mode 7 (int8 tensor cores),
-    8 (x loaded ahead) and 9 (both), each checked against its reference (7, 9:
-    `reference.int4_mma_linear_a8`, 5e-3: the bf16 output's rounding) with the int8 modes'
-    error against the exact product kept; the best int8 one again at M = 1 and 16."""
-    mode2 = sorted(
-        (r for r in rows if r.get("ok") and "mode=2)" in r["tiling"]), key=lambda r: r["us"]
-    )[:2]
-    out: dict[str, Any] = {"m8": [], "by_m": {}}
-    refs: dict[int, torch.Tensor] = {}
-
-    def a8_ref(m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x, exact = case(m)
-        if m not in refs:
-            refs[m] = reference.int4_mma_linear_a8(x, ws[0][2], ws[0][3], GROUP).float()
-        return x, refs[m], exact
-
-    for r in mode2:
-        for mode in (7, 8, 9):
-            t = eval(r["tiling"], {"MmaTiling": MmaTiling})  # noqa: S307 (our own repr)
-            t = dataclasses.replace(t, mode=mode, depth=2 if mode > 7 else t.depth)
-            x, ref, exact = a8_ref(8)
-            row = time_mma(8, n, k, ws, x, exact if mode == 8 else ref, t, bandwidth, 5e-3)
-            if "us" in row and mode != 8:
-                got = int4_mma.gemv(x, ws[0][2], ws[0][3], GROUP, t)
-                row["rel_err_exact"] = rel_err(got, exact)
-            row["mode2_us"] = r["us"]
-            out["m8"].append(row)
-            log(f"  {n}x{k} M=8 {row['tiling']}: {row.get('us', float('nan')):.1f} us "
-                f"(mode 2 {r['us']:.1f}) err {row.get('rel_err', row.get('error'))} "
-                f"vs exact {row.get('rel_err_exact')}")  # fmt: skip
-    good = [r for r in out["m8"] if r.get("ok") and "mode=8)" not in r["tiling"]]
-    if good:
-        best = min(good, key=lambda r: r["us"])
-        out["best"] = best
-        t = eval(best["tiling"], {"MmaTiling": MmaTiling})  # noqa: S307
-        for m in (1, 16):
-            x, ref, _ = a8_ref(m)
-            out["by_m"][m] = time_mma(m, n, k, ws, x, ref, t, bandwidth, 5e-3)
-    return out
 
 
 # W4A8 prefill tilings timed beside the default (`int4_gemm.W4A8_TILING`, the first).
@@ -412,18 +364,6 @@ def print_table(report: dict[str, Any]) -> None:
             fp8 = min((v["us"] for v in f8.values() if isinstance(v, dict) and "us" in v), default=float("nan"))  # fmt: skip
             print(f"{name:<28} {m:>3} {r.get('us', float('nan')):>7.2f} "
                   f"{100 * r.get('of_copy', float('nan')):>5.1f}% {tri:>9.2f} {fp8:>7.2f}  {r.get('tiling', '-')}")  # fmt: skip
-    for name, row in report.get("decode", {}).items():
-        a8 = row.get("int8", {})
-        for v in a8.get("m8", []):
-            print(f"variant {name:<20} M=8 {v.get('us', float('nan')):7.2f} us "
-                  f"({100 * v.get('of_copy', float('nan')):.1f}%; mode 2 {v['mode2_us']:.2f}) "
-                  f"err {v.get('rel_err', float('nan')):.4f} exact {v.get('rel_err_exact', float('nan')):.4f} "
-                  f"{v['tiling']}{'' if v.get('ok') else ' FAILED ' + str(v.get('error', 'check'))}")  # fmt: skip
-        if "best" in a8:
-            by_m = " / ".join(
-                f"{a8['by_m'].get(m, {}).get('us', float('nan')):.1f}" for m in (1, 16)
-            )
-            print(f"int8 best {name:<19} M=1/16 {by_m} us  {a8['best']['tiling']}")
     for name, row in report.get("decode", {}).items():
         for probe, p in row.get("probes", {}).items():
             print(f"probe {name:<22} {probe}: {p.get('us', float('nan')):.2f} us "

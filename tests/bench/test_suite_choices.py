@@ -62,14 +62,3 @@ def test_the_w4a8_sections_switch_both_paths_on_and_back() -> None:
     seen = with_w4a8(lambda: {"paths": (int4_gemm.INT4_PREFILL, int4_gemm.INT4_W4A8_ROWS)})
     assert seen == {"paths": ("w4a8", 17), "int4_prefill": "w4a8", "int4_w4a8_rows": 17}
     assert (int4_gemm.INT4_PREFILL, int4_gemm.INT4_W4A8_ROWS) == before
-
-
-def test_the_w4_int8_section_switches_the_decode_path_on_and_back() -> None:
-    from bench.engine.suite import SECTIONS, with_int8_decode
-    from worker.kernels.cuda import int4_mma
-
-    assert "w4_int8" in SECTIONS
-    before = int4_mma.INT4_DECODE
-    seen = with_int8_decode(lambda: {"path": int4_mma.INT4_DECODE})
-    assert seen == {"path": "int8", "int4_decode": "int8"}
-    assert int4_mma.INT4_DECODE == before == "bf16"

@@ -98,76 +98,6 @@ def test_lane_emulation_matches_reference(m: int, n: int, k: int, group: int) ->
     assert torch.allclose(got, want, rtol=1e-9, atol=1e-9)
 
 
-def emulate_int8_kernel(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, gc: int) -> torch.Tensor:  # fmt: skip
-    """y [M <= 8, N] as mode 7's lanes compute it: per chunk, x rounded per token to int8
-    (quantize_x), two mma m16n8k32 s8 products per tile from the A registers that the kernel's
-    lop3s make of words (2p, 2p + 1), their int32 sums times s_w / 16 * s_x."""
-    m, k = x.shape
-    tiles, chunks = words.shape[:2]
-    y = torch.zeros(m, 16 * tiles, dtype=torch.float64)
-    xs = torch.zeros(8, k, dtype=torch.float32)
-    xs[:m] = x.float()
-
-    def s8(byte: int) -> int:
-        return byte - 256 if byte >= 128 else byte
-
-    w = words.view(torch.uint8).view(tiles, chunks, 32, 4, 4).to(torch.int64)
-    for c in range(chunks):
-        # quantize_x: lanes (g, t) hold k 32 h + 8 t + 0..7; the 4 lanes of a token share a scale
-        chunk = xs[:, 64 * c : 64 * c + 64]
-        amax = chunk.abs().amax(dim=1)
-        inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-        q = torch.round(chunk * inv[:, None]).to(torch.int64)  # [token, k in chunk]
-        sx = (amax * (1.0 / 127.0)).double()
-        for rt in range(tiles):
-            p = torch.zeros(16, 8, dtype=torch.int64)
-            for pp in range(2):
-                a = torch.zeros(16, 32, dtype=torch.int64)  # mma rows x mma k
-                b = torch.zeros(32, 8, dtype=torch.int64)  # mma k x tokens
-                for lane in range(32):
-                    g, t = lane >> 2, lane & 3
-                    for h in range(2):  # word 2pp + h -> registers (a[2h], a[2h + 1]), b[h]
-                        bytes_ = [int(v) for v in w[rt, c, lane, 2 * pp + h]]
-                        for j in range(4):  # byte j: mma k 16 h + 4 t + j
-                            col = 16 * h + 4 * t + j
-                            lo = ((bytes_[j] << 4) & 0xF0) ^ 0x80  # and_xor(w << 4, HI, SIGN)
-                            hi = (bytes_[j] & 0xF0) ^ 0x80  # and_xor(w, HI, SIGN)
-                            a[g, col], a[g + 8, col] = s8(lo), s8(hi)
-                            # quantize_x's byte order: k 32 pp + 8 t + 4 h + (0, 2, 1, 3)
-                            kk = 32 * pp + 8 * t + 4 * h + reference.MMA_K_OF_BYTE[j]
-                            b[col, g] = q[g, kk]
-                p += a @ b
-            s = scales[rt, c // gc].double() / 16  # [16] rows of the tile
-            y[:, rt * 16 : rt * 16 + 16] += (p.double() * s[:, None] * sx[None, :]).T[:m]
-    return y
-
-
-@pytest.mark.parametrize(
-    ("m", "n", "k", "group"), [(1, 16, 128, 128), (5, 32, 256, 64), (8, 16, 192, 128)]
-)
-def test_int8_lane_emulation_matches_its_reference(m: int, n: int, k: int, group: int) -> None:
-    """Mode 7's fragment order: the lanes' int8 products give x rounded per 64-k chunk times the
-    exact int4 weight, and that rounding is within int8's error of the exact product."""
-    gen = torch.Generator().manual_seed(2)
-    q = quantize_rtn(torch.randn(n, k, generator=gen) * 0.02, group, True)
-    x = torch.randn(m, k, generator=gen)
-    x[0, :64] = 0.0  # a zero chunk has scale 0, not a division by zero
-    words, mma_scales = reference.int4_mma_pack(q.qweight, q.scales)
-    got = emulate_int8_kernel(x, words, mma_scales, group // 64)
-    want = reference.int4_mma_linear_a8(x, words, mma_scales, group).double()
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
-    exact = x.double() @ reference.int4_dequantize(q.qweight, q.scales, None, group).double().T
-    assert 1e-4 < rel_err(got, exact) < 1e-2
-
-
-def test_int8_decode_switch_is_checked() -> None:
-    from worker.kernels.cuda import int4_mma
-
-    assert int4_mma.decode_path("INT8") == "int8" and int4_mma.decode_path("") == "bf16"
-    with pytest.raises(ValueError, match="TOKENMILL_INT4_DECODE"):
-        int4_mma.decode_path("int4")
-
-
 def test_int4_linear_in_mma_layout_answers_as_nibble() -> None:
     layer = Int4Linear.from_linear(nn.Linear(128, 48, bias=False).bfloat16(), 64)
     x = torch.randn(3, 128).bfloat16()
@@ -381,8 +311,6 @@ def test_gate_up_pairs_only_whole_tiles_without_bias() -> None:
         (2, 4, 1, 3, 4),
         (1, 8, 2, 6, 4),
         (4, 4, 3, 2, 4),
-        (4, 8, 1, 2, 8),
-        (2, 8, 3, 2, 8),
     ],
 )
 def test_gemv_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int, int] | None) -> None:
@@ -418,35 +346,6 @@ def test_split_k_gives_the_same_bits_every_run(tiling: tuple[int, int, int, int,
     first = int4_mma.gemv(x, words, mma_scales, 128, t)
     for _ in range(20):
         assert torch.equal(int4_mma.gemv(x, words, mma_scales, 128, t), first)
-
-
-@GPU
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 8, 13, 16, 24, 64])
-@pytest.mark.parametrize(("n", "k"), [(256, 512), (5120, 6144), (34816, 5120)])
-@pytest.mark.parametrize(
-    "tiling",
-    [(4, 8, 1, 2, 7), (2, 8, 3, 4, 7), (4, 4, 4, 4, 7), (1, 8, 2, 2, 7), (4, 8, 2, 2, 9)],
-)
-def test_int8_gemv_on_gpu(
-    dtype: torch.dtype, m: int, n: int, k: int, tiling: tuple[int, int, int, int, int]
-) -> None:
-    """Modes 7 and 9 (int8 tensor cores) against x rounded per 64-k chunk times the exact
-    weight, within the bf16 output's rounding."""
-    from worker.kernels.cuda import int4_mma
-
-    torch.manual_seed(0)
-    q = quantize_rtn(torch.randn(n, k, device="cuda") * 0.02, 128, True)
-    words, mma_scales = reference.int4_mma_pack(q.qweight, q.scales)
-    x = torch.randn(m, k, device="cuda").to(dtype)
-    x[0, 64:128] = 0.0
-    got = int4_mma.gemv(x, words, mma_scales, 128, int4_mma.MmaTiling(*tiling))
-    want = reference.int4_mma_linear_a8(x, words, mma_scales, 128).float()
-    assert rel_err(got.float(), want) < 5e-3
-    ws, arrivals = int4_mma._workspaces.get(x.device), int4_mma._arrivals.get(x.device)
-    assert ws is None or ws.count_nonzero() == 0
-    assert arrivals is None or arrivals.count_nonzero() == 0
 
 
 @GPU

@@ -486,32 +486,6 @@ def int4_mma_linear(
     return int4_linear(x, q, s, None, group_size, bias)
 
 
-# W4A8 decode on int8 tensor cores (int4_mma.cu mode 7) rounds x per token and 64-k chunk.
-INT8_CHUNK = 64
-
-
-def round_int8_chunks(x: torch.Tensor, chunk: int = INT8_CHUNK) -> torch.Tensor:
-    """x [..., K] (K % chunk == 0) in fp32 as the int8 decode GEMV sees it: each token's chunk
-    of `chunk` values rounded to the nearest of 255 levels, scale = the chunk's absmax / 127."""
-    v = x.float().reshape(*x.shape[:-1], -1, chunk)
-    amax = v.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    return (torch.round(v * inv) * (amax / 127.0)).reshape(x.shape)
-
-
-def int4_mma_linear_a8(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`int4_mma_linear` with x rounded as `round_int8_chunks` says (fp32 product, x's dtype out)."""
-    q, s = int4_mma_unpack(qweight, scales)
-    y = int4_linear(round_int8_chunks(x), q, s, None, group_size)
-    return (y if bias is None else y + bias.float()).to(x.dtype)
-
-
 # A fused gate|up weight [2F, K] in the int4-mma layout may have its 16-row tiles paired: tile 2j
 # holds gate rows 16 j..16 j + 15 and tile 2j + 1 the up rows of the same outputs (F % 16 == 0),
 # so the decode GEMV's CTAs, which own an even number of tiles, form silu(gate) * up themselves.

@@ -24,8 +24,6 @@
 // the CTAs add into an fp32 workspace and the last to arrive writes the output and re-zeroes the
 // workspace and its counter (so CUDA-graph replays need no memset). A fused gate|up weight
 // whose tiles alternate gate / up can have that write be silu(gate) * up (reduce_parts' SILU).
-//
-// Mode 7 reads the same layout on int8 tensor cores (mma m16n8k32 s8, W4A8): see chunk_products_a8.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -260,107 +258,6 @@ __device__ __forceinline__ void close_group(float (&acc)[R][MT][4], float (&part
   });
 }
 
-// W4A8 on int8 tensor cores (mode 7). Word i of a lane's quad holds row g's four codes of its
-// k in the low nibbles of its bytes (k order 0, 2, 1, 3: pairs j = 0, 2 at nibbles 0, 4 and
-// 2, 6) and row g + 8's in the high nibbles. As bytes, (w << 4) & 0xf0 and w & 0xf0, each
-// xor 0x80, are 16 (q - 8) in two's complement: an s8 A register in one lop3 (and a shift).
-// So words 2p and 2p + 1 are the A registers (a0, a1) and (a2, a3) of an m16n8k32 product p
-// over k = 64 c + 32 p + 8 t + 0..7, with no repacking. x is rounded in the kernel, per token
-// and 64-k chunk, to int8 (scale = absmax / 127) into B registers of the same k order, and a
-// chunk's int32 sums reach fp32 times s_w / 16 * s_x. A code costs ~1.5 ALU instructions (the
-// 16-bit path: ~3.5, plus the all-ones product for the offset), and a product covers twice
-// the k.
-__device__ __forceinline__ uint32_t and_xor(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0x6a;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-
-__device__ __forceinline__ void imma(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                     uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-template <bool BF16>
-__device__ __forceinline__ float2 to_float2(uint32_t v) {
-  if constexpr (BF16) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-  else return __half22float2(*reinterpret_cast<const __half2*>(&v));
-}
-
-// Lane (g, t)'s 16 values of token g in this chunk (xv[h]: k 32 h + 8 t + 0..7), rounded to
-// int8 with the scale of the 64 that its 4 lanes hold: b[2 p + h] is product p's B register h
-// (k 32 p + 8 t + 4 h + (0, 2, 1, 3)). Returns the scale, absmax / 127 (0 for a zero row).
-template <bool BF16>
-__device__ __forceinline__ float quantize_x(const uint4 (&xv)[2], uint32_t (&b)[4]) {
-  float f[16];
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 v = to_float2<BF16>(word(xv[h], i));
-      f[8 * h + 2 * i] = v.x;
-      f[8 * h + 2 * i + 1] = v.y;
-    }
-  float m = 0.f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) m = fmaxf(m, fabsf(f[i]));
-  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-  const float inv = m > 0.f ? 127.f / m : 0.f;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    // + 1.5 * 2^23 rounds to the nearest integer, which lands in the low byte (two's complement)
-    uint32_t r[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) r[i] = __float_as_uint(__fmaf_rn(f[4 * j + i], inv, 12582912.f));
-    b[j] = __byte_perm(__byte_perm(r[0], r[2], 0x0040), __byte_perm(r[1], r[3], 0x0040), 0x5410);
-  }
-  return m * (1.f / 127.f);
-}
-
-// One chunk on int8 tensor cores into acc (the chunk is its own scale span, so no partial sums
-// outlive it); the weights' group scale for rows (g, g + 8) of tile r is my_sc[r][gi].
-template <bool BF16, int MT, int R>
-__device__ __forceinline__ void chunk_products_a8(float (&acc)[R][MT][4], const uint4 (&w)[R],
-                                                  const uint4 (&xv)[MT][2], const __half* my_sc,
-                                                  int maxg, int gi, int g, int t) {
-  constexpr uint32_t HI = 0xf0f0f0f0u, SIGN = 0x80808080u;
-  uint32_t b[MT][4];
-  float sx[MT][2];  // the scales of this lane's output tokens 2t and 2t + 1 (lanes 8t, 8t + 4)
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const float s = quantize_x<BF16>(xv[mt], b[mt]);
-    sx[mt][0] = __shfl_sync(0xffffffffu, s, 8 * t);
-    sx[mt][1] = __shfl_sync(0xffffffffu, s, 8 * t + 4);
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    int p[MT][4] = {};
-#pragma unroll
-    for (int pp = 0; pp < 2; ++pp) {
-      const uint32_t w0 = word(w[r], 2 * pp), w1 = word(w[r], 2 * pp + 1);
-      const uint32_t a0 = and_xor(w0 << 4, HI, SIGN), a1 = and_xor(w0, HI, SIGN);
-      const uint32_t a2 = and_xor(w1 << 4, HI, SIGN), a3 = and_xor(w1, HI, SIGN);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) imma(p[mt], a0, a1, a2, a3, b[mt][2 * pp], b[mt][2 * pp + 1]);
-    }
-    // codes came in as 16 (q - 8)
-    const float s0 = 0.0625f * __half2float(my_sc[(r * maxg + gi) * 16 + g]);
-    const float s1 = 0.0625f * __half2float(my_sc[(r * maxg + gi) * 16 + g + 8]);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      acc[r][mt][0] += (float)p[mt][0] * (s0 * sx[mt][0]);
-      acc[r][mt][1] += (float)p[mt][1] * (s0 * sx[mt][1]);
-      acc[r][mt][2] += (float)p[mt][2] * (s1 * sx[mt][0]);
-      acc[r][mt][3] += (float)p[mt][3] * (s1 * sx[mt][1]);
-    }
-  }
-}
-
 // silu(gate) * up from the projection's fp32 sums, rounded as the unfused path rounds (the
 // projection to T, silu to T, then the product): ops.silu_mul's math on the GEMV's output.
 template <typename T>
@@ -514,14 +411,9 @@ __device__ __forceinline__ void after_chunk(float (&acc)[R][MT][4], float (&part
 }
 
 // Register pipeline: MT token groups of 8 (M <= 8 MT), R row tiles per CTA, D chunks of weight
-// in flight per warp in registers (16-byte loads that skip L1). SILU: see reduce_parts. A8
-// (interleaved only): the chunks' products on int8 tensor cores (chunk_products_a8). XA: x's
-// operands loaded D chunks ahead with the weights (registers), not at use. PROBE (timing only):
-// 1 the weight stream alone, 2 the stream and x's loads, no products.
-template <bool BF16, int MT, int R, int D, bool IL, int PROBE = 0, bool SILU = false,
-          bool A8 = false, bool XA = false>
+// in flight per warp in registers (16-byte loads that skip L1). SILU: see reduce_parts.
+template <bool BF16, int MT, int R, int D, bool IL, bool PROBE = false, bool SILU = false>
 __global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS) {
-  static_assert(!A8 || IL, "int8 chunks find their group by a shift");
   TM_WARP_CHUNKS
   __half* my_sc = reinterpret_cast<__half*>(smem) + (IL ? 0 : (size_t)warp * R * rg.maxg * 16);
 
@@ -533,11 +425,6 @@ __global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS) {
       for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(first + s * step) * 32);
   load_scales<R, IL>(my_sc, sc, rg, G, rb, lane);
   pdl_wait();
-  uint4 xbuf[XA ? D : 1][MT][2];  // x is the kernel before's output: loaded after the wait
-  if (XA)
-#pragma unroll
-    for (int s = 0; s < D; ++s)
-      if (first + s * step < rg.c_end) load_x<BF16, MT>(xbuf[s], x, M, ldx, first + s * step, g, t);
 
   float acc[R][MT][4], part[R][MT][4], xsum[1][MT][4];
   zero(acc);
@@ -553,25 +440,13 @@ __global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS) {
         uint4 wcur[R], xv[MT][2];
 #pragma unroll
         for (int r = 0; r < R; ++r) wcur[r] = wbuf[s][r];
-        if (XA) {
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) xv[mt][0] = xbuf[s][mt][0], xv[mt][1] = xbuf[s][mt][1];
-          if (c + D * step < rg.c_end) load_x<BF16, MT>(xbuf[s], x, M, ldx, c + D * step, g, t);
-        } else if (PROBE != 1) {
-          load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
-        }
+        if (!PROBE) load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
         if (c + D * step < rg.c_end)
 #pragma unroll
           for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(c + D * step) * 32);
         if (PROBE) {
 #pragma unroll
           for (int r = 0; r < R; ++r) probe ^= wcur[r].x ^ wcur[r].y ^ wcur[r].z ^ wcur[r].w;
-          if (PROBE == 2)
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) probe ^= xv[mt][0].x ^ xv[mt][1].w;
-        } else if (A8) {
-          chunk_products_a8<BF16, MT, R>(acc, wcur, xv, my_sc, rg.maxg, (c >> gshift) - rg.g0, g,
-                                         t);
         } else {
           chunk_products<BF16, MT, R>(part, xsum[0], wcur, xv);
           after_chunk<BF16, MT, R, IL>(acc, part, xsum[0], my_sc, rg, c, gc, gshift, in_group, gi,
@@ -949,8 +824,8 @@ int launch_bulk(const void* qw, const void* sc, const void* x, void* y, void* ws
                        depth);
 }
 
-template <bool BF16, int MT, int R, int D, bool ASYNC, bool IL, int PROBE = 0,
-          bool SILU = false, bool A8 = false, bool XA = false>
+template <bool BF16, int MT, int R, int D, bool ASYNC, bool IL, bool PROBE = false,
+          bool SILU = false>
 int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                 int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, bool pdl,
                 cudaStream_t stream) {
@@ -966,7 +841,7 @@ int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws
   // if constexpr, not ?: (which would build both kernels, one never launched)
   auto kernel = [] {
     if constexpr (ASYNC) return w4_gemv_async<BF16, MT, R, D, IL, SILU>;
-    else return w4_gemv_regs<BF16, MT, R, D, IL, PROBE, SILU, A8, XA>;
+    else return w4_gemv_regs<BF16, MT, R, D, IL, PROBE, SILU>;
   }();
   if (bytes > 48 * 1024) {
     cudaError_t err =
@@ -1005,7 +880,7 @@ int launch_streamk(const void* qw, const void* sc, const void* x, void* y, void*
                        static_cast<int*>(arrivals), M, N, K, ldx, ldy, gc, __builtin_ctz(gc));
 }
 
-// Modes 0-2 and 7: K split over the grid's y.
+// Modes 0-2: K split over the grid's y.
 template <bool BF16, int MT, int R, bool SILU>
 int gemv_split_k(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                  int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
@@ -1017,23 +892,6 @@ int gemv_split_k(const void* qw, const void* sc, const void* x, void* y, void* w
     case 0: return TM_GEMV(2, false, false);
     case 1: return TM_GEMV(4, true, false);
     case 2: return depth >= 4 ? TM_GEMV(4, false, true) : TM_GEMV(2, false, true);
-    case 7:
-      return depth >= 4 ? launch_gemv<BF16, MT, R, 4, false, true, 0, SILU, true>(
-                              qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits,
-                              pdl, s)
-                        : launch_gemv<BF16, MT, R, 2, false, true, 0, SILU, true>(
-                              qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits,
-                              pdl, s);
-    case 8:  // mode 2 (depth 2) and 7 with x loaded ahead
-    case 9:
-      if constexpr (MT <= 2) {
-        if (mode == 8)
-          return launch_gemv<BF16, MT, R, 2, false, true, 0, SILU, false, true>(
-              qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, pdl, s);
-        return launch_gemv<BF16, MT, R, 2, false, true, 0, SILU, true, true>(
-            qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, pdl, s);
-      }
-      return -1;
     default: return -1;
   }
 #undef TM_GEMV
@@ -1046,15 +904,12 @@ int gemv_split_k(const void* qw, const void* sc, const void* x, void* y, void* w
 // stages; sm_90). Probes for timing only (their output is not the product, M <= 8): 5 mode 4's
 // stream without the math, 6 mode 2's (depth 2) likewise. The variants that lost on one H200
 // (deeper rings, interleaved cp.async) are not built: each costs compile time at the worker's
-// first start. SILU (modes 0-2 and 7): the fused gate|up epilogue of reduce_parts. 7: mode 2's
-// pipeline (depth 2 or 4) on int8 tensor cores, x rounded per token and 64-k chunk (W4A8).
-// 8 and 9: modes 2 and 7 (depth 2) with x's operands loaded ahead with the weights (M <= 16);
-// 10: a probe, mode 6 with x's loads.
+// first start. SILU (modes 0-2 only): the fused gate|up epilogue of reduce_parts.
 template <bool BF16, int MT, int R, bool SILU>
 int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                  int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
                  int mode, bool pdl, cudaStream_t s) {
-  if (mode <= 2 || (mode >= 7 && mode <= 9))
+  if (mode <= 2)
     return gemv_split_k<BF16, MT, R, SILU>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc,
                                            warps, splits, depth, mode, pdl, s);
   if constexpr (SILU) return -1;
@@ -1069,11 +924,8 @@ int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* w
                                              warps, splits, depth, pdl, s);
     case 5:
     case 6:
-    case 10:
       if constexpr (MT == 1 && BF16) {
-        if (mode == 6) return launch_gemv<BF16, MT, R, 2, false, true, 1>(
-            qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, pdl, s);
-        if (mode == 10) return launch_gemv<BF16, MT, R, 2, false, true, 2>(
+        if (mode == 6) return launch_gemv<BF16, MT, R, 2, false, true, true>(
             qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, pdl, s);
         return launch_bulk<BF16, MT, R, true>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc,
                                               warps, splits, depth, pdl, s);
@@ -1108,10 +960,10 @@ extern "C" {
 // y[M, N] = x[M, K] @ W^T. Returns a cudaError_t (0: launched; -1: bad arguments).
 // rows_per_cta 1, 2 or 4 (N a multiple of 16 * rows_per_cta; more tiles per CTA share each x
 // operand load); warps 1..8; splits >= 1 (> 1 needs ws and arrivals, zeroed, sized
-// splits * N / 16 * MT * 128 floats (modes 0-2, 6-10; modes 3-5: N / 16 * MT * 128) and N / 16 ints); mode 0-10 (gemv_by_mode); M > 16 needs
+// splits * N / 16 * MT * 128 floats (modes 0-2; modes 3-6: N / 16 * MT * 128) and N / 16 ints); mode 0-6 (gemv_by_mode); M > 16 needs
 // rows_per_cta <= 2, M > 32 rows_per_cta 1. silu_mul: W is a fused gate|up projection whose
 // 16-row tiles alternate gate / up (N = 2F), and y [M, F] (row stride ldy) = silu(gate) * up;
-// needs rows_per_cta 2 or 4 and mode 0-2 or 7-9. pdl: launched with programmatic dependent launch
+// needs rows_per_cta 2 or 4 and mode 0-2. pdl: launched with programmatic dependent launch
 // (sm_90), overlapping the kernel before's tail.
 int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                int M, int N, int K, int ldx, int ldy, int gc, int bf16, int rows_per_cta,
@@ -1120,8 +972,7 @@ int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws,
   if (M < 1 || M > 64 || K % 64 || gc < 1 || warps < 1 || warps > 8 || splits < 1) return -1;
   if ((rows_per_cta != 1 && rows_per_cta != 2 && rows_per_cta != 4) || N % (16 * rows_per_cta))
     return -1;
-  if (silu_mul && (rows_per_cta == 1 || mode < 0 || (mode > 2 && (mode < 7 || mode > 9))))
-    return -1;
+  if (silu_mul && (rows_per_cta == 1 || mode < 0 || mode > 2)) return -1;
 #define TM_CALL(B, R)                                                                           \
   (silu_mul ? gemv_by_rows<B, R, true>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, \
                                        splits, depth, mode, pdl, s)                             \

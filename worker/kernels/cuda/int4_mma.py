@@ -34,25 +34,6 @@ KERNEL_SWITCH = "TOKENMILL_INT4_KERNEL"
 AUTO_MAX_ROWS = 8
 
 
-# How the GEMV multiplies (TOKENMILL_INT4_DECODE): "bf16" (default) x as it comes, on 16-bit
-# tensor cores; "int8" x rounded in the kernel per token and 64-k chunk (absmax / 127) and the
-# codes taken as int8, on int8 tensor cores (mode 7: the mode-2 tilings' grids, ~2.5x fewer
-# instructions a code). Opt-in: it rounds x, as an FP8 model's decode does.
-DECODE_SWITCH = "TOKENMILL_INT4_DECODE"
-DECODE_PATHS = ("bf16", "int8")
-
-
-def decode_path(value: str) -> str:
-    """A TOKENMILL_INT4_DECODE value, checked: a typo would otherwise run bf16 silently."""
-    value = value.strip().lower() or "bf16"
-    if value not in DECODE_PATHS:
-        raise ValueError(f"{DECODE_SWITCH}={value!r}: expected one of {DECODE_PATHS}")
-    return value
-
-
-INT4_DECODE = decode_path(os.environ.get(DECODE_SWITCH, "bf16"))
-
-
 def kernel_choice() -> str:
     choice = os.environ.get(KERNEL_SWITCH, "auto").strip().lower() or "auto"
     if choice not in ("auto", "mma", "triton"):
@@ -73,10 +54,7 @@ class MmaTiling:
     (sm_90: a producer warp streams stages of `warps` chunks into a ring of `depth` with the
     bulk-copy engine, `warps` consumer warps multiply; `splits` CTAs per SM share the row blocks
     x stages evenly, as mode 3). Modes 5 and 6 are timing probes (4's and 2's weight stream
-    without the math), never the product. Mode 7: mode 2's pipeline on int8 tensor cores, x
-    rounded per token and 64-k chunk (`reference.int4_mma_linear_a8`'s numerics). Modes 8 and
-    9: modes 2 and 7 at depth 2 with x's operands loaded ahead with the weights (M <= 16); 10 a
-    probe (6 with x's loads)."""
+    without the math), never the product."""
 
     rows: int = 2
     warps: int = 8
@@ -198,23 +176,19 @@ def gemv(
     if m > 32 and t.rows == 2:  # 8 token groups x 2 tiles spill registers: one tile per CTA
         t = dataclasses.replace(t, rows=1)
     gc = group_size // 64
-    if t.mode in (8, 9) and m > 16:  # x loaded ahead holds 2 token groups at most
-        t = dataclasses.replace(t, mode=t.mode - 6 if t.mode == 8 else 7, depth=2)
-    if INT4_DECODE == "int8" and t.mode in (2, 8):
-        t = dataclasses.replace(t, mode=7 if t.mode == 2 else 9)
-    if t.mode in (4, 5) and ((k // 64) % t.warps or torch.cuda.get_device_capability(x.device) < (9, 0)):  # fmt: skip
+    if t.mode >= 4 and ((k // 64) % t.warps or torch.cuda.get_device_capability(x.device) < (9, 0)):
         t = default_tiling(n, k, group_size)  # a stage is one chunk per consumer warp; sm_90
     if t.mode >= 2 and gc & (gc - 1):  # interleaved chunks find their group by a shift
-        t = dataclasses.replace(t, mode=1, splits=1 if t.mode in (3, 4, 5) else t.splits)
-    # the epilogue pairs a CTA's tiles (even rows) in the K-split pipelines (modes 0-2, 7)
-    fused = silu_mul and t.rows in (2, 4) and t.mode in (0, 1, 2, 7, 8, 9)
+        t = dataclasses.replace(t, mode=1, splits=1 if t.mode in (3, 4) else t.splits)
+    # the epilogue pairs a CTA's tiles (even rows) in the K-split pipelines (modes 0-2)
+    fused = silu_mul and t.rows in (2, 4) and t.mode <= 2
     out = torch.empty((m, n // 2 if fused else n), dtype=x.dtype, device=x.device)
     ws = arrivals = None
-    if t.splits > 1 or t.mode in (3, 4, 5):  # split K, or stream-K's parts of row blocks
+    if t.splits > 1 or t.mode >= 3:  # split K, or stream-K's parts of row blocks
         token_groups = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8  # the kernel's MT
-        # K split over the grid's y (modes 0-2, 7 and the probe 6): a slot per part, summed in
+        # K split over the grid's y (modes 0-2 and their probe 6): a slot per part, summed in
         # order; stream-K's segments (3-5) add into one
-        parts = t.splits if t.mode in (0, 1, 2, 6, 7, 8, 9, 10) else 1
+        parts = t.splits if t.mode in (0, 1, 2, 6) else 1
         ws = _zeroed(_workspaces, x.device, parts * n // 16 * token_groups * 128, torch.float32)
         arrivals = _zeroed(_arrivals, x.device, n // 16, torch.int32)
     code = _library(x.device).tm_w4_gemv(
