@@ -214,3 +214,12 @@ def test_finished_and_preempted_sequences_release_both_pools(model):
     assert engine.runner.restaged_pages > 0
     assert bm.num_free_blocks == bm.num_blocks
     assert bm.num_free_compressed_blocks == bm.num_compressed_blocks
+
+
+def test_warm_up_restages_a_page(model):
+    """The re-encode kernel compiles in warm-up, not under the first wave of requests."""
+    engine = LLMEngine(model, None, config(**WINDOW_2))
+    run = engine.warm_up()
+    assert run[-1].endswith("pages") and engine.runner.restaged_pages > 0
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -411,6 +411,18 @@ class LLMEngine:
             length = rows // 2 + 1 - decodes  # rows // 2 + 1 tokens: the bucket's smallest
             if rows // 2 < c.max_num_batched_tokens and length <= longest:
                 compose(1, length, decodes)
+        # Staged KV: one sequence past its anchors and window, decoded until its oldest recent
+        # page is stale, so the re-encode kernel compiles here (on one H200 its first launch,
+        # under the first wave of requests, took a 6 s step)
+        if self.runner.staged_caches:
+            bm = self.block_manager
+            length = min((bm.anchor_pages + bm.window_pages + 1) * c.block_size, longest)
+            steps = SamplingParams(temperature=0, max_tokens=bm.min_age + 2, ignore_eos=True)
+            before = self.runner.restaged_pages
+            self.add_request([1] * length, steps)
+            while self.has_unfinished_requests():
+                self.step()
+            run.append(f"1x{length} restaging {self.runner.restaged_pages - before} pages")
         return run
 
     @property
