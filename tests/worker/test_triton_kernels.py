@@ -333,6 +333,11 @@ def test_paged_attention_decode(fp8: bool, partition: int | None) -> None:
     check_paged_decode([1, 50, 130], 6, 2, 32, 16, fp8, partition, "cpu")
 
 
+def test_paged_attention_decode_merges_more_splits_than_one_chunk() -> None:
+    """34 splits of 16 tokens: the merge reads its partial outputs in three chunks of 16."""
+    check_paged_decode([1, 300, 517], 6, 2, 32, 16, True, 16, "cpu")
+
+
 def test_paged_attention_decode_splits_each_rows_own_context() -> None:
     """A table far wider than the contexts (as the engine's, sized for its context limit):
     8 splits (on a CPU), each row cutting its own context into them, most splits of the short

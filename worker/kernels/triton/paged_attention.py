@@ -144,21 +144,32 @@ def _combine_kernel(
     D: tl.constexpr,
     SP: tl.constexpr,
     PDL: tl.constexpr,
+    CH: tl.constexpr = 16,
 ):
     pdl_wait(PDL)
     bh = tl.program_id(0)  # b * HQ + h
     splits = tl.arange(0, SP)
-    present = splits < num_splits
-    lse = tl.load(part_lse + bh * num_splits + splits, mask=present, other=float("-inf"))
-    weights = tl.exp(lse - tl.max(lse, 0))
-    weights = weights / tl.sum(weights, 0)
-    offs_d = tl.arange(0, D)
-    parts = tl.load(
-        part_out + (bh * num_splits + splits)[:, None] * D + offs_d[None, :],
-        mask=(present & (lse > float("-inf")))[:, None],
-        other=0.0,
+    lse = tl.load(
+        part_lse + bh * num_splits + splits, mask=splits < num_splits, other=float("-inf")
     )
-    result = tl.sum(parts * weights[:, None], 0) * v_scale
+    top = tl.max(lse, 0)
+    total = tl.sum(tl.exp(lse - top), 0)
+    offs_d = tl.arange(0, D)
+    # the partial outputs CH splits at a time: a [SP, D] tile at once is 512 fp32 a thread at
+    # batch 1 (132 splits, SP 256, D 256), spilled
+    acc = tl.zeros([D], dtype=tl.float32)
+    for first in range(0, num_splits, CH):
+        chunk = first + tl.arange(0, CH)
+        lse_c = tl.load(
+            part_lse + bh * num_splits + chunk, mask=chunk < num_splits, other=float("-inf")
+        )
+        parts = tl.load(
+            part_out + (bh * num_splits + chunk)[:, None] * D + offs_d[None, :],
+            mask=((chunk < num_splits) & (lse_c > float("-inf")))[:, None],
+            other=0.0,
+        )
+        acc += tl.sum(parts * tl.exp(lse_c - top)[:, None], 0)
+    result = acc * (v_scale / total)
     tl.store(out + bh * D + offs_d, result.to(out.dtype.element_ty))
 
 
