@@ -85,6 +85,8 @@ def candidates(n: int, k: int, modes: list[int] | None = None) -> list[MmaTiling
     if modes is not None:
         out = {t for t in out if t.mode in modes}
     tuned = int4_mma.MMA_DECODE_TILINGS.get((n, k))
+    if modes == [] and tuned is None:  # --tuned-only without a tuning file: the default
+        out = {int4_mma.default_tiling(n, k, GROUP)}
     if tuned is not None:  # today's winner, the baseline of every run
         out.add(tuned)
     rank = {m: i for i, m in enumerate(modes or range(8))}
@@ -132,9 +134,13 @@ def probes(rows: list[dict[str, Any]], ws: list[Any], x: torch.Tensor, ref: torc
            n: int, k: int, bandwidth: float) -> dict[str, Any]:  # fmt: skip
     """Where the time goes: the best register-pipeline (mode 2) and bulk-copy (mode 4) tilings
     at M = 8 timed again as probes that stream the same weights without x or the products
-    (modes 6 and 5). A probe near copy bandwidth says the math holds the stream back."""
+    (modes 6 and 5). A probe near copy bandwidth says the math holds the stream back. Then
+    whether mode 2's occupancy (2 CTAs an SM, by its registers) is what holds it under its
+    stream (3 an SM): probe 8 (mode 6 held to 2 CTAs an SM) and mode 7 (mode 2 with registers
+    capped for 3); and mode 2 with one weight copy, L2-resident where it fits (50 MB on an
+    H200): what prefetching a GEMV's weights into L2 could at best give."""
     out: dict[str, Any] = {}
-    for mode, probe in ((2, 6), (4, 5)):
+    for mode, probe in ((2, 6), (4, 5), (2, 8), (2, 7)):
         good = [r for r in rows if r.get("ok") and f"mode={mode})" in r["tiling"]]
         if not good:
             continue
@@ -146,6 +152,12 @@ def probes(rows: list[dict[str, Any]], ws: list[Any], x: torch.Tensor, ref: torc
         out[f"mode{probe}"] = {"of": best["tiling"], "math_us": best["us"], **row}
         log(f"  {n}x{k} probe {probe} of {best['tiling']}: {row.get('us', float('nan')):.1f} us "
             f"{100 * row.get('of_copy', float('nan')):.0f}% (with the math {best['us']:.1f} us)")  # fmt: skip
+        if probe == 7:  # mode 7 computes the product: its error is kept
+            out["mode7"]["rel_err"] = time_mma(8, n, k, ws, x, ref, dataclasses.replace(t, mode=7), bandwidth).get("rel_err")  # fmt: skip
+        if probe == 6:
+            hot = time_mma(8, n, k, [ws[0]] * len(ws), x, ref, t, bandwidth)
+            out["l2_hot"] = {"of": best["tiling"], "math_us": best["us"], "us": hot.get("us")}
+            log(f"  {n}x{k} one weight copy (L2-resident where it fits): {hot.get('us', float('nan')):.1f} us")  # fmt: skip
     return out
 
 
@@ -426,8 +438,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="only the 17-64-row W4A8 section (and the prefill one unless --no-prefill)",
     )
     parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument(
+        "--tuned-only",
+        action="store_true",
+        help="time only the tuning file's tiling of each shape (and its probes), no sweep",
+    )
     args = parser.parse_args(argv)
     modes = [int(m) for m in args.modes.split(",")] if args.modes else None
+    if args.tuned_only:
+        modes = []  # candidates() then keeps the tuned tiling alone
     # --out: a JSON file, or a folder for the dated name
     out = Path(args.out) if args.out else result_path("int4_mma")
     if out.is_dir():

@@ -41,11 +41,13 @@ class BatchMetadata:
         return sum(self.query_lens)
 
 
-def index_on(device: torch.device | str, values: list[int]) -> torch.Tensor:
-    """`values` as an int64 index tensor on `device`, from pinned memory on a GPU: a copy from
+def index_on(
+    device: torch.device | str, values: list[int], dtype: torch.dtype = torch.int64
+) -> torch.Tensor:
+    """`values` as an index tensor on `device`, from pinned memory on a GPU: a copy from
     pageable memory would make the host wait for the forward queued before it (overlapped
     decode queues the next step's work behind it)."""
-    index = torch.tensor(values, dtype=torch.int64)
+    index = torch.tensor(values, dtype=dtype)
     if torch.device(device).type == "cpu":
         return index
     return index.pin_memory().to(device, non_blocking=True)

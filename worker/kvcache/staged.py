@@ -82,7 +82,8 @@ def restage(
     if not moves or not caches:
         return
     recent_blocks = caches[0].num_recent_blocks
-    pairs = index_on(device, [i for move in moves for i in move]).view(-1, 2)
+    # int32, as the re-encode kernel reads them: no conversion launches per layer
+    pairs = index_on(device, [i for move in moves for i in move], torch.int32).view(-1, 2)
     src, dst = pairs[:, 0], pairs[:, 1] - recent_blocks
     for cache in caches:
         ops.turboquant_restage(cache, src, dst)

@@ -60,6 +60,9 @@ class StagedAttentionCache:
     # fp32 one does, on tensor cores and without the casts (one H200, the 27B load point: the
     # fp32 rotations and their casts took 0.73 ms of a 9.58 ms step)
     rotations: dict[torch.dtype, torch.Tensor | None] = field(default_factory=dict, repr=False)
+    # the codebooks' decision bounds (midpoints of adjacent centroids), K's then V's, made once:
+    # a restage launch would otherwise add four small kernels a layer to build them
+    bounds: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def rotation_for(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The rotation in `dtype` when that is a 16-bit dtype it is exact in, else None."""
@@ -69,6 +72,12 @@ class StagedAttentionCache:
             r = self.rotation.to(dtype)
             self.rotations[dtype] = r if torch.equal(r.float(), self.rotation) else None
         return self.rotations[dtype]
+
+    def decision_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K's and V's codebook bounds: a code is the number of bounds below its value."""
+        if not self.bounds:
+            self.bounds = [(c[1:] + c[:-1]) / 2 for c in (self.k_centroids, self.v_centroids)]
+        return self.bounds[0], self.bounds[1]
 
     @classmethod
     def allocate(

@@ -139,10 +139,6 @@ def _scales(cache: StagedAttentionCache) -> tuple[float, float]:
     return (cache.k_scale, cache.v_scale) if fp8 else (1.0, 1.0)
 
 
-def _bounds(centroids: torch.Tensor) -> torch.Tensor:
-    return (centroids[1:] + centroids[:-1]) / 2
-
-
 def turboquant_restage(
     cache: StagedAttentionCache, recent_blocks: torch.Tensor, compressed_blocks: torch.Tensor
 ) -> None:
@@ -156,6 +152,7 @@ def turboquant_restage(
         raise ValueError(f"unsupported page shape {tuple(cache.k_cache.shape)}")
     k_scale, v_scale = _scales(cache)
     k_bytes, v_bytes = dim * cache.k_bits // 8, dim * cache.v_bits // 8
+    k_bounds, v_bounds = cache.decision_bounds()
     _restage_kernel[(n, rows)](
         cache.k_cache,
         cache.v_cache,
@@ -163,9 +160,9 @@ def turboquant_restage(
         cache.k_norms,
         cache.v_codes,
         cache.v_norms,
-        _bounds(cache.k_centroids),
-        _bounds(cache.v_centroids),
-        recent_blocks.to(torch.int32),
+        k_bounds,
+        v_bounds,
+        recent_blocks.to(torch.int32),  # no copy when the caller made them int32
         compressed_blocks.to(torch.int32),
         k_scale,
         v_scale,
