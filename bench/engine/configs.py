@@ -33,9 +33,12 @@ from worker.engine.sequence import SamplingParams
 FP8_E4M3 = torch.float8_e4m3fn
 
 
-def build_model(args: argparse.Namespace, config: Any, precision: str) -> tuple[str, Any, Any]:
+def build_model(
+    args: argparse.Namespace, config: Any, precision: str, embeddings: str = "device"
+) -> tuple[str, Any, Any]:
     """(device, dtype, model): random weights at `config`'s shape, in `precision` ("bf16",
-    "fp8" or "w4"), built on the device."""
+    "fp8" or "w4"), built on the device; with `embeddings="host"` the embedding table then moves
+    to pinned host memory (`CausalLM.embeddings_to_host`)."""
     from worker.models import build_random
     from worker.models.fp8 import quantize_fp8
 
@@ -47,8 +50,19 @@ def build_model(args: argparse.Namespace, config: Any, precision: str) -> tuple[
         from worker.models.int4 import quantize_int4
 
         quantize_int4(model)
+    if embeddings == "host":
+        model.embeddings_to_host()
     free_gpu()
     return device, dtype, model
+
+
+def resident_bytes(model: Any, on_gpu: bool) -> int:
+    """Parameter bytes on the GPU (`on_gpu`) or in host memory."""
+    return sum(
+        p.numel() * p.element_size()
+        for p in model.parameters()
+        if (p.device.type == "cuda") == on_gpu
+    )
 
 
 def load_point_engine(
@@ -99,12 +113,14 @@ def engine_config(
     precision: str,
     budget: float,
     kv_staging: str | None = None,
+    embeddings: str = "device",
 ) -> dict[str, Any]:
     """The engine at the load point with `precision` weights: "bf16", "fp8" (e4m3 per channel)
     or "w4" (int4 group 128 with the FP8 LM head, `quantize_int4`'s default scheme); fp8 and w4
-    run an fp8 KV cache, staged when `kv_staging` is set (the `staged` section: "k4v3")."""
+    run an fp8 KV cache, staged when `kv_staging` is set (the `staged` section: "k4v3"); the
+    embedding table on the GPU or (`embeddings="host"`) in pinned host memory."""
     began = time.perf_counter()
-    device, dtype, model = build_model(args, config, precision)
+    device, dtype, model = build_model(args, config, precision, embeddings)
     fp8 = precision == "fp8"
     build_s = time.perf_counter() - began
     # pad_decode on CPU too, so the plumbing check covers the same path
@@ -121,7 +137,12 @@ def engine_config(
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "kv_staging": kv_staging,
         "num_compressed_blocks": engine.block_manager.num_compressed_blocks,
-        "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / GIB,
+        # resident on the GPU; a table in host memory counts apart
+        "weights_gib": resident_bytes(model, on_gpu=device == "cuda") / GIB,
+        "host_weights_gib": (
+            resident_bytes(model, on_gpu=False) / GIB if device == "cuda" else 0.0
+        ),
+        "embeddings": embeddings,
         "kv_dtype": str(engine.runner.kv_dtype),
         "state_dtype": str(engine.runner.state_dtype),
         "kv_bytes_per_token": engine.kv_bytes_per_token(),

@@ -86,6 +86,11 @@ SECTIONS: dict[str, Section] = {
         0.5,
     ),
     "w4": (lambda args, config, budget: engine_config(args, config, "w4", budget), 0.5),
+    # the w4 section with the embedding table in pinned host memory (off the GPU's weights)
+    "w4_host": (
+        lambda args, config, budget: engine_config(args, config, "w4", budget, embeddings="host"),
+        0.5,
+    ),
     # the w4 section with both W4A8 paths on (prefill `TOKENMILL_INT4_PREFILL=w4a8`, 17-64 decode
     # rows `TOKENMILL_INT4_W4A8_ROWS=17`): `--sections fp8,w4,w4a8` measures all three at once
     "w4a8": (

@@ -37,6 +37,7 @@ log = logging.getLogger("tokenmill.worker.torch")
 
 QUANTIZE_OPTIONS = (None, "fp8", "w4")
 LM_HEAD_OPTIONS = ("fp8", "int4", "none")
+EMBEDDINGS_OPTIONS = ("device", "host")
 
 
 def quantize_model(
@@ -87,6 +88,9 @@ class TorchRuntimeBackend:
     quantize_group_size: int = 128
     # "fp8": the attention KV cache in FP8 e4m3; None: the model's dtype.
     kv_dtype: str | None = None
+    # "host": the token embedding table in pinned host memory, read row by row over PCIe
+    # (`CausalLM.embeddings_to_host`; a GPU and an untied LM head), "device": on the GPU.
+    embeddings: str = "device"
     name: str = "torch_runtime"
 
     def __post_init__(self) -> None:
@@ -94,6 +98,10 @@ class TorchRuntimeBackend:
             raise ValueError(f"quantize={self.quantize!r}: expected one of {QUANTIZE_OPTIONS}")
         if self.kv_dtype not in (None, "fp8"):
             raise ValueError(f"kv_dtype={self.kv_dtype!r}: expected 'fp8' or nothing")
+        if self.embeddings not in EMBEDDINGS_OPTIONS:
+            raise ValueError(
+                f"embeddings={self.embeddings!r}: expected one of {EMBEDDINGS_OPTIONS}"
+            )
         if self.quantize_lm_head not in LM_HEAD_OPTIONS:
             raise ValueError(
                 f"quantize_lm_head={self.quantize_lm_head!r}: expected one of {LM_HEAD_OPTIONS}"
@@ -143,6 +151,8 @@ class TorchRuntimeBackend:
         quantize_model(
             model, self.quantize, self.quantize_lm_head, self.quantize_group_size, as_stored
         )
+        if self.embeddings == "host":
+            model.embeddings_to_host()
         config = EngineConfig.from_env(
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,

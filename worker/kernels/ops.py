@@ -61,6 +61,7 @@ OPS = (
     "turboquant_restage",
     "staged_attention_prefill",
     "staged_attention_decode",
+    "embedding",
 )
 # Ops whose implementation choice also depends on the KV cache dtype (fp8 or not).
 _KV_OPS = {
@@ -216,6 +217,12 @@ def _pick(op: str, x: torch.Tensor, kv: torch.Tensor | None = None) -> Callable[
 
 
 # The ops, with the signatures of docs/worker-contract.md; see `worker.kernels.reference`.
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [T] of `table` [V, H], on ids' device; the table on it or in pinned host
+    memory. Chosen by ids' device and the table's dtype."""
+    return select("embedding", ids.device, table.dtype).fn(ids, table)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:

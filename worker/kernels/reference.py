@@ -36,6 +36,12 @@ def _lens(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
+def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [T] of `table` [V, H] on ids' device. The table may live in host memory while
+    ids are on a GPU (`worker.models.layers.HostEmbedding`): here through the host, with a sync."""
+    return F.embedding(ids.to(table.device), table).to(ids.device)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
     """RMSNorm over the last axis. `unit_offset`: y = norm(x) * (1 + weight) (Qwen3.5/3.6, weights
     stored centred on zero, scaled in fp32); otherwise y = weight * norm(x) (Llama: the norm is cast

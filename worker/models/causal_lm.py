@@ -23,7 +23,7 @@ from worker.models.cache import (
 from worker.models.config import FULL_ATTENTION, ModelConfig
 from worker.models.deltanet import GatedDeltaNet
 from worker.models.int4 import QuantizationConfig
-from worker.models.layers import MLP, Linear, RMSNorm, RotaryTables
+from worker.models.layers import MLP, HostEmbedding, Linear, RMSNorm, RotaryTables
 
 
 class DecoderLayer(nn.Module):
@@ -72,7 +72,8 @@ class DecoderLayer(nn.Module):
 class TextModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # an nn.Embedding, or a HostEmbedding once its table moved to host memory
+        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
@@ -95,15 +96,36 @@ class CausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.embedding_table().dtype
+
+    def embedding_table(self) -> torch.Tensor:
+        """The token embedding table [vocab, hidden], on the GPU or in host memory."""
+        table = self.model.embed_tokens.weight
+        assert isinstance(table, torch.Tensor)
+        return table
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        # the final norm's: the embedding table may live in host memory (`embeddings_to_host`)
+        return self.model.norm.weight.device
+
+    @torch.no_grad()
+    def embeddings_to_host(self) -> None:
+        """Move the token embedding table to pinned host memory (`HostEmbedding`), off the GPU.
+        Refused for a tied LM head, which multiplies by the whole table every step."""
+        if self.lm_head is None:
+            raise ValueError(
+                "embeddings on the host: this model's LM head is tied to the embedding table, "
+                "which every step reads whole on the GPU"
+            )
+        if self.device.type != "cuda":
+            raise ValueError(f"embeddings on the host: the model runs on {self.device}, not a GPU")
+        if not isinstance(self.model.embed_tokens, HostEmbedding):
+            self.model.embed_tokens = HostEmbedding(self.embedding_table())
 
     def head_weight(self) -> torch.Tensor:
         if self.lm_head is None:
-            return self.model.embed_tokens.weight
+            return self.embedding_table()
         weight = self.lm_head.weight
         assert isinstance(weight, torch.Tensor)
         return weight

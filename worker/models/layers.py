@@ -34,6 +34,21 @@ class RMSNorm(nn.Module):
         return ops.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
 
 
+class HostEmbedding(nn.Module):
+    """A token embedding whose table lives in pinned host memory: a step reads only its tokens'
+    rows, which the GPU kernel of `ops.embedding` fetches over PCIe (no copy, no host sync, so
+    it runs inside a captured decode graph), and the table (the 27B's 2.37 GiB) leaves the GPU.
+    llama.cpp keeps its token embeddings on the host for the same reason."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        pinned = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+        self.weight = nn.Parameter(pinned.copy_(table.detach()), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return ops.embedding(ids, self.weight)
+
+
 class Linear(nn.Linear):
     """nn.Linear whose product goes through `ops.linear` (F.linear, or on a GPU the decode GEMV
     for shapes where it beats cuBLAS). Same parameters and names as nn.Linear."""

@@ -19,6 +19,7 @@ from worker.kernels.triton.conv1d import (
     conv_update_with_gates,
 )
 from worker.kernels.triton.delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
+from worker.kernels.triton.embedding import embedding
 from worker.kernels.triton.fp8_gemm import (
     fp8_linear,
     fp8_linear_of_silu_mul,
@@ -58,6 +59,7 @@ def cuda_half(
     return True, f"CUDA, {dtype} activations"
 
 
+ops.register("embedding", embedding, ops.cuda_only, name="triton.embedding")
 ops.register("rms_norm", rms_norm, ops.cuda_only, name="triton.rms_norm")
 ops.register("add_rms_norm", add_rms_norm, ops.cuda_only, name="triton.add_rms_norm")
 ops.register("gated_rms_norm", gated_rms_norm, ops.cuda_only, name="triton.gated_rms_norm")
@@ -97,6 +99,7 @@ __all__ = [
     "causal_conv1d_prefill",
     "causal_conv1d_update",
     "conv_update_with_gates",
+    "embedding",
     "fp8_linear",
     "fp8_linear_of_silu_mul",
     "gated_delta_rule_decode",
