@@ -552,3 +552,26 @@ def test_an_fp8_mlp_past_the_decode_rows_hands_gate_up_output_to_the_down_projec
     # the same as the activation formed first (the references on a CPU)
     want = mlp.down_proj(reference.silu_mul(mlp.gate_up_proj(x)))
     assert torch.equal(out, want)
+
+
+@GPU
+@needs_cuda
+def test_gpu_rotation_folded_27b() -> None:
+    """The 27B attention shapes, batch 8: q (24 heads) and k (4) with rotary over 64 of 256,
+    and the gate's un-rotation of 24 heads."""
+    from worker.kernels.triton.activations import sigmoid_mul
+    from worker.kernels.triton.rotary import apply_rotary
+
+    torch.manual_seed(0)
+    r = _rotation(256).cuda()
+    angles = torch.outer(torch.arange(4096.0), 1.0 / 1e7 ** (torch.arange(0, 64, 2) / 64))
+    tables = (angles.cos().cuda(), angles.sin().cuda())
+    positions = torch.randint(0, 4096, (8,), device="cuda")
+    for heads in (24, 4):
+        x = torch.randn(8, heads, 256, device="cuda").bfloat16()
+        out = apply_rotary(x, positions, tables, 64, r)
+        assert rel_err(out, reference.apply_rotary(x, positions, tables, 64, r)) < 1e-2
+    qg = torch.randn(8, 24, 512, device="cuda").bfloat16()
+    x = torch.randn(8, 24 * 256, device="cuda").bfloat16()
+    out = sigmoid_mul(x, qg[..., 256:], r)
+    assert rel_err(out, reference.sigmoid_mul(x, qg[..., 256:], r)) < 1e-2
