@@ -298,7 +298,10 @@ def triton_module():
     return turboquant
 
 
-def check_restage(device: str, hkv: int, dim: int, block_size: int, k_bits: int, v_bits: int):
+def check_restage(
+    device: str, hkv: int, dim: int, block_size: int, k_bits: int, v_bits: int,
+    strided: bool = False,
+):  # fmt: skip
     tq_kernels = triton_module()
     cache, tables, _ = staged_case(
         [3 * block_size], 0.0, 2 * hkv, hkv, dim, block_size, device, k_bits=k_bits, v_bits=v_bits
@@ -309,6 +312,9 @@ def check_restage(device: str, hkv: int, dim: int, block_size: int, k_bits: int,
     src = tables[0, [2, 0, 1]].long()  # written pages
     dst = torch.tensor([1, 3, 0], device=device)
     reference.turboquant_restage(expected, src, dst)
+    if strided:  # int32 columns of one [pages, 2] tensor, as pairs of moves would be
+        pairs = torch.stack([src, dst], 1).to(torch.int32)
+        src, dst = pairs[:, 0], pairs[:, 1]
     tq_kernels.turboquant_restage(cache, src, dst)
     assert rel_err(cache.k_norms, expected.k_norms) < 1e-3
     assert rel_err(cache.v_norms, expected.v_norms) < 1e-3
@@ -328,6 +334,10 @@ def check_restage(device: str, hkv: int, dim: int, block_size: int, k_bits: int,
 @pytest.mark.parametrize("bits", [(4, 3), (2, 1)])
 def test_triton_restage(bits: tuple[int, int]):
     check_restage("cpu", 2, 64, 4, *bits)
+
+
+def test_triton_restage_reads_strided_int32_block_ids():
+    check_restage("cpu", 2, 64, 4, 4, 3, strided=True)
 
 
 def check_staged_decode(

@@ -104,8 +104,9 @@ def restage(
     if not moves or not caches:
         return
     recent_blocks = caches[0].num_recent_blocks
-    # int32, as the re-encode kernel reads them: no conversion launches per layer
-    pairs = index_on(device, [i for move in moves for i in move], torch.int32).view(-1, 2)
-    src, dst = pairs[:, 0], pairs[:, 1] - recent_blocks
+    # one copy: the recent blocks, then the compressed pool indices, each row contiguous and
+    # int32 as the re-encode kernel reads them (no conversion launches per layer)
+    values = [r for r, _ in moves] + [c - recent_blocks for _, c in moves]
+    src, dst = index_on(device, values, torch.int32).view(2, -1)
     for cache in caches:
         ops.turboquant_restage(cache, src, dst)

@@ -162,8 +162,9 @@ def turboquant_restage(
         cache.v_norms,
         k_bounds,
         v_bounds,
-        recent_blocks.to(torch.int32),  # no copy when the caller made them int32
-        compressed_blocks.to(torch.int32),
+        # the kernel reads them as contiguous int32: no copy when the caller made them so
+        recent_blocks.to(torch.int32).contiguous(),
+        compressed_blocks.to(torch.int32).contiguous(),
         k_scale,
         v_scale,
         D=dim,
