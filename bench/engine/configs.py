@@ -34,12 +34,13 @@ FP8_E4M3 = torch.float8_e4m3fn
 
 
 def build_model(
-    args: argparse.Namespace, config: Any, precision: str, embeddings: str = "device"
+    args: argparse.Namespace, config: Any, precision: str, embeddings: str = "auto"
 ) -> tuple[str, Any, Any]:
     """(device, dtype, model): random weights at `config`'s shape, in `precision` ("bf16",
-    "fp8" or "w4"), built on the device; with `embeddings="host"` the embedding table then moves
-    to pinned host memory (`CausalLM.embeddings_to_host`)."""
+    "fp8" or "w4"), built on the device; the embedding table then placed as the worker places
+    it (`place_embeddings`: "auto" puts W4's in pinned host memory on a GPU)."""
     from worker.models import build_random
+    from worker.models.causal_lm import place_embeddings
     from worker.models.fp8 import quantize_fp8
 
     device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -50,8 +51,7 @@ def build_model(
         from worker.models.int4 import quantize_int4
 
         quantize_int4(model)
-    if embeddings == "host":
-        model.embeddings_to_host()
+    place_embeddings(model, embeddings, precision)
     free_gpu()
     return device, dtype, model
 
@@ -113,12 +113,12 @@ def engine_config(
     precision: str,
     budget: float,
     kv_staging: str | None = None,
-    embeddings: str = "device",
+    embeddings: str = "auto",
 ) -> dict[str, Any]:
     """The engine at the load point with `precision` weights: "bf16", "fp8" (e4m3 per channel)
     or "w4" (int4 group 128 with the FP8 LM head, `quantize_int4`'s default scheme); fp8 and w4
     run an fp8 KV cache, staged when `kv_staging` is set (the `staged` section: "k4v3"); the
-    embedding table on the GPU or (`embeddings="host"`) in pinned host memory."""
+    embedding table placed per `embeddings` (`place_embeddings`)."""
     began = time.perf_counter()
     device, dtype, model = build_model(args, config, precision, embeddings)
     fp8 = precision == "fp8"
@@ -142,7 +142,9 @@ def engine_config(
         "host_weights_gib": (
             resident_bytes(model, on_gpu=False) / GIB if device == "cuda" else 0.0
         ),
-        "embeddings": embeddings,
+        "embeddings": "host"
+        if resident_bytes(model, on_gpu=False) and device == "cuda"
+        else "device",
         "kv_dtype": str(engine.runner.kv_dtype),
         "state_dtype": str(engine.runner.state_dtype),
         "kv_bytes_per_token": engine.kv_bytes_per_token(),

@@ -86,9 +86,10 @@ SECTIONS: dict[str, Section] = {
         0.5,
     ),
     "w4": (lambda args, config, budget: engine_config(args, config, "w4", budget), 0.5),
-    # the w4 section with the embedding table in pinned host memory (off the GPU's weights)
-    "w4_host": (
-        lambda args, config, budget: engine_config(args, config, "w4", budget, embeddings="host"),
+    # the w4 section with the embedding table on the GPU (w4 keeps it in host memory, as the
+    # worker does)
+    "w4_device": (
+        lambda args, config, budget: engine_config(args, config, "w4", budget, embeddings="device"),
         0.5,
     ),
     # the w4 section with both W4A8 paths on (prefill `TOKENMILL_INT4_PREFILL=w4a8`, 17-64 decode

@@ -81,6 +81,29 @@ def test_gpu_host_table_inside_a_cuda_graph() -> None:
         assert torch.equal(out, table[ids])
 
 
+def test_auto_keeps_the_table_on_a_cpu_and_for_16_bit_weights() -> None:
+    from worker.models.causal_lm import place_embeddings
+
+    model = build_random(TINY_QWEN3_5, "cpu", torch.float32)
+    assert place_embeddings(model, "auto", "w4") == "device"  # not a GPU
+    assert place_embeddings(model, "device", "w4") == "device"
+    with pytest.raises(ValueError, match="embeddings='gpu'"):
+        place_embeddings(model, "gpu", None)
+
+
+@GPU
+@needs_cuda
+def test_gpu_auto_puts_int4_models_tables_on_the_host() -> None:
+    from worker.models.causal_lm import place_embeddings
+
+    model = build_random(TINY_QWEN3_5, "cuda", torch.bfloat16)
+    assert place_embeddings(model, "auto", None) == "device"
+    assert place_embeddings(model, "auto", "w4") == "host"
+    assert isinstance(model.model.embed_tokens, HostEmbedding)
+    tied = build_random(TINY_LLAMA, "cuda", torch.bfloat16)
+    assert place_embeddings(tied, "auto", "w4") == "device"
+
+
 def test_the_backend_option_is_checked() -> None:
     from worker.backends.torch_runtime import TorchRuntimeBackend
 

@@ -351,8 +351,19 @@ def test_int4_linear_takes_w4a8_from_its_rows(monkeypatch: pytest.MonkeyPatch) -
     assert rel_err(got.float(), want) < 5e-2
 
 
+def test_auto_prefill_takes_w4a8_only_where_the_blockwise_gemm_runs(monkeypatch) -> None:
+    monkeypatch.setattr(int4_gemm, "INT4_PREFILL", "auto")
+    cpu = torch.device("cpu")
+    assert int4_gemm.prefill_path_for(cpu, 128) == "bf16"  # no cuBLAS here
+    monkeypatch.setattr(int4_gemm, "blockwise_runs", lambda device: True)
+    assert int4_gemm.prefill_path_for(cpu, 128) == "w4a8"
+    assert int4_gemm.prefill_path_for(cpu, 32) == "bf16"  # GGUF's groups: not 1x128 blocks
+    monkeypatch.setattr(int4_gemm, "INT4_PREFILL", "fp8")
+    assert int4_gemm.prefill_path_for(cpu, 128) == "fp8"
+
+
 def test_the_w4a8_switches_are_checked() -> None:
-    assert int4_gemm.prefill_path("W4A8") == "w4a8" and int4_gemm.prefill_path("") == "bf16"
+    assert int4_gemm.prefill_path("W4A8") == "w4a8" and int4_gemm.prefill_path("") == "auto"
     with pytest.raises(ValueError, match="TOKENMILL_INT4_PREFILL='fp4'"):
         int4_gemm.prefill_path("fp4")
     assert int4_gemm.w4a8_rows("17") == 17 and int4_gemm.w4a8_rows("0") == 0

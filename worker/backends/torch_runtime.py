@@ -37,7 +37,6 @@ log = logging.getLogger("tokenmill.worker.torch")
 
 QUANTIZE_OPTIONS = (None, "fp8", "w4")
 LM_HEAD_OPTIONS = ("fp8", "int4", "none")
-EMBEDDINGS_OPTIONS = ("device", "host")
 
 
 def quantize_model(
@@ -89,8 +88,9 @@ class TorchRuntimeBackend:
     # "fp8": the attention KV cache in FP8 e4m3; None: the model's dtype.
     kv_dtype: str | None = None
     # "host": the token embedding table in pinned host memory, read row by row over PCIe
-    # (`CausalLM.embeddings_to_host`; a GPU and an untied LM head), "device": on the GPU.
-    embeddings: str = "device"
+    # (`CausalLM.embeddings_to_host`; a GPU and an untied LM head), "device": on the GPU,
+    # "auto": host for "w4" weights where it can (`place_embeddings`), else device.
+    embeddings: str = "auto"
     name: str = "torch_runtime"
 
     def __post_init__(self) -> None:
@@ -98,6 +98,8 @@ class TorchRuntimeBackend:
             raise ValueError(f"quantize={self.quantize!r}: expected one of {QUANTIZE_OPTIONS}")
         if self.kv_dtype not in (None, "fp8"):
             raise ValueError(f"kv_dtype={self.kv_dtype!r}: expected 'fp8' or nothing")
+        from worker.models.causal_lm import EMBEDDINGS_OPTIONS
+
         if self.embeddings not in EMBEDDINGS_OPTIONS:
             raise ValueError(
                 f"embeddings={self.embeddings!r}: expected one of {EMBEDDINGS_OPTIONS}"
@@ -136,6 +138,7 @@ class TorchRuntimeBackend:
 
         from worker.engine.engine import EngineConfig, LLMEngine
         from worker.loading import load_model
+        from worker.models.causal_lm import place_embeddings
 
         model, tokenizer = load_model(
             self.model_path,
@@ -151,8 +154,8 @@ class TorchRuntimeBackend:
         quantize_model(
             model, self.quantize, self.quantize_lm_head, self.quantize_group_size, as_stored
         )
-        if self.embeddings == "host":
-            model.embeddings_to_host()
+        placed = place_embeddings(model, self.embeddings, self.quantize)
+        log.info("embedding table on the %s", "host" if placed == "host" else self.device)
         config = EngineConfig.from_env(
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,

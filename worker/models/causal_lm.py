@@ -230,6 +230,24 @@ def build_empty(config: ModelConfig, device: torch.device | str, dtype: torch.dt
     return model
 
 
+EMBEDDINGS_OPTIONS = ("auto", "device", "host")
+
+
+def place_embeddings(model: CausalLM, setting: str, quantize: str | None) -> str:
+    """Put the embedding table where `setting` says ("device", "host" or "auto") and return where
+    it went. "auto": in host memory for int4 weights on a GPU with an untied LM head (on one
+    H200 the W4 27B then holds 12.92 instead of 15.28 GiB of weights, at the same load-point
+    speed: 811.8 against 792.9 tok/s, 2 repeats each), else on the device."""
+    if setting not in EMBEDDINGS_OPTIONS:
+        raise ValueError(f"embeddings={setting!r}: expected one of {EMBEDDINGS_OPTIONS}")
+    if setting == "auto":
+        fits = quantize == "w4" and model.device.type == "cuda" and model.lm_head is not None
+        setting = "host" if fits else "device"
+    if setting == "host":
+        model.embeddings_to_host()
+    return setting
+
+
 @torch.no_grad()
 def build_random(
     config: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int = 0

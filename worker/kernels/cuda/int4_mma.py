@@ -271,12 +271,12 @@ def codes_e4m3(qweight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _prefill_mode() -> str:
-    """TOKENMILL_INT4_PREFILL (bf16, fp8 or w4a8), the switch the triton layout's prefill reads
-    too."""
+def _prefill_mode(device: torch.device, group_size: int) -> str:
+    """TOKENMILL_INT4_PREFILL resolved for this device (bf16, fp8 or w4a8), the switch the
+    triton layout's prefill reads too."""
     from worker.kernels.triton import int4_gemm
 
-    return int4_gemm.INT4_PREFILL
+    return int4_gemm.prefill_path_for(device, group_size)
 
 
 def int4_mma_linear(
@@ -293,12 +293,12 @@ def int4_mma_linear(
         y = gemv(x2, qweight, scales, group_size)
         if bias is not None:
             y = y + bias
-    elif _prefill_mode() == "fp8":
+    elif (path := _prefill_mode(x.device, group_size)) == "fp8":
         from worker.kernels.triton.fp8_gemm import scaled_mm
 
         w8, channel = dequantize_e4m3(qweight, scales, group_size)
         y = scaled_mm(x2, w8, channel, bias)
-    elif _prefill_mode() == "w4a8":
+    elif path == "w4a8":
         from worker.kernels.triton.int4_gemm import w4a8_linear
 
         y = w4a8_linear(x2, codes_e4m3(qweight), scales, group_size, bias)

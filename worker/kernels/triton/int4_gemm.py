@@ -58,20 +58,33 @@ INT4_GEMV_MAX_ROWS = int(os.environ.get("TOKENMILL_INT4_GEMV_MAX_ROWS", "64"))
 # How prefill rows multiply int4 weights (TOKENMILL_INT4_PREFILL): "bf16", dequantized into a
 # 16-bit scratch for cuBLAS; "fp8", into e4m3 over per-channel scales for scaled_mm (each weight
 # rounded to e4m3: +2.4% perplexity on SmolLM2); "w4a8", the codes exactly in e4m3 and
-# `w4a8_gemm` applying the group scales to its fp32 sums (symmetric weights; only the
-# activations are rounded, per token, as FP8's prefill rounds them).
-PREFILL_PATHS = ("bf16", "fp8", "w4a8")
+# `w4a8_linear` applying the group scales to its fp32 sums (symmetric weights; only the
+# activations are rounded, per token, as FP8's prefill rounds them: +0.7% on SmolLM2); "auto"
+# (the default), "w4a8" where cuBLAS's blockwise GEMM runs it (on one H200 a W4 prefill step of
+# 2,048 tokens took 151 against 185 ms through the bf16 scratch), else "bf16" (the Triton W4A8
+# GEMM measured slower than the scratch).
+PREFILL_PATHS = ("auto", "bf16", "fp8", "w4a8")
 
 
 def prefill_path(value: str) -> str:
     """A TOKENMILL_INT4_PREFILL value, checked: a typo would otherwise run bf16 silently."""
-    path = value.strip().lower() or "bf16"
+    path = value.strip().lower() or "auto"
     if path not in PREFILL_PATHS:
         raise ValueError(f"TOKENMILL_INT4_PREFILL={value!r}: expected one of {PREFILL_PATHS}")
     return path
 
 
-INT4_PREFILL = prefill_path(os.environ.get("TOKENMILL_INT4_PREFILL", "bf16"))
+INT4_PREFILL = prefill_path(os.environ.get("TOKENMILL_INT4_PREFILL", "auto"))
+
+
+def prefill_path_for(device: torch.device, group_size: int) -> str:
+    """The prefill path INT4_PREFILL takes for a weight of `group_size` on `device`: "auto"
+    resolved (W4A8 where cuBLAS's blockwise GEMM takes the groups, else bf16)."""
+    if INT4_PREFILL != "auto":
+        return INT4_PREFILL
+    return "w4a8" if group_size % 128 == 0 and blockwise_runs(device) else "bf16"
+
+
 _E4M3_MAX = 448.0
 
 
@@ -790,10 +803,11 @@ def int4_dequant_linear(
     or (fp8) e4m3 with per-channel scales and fp8_gemm's per-token scaled_mm, or (INT4_PREFILL
     "w4a8", symmetric weights) the codes and `w4a8_linear`."""
     n, k = qweight.shape[0], 2 * qweight.shape[1]
-    if fp8 is None and INT4_PREFILL == "w4a8" and mins is None:
+    path = prefill_path_for(x.device, group_size)
+    if fp8 is None and path == "w4a8" and mins is None:
         codes = int4_codes_e4m3(qweight, dequant_scratch(x.device, n, k, torch.float8_e4m3fn))
         return w4a8_linear(x, codes, scales, group_size, bias, mma_scales=False)
-    fp8 = INT4_PREFILL == "fp8" if fp8 is None else fp8
+    fp8 = path == "fp8" if fp8 is None else fp8
     if fp8 and x.is_cuda:
         w8 = dequant_scratch(x.device, n, k, torch.float8_e4m3fn)
         _, channel_scale = int4_dequantize(qweight, scales, mins, group_size, w8.dtype, w8)
