@@ -430,52 +430,6 @@ def test_apply_rotary_matches_reference(rotary_dim: int) -> None:
     assert torch.equal(out[..., rotary_dim:], x[..., rotary_dim:])  # passed through
 
 
-# ------------------------------------- staged KV's rotation folded into the rotary and gate launches
-
-
-def _rotation(dim: int) -> torch.Tensor:
-    from worker.kvcache.turboquant import rotation_matrix
-
-    return rotation_matrix(dim).bfloat16()  # entries +-1/sqrt(D): exact in bf16 at D = 16, 64, 256
-
-
-@pytest.mark.parametrize(("heads", "dim", "rotary_dim"), [(3, 64, 16), (6, 16, 16), (17, 64, 64)])
-def test_apply_rotary_with_the_rotation_matches_the_reference(heads, dim, rotary_dim) -> None:
-    from worker.kernels.triton.rotary import apply_rotary
-
-    torch.manual_seed(heads)
-    x = torch.randn(4, heads, dim).bfloat16()
-    positions = torch.tensor([0, 9, 2, 77])
-    angles = torch.outer(torch.arange(128.0), 1.0 / 1e4 ** (torch.arange(0, rotary_dim, 2) / dim))
-    tables = (angles.cos(), angles.sin())
-    r = _rotation(dim)
-    out = apply_rotary(x, positions, tables, rotary_dim, r)
-    ref = reference.apply_rotary(x, positions, tables, rotary_dim, r)
-    assert rel_err(out, ref) < 1e-2
-    # it is the unfused path: rotary, then the rotation's GEMM
-    plain = reference.apply_rotary(x, positions, tables, rotary_dim)
-    assert rel_err(out, (plain.float() @ r.float()).bfloat16()) < 1e-2
-    assert rel_err(out, plain) > 0.5  # and it did rotate
-    with pytest.raises(ValueError, match="rotation"):
-        apply_rotary(x, positions, tables, rotary_dim, r[:8, :8].contiguous())
-
-
-@pytest.mark.parametrize(("heads", "dim"), [(3, 64), (20, 16)])
-def test_sigmoid_mul_unrotates_in_the_same_launch(heads, dim) -> None:
-    from worker.kernels.triton.activations import sigmoid_mul
-
-    torch.manual_seed(dim)
-    qg = torch.randn(5, heads, 2 * dim).bfloat16() * 3
-    gate = qg[..., dim:]  # read in place, strided
-    x = torch.randn(5, heads * dim).bfloat16()
-    r = _rotation(dim)
-    out = sigmoid_mul(x, gate, r)
-    assert rel_err(out, reference.sigmoid_mul(x, gate, r)) < 1e-2
-    unrotated = (x.view(5, heads, dim).float() @ r.float().T).bfloat16().view(5, -1)
-    assert rel_err(out, reference.sigmoid_mul(unrotated, gate)) < 1e-2
-    assert rel_err(out, reference.sigmoid_mul(x, gate)) > 0.5
-
-
 # ------------------------------------- the down projection of silu(gate) * up, rounded in one pass
 
 
@@ -552,26 +506,3 @@ def test_an_fp8_mlp_past_the_decode_rows_hands_gate_up_output_to_the_down_projec
     # the same as the activation formed first (the references on a CPU)
     want = mlp.down_proj(reference.silu_mul(mlp.gate_up_proj(x)))
     assert torch.equal(out, want)
-
-
-@GPU
-@needs_cuda
-def test_gpu_rotation_folded_27b() -> None:
-    """The 27B attention shapes, batch 8: q (24 heads) and k (4) with rotary over 64 of 256,
-    and the gate's un-rotation of 24 heads."""
-    from worker.kernels.triton.activations import sigmoid_mul
-    from worker.kernels.triton.rotary import apply_rotary
-
-    torch.manual_seed(0)
-    r = _rotation(256).cuda()
-    angles = torch.outer(torch.arange(4096.0), 1.0 / 1e7 ** (torch.arange(0, 64, 2) / 64))
-    tables = (angles.cos().cuda(), angles.sin().cuda())
-    positions = torch.randint(0, 4096, (8,), device="cuda")
-    for heads in (24, 4):
-        x = torch.randn(8, heads, 256, device="cuda").bfloat16()
-        out = apply_rotary(x, positions, tables, 64, r)
-        assert rel_err(out, reference.apply_rotary(x, positions, tables, 64, r)) < 1e-2
-    qg = torch.randn(8, 24, 512, device="cuda").bfloat16()
-    x = torch.randn(8, 24 * 256, device="cuda").bfloat16()
-    out = sigmoid_mul(x, qg[..., 256:], r)
-    assert rel_err(out, reference.sigmoid_mul(x, qg[..., 256:], r)) < 1e-2

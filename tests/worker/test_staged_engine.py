@@ -223,21 +223,3 @@ def test_warm_up_restages_a_page(model):
     assert run[-1].endswith("pages") and engine.runner.restaged_pages > 0
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-
-
-def test_folded_rotation_serves_what_the_rotation_gemms_serve(monkeypatch):
-    """In bf16 (where the rotation is exact in 16 bits) decode steps fold q's, k's and the
-    output's rotations into the rotary and gate launches; forcing the GEMMs instead must give
-    the same greedy tokens (tiny random Qwen3.5: gated attention, so all three fold)."""
-    from worker.kvcache import staged
-
-    bf16 = build_random(presets.PRESETS["tiny-qwen3.5"], "cpu", torch.bfloat16, seed=1)
-    batch = prompts(bf16.config.vocab_size, n=3)
-    calls = []
-    folded = staged.folded_rotation
-    monkeypatch.setattr(staged, "folded_rotation", lambda *a: calls.append(a[1]) or folded(*a))
-    want, _ = serve(bf16, config(**WINDOW_2), batch)
-    assert calls and min(calls) <= staged.FOLDED_ROTATION_MAX_TOKENS  # decode steps folded
-    monkeypatch.setattr(staged, "FOLDED_ROTATION_MAX_TOKENS", 0)
-    got, _ = serve(bf16, config(**WINDOW_2), batch)
-    assert agreement(got, want) >= 0.9  # 1.0 on a 2-core x86 machine; a missed rotation: ~0

@@ -247,12 +247,9 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return _pick("silu_mul", x)(x)
 
 
-def sigmoid_mul(
-    x: torch.Tensor, gate: torch.Tensor, unrotation: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x[T, N] * sigmoid(gate) for a gate of N elements per token in any (strided) shape; with
-    `unrotation` [D, D], each head of x times its transpose first (staged KV's output)."""
-    return _pick("sigmoid_mul", x)(x, gate, unrotation)
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x[T, N] * sigmoid(gate) for a gate of N elements per token in any (strided) shape."""
+    return _pick("sigmoid_mul", x)(x, gate)
 
 
 def gdn_gates(
@@ -267,10 +264,8 @@ def apply_rotary(
     positions: torch.Tensor,
     cos_sin: tuple[torch.Tensor, torch.Tensor],
     rotary_dim: int,
-    rotation: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rotary embedding; with `rotation` [D, D], each head vector then times it (staged KV)."""
-    return _pick("apply_rotary", x)(x, positions, cos_sin, rotary_dim, rotation)
+    return _pick("apply_rotary", x)(x, positions, cos_sin, rotary_dim)
 
 
 def causal_conv1d_prefill(

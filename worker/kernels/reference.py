@@ -68,17 +68,9 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def sigmoid_mul(
-    x: torch.Tensor, gate: torch.Tensor, unrotation: torch.Tensor | None = None
-) -> torch.Tensor:
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """The gated attention output x[T, N] * sigmoid(gate), gate of x's size in any shape (the
-    per-head gate half of q_proj, [T, H, D]). With `unrotation` [D, D] (staged KV's rotation,
-    whose output comes back rotated), each head of x is first multiplied by its transpose, in
-    x's dtype: (x_h @ R^T) * sigmoid(gate_h)."""
-    if unrotation is not None:
-        dim = unrotation.shape[0]
-        heads = x.reshape(x.shape[0], -1, dim).float() @ unrotation.float().T
-        x = heads.to(x.dtype).reshape(x.shape)
+    per-head gate half of q_proj, [T, H, D])."""
     return x * torch.sigmoid(gate.reshape(x.shape))
 
 
@@ -105,24 +97,9 @@ def apply_rotary(
     positions: torch.Tensor,
     cos_sin: tuple[torch.Tensor, torch.Tensor],
     rotary_dim: int,
-    rotation: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Neox-style rotary embedding (rotate halves) over the first `rotary_dim` channels of x[T, H, D];
-    cos/sin tables are [max_pos, rotary_dim / 2]. The remaining channels pass through. With
-    `rotation` [D, D] (staged KV's), each head vector is then multiplied by it: y @ R, in x's
-    dtype (staged KV's basis, without a GEMM launch of its own)."""
-    out = _neox_rotary(x, positions, cos_sin, rotary_dim)
-    if rotation is None:
-        return out
-    return (out.float() @ rotation.float()).to(x.dtype)
-
-
-def _neox_rotary(
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin: tuple[torch.Tensor, torch.Tensor],
-    rotary_dim: int,
-) -> torch.Tensor:
+    cos/sin tables are [max_pos, rotary_dim / 2]. The remaining channels pass through."""
     cos_table, sin_table = cos_sin
     half = rotary_dim // 2
     cos = cos_table[positions].float().unsqueeze(1)  # [T, 1, half]

@@ -2,11 +2,9 @@
 executor's half of restaging (the block manager decides which pages move; this re-encodes them).
 
 The rotation is folded into the layer, not the pages: q, k and v are rotated once per head as
-they are projected, recent pages store rotated FP8, compressed pages rotated codes, and the
-attention output (a softmax-weighted sum of rotated values) is un-rotated once per head. No page
-is ever rotated back on read. In a decode step (up to FOLDED_ROTATION_MAX_TOKENS tokens) q's and
-k's rotations ride in the rotary launch and the output's in the gate's (`folded_rotation`);
-otherwise, and for v, each is one [tokens * heads, D] x [D, D] GEMM.
+they are projected (one [tokens * heads, D] x [D, D] GEMM each), recent pages store rotated
+FP8, compressed pages rotated codes, and the attention output (a softmax-weighted sum of
+rotated values) is un-rotated once per head. No page is ever rotated back on read.
 """
 
 from __future__ import annotations
@@ -16,22 +14,6 @@ import torch
 from worker.engine.batch import BatchMetadata, index_on
 from worker.kernels import ops
 from worker.models.cache import StagedAttentionCache
-
-# Steps of up to this many tokens (decode) fold q's, k's and the output's rotations into the
-# rotary and gate launches: per token a tensor-core product reading the [D, D] rotation (128 KB
-# at D = 256) from L2, where a GEMM launch costs ~3 us (on one H200, 4 a layer took 0.17 ms of
-# a 9 ms load-point step). A prefill step's thousands of tokens take one GEMM each instead.
-FOLDED_ROTATION_MAX_TOKENS = 64
-
-
-def folded_rotation(
-    cache: StagedAttentionCache, tokens: int, dtype: torch.dtype
-) -> torch.Tensor | None:
-    """The rotation for the rotary and gate launches to apply (16-bit, exact), or None when
-    this step rotates by GEMMs (`staged_attention` then rotates q and k itself)."""
-    if tokens > FOLDED_ROTATION_MAX_TOKENS:
-        return None
-    return cache.rotation_for(dtype)
 
 
 def to_rotated(x: torch.Tensor, cache: StagedAttentionCache) -> torch.Tensor:
@@ -53,17 +35,13 @@ def staged_attention(
     meta: BatchMetadata,
     cache: StagedAttentionCache,
     scale: float,
-    qk_rotated: bool = False,
-    output_rotated: bool = False,
 ) -> torch.Tensor:
     """Write this step's k, v [T, Hkv, D] into their (recent) pages and attend q [T, Hq, D]
     (after rotary) over each sequence's mixed pages: prefill chunks first, then decodes, as
-    BatchMetadata orders them. Returns [T, Hq, D] in q's dtype and basis. `qk_rotated`: q and k
-    come rotated already (`folded_rotation`); `output_rotated`: the output is left rotated for
-    the gate's launch to un-rotate."""
-    q_rot = q if qk_rotated else to_rotated(q, cache)
+    BatchMetadata orders them. Returns [T, Hq, D] in q's dtype and basis."""
+    q_rot = to_rotated(q, cache)
     ops.write_kv_cache(
-        k if qk_rotated else to_rotated(k, cache),
+        to_rotated(k, cache),
         to_rotated(v, cache),
         cache.k_cache,
         cache.v_cache,
@@ -93,7 +71,7 @@ def staged_attention(
             )
         )
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return out if output_rotated else from_rotated(out, cache)
+    return from_rotated(out, cache)
 
 
 def restage(

@@ -84,26 +84,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
         q, k, v, gate = self.heads(hidden)
-        # staged KV in a decode step: q's and k's rotation in the rotary launch, the output's in
-        # the gate's (worker/kvcache/staged.py)
-        rotation = None
-        if isinstance(cache, StagedAttentionCache):
-            rotation = staged_kv.folded_rotation(cache, tokens, q.dtype)
-        unrotation = rotation if gate is not None else None
-        q = ops.apply_rotary(q, meta.positions, rotary.cos_sin(), rotary.rotary_dim, rotation)
-        k = ops.apply_rotary(k, meta.positions, rotary.cos_sin(), rotary.rotary_dim, rotation)
+        q = ops.apply_rotary(q, meta.positions, rotary.cos_sin(), rotary.rotary_dim)
+        k = ops.apply_rotary(k, meta.positions, rotary.cos_sin(), rotary.rotary_dim)
 
         if isinstance(cache, StagedAttentionCache):
-            out = staged_kv.staged_attention(
-                q,
-                k,
-                v,
-                meta,
-                cache,
-                self.scale,
-                qk_rotated=rotation is not None,
-                output_rotated=unrotation is not None,
-            )
+            out = staged_kv.staged_attention(q, k, v, meta, cache, self.scale)
         else:
             ops.write_kv_cache(
                 k, v, cache.k_cache, cache.v_cache, meta.slot_mapping, cache.k_scale, cache.v_scale
@@ -111,7 +96,7 @@ class Attention(nn.Module):
             out = self._attend(q, meta, cache)
         out = out.reshape(tokens, -1)
         if gate is not None:
-            out = ops.sigmoid_mul(out, gate, unrotation)
+            out = ops.sigmoid_mul(out, gate)
         return self.o_proj(out)
 
     def _attend(self, q: torch.Tensor, meta: BatchMetadata, cache: AttentionCache) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels.triton._launch import dot_dtype, kernel, pdl_wait
+from worker.kernels.triton._launch import kernel, pdl_wait
 
 
 @triton.jit
@@ -74,53 +74,14 @@ def _sigmoid_mul_kernel(
     tl.store(out + t * N + cols, (xv * sig).to(out.dtype.element_ty), mask=mask)
 
 
-@kernel
-def _unrotate_sigmoid_mul_kernel(
-    x, gate, rotation, out, H, stride_xt, stride_gt, stride_gh,
-    D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """One token: out[h] = (x[h] @ rotation^T) * sigmoid(gate[h]) for its H heads of D, the
-    product on tensor cores BN columns at a time, rounded to x's dtype before the gate."""
-    pdl_wait(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.arange(0, BH)[:, None]
-    rows = heads < H
-    d = tl.arange(0, D)[None, :]
-    xv = tl.load(x + t * stride_xt + heads * D + d, mask=rows, other=0.0).to(DOT)
-    k = tl.arange(0, D)[:, None]
-    n = tl.arange(0, BN)[None, :]
-    for nc in tl.static_range(0, D, BN):
-        r_t = tl.load(rotation + (nc + n) * D + k).to(DOT)  # rotation^T [D, BN]
-        y = tl.dot(xv, r_t).to(out.dtype.element_ty).to(tl.float32)
-        g = tl.load(gate + t * stride_gt + heads * stride_gh + nc + n, mask=rows, other=0.0)
-        sig = (1.0 / (1.0 + tl.exp(-g.to(tl.float32)))).to(out.dtype.element_ty).to(tl.float32)
-        tl.store(
-            out + t * H * D + heads * D + nc + n, (y * sig).to(out.dtype.element_ty), mask=rows
-        )
-
-
-def sigmoid_mul(
-    x: torch.Tensor, gate: torch.Tensor, unrotation: torch.Tensor | None = None
-) -> torch.Tensor:
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x [T, N] * sigmoid(gate), gate [T, H, D] with H * D = N (a strided view is read in
-    place) or [T, N]. With `unrotation` [D, D] (a gate [T, H, D]), each head of x times its
-    transpose first, in the same launch (staged KV's output, `worker/kvcache/staged.py`)."""
+    place) or [T, N]."""
     tokens, n = x.shape
     gate3 = gate if gate.dim() == 3 else gate.reshape(tokens, 1, n)
     if x.stride(1) != 1 or gate3.stride(2) != 1 or gate3.shape[1] * gate3.shape[2] != n:
         raise ValueError("sigmoid_mul needs contiguous last dims and a gate of x's size")
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
-    if unrotation is not None:
-        heads, dim = gate3.shape[1:]
-        if unrotation.shape != (dim, dim) or not unrotation.is_contiguous() or dim & (dim - 1) or dim < 16:  # fmt: skip
-            raise ValueError(f"unrotation {tuple(unrotation.shape)}: needs a contiguous [D, D] for a gate [T, H, D], D a power of two >= 16")  # fmt: skip
-        if tokens:
-            _unrotate_sigmoid_mul_kernel[(tokens,)](
-                x, gate3, unrotation, out, heads, x.stride(0), gate3.stride(0), gate3.stride(1),
-                D=dim, BH=max(16, triton.next_power_of_2(heads)), BN=min(64, dim),
-                DOT=dot_dtype(x.device), num_warps=4,
-            )  # fmt: skip
-        return out
     if tokens:
         block = min(1024, triton.next_power_of_2(n))
         _sigmoid_mul_kernel[(tokens, triton.cdiv(n, block))](
