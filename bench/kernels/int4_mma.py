@@ -134,13 +134,11 @@ def probes(rows: list[dict[str, Any]], ws: list[Any], x: torch.Tensor, ref: torc
            n: int, k: int, bandwidth: float) -> dict[str, Any]:  # fmt: skip
     """Where the time goes: the best register-pipeline (mode 2) and bulk-copy (mode 4) tilings
     at M = 8 timed again as probes that stream the same weights without x or the products
-    (modes 6 and 5). A probe near copy bandwidth says the math holds the stream back. Then
-    whether mode 2's occupancy (2 CTAs an SM, by its registers) is what holds it under its
-    stream (3 an SM): probe 8 (mode 6 held to 2 CTAs an SM) and mode 7 (mode 2 with registers
-    capped for 3); and mode 2 with one weight copy, L2-resident where it fits (50 MB on an
-    H200): what prefetching a GEMV's weights into L2 could at best give."""
+    (modes 6 and 5). A probe near copy bandwidth says the math holds the stream back. And mode
+    2 with one weight copy, L2-resident where it fits (50 MB on an H200): how much of the time
+    is the weights' trip from HBM at all."""
     out: dict[str, Any] = {}
-    for mode, probe in ((2, 6), (4, 5), (2, 8), (2, 7)):
+    for mode, probe in ((2, 6), (4, 5)):
         good = [r for r in rows if r.get("ok") and f"mode={mode})" in r["tiling"]]
         if not good:
             continue
@@ -152,8 +150,6 @@ def probes(rows: list[dict[str, Any]], ws: list[Any], x: torch.Tensor, ref: torc
         out[f"mode{probe}"] = {"of": best["tiling"], "math_us": best["us"], **row}
         log(f"  {n}x{k} probe {probe} of {best['tiling']}: {row.get('us', float('nan')):.1f} us "
             f"{100 * row.get('of_copy', float('nan')):.0f}% (with the math {best['us']:.1f} us)")  # fmt: skip
-        if probe == 7:  # mode 7 computes the product: its error is kept
-            out["mode7"]["rel_err"] = time_mma(8, n, k, ws, x, ref, dataclasses.replace(t, mode=7), bandwidth).get("rel_err")  # fmt: skip
         if probe == 6:
             hot = time_mma(8, n, k, [ws[0]] * len(ws), x, ref, t, bandwidth)
             out["l2_hot"] = {"of": best["tiling"], "math_us": best["us"], "us": hot.get("us")}

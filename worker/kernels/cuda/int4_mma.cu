@@ -412,10 +412,8 @@ __device__ __forceinline__ void after_chunk(float (&acc)[R][MT][4], float (&part
 
 // Register pipeline: MT token groups of 8 (M <= 8 MT), R row tiles per CTA, D chunks of weight
 // in flight per warp in registers (16-byte loads that skip L1). SILU: see reduce_parts.
-// MINB: CTAs an SM the registers must allow (mode 7 asks 3: ptxas caps them at 80 a thread).
-template <bool BF16, int MT, int R, int D, bool IL, bool PROBE = false, bool SILU = false,
-          int MINB = 1>
-__global__ void __launch_bounds__(256, MINB) w4_gemv_regs(TM_GEMV_PARAMS) {
+template <bool BF16, int MT, int R, int D, bool IL, bool PROBE = false, bool SILU = false>
+__global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS) {
   TM_WARP_CHUNKS
   __half* my_sc = reinterpret_cast<__half*>(smem) + (IL ? 0 : (size_t)warp * R * rg.maxg * 16);
 
@@ -826,12 +824,11 @@ int launch_bulk(const void* qw, const void* sc, const void* x, void* y, void* ws
                        depth);
 }
 
-// min_smem: shared memory a CTA takes at least (probe 8 pads to it, to hold 2 CTAs an SM).
 template <bool BF16, int MT, int R, int D, bool ASYNC, bool IL, bool PROBE = false,
-          bool SILU = false, int MINB = 1>
+          bool SILU = false>
 int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                 int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, bool pdl,
-                cudaStream_t stream, size_t min_smem = 0) {
+                cudaStream_t stream) {
   using T = typename Num<BF16>::T;
   const int NC = K / 64, G = (NC + gc - 1) / gc, P = splits * (IL ? 1 : warps);
   const int maxg = (G + P - 1) / P;
@@ -840,12 +837,11 @@ int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws
   const size_t sc_bytes = (size_t)(IL ? 1 : warps) * R * maxg * 16 * sizeof(__half);
   const size_t ring_bytes = ASYNC ? (size_t)warps * D * R * 32 * 16 : 0;
   const size_t red_bytes = (size_t)warps * R * MT * 4 * 32 * sizeof(float);
-  size_t bytes = ring_bytes + sc_bytes > red_bytes ? ring_bytes + sc_bytes : red_bytes;
-  if (bytes < min_smem) bytes = min_smem;
+  const size_t bytes = ring_bytes + sc_bytes > red_bytes ? ring_bytes + sc_bytes : red_bytes;
   // if constexpr, not ?: (which would build both kernels, one never launched)
   auto kernel = [] {
     if constexpr (ASYNC) return w4_gemv_async<BF16, MT, R, D, IL, SILU>;
-    else return w4_gemv_regs<BF16, MT, R, D, IL, PROBE, SILU, MINB>;
+    else return w4_gemv_regs<BF16, MT, R, D, IL, PROBE, SILU>;
   }();
   if (bytes > 48 * 1024) {
     cudaError_t err =
@@ -906,10 +902,7 @@ int gemv_split_k(const void* qw, const void* sc, const void* x, void* y, void* w
 // or 4), 3 stream-K over that pipeline (`splits` CTAs per SM; depth 2 or 4), 4 the bulk-copy
 // pipeline (`warps` consumer warps and a producer, `splits` CTAs per SM, a ring of `depth`
 // stages; sm_90). Probes for timing only (their output is not the product, M <= 8): 5 mode 4's
-// stream without the math, 6 mode 2's (depth 2) likewise, 8 mode 6 with 80 KB of shared memory
-// a CTA (2 CTAs an SM, as mode 2 holds). 7 (M <= 8, bf16): mode 2 at depth 2 with registers
-// capped for 3 CTAs an SM. Modes 7 and 8 ask whether mode 2's 2 CTAs an SM (its registers) are
-// what keeps it under its stream (mode 6, 3 CTAs an SM). The variants that lost on one H200
+// stream without the math, 6 mode 2's (depth 2) likewise. The variants that lost on one H200
 // (deeper rings, interleaved cp.async) are not built: each costs compile time at the worker's
 // first start. SILU (modes 0-2 only): the fused gate|up epilogue of reduce_parts.
 template <bool BF16, int MT, int R, bool SILU>
@@ -931,15 +924,9 @@ int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* w
                                              warps, splits, depth, pdl, s);
     case 5:
     case 6:
-    case 7:
-    case 8:
       if constexpr (MT == 1 && BF16) {
         if (mode == 6) return launch_gemv<BF16, MT, R, 2, false, true, true>(
             qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, pdl, s);
-        if (mode == 7) return launch_gemv<BF16, MT, R, 2, false, true, false, false, 3>(
-            qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, pdl, s);
-        if (mode == 8) return launch_gemv<BF16, MT, R, 2, false, true, true>(
-            qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, pdl, s, 80 * 1024);
         return launch_bulk<BF16, MT, R, true>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc,
                                               warps, splits, depth, pdl, s);
       }

@@ -54,8 +54,7 @@ class MmaTiling:
     (sm_90: a producer warp streams stages of `warps` chunks into a ring of `depth` with the
     bulk-copy engine, `warps` consumer warps multiply; `splits` CTAs per SM share the row blocks
     x stages evenly, as mode 3). Modes 5 and 6 are timing probes (4's and 2's weight stream
-    without the math), never the product; 8 is probe 6 held to 2 CTAs an SM (by shared memory),
-    and 7 mode 2 at depth 2 with its registers capped for 3 CTAs an SM (M <= 8, bf16)."""
+    without the math), never the product."""
 
     rows: int = 2
     warps: int = 8
@@ -177,9 +176,7 @@ def gemv(
     if m > 32 and t.rows == 2:  # 8 token groups x 2 tiles spill registers: one tile per CTA
         t = dataclasses.replace(t, rows=1)
     gc = group_size // 64
-    if t.mode in (4, 5) and (
-        (k // 64) % t.warps or torch.cuda.get_device_capability(x.device) < (9, 0)
-    ):
+    if t.mode >= 4 and ((k // 64) % t.warps or torch.cuda.get_device_capability(x.device) < (9, 0)):
         t = default_tiling(n, k, group_size)  # a stage is one chunk per consumer warp; sm_90
     if t.mode >= 2 and gc & (gc - 1):  # interleaved chunks find their group by a shift
         t = dataclasses.replace(t, mode=1, splits=1 if t.mode in (3, 4) else t.splits)
@@ -189,9 +186,9 @@ def gemv(
     ws = arrivals = None
     if t.splits > 1 or t.mode >= 3:  # split K, or stream-K's parts of row blocks
         token_groups = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8  # the kernel's MT
-        # K split over the grid's y (modes 0-2 and their variants 6-8): a slot per part, summed
-        # in order; stream-K's segments (3-5) add into one
-        parts = t.splits if t.mode in (0, 1, 2, 6, 7, 8) else 1
+        # K split over the grid's y (modes 0-2 and their probe 6): a slot per part, summed in
+        # order; stream-K's segments (3-5) add into one
+        parts = t.splits if t.mode in (0, 1, 2, 6) else 1
         ws = _zeroed(_workspaces, x.device, parts * n // 16 * token_groups * 128, torch.float32)
         arrivals = _zeroed(_arrivals, x.device, n // 16, torch.int32)
     code = _library(x.device).tm_w4_gemv(
