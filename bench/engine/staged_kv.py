@@ -41,8 +41,9 @@ GIB = 1 << 30
 FP8 = torch.float8_e4m3fn
 MILLION = 1_000_000
 ENVELOPE_GIB = 86.4
-# resident weights of the 27B shape as measured (2026-12-01-h200-ad5d6a5-gpu_suite.json)
-WEIGHTS_GIB = {"FP8 weights": 26.25, "W4 weights": 15.28}
+# weights resident on the GPU for the 27B shape as measured (2026-12-01-h200-ad5d6a5-gpu_suite.json;
+# W4 with its embedding table in host memory, the W4 default: 2026-12-04-h200-332a051-gpu_suite.json)
+WEIGHTS_GIB = {"FP8 weights": 26.25, "W4 weights": 15.28, "W4 weights, table on the host": 12.92}
 BLOCK = 16
 
 
