@@ -218,7 +218,7 @@ SHAPES_27B = [(34816, 5120), (5120, 17408), (14336, 5120), (5120, 6144), (16384,
 @GPU
 @needs_cuda
 @pytest.mark.parametrize(("n", "k"), SHAPES_27B)
-def test_gpu_int4_linear_27b(n: int, k: int) -> None:
+def test_gpu_int4_linear_27b(n: int, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(n + k)
     for m in (1, 8, 16, 33):
         check_gemv(m, n, k, 128, True, None, False, "cuda")
@@ -231,6 +231,10 @@ def test_gpu_int4_linear_27b(n: int, k: int) -> None:
     q = int4_weight(n, k, 128, True, "cuda")
     x = torch.randn(512, k, device="cuda").bfloat16()
     ref = reference.int4_linear(x, q.qweight, q.scales, None, 128)
+    # prefill rows: the default (auto) takes cuBLAS's W4A8 GEMM here, x rounded to e4m3
+    assert int4_gemm.prefill_path_for(x.device, 128) == "w4a8"
+    assert rel_err(int4_linear(x, q.qweight, q.scales, None, 128), ref) < 4e-2
+    monkeypatch.setattr(int4_gemm, "INT4_PREFILL", "bf16")  # the scratch: the exact weight
     assert rel_err(int4_linear(x, q.qweight, q.scales, None, 128), ref) < 1e-2
     w, _ = int4_dequantize(q.qweight, q.scales, None, 128, torch.bfloat16)
     assert torch.equal(w, reference.int4_dequantize(q.qweight, q.scales, None, 128).bfloat16())

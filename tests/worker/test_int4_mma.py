@@ -351,8 +351,11 @@ def test_split_k_gives_the_same_bits_every_run(tiling: tuple[int, int, int, int,
 @GPU
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_dequantize_and_prefill_on_gpu(dtype: torch.dtype) -> None:
+def test_dequantize_and_prefill_on_gpu(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     from worker.kernels.cuda import int4_mma
+    from worker.kernels.triton import int4_gemm
+
+    monkeypatch.setattr(int4_gemm, "INT4_PREFILL", "bf16")  # the scratch; auto: the W4A8 test
 
     q = quantize_rtn(torch.randn(512, 1024, device="cuda") * 0.02, 128, True)
     words, mma_scales = reference.int4_mma_pack(q.qweight, q.scales)
@@ -501,9 +504,14 @@ def test_gate_up_silu_mul_gives_the_same_bits_every_run(
 @GPU
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gate_up_silu_mul_op_decode_and_prefill_on_gpu(dtype: torch.dtype) -> None:
+def test_gate_up_silu_mul_op_decode_and_prefill_on_gpu(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The registered op: decode rows through the fused GEMV, prefill rows through the
     dequantized product reordered to gate|up."""
+    from worker.kernels.triton import int4_gemm
+
+    monkeypatch.setattr(int4_gemm, "INT4_PREFILL", "bf16")  # the dequantized product
     words, scales, weight = gpu_gate_up(128, 512)
     impl = ops.select("int4_mma_linear_silu_mul", torch.device("cuda"), dtype)
     assert impl.name == "cuda.int4_mma_gate_up_silu_mul"
