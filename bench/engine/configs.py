@@ -133,18 +133,15 @@ def engine_config(
         True,
         kv_staging=kv_staging,
     )
+    host_bytes = resident_bytes(model, on_gpu=False) if device == "cuda" else 0
     result: dict[str, Any] = {
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "kv_staging": kv_staging,
         "num_compressed_blocks": engine.block_manager.num_compressed_blocks,
         # resident on the GPU; a table in host memory counts apart
         "weights_gib": resident_bytes(model, on_gpu=device == "cuda") / GIB,
-        "host_weights_gib": (
-            resident_bytes(model, on_gpu=False) / GIB if device == "cuda" else 0.0
-        ),
-        "embeddings": "host"
-        if resident_bytes(model, on_gpu=False) and device == "cuda"
-        else "device",
+        "host_weights_gib": host_bytes / GIB,
+        "embeddings": "host" if host_bytes else "device",
         "kv_dtype": str(engine.runner.kv_dtype),
         "state_dtype": str(engine.runner.state_dtype),
         "kv_bytes_per_token": engine.kv_bytes_per_token(),
