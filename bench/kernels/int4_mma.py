@@ -9,7 +9,7 @@ today's triton int4 GEMV and the FP8 GEMV, on one GPU.
    loads in flight), each checked against the reference and timed as CUDA-graph replays over
    weight copies larger than L2 (median of 10 replays); the best at M = 1, 16, 32, 64; the
    triton int4 GEMV at its tuned tiling and FP8 `w8_gemv` at the same shape and M = 8; the
-   best register-pipeline and bulk-copy tilings again as probes without the math.
+   best register-pipeline, register-ring and bulk-copy tilings again as probes without the math.
 4. prefill (gate|up and down, M = 512, 2048, 4096): the mma layout's dequantization + cuBLAS,
    the triton layout's, the e4m3 scratch + scaled_mm (`TOKENMILL_INT4_PREFILL=fp8`), the W4A8
    GEMM per candidate tiling (`=w4a8`), each with its relative error against the exact
@@ -56,7 +56,7 @@ def weights(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tenso
 
 
 # the built (depth, mode) variants, stream-K (mode 3) apart
-PIPELINES = ((2, 0), (4, 1), (2, 2), (4, 2))
+PIPELINES = ((2, 0), (4, 1), (2, 2), (4, 2), (2, 7), (4, 7))
 
 
 def candidates(n: int, k: int, modes: list[int] | None = None) -> list[MmaTiling]:
@@ -89,7 +89,7 @@ def candidates(n: int, k: int, modes: list[int] | None = None) -> list[MmaTiling
         out = {int4_mma.default_tiling(n, k, GROUP)}
     if tuned is not None:  # today's winner, the baseline of every run
         out.add(tuned)
-    rank = {m: i for i, m in enumerate(modes or range(8))}
+    rank = {m: i for i, m in enumerate(modes or range(10))}
     return sorted(
         out, key=lambda t: (t != tuned, rank.get(t.mode, 9), t.rows, t.warps, t.splits, t.depth)
     )
@@ -132,13 +132,13 @@ def time_triton(m: int, n: int, k: int, ws: list[Any], x: torch.Tensor, ref: tor
 
 def probes(rows: list[dict[str, Any]], ws: list[Any], x: torch.Tensor, ref: torch.Tensor,
            n: int, k: int, bandwidth: float) -> dict[str, Any]:  # fmt: skip
-    """Where the time goes: the best register-pipeline (mode 2) and bulk-copy (mode 4) tilings
-    at M = 8 timed again as probes that stream the same weights without x or the products
-    (modes 6 and 5). A probe near copy bandwidth says the math holds the stream back. And mode
-    2 with one weight copy, L2-resident where it fits (50 MB on an H200): how much of the time
-    is the weights' trip from HBM at all."""
+    """Where the time goes: the best register-pipeline (mode 2), register-ring (mode 7) and
+    bulk-copy (mode 4) tilings at M = 8 timed again as probes that stream the same weights
+    without x or the products (modes 6, 8 and 5). A probe near copy bandwidth says the math
+    holds the stream back. And modes 2 and 7 with one weight copy, L2-resident where it fits
+    (50 MB on an H200): how much of the time is the weights' trip from HBM at all."""
     out: dict[str, Any] = {}
-    for mode, probe in ((2, 6), (4, 5)):
+    for mode, probe in ((2, 6), (7, 8), (4, 5)):
         good = [r for r in rows if r.get("ok") and f"mode={mode})" in r["tiling"]]
         if not good:
             continue
@@ -150,9 +150,13 @@ def probes(rows: list[dict[str, Any]], ws: list[Any], x: torch.Tensor, ref: torc
         out[f"mode{probe}"] = {"of": best["tiling"], "math_us": best["us"], **row}
         log(f"  {n}x{k} probe {probe} of {best['tiling']}: {row.get('us', float('nan')):.1f} us "
             f"{100 * row.get('of_copy', float('nan')):.0f}% (with the math {best['us']:.1f} us)")  # fmt: skip
-        if probe == 6:
+        if probe in (6, 8):
             hot = time_mma(8, n, k, [ws[0]] * len(ws), x, ref, t, bandwidth)
-            out["l2_hot"] = {"of": best["tiling"], "math_us": best["us"], "us": hot.get("us")}
+            out[f"l2_hot_mode{mode}"] = {
+                "of": best["tiling"],
+                "math_us": best["us"],
+                "us": hot.get("us"),
+            }
             log(f"  {n}x{k} one weight copy (L2-resident where it fits): {hot.get('us', float('nan')):.1f} us")  # fmt: skip
     return out
 

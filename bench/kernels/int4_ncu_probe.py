@@ -3,7 +3,9 @@ Qwen3.6-27B shapes, batch 8, for Nsight Compute to profile.
 
     ncu --clock-control none -k regex:"w4_gemv|int4_gemv|w8_gemv" --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
-        --section SchedulerStats --log-file ncu.txt python -m bench.kernels.int4_ncu_probe
+        --section SchedulerStats --section SourceCounters \
+        --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
+        --log-file ncu.txt python -m bench.kernels.int4_ncu_probe
 
 Each kernel runs twice (compile/warm, then the same again), so both launches are comparable.
 """
@@ -22,10 +24,16 @@ from worker.kernels.triton.fp8_gemm import default_tiling, w8_gemv
 from worker.models.fp8 import quantize_weight
 from worker.models.int4 import quantize_rtn
 
-SHAPES = {"gate|up": (34816, 5120), "deltanet out / attention o": (5120, 6144)}
+SHAPES = {"gate|up": (34816, 5120), "deltanet qkv|z": (16384, 5120)}
+# the tuned register pipeline (mode 2), the register ring on its grid (7), and the cp.async
+# ring (1): where each warp's time goes, by stall reason
 MMA = {
-    "gate|up": [MmaTiling(2, 8, 1, 4, 1), MmaTiling(2, 8, 1, 2, 0)],
-    "deltanet out / attention o": [MmaTiling(1, 8, 1, 2, 0), MmaTiling(2, 4, 4, 4, 1)],
+    "gate|up": [MmaTiling(4, 8, 1, 2, 2), MmaTiling(4, 8, 1, 2, 7), MmaTiling(4, 8, 1, 4, 1)],
+    "deltanet qkv|z": [
+        MmaTiling(4, 8, 1, 2, 2),
+        MmaTiling(4, 8, 1, 2, 7),
+        MmaTiling(4, 8, 1, 4, 1),
+    ],
 }
 
 

@@ -311,6 +311,9 @@ def test_gate_up_pairs_only_whole_tiles_without_bias() -> None:
         (2, 4, 1, 3, 4),
         (1, 8, 2, 6, 4),
         (4, 4, 3, 2, 4),
+        (4, 8, 1, 2, 7),
+        (2, 4, 3, 4, 7),
+        (1, 2, 2, 2, 7),
     ],
 )
 def test_gemv_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int, int] | None) -> None:
@@ -331,7 +334,9 @@ def test_gemv_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int, i
 
 @GPU
 @needs_cuda
-@pytest.mark.parametrize("tiling", [(4, 4, 4, 4, 2), (2, 8, 3, 2, 0), (2, 4, 2, 4, 1)])
+@pytest.mark.parametrize(
+    "tiling", [(4, 4, 4, 4, 2), (2, 8, 3, 2, 0), (2, 4, 2, 4, 1), (4, 4, 4, 2, 7), (2, 8, 2, 2, 7)]
+)
 def test_split_k_gives_the_same_bits_every_run(tiling: tuple[int, int, int, int, int]) -> None:
     """K split over CTAs: each part has its own workspace slot, summed in part order, so the
     output does not depend on which CTA finished first (greedy decoding repeats itself)."""
@@ -451,6 +456,8 @@ def gpu_gate_up(f: int, k: int) -> tuple[torch.Tensor, ...]:
         (4, 8, 1, 2, 2),
         (2, 8, 3, 4, 2),
         (4, 4, 4, 4, 2),
+        (4, 8, 1, 2, 7),
+        (2, 4, 3, 4, 7),
         (1, 8, 2, 4, 2),  # one tile per CTA: the product, then silu_mul
         (2, 8, 2, 2, 3),  # stream-K and the bulk pipeline: likewise
         (4, 8, 2, 4, 4),
@@ -464,7 +471,7 @@ def test_gate_up_silu_mul_on_gpu(
     k: int,
     tiling: tuple[int, int, int, int, int] | None,
 ) -> None:
-    """silu(gate) * up from the GEMV's epilogue (2 or 4 tiles per CTA, modes 0-2, M <= 32) or
+    """silu(gate) * up from the GEMV's epilogue (2 or 4 tiles per CTA, modes 0-2 and 7, M <= 32) or
     from its product (other tilings, M > 32) against the fp32 reference."""
     from worker.kernels.cuda import int4_mma
 
@@ -477,7 +484,7 @@ def test_gate_up_silu_mul_on_gpu(
     monkeypatch.setattr(int4_mma, "silu_mul_of_pairs", lambda y: unfused.append(1) or pairs(y))
     got = int4_mma.gemv(x, words, scales, 128, t, silu_mul=True)
     assert got.shape == (m, f) and got.dtype == dtype
-    assert bool(unfused) == (m > 32 or rows == 1 or t.mode > 2)
+    assert bool(unfused) == (m > 32 or rows == 1 or t.mode not in int4_mma.K_SPLIT_PRODUCT_MODES)
     want = silu_of_pairs_reference(x.float() @ weight.T)
     assert rel_err(got.float(), want) < 1e-2
     ws, arrivals = int4_mma._workspaces.get(x.device), int4_mma._arrivals.get(x.device)
@@ -487,7 +494,9 @@ def test_gate_up_silu_mul_on_gpu(
 
 @GPU
 @needs_cuda
-@pytest.mark.parametrize("tiling", [(4, 4, 4, 4, 2), (2, 8, 3, 2, 0), (2, 4, 2, 4, 1)])
+@pytest.mark.parametrize(
+    "tiling", [(4, 4, 4, 4, 2), (2, 8, 3, 2, 0), (2, 4, 2, 4, 1), (4, 8, 1, 2, 7), (2, 4, 2, 2, 7)]
+)
 def test_gate_up_silu_mul_gives_the_same_bits_every_run(
     tiling: tuple[int, int, int, int, int],
 ) -> None:

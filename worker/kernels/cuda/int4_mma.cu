@@ -176,6 +176,40 @@ __device__ __forceinline__ void load_scales(__half* my_sc, const __half* __restr
   else __syncwarp();
 }
 
+// The CTA's scales (interleaved chunks: all its warps share them) into smem [R][maxg][16]:
+// tile r's groups [g0, g1) are (g1 - g0) * 32 contiguous bytes, copied 16 bytes a thread with
+// every load issued before the stores and no division. (load_scales divides per element and
+// waits out each load in turn; with it, the ring's GEMVs took 4-9% longer on one H200.)
+template <int R>
+__device__ __forceinline__ void load_scales_il(__half* my_sc, const __half* __restrict__ sc,
+                                               const Range& rg, int G, int rb) {
+  const int per = (rg.g1 - rg.g0) * 2;  // 16-byte pieces a tile
+  constexpr int MAX = 2;                // pieces a thread holds at once, per tile
+  uint4 v[R][MAX];
+  for (int base = threadIdx.x; base < per; base += MAX * blockDim.x) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint4* src =
+          reinterpret_cast<const uint4*>(sc + ((size_t)(rb * R + r) * G + rg.g0) * 16);
+#pragma unroll
+      for (int i = 0; i < MAX; ++i) {
+        const int idx = base + i * blockDim.x;
+        if (idx < per) v[r][i] = __ldg(src + idx);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      uint4* dst = reinterpret_cast<uint4*>(my_sc + (size_t)r * rg.maxg * 16);
+#pragma unroll
+      for (int i = 0; i < MAX; ++i) {
+        const int idx = base + i * blockDim.x;
+        if (idx < per) dst[idx] = v[r][i];
+      }
+    }
+  }
+  __syncthreads();
+}
+
 // x's B operands for chunk c: lane (g, t) reads token mt * 8 + g at k = 64 c + 8 t (16 bytes)
 // and 64 c + 32 + 8 t (16 bytes): each load instruction covers 4 x 64 contiguous bytes.
 template <bool BF16, int MT>
@@ -455,6 +489,92 @@ __global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS) {
       }
     }
   }
+  if (PROBE) acc[0][0][0] = __uint_as_float(probe & 0x3fffffffu);
+  finish<BF16, MT, R, SILU>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy, rb,
+                            1, gridDim.y, blockIdx.y, gridDim.y);
+}
+
+// Register ring: the interleaved register pipeline (mode 2) with D + 1 sets of weight words,
+// so that a load never waits. In mode 2 chunk c + D is loaded into the set chunk c is being
+// read from; ptxas lands it in spare registers and copies them back at the chunk's end, and
+// that copy waits for the load: each chunk then waits out a whole load latency (one chunk in
+// flight, not D). Here chunk n is read from set n % S and chunk n + D goes into set
+// (n + D) % S, the set of chunk n - 1, already read: the loop is unrolled S times so each set
+// keeps its registers, and every load is unconditional (past the warp's range it reads the
+// warp's last chunk again), so no old value has to survive beside it.
+// ring_run: one row block's chunks [rg.c_begin, rg.c_end), the CTA's warps taking them in
+// turn, into acc (zeroed here); the first D chunks and the scales are loaded before the PDL
+// wait. PROBE: the stream alone (no x, no products).
+template <bool BF16, int MT, int R, int D, bool PROBE>
+__device__ __forceinline__ void ring_run(float (&acc)[R][MT][4], const uint4* __restrict__ qw,
+                                         const __half* __restrict__ sc,
+                                         const typename Num<BF16>::T* __restrict__ x,
+                                         __half* my_sc, const Range& rg, int rb, int NC, int G,
+                                         int M, int ldx, int gc, int gshift, uint32_t& probe) {
+  constexpr int S = D + 1;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int first = rg.c_begin + warp, step = W;
+  const int count = first < rg.c_end ? (rg.c_end - first + step - 1) / step : 0;
+  const int last = count > 0 ? first + (count - 1) * step : rg.c_begin;
+  auto chunk = [&](int n) { return min(first + n * step, last); };
+  const uint4* wp[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) wp[r] = qw + ((size_t)(rb * R + r) * NC) * 32 + lane;
+
+  uint4 wbuf[S][R];
+#pragma unroll
+  for (int s = 0; s < D; ++s)
+#pragma unroll
+    for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)chunk(s) * 32);
+  load_scales_il<R>(my_sc, sc, rg, G, rb);
+  pdl_wait();
+
+  float part[R][MT][4], xsum[1][MT][4];
+  zero(acc);
+  zero(part);
+  zero(xsum);
+  int in_group = 0, gi = 0;
+  auto consume = [&](int n, const uint4(&w)[R]) {
+    if (PROBE) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) probe ^= w[r].x ^ w[r].y ^ w[r].z ^ w[r].w;
+    } else {
+      const int c = first + n * step;
+      uint4 xv[MT][2];
+      load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
+      chunk_products<BF16, MT, R>(part, xsum[0], w, xv);
+      after_chunk<BF16, MT, R, true>(acc, part, xsum[0], my_sc, rg, c, gc, gshift, in_group, gi,
+                                     g);
+    }
+  };
+  // whole turns of the ring, with no branch between their chunks (a branch would let ptxas
+  // sink a load to the one path that reads it: next to its use), then the last < S chunks
+  int n = 0;
+  for (; n + S <= count; n += S) {
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        wbuf[(s + D) % S][r] = load_stream(wp[r] + (size_t)chunk(n + s + D) * 32);
+      consume(n + s, wbuf[s]);
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < D; ++s)
+    if (n + s < count) consume(n + s, wbuf[s]);
+}
+
+// Mode 7: the ring over the CTA's K range (split over gridDim.y). SILU: see reduce_parts.
+template <bool BF16, int MT, int R, int D, bool PROBE = false, bool SILU = false>
+__global__ void __launch_bounds__(256, 2) w4_gemv_ring(TM_GEMV_PARAMS) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int NC = K >> 6, G = (NC + gc - 1) / gc, rb = blockIdx.x;
+  const Range rg = warp_range<true>(NC, gc, blockDim.x >> 5, threadIdx.x >> 5);
+  float acc[R][MT][4];
+  uint32_t probe = 0;
+  ring_run<BF16, MT, R, D, PROBE>(acc, qw, sc, x, reinterpret_cast<__half*>(smem), rg, rb, NC, G,
+                                  M, ldx, gc, gshift, probe);
   if (PROBE) acc[0][0][0] = __uint_as_float(probe & 0x3fffffffu);
   finish<BF16, MT, R, SILU>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy, rb,
                             1, gridDim.y, blockIdx.y, gridDim.y);
@@ -825,7 +945,7 @@ int launch_bulk(const void* qw, const void* sc, const void* x, void* y, void* ws
 }
 
 template <bool BF16, int MT, int R, int D, bool ASYNC, bool IL, bool PROBE = false,
-          bool SILU = false>
+          bool SILU = false, bool RING = false>
 int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                 int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, bool pdl,
                 cudaStream_t stream) {
@@ -840,7 +960,8 @@ int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws
   const size_t bytes = ring_bytes + sc_bytes > red_bytes ? ring_bytes + sc_bytes : red_bytes;
   // if constexpr, not ?: (which would build both kernels, one never launched)
   auto kernel = [] {
-    if constexpr (ASYNC) return w4_gemv_async<BF16, MT, R, D, IL, SILU>;
+    if constexpr (RING) return w4_gemv_ring<BF16, MT, R, D, PROBE, SILU>;
+    else if constexpr (ASYNC) return w4_gemv_async<BF16, MT, R, D, IL, SILU>;
     else return w4_gemv_regs<BF16, MT, R, D, IL, PROBE, SILU>;
   }();
   if (bytes > 48 * 1024) {
@@ -880,18 +1001,19 @@ int launch_streamk(const void* qw, const void* sc, const void* x, void* y, void*
                        static_cast<int*>(arrivals), M, N, K, ldx, ldy, gc, __builtin_ctz(gc));
 }
 
-// Modes 0-2: K split over the grid's y.
+// Modes 0-2 and 7: K split over the grid's y.
 template <bool BF16, int MT, int R, bool SILU>
 int gemv_split_k(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                  int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
                  int mode, bool pdl, cudaStream_t s) {
-#define TM_GEMV(D, ASYNC, IL)                                                                  \
-  launch_gemv<BF16, MT, R, D, ASYNC, IL, false, SILU>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, \
-                                                      ldy, gc, warps, splits, pdl, s)
+#define TM_GEMV(D, ASYNC, IL, RING)                                                           \
+  launch_gemv<BF16, MT, R, D, ASYNC, IL, false, SILU, RING>(qw, sc, x, y, ws, arrivals, M, N, K, \
+                                                            ldx, ldy, gc, warps, splits, pdl, s)
   switch (mode) {
-    case 0: return TM_GEMV(2, false, false);
-    case 1: return TM_GEMV(4, true, false);
-    case 2: return depth >= 4 ? TM_GEMV(4, false, true) : TM_GEMV(2, false, true);
+    case 0: return TM_GEMV(2, false, false, false);
+    case 1: return TM_GEMV(4, true, false, false);
+    case 2: return depth >= 4 ? TM_GEMV(4, false, true, false) : TM_GEMV(2, false, true, false);
+    case 7: return depth >= 4 ? TM_GEMV(4, false, true, true) : TM_GEMV(2, false, true, true);
     default: return -1;
   }
 #undef TM_GEMV
@@ -901,15 +1023,17 @@ int gemv_split_k(const void* qw, const void* sc, const void* x, void* y, void* w
 // register pipeline with interleaved chunks (the CTA's warps take turns along one run; depth 2
 // or 4), 3 stream-K over that pipeline (`splits` CTAs per SM; depth 2 or 4), 4 the bulk-copy
 // pipeline (`warps` consumer warps and a producer, `splits` CTAs per SM, a ring of `depth`
-// stages; sm_90). Probes for timing only (their output is not the product, M <= 8): 5 mode 4's
-// stream without the math, 6 mode 2's (depth 2) likewise. The variants that lost on one H200
-// (deeper rings, interleaved cp.async) are not built: each costs compile time at the worker's
-// first start. SILU (modes 0-2 only): the fused gate|up epilogue of reduce_parts.
+// stages; sm_90), 7 the register ring (mode 2 with a set of registers more than chunks in
+// flight, depth 2 or 4). Probes for timing only (their output is not the product, M <= 8): 5
+// mode 4's stream without the math, 6 mode 2's (depth 2) likewise, 8 mode 7's (depth 2). The
+// variants that lost on one H200 (deeper rings, interleaved cp.async, stream-K on the ring, x
+// loaded a chunk ahead in the ring) are not built: each costs compile time at the worker's
+// first start. SILU (modes 0-2 and 7): the fused gate|up epilogue of reduce_parts.
 template <bool BF16, int MT, int R, bool SILU>
 int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                  int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
                  int mode, bool pdl, cudaStream_t s) {
-  if (mode <= 2)
+  if (mode <= 2 || mode == 7)
     return gemv_split_k<BF16, MT, R, SILU>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc,
                                            warps, splits, depth, mode, pdl, s);
   if constexpr (SILU) return -1;
@@ -924,8 +1048,11 @@ int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* w
                                              warps, splits, depth, pdl, s);
     case 5:
     case 6:
+    case 8:
       if constexpr (MT == 1 && BF16) {
         if (mode == 6) return launch_gemv<BF16, MT, R, 2, false, true, true>(
+            qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, pdl, s);
+        if (mode == 8) return launch_gemv<BF16, MT, R, 2, false, true, true, false, true>(
             qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, pdl, s);
         return launch_bulk<BF16, MT, R, true>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc,
                                               warps, splits, depth, pdl, s);
@@ -960,10 +1087,10 @@ extern "C" {
 // y[M, N] = x[M, K] @ W^T. Returns a cudaError_t (0: launched; -1: bad arguments).
 // rows_per_cta 1, 2 or 4 (N a multiple of 16 * rows_per_cta; more tiles per CTA share each x
 // operand load); warps 1..8; splits >= 1 (> 1 needs ws and arrivals, zeroed, sized
-// splits * N / 16 * MT * 128 floats (modes 0-2; modes 3-6: N / 16 * MT * 128) and N / 16 ints); mode 0-6 (gemv_by_mode); M > 16 needs
+// splits * N / 16 * MT * 128 floats (modes 0-2, 6-8; modes 3-5: N / 16 * MT * 128) and N / 16 ints); mode 0-8 (gemv_by_mode); M > 16 needs
 // rows_per_cta <= 2, M > 32 rows_per_cta 1. silu_mul: W is a fused gate|up projection whose
 // 16-row tiles alternate gate / up (N = 2F), and y [M, F] (row stride ldy) = silu(gate) * up;
-// needs rows_per_cta 2 or 4 and mode 0-2. pdl: launched with programmatic dependent launch
+// needs rows_per_cta 2 or 4 and mode 0-2 or 7. pdl: launched with programmatic dependent launch
 // (sm_90), overlapping the kernel before's tail.
 int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                int M, int N, int K, int ldx, int ldy, int gc, int bf16, int rows_per_cta,
@@ -972,7 +1099,7 @@ int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws,
   if (M < 1 || M > 64 || K % 64 || gc < 1 || warps < 1 || warps > 8 || splits < 1) return -1;
   if ((rows_per_cta != 1 && rows_per_cta != 2 && rows_per_cta != 4) || N % (16 * rows_per_cta))
     return -1;
-  if (silu_mul && (rows_per_cta == 1 || mode < 0 || mode > 2)) return -1;
+  if (silu_mul && (rows_per_cta == 1 || mode < 0 || (mode > 2 && mode != 7))) return -1;
 #define TM_CALL(B, R)                                                                           \
   (silu_mul ? gemv_by_rows<B, R, true>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, \
                                        splits, depth, mode, pdl, s)                             \

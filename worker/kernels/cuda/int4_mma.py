@@ -53,14 +53,22 @@ class MmaTiling:
     pipeline: `splits` CTAs per SM share all row blocks x chunks evenly, no partial wave) or 4
     (sm_90: a producer warp streams stages of `warps` chunks into a ring of `depth` with the
     bulk-copy engine, `warps` consumer warps multiply; `splits` CTAs per SM share the row blocks
-    x stages evenly, as mode 3). Modes 5 and 6 are timing probes (4's and 2's weight stream
-    without the math), never the product."""
+    x stages evenly, as mode 3) or 7 (mode 2 on a register ring of `depth` + 1 sets, so a
+    chunk's load is never waited for by the chunk that issued it). Modes 5, 6 and 8 are timing
+    probes (4's, 2's and 7's weight stream without the math), never the product."""
 
     rows: int = 2
     warps: int = 8
     splits: int = 1
     depth: int = 4
     mode: int = 1
+
+
+# K split over the grid's y (each part its own workspace slot); of those, the ones that form the
+# product (the others are probes); the bulk-copy pipeline and its probe (sm_90)
+K_SPLIT_PRODUCT_MODES = (0, 1, 2, 7)
+K_SPLIT_MODES = (*K_SPLIT_PRODUCT_MODES, 6, 8)
+BULK_MODES = (4, 5)
 
 
 # Per weight shape, filled from the GPU's tuning file (worker/kernels/tuning; measured at M = 8
@@ -170,25 +178,29 @@ def gemv(
         raise ValueError(f"int4-mma gemv: silu_mul needs paired gate|up tiles, got N={n}")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()
+    if scales.data_ptr() % 16:  # the register ring copies them 16 bytes at a time
+        scales = scales.clone()
     t = tiling or MMA_DECODE_TILINGS.get((n, k)) or default_tiling(n, k, group_size)
     if m > 16 and t.rows == 4:  # 4 tiles x 4 token groups spill registers
         t = dataclasses.replace(t, rows=2)
     if m > 32 and t.rows == 2:  # 8 token groups x 2 tiles spill registers: one tile per CTA
         t = dataclasses.replace(t, rows=1)
     gc = group_size // 64
-    if t.mode >= 4 and ((k // 64) % t.warps or torch.cuda.get_device_capability(x.device) < (9, 0)):
+    if t.mode in BULK_MODES and (
+        (k // 64) % t.warps or torch.cuda.get_device_capability(x.device) < (9, 0)
+    ):
         t = default_tiling(n, k, group_size)  # a stage is one chunk per consumer warp; sm_90
     if t.mode >= 2 and gc & (gc - 1):  # interleaved chunks find their group by a shift
-        t = dataclasses.replace(t, mode=1, splits=1 if t.mode in (3, 4) else t.splits)
-    # the epilogue pairs a CTA's tiles (even rows) in the K-split pipelines (modes 0-2)
-    fused = silu_mul and t.rows in (2, 4) and t.mode <= 2
+        t = dataclasses.replace(t, mode=1, splits=t.splits if t.mode in K_SPLIT_MODES else 1)
+    # the epilogue pairs a CTA's tiles (even rows) in the K-split pipelines
+    fused = silu_mul and t.rows in (2, 4) and t.mode in K_SPLIT_PRODUCT_MODES
     out = torch.empty((m, n // 2 if fused else n), dtype=x.dtype, device=x.device)
     ws = arrivals = None
-    if t.splits > 1 or t.mode >= 3:  # split K, or stream-K's parts of row blocks
+    if t.splits > 1 or t.mode not in K_SPLIT_MODES:  # split K, or stream-K's parts of row blocks
         token_groups = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8  # the kernel's MT
-        # K split over the grid's y (modes 0-2 and their probe 6): a slot per part, summed in
-        # order; stream-K's segments (3-5) add into one
-        parts = t.splits if t.mode in (0, 1, 2, 6) else 1
+        # K split over the grid's y: a slot per part, summed in order; stream-K's segments
+        # (modes 3-5) add into one
+        parts = t.splits if t.mode in K_SPLIT_MODES else 1
         ws = _zeroed(_workspaces, x.device, parts * n // 16 * token_groups * 128, torch.float32)
         arrivals = _zeroed(_arrivals, x.device, n // 16, torch.int32)
     code = _library(x.device).tm_w4_gemv(
