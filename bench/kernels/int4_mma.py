@@ -71,7 +71,7 @@ def candidates(n: int, k: int, modes: list[int] | None = None) -> list[MmaTiling
         # 2 warps a CTA, 4-8 CTAs an SM: the FP8 w8_gemv's shape (small CTAs, each its own
         # pipeline), the one structure of that kernel not tried here yet
         for warps in (2, 4, 8):
-            for ctas_per_sm in (4, 8) if warps == 2 else (1, 2):
+            for ctas_per_sm in {2: (4, 8), 4: (1, 2, 3, 4), 8: (1, 2)}[warps]:
                 splits = max(1, min(-(-ctas_per_sm * 132 // blocks), groups // warps))
                 for depth, mode in PIPELINES:
                     out.add(MmaTiling(rows, warps, splits, depth, mode))
@@ -89,7 +89,7 @@ def candidates(n: int, k: int, modes: list[int] | None = None) -> list[MmaTiling
         out = {int4_mma.default_tiling(n, k, GROUP)}
     if tuned is not None:  # today's winner, the baseline of every run
         out.add(tuned)
-    rank = {m: i for i, m in enumerate(modes or range(10))}
+    rank = {m: i for i, m in enumerate(modes or range(9))}
     return sorted(
         out, key=lambda t: (t != tuned, rank.get(t.mode, 9), t.rows, t.warps, t.splits, t.depth)
     )

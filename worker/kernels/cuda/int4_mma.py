@@ -185,6 +185,8 @@ def gemv(
         t = dataclasses.replace(t, rows=2)
     if m > 32 and t.rows == 2:  # 8 token groups x 2 tiles spill registers: one tile per CTA
         t = dataclasses.replace(t, rows=1)
+    if m > 16 and t.mode == 7:  # the ring's third set spills at 4+ token groups: mode 2's pipeline
+        t = dataclasses.replace(t, mode=2)
     gc = group_size // 64
     if t.mode in BULK_MODES and (
         (k // 64) % t.warps or torch.cuda.get_device_capability(x.device) < (9, 0)
