@@ -56,7 +56,7 @@ def weights(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tenso
 
 
 # the built (depth, mode) variants, stream-K (mode 3) apart
-PIPELINES = ((2, 0), (4, 1), (2, 2), (4, 2), (2, 7), (4, 7))
+PIPELINES = ((2, 0), (4, 1), (2, 2), (4, 2), (2, 7), (4, 7), (3, 9))
 
 
 def candidates(n: int, k: int, modes: list[int] | None = None) -> list[MmaTiling]:
@@ -89,7 +89,7 @@ def candidates(n: int, k: int, modes: list[int] | None = None) -> list[MmaTiling
         out = {int4_mma.default_tiling(n, k, GROUP)}
     if tuned is not None:  # today's winner, the baseline of every run
         out.add(tuned)
-    rank = {m: i for i, m in enumerate(modes or range(9))}
+    rank = {m: i for i, m in enumerate(modes or range(10))}
     return sorted(
         out, key=lambda t: (t != tuned, rank.get(t.mode, 9), t.rows, t.warps, t.splits, t.depth)
     )

@@ -314,6 +314,9 @@ def test_gate_up_pairs_only_whole_tiles_without_bias() -> None:
         (4, 8, 1, 2, 7),
         (2, 4, 3, 4, 7),
         (1, 2, 2, 2, 7),
+        (2, 4, 1, 3, 9),
+        (2, 8, 3, 3, 9),
+        (1, 4, 2, 3, 9),
     ],
 )
 def test_gemv_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int, int] | None) -> None:
@@ -335,7 +338,15 @@ def test_gemv_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int, i
 @GPU
 @needs_cuda
 @pytest.mark.parametrize(
-    "tiling", [(4, 4, 4, 4, 2), (2, 8, 3, 2, 0), (2, 4, 2, 4, 1), (4, 4, 4, 2, 7), (2, 8, 2, 2, 7)]
+    "tiling",
+    [
+        (4, 4, 4, 4, 2),
+        (2, 8, 3, 2, 0),
+        (2, 4, 2, 4, 1),
+        (4, 4, 4, 2, 7),
+        (2, 8, 2, 2, 7),
+        (2, 4, 3, 3, 9),
+    ],
 )
 def test_split_k_gives_the_same_bits_every_run(tiling: tuple[int, int, int, int, int]) -> None:
     """K split over CTAs: each part has its own workspace slot, summed in part order, so the
@@ -458,6 +469,7 @@ def gpu_gate_up(f: int, k: int) -> tuple[torch.Tensor, ...]:
         (4, 4, 4, 4, 2),
         (4, 8, 1, 2, 7),
         (2, 4, 3, 4, 7),
+        (2, 4, 1, 3, 9),
         (1, 8, 2, 4, 2),  # one tile per CTA: the product, then silu_mul
         (2, 8, 2, 2, 3),  # stream-K and the bulk pipeline: likewise
         (4, 8, 2, 4, 4),
@@ -471,7 +483,7 @@ def test_gate_up_silu_mul_on_gpu(
     k: int,
     tiling: tuple[int, int, int, int, int] | None,
 ) -> None:
-    """silu(gate) * up from the GEMV's epilogue (2 or 4 tiles per CTA, modes 0-2 and 7, M <= 32) or
+    """silu(gate) * up from the GEMV's epilogue (2 or 4 tiles per CTA, modes 0-2, 7 and 9, M <= 32) or
     from its product (other tilings, M > 32) against the fp32 reference."""
     from worker.kernels.cuda import int4_mma
 
@@ -495,7 +507,7 @@ def test_gate_up_silu_mul_on_gpu(
 @GPU
 @needs_cuda
 @pytest.mark.parametrize(
-    "tiling", [(4, 4, 4, 4, 2), (2, 8, 3, 2, 0), (2, 4, 2, 4, 1), (4, 8, 1, 2, 7), (2, 4, 2, 2, 7)]
+    "tiling", [(4, 4, 4, 4, 2), (2, 8, 3, 2, 0), (2, 4, 2, 4, 1), (4, 8, 1, 2, 7), (2, 4, 2, 3, 9)]
 )
 def test_gate_up_silu_mul_gives_the_same_bits_every_run(
     tiling: tuple[int, int, int, int, int],

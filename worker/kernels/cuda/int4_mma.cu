@@ -505,19 +505,30 @@ __global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS) {
 // ring_run: one row block's chunks [rg.c_begin, rg.c_end), the CTA's warps taking them in
 // turn, into acc (zeroed here); the first D chunks and the scales are loaded before the PDL
 // wait. PROBE: the stream alone (no x, no products).
-template <bool BF16, int MT, int R, int D, bool PROBE>
+// PAIRS (groups of 128: gc == 2, the caller checks): the warp takes whole groups, g0 + warp,
+// g0 + warp + W, ..., both chunks of each in turn, so a group's partial sums close once, after
+// its second chunk, not after every chunk (a close is ~a fifth of a chunk's instructions at 2
+// tiles); S even, so the closing chunks sit at fixed places in the unrolled turn.
+template <bool BF16, int MT, int R, int D, bool PROBE, bool PAIRS = false>
 __device__ __forceinline__ void ring_run(float (&acc)[R][MT][4], const uint4* __restrict__ qw,
                                          const __half* __restrict__ sc,
                                          const typename Num<BF16>::T* __restrict__ x,
                                          __half* my_sc, const Range& rg, int rb, int NC, int G,
                                          int M, int ldx, int gc, int gshift, uint32_t& probe) {
   constexpr int S = D + 1;
+  static_assert(!PAIRS || S % 2 == 0, "a group's two chunks close at fixed places of a turn");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int first = rg.c_begin + warp, step = W;
-  const int count = first < rg.c_end ? (rg.c_end - first + step - 1) / step : 0;
-  const int last = count > 0 ? first + (count - 1) * step : rg.c_begin;
-  auto chunk = [&](int n) { return min(first + n * step, last); };
+  const int first = rg.c_begin + (PAIRS ? 2 * warp : warp), step = W;
+  const int groups = rg.g1 - rg.g0;
+  const int count = PAIRS ? (warp < groups ? 2 * ((groups - 1 - warp) / W + 1) : 0)
+                          : (first < rg.c_end ? (rg.c_end - first + step - 1) / step : 0);
+  // the warp's n-th chunk: in turn (first + n W), or in pairs (first + (n / 2) 2W + n % 2)
+  auto chunk_of = [&](int n) {
+    return PAIRS ? first + (n >> 1) * 2 * W + (n & 1) : first + n * step;
+  };
+  const int last = count > 0 ? chunk_of(count - 1) : rg.c_begin;
+  auto chunk = [&](int n) { return min(chunk_of(n), last); };
   const uint4* wp[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) wp[r] = qw + ((size_t)(rb * R + r) * NC) * 32 + lane;
@@ -535,17 +546,21 @@ __device__ __forceinline__ void ring_run(float (&acc)[R][MT][4], const uint4* __
   zero(part);
   zero(xsum);
   int in_group = 0, gi = 0;
-  auto consume = [&](int n, const uint4(&w)[R]) {
+  // s: the chunk's place in its turn (PAIRS: odd closes the group)
+  auto consume = [&](int n, const uint4(&w)[R], int s) {
     if (PROBE) {
 #pragma unroll
       for (int r = 0; r < R; ++r) probe ^= w[r].x ^ w[r].y ^ w[r].z ^ w[r].w;
     } else {
-      const int c = first + n * step;
+      const int c = chunk_of(n);
       uint4 xv[MT][2];
       load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
       chunk_products<BF16, MT, R>(part, xsum[0], w, xv);
-      after_chunk<BF16, MT, R, true>(acc, part, xsum[0], my_sc, rg, c, gc, gshift, in_group, gi,
-                                     g);
+      if (!PAIRS)
+        after_chunk<BF16, MT, R, true>(acc, part, xsum[0], my_sc, rg, c, gc, gshift, in_group,
+                                       gi, g);
+      else if (s & 1)
+        close_group<BF16, MT, R>(acc, part, xsum[0], my_sc, rg.maxg, (c >> 1) - rg.g0, g);
     }
   };
   // whole turns of the ring, with no branch between their chunks (a branch would let ptxas
@@ -557,24 +572,26 @@ __device__ __forceinline__ void ring_run(float (&acc)[R][MT][4], const uint4* __
 #pragma unroll
       for (int r = 0; r < R; ++r)
         wbuf[(s + D) % S][r] = load_stream(wp[r] + (size_t)chunk(n + s + D) * 32);
-      consume(n + s, wbuf[s]);
+      consume(n + s, wbuf[s], s);
     }
   }
 #pragma unroll
   for (int s = 0; s < D; ++s)
-    if (n + s < count) consume(n + s, wbuf[s]);
+    if (n + s < count) consume(n + s, wbuf[s], s);
 }
 
-// Mode 7: the ring over the CTA's K range (split over gridDim.y). SILU: see reduce_parts.
-template <bool BF16, int MT, int R, int D, bool PROBE = false, bool SILU = false>
+// Modes 7 and 9 (PAIRS): the ring over the CTA's K range (split over gridDim.y). SILU: see
+// reduce_parts.
+template <bool BF16, int MT, int R, int D, bool PROBE = false, bool SILU = false,
+          bool PAIRS = false>
 __global__ void __launch_bounds__(256, 2) w4_gemv_ring(TM_GEMV_PARAMS) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int NC = K >> 6, G = (NC + gc - 1) / gc, rb = blockIdx.x;
   const Range rg = warp_range<true>(NC, gc, blockDim.x >> 5, threadIdx.x >> 5);
   float acc[R][MT][4];
   uint32_t probe = 0;
-  ring_run<BF16, MT, R, D, PROBE>(acc, qw, sc, x, reinterpret_cast<__half*>(smem), rg, rb, NC, G,
-                                  M, ldx, gc, gshift, probe);
+  ring_run<BF16, MT, R, D, PROBE, PAIRS>(acc, qw, sc, x, reinterpret_cast<__half*>(smem), rg, rb,
+                                         NC, G, M, ldx, gc, gshift, probe);
   if (PROBE) acc[0][0][0] = __uint_as_float(probe & 0x3fffffffu);
   finish<BF16, MT, R, SILU>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy, rb,
                             1, gridDim.y, blockIdx.y, gridDim.y);
@@ -945,7 +962,7 @@ int launch_bulk(const void* qw, const void* sc, const void* x, void* y, void* ws
 }
 
 template <bool BF16, int MT, int R, int D, bool ASYNC, bool IL, bool PROBE = false,
-          bool SILU = false, bool RING = false>
+          bool SILU = false, int RING = 0>
 int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                 int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, bool pdl,
                 cudaStream_t stream) {
@@ -960,7 +977,7 @@ int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws
   const size_t bytes = ring_bytes + sc_bytes > red_bytes ? ring_bytes + sc_bytes : red_bytes;
   // if constexpr, not ?: (which would build both kernels, one never launched)
   auto kernel = [] {
-    if constexpr (RING) return w4_gemv_ring<BF16, MT, R, D, PROBE, SILU>;
+    if constexpr (RING > 0) return w4_gemv_ring<BF16, MT, R, D, PROBE, SILU, RING == 2>;
     else if constexpr (ASYNC) return w4_gemv_async<BF16, MT, R, D, IL, SILU>;
     else return w4_gemv_regs<BF16, MT, R, D, IL, PROBE, SILU>;
   }();
@@ -1001,7 +1018,7 @@ int launch_streamk(const void* qw, const void* sc, const void* x, void* y, void*
                        static_cast<int*>(arrivals), M, N, K, ldx, ldy, gc, __builtin_ctz(gc));
 }
 
-// Modes 0-2 and 7: K split over the grid's y.
+// Modes 0-2, 7 and 9: K split over the grid's y.
 template <bool BF16, int MT, int R, bool SILU>
 int gemv_split_k(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                  int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
@@ -1010,10 +1027,11 @@ int gemv_split_k(const void* qw, const void* sc, const void* x, void* y, void* w
   launch_gemv<BF16, MT, R, D, ASYNC, IL, false, SILU, RING>(qw, sc, x, y, ws, arrivals, M, N, K, \
                                                             ldx, ldy, gc, warps, splits, pdl, s)
   switch (mode) {
-    case 0: return TM_GEMV(2, false, false, false);
-    case 1: return TM_GEMV(4, true, false, false);
-    case 2: return depth >= 4 ? TM_GEMV(4, false, true, false) : TM_GEMV(2, false, true, false);
-    case 7: return depth >= 4 ? TM_GEMV(4, false, true, true) : TM_GEMV(2, false, true, true);
+    case 0: return TM_GEMV(2, false, false, 0);
+    case 1: return TM_GEMV(4, true, false, 0);
+    case 2: return depth >= 4 ? TM_GEMV(4, false, true, 0) : TM_GEMV(2, false, true, 0);
+    case 7: return depth >= 4 ? TM_GEMV(4, false, true, 1) : TM_GEMV(2, false, true, 1);
+    case 9: return gc == 2 && (K / 64) % 2 == 0 ? TM_GEMV(3, false, true, 2) : -1;
     default: return -1;
   }
 #undef TM_GEMV
@@ -1024,16 +1042,17 @@ int gemv_split_k(const void* qw, const void* sc, const void* x, void* y, void* w
 // or 4), 3 stream-K over that pipeline (`splits` CTAs per SM; depth 2 or 4), 4 the bulk-copy
 // pipeline (`warps` consumer warps and a producer, `splits` CTAs per SM, a ring of `depth`
 // stages; sm_90), 7 the register ring (mode 2 with a set of registers more than chunks in
-// flight, depth 2 or 4). Probes for timing only (their output is not the product, M <= 8): 5
+// flight, depth 2 or 4), 9 the ring taking whole groups of 128 (3 chunks in flight). Probes for
+// timing only (their output is not the product, M <= 8): 5
 // mode 4's stream without the math, 6 mode 2's (depth 2) likewise, 8 mode 7's (depth 2). The
 // variants that lost on one H200 (deeper rings, interleaved cp.async, stream-K on the ring, x
 // loaded a chunk ahead in the ring) are not built: each costs compile time at the worker's
-// first start. SILU (modes 0-2 and 7): the fused gate|up epilogue of reduce_parts.
+// first start. SILU (modes 0-2, 7 and 9): the fused gate|up epilogue of reduce_parts.
 template <bool BF16, int MT, int R, bool SILU>
 int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                  int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
                  int mode, bool pdl, cudaStream_t s) {
-  if (mode <= 2 || mode == 7)
+  if (mode <= 2 || mode == 7 || mode == 9)
     return gemv_split_k<BF16, MT, R, SILU>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc,
                                            warps, splits, depth, mode, pdl, s);
   if constexpr (SILU) return -1;
@@ -1052,7 +1071,7 @@ int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* w
       if constexpr (MT == 1 && BF16) {
         if (mode == 6) return launch_gemv<BF16, MT, R, 2, false, true, true>(
             qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, pdl, s);
-        if (mode == 8) return launch_gemv<BF16, MT, R, 2, false, true, true, false, true>(
+        if (mode == 8) return launch_gemv<BF16, MT, R, 2, false, true, true, false, 1>(
             qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits, pdl, s);
         return launch_bulk<BF16, MT, R, true>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc,
                                               warps, splits, depth, pdl, s);
@@ -1087,10 +1106,10 @@ extern "C" {
 // y[M, N] = x[M, K] @ W^T. Returns a cudaError_t (0: launched; -1: bad arguments).
 // rows_per_cta 1, 2 or 4 (N a multiple of 16 * rows_per_cta; more tiles per CTA share each x
 // operand load); warps 1..8; splits >= 1 (> 1 needs ws and arrivals, zeroed, sized
-// splits * N / 16 * MT * 128 floats (modes 0-2, 6-8; modes 3-5: N / 16 * MT * 128) and N / 16 ints); mode 0-8 (gemv_by_mode); M > 16 needs
+// splits * N / 16 * MT * 128 floats (modes 0-2, 6-9; modes 3-5: N / 16 * MT * 128) and N / 16 ints); mode 0-9 (gemv_by_mode); M > 16 needs
 // rows_per_cta <= 2, M > 32 rows_per_cta 1. silu_mul: W is a fused gate|up projection whose
 // 16-row tiles alternate gate / up (N = 2F), and y [M, F] (row stride ldy) = silu(gate) * up;
-// needs rows_per_cta 2 or 4 and mode 0-2 or 7. pdl: launched with programmatic dependent launch
+// needs rows_per_cta 2 or 4 and mode 0-2, 7 or 9. pdl: launched with programmatic dependent launch
 // (sm_90), overlapping the kernel before's tail.
 int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                int M, int N, int K, int ldx, int ldy, int gc, int bf16, int rows_per_cta,
@@ -1099,7 +1118,8 @@ int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws,
   if (M < 1 || M > 64 || K % 64 || gc < 1 || warps < 1 || warps > 8 || splits < 1) return -1;
   if ((rows_per_cta != 1 && rows_per_cta != 2 && rows_per_cta != 4) || N % (16 * rows_per_cta))
     return -1;
-  if (silu_mul && (rows_per_cta == 1 || mode < 0 || (mode > 2 && mode != 7))) return -1;
+  if (silu_mul && (rows_per_cta == 1 || mode < 0 || (mode > 2 && mode != 7 && mode != 9)))
+    return -1;
 #define TM_CALL(B, R)                                                                           \
   (silu_mul ? gemv_by_rows<B, R, true>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, \
                                        splits, depth, mode, pdl, s)                             \

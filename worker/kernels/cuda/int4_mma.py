@@ -54,7 +54,9 @@ class MmaTiling:
     (sm_90: a producer warp streams stages of `warps` chunks into a ring of `depth` with the
     bulk-copy engine, `warps` consumer warps multiply; `splits` CTAs per SM share the row blocks
     x stages evenly, as mode 3) or 7 (mode 2 on a register ring of `depth` + 1 sets, so a
-    chunk's load is never waited for by the chunk that issued it). Modes 5, 6 and 8 are timing
+    chunk's load is never waited for by the chunk that issued it) or 9 (mode 7 with each warp
+    taking whole groups, so their sums close once a group: groups of 128 only, 3 chunks in
+    flight). Modes 5, 6 and 8 are timing
     probes (4's, 2's and 7's weight stream without the math), never the product."""
 
     rows: int = 2
@@ -66,7 +68,7 @@ class MmaTiling:
 
 # K split over the grid's y (each part its own workspace slot); of those, the ones that form the
 # product (the others are probes); the bulk-copy pipeline and its probe (sm_90)
-K_SPLIT_PRODUCT_MODES = (0, 1, 2, 7)
+K_SPLIT_PRODUCT_MODES = (0, 1, 2, 7, 9)
 K_SPLIT_MODES = (*K_SPLIT_PRODUCT_MODES, 6, 8)
 BULK_MODES = (4, 5)
 
@@ -185,9 +187,11 @@ def gemv(
         t = dataclasses.replace(t, rows=2)
     if m > 32 and t.rows == 2:  # 8 token groups x 2 tiles spill registers: one tile per CTA
         t = dataclasses.replace(t, rows=1)
-    if m > 16 and t.mode == 7:  # the ring's third set spills at 4+ token groups: mode 2's pipeline
-        t = dataclasses.replace(t, mode=2)
     gc = group_size // 64
+    if t.mode == 9 and (gc != 2 or (k // 64) % 2):  # whole groups of 2 chunks
+        t = dataclasses.replace(t, mode=7)
+    if m > 16 and t.mode in (7, 9):  # the ring's sets spill at 4+ token groups: mode 2's pipeline
+        t = dataclasses.replace(t, mode=2)
     if t.mode in BULK_MODES and (
         (k // 64) % t.warps or torch.cuda.get_device_capability(x.device) < (9, 0)
     ):
