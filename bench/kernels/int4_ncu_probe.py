@@ -25,8 +25,8 @@ from worker.models.fp8 import quantize_weight
 from worker.models.int4 import quantize_rtn
 
 SHAPES = {"gate|up": (34816, 5120), "deltanet qkv|z": (16384, 5120)}
-# the tuned register pipeline (mode 2), the register ring on its grid (7), and the cp.async
-# ring (1): where each warp's time goes, by stall reason
+# on one grid (4 row tiles, 8 warps): mode 2's register pipeline, the register ring (7) and the
+# cp.async ring (1): where each warp's time goes, by stall reason
 MMA = {
     "gate|up": [MmaTiling(4, 8, 1, 2, 2), MmaTiling(4, 8, 1, 2, 7), MmaTiling(4, 8, 1, 4, 1)],
     "deltanet qkv|z": [

@@ -285,6 +285,31 @@ def test_gate_up_pairs_only_whole_tiles_without_bias() -> None:
         assert torch.equal(layer.silu_mul(x), want)
 
 
+@pytest.mark.parametrize(
+    ("m", "group", "k", "tuned", "launched"),
+    [
+        (8, 128, 5120, (2, 4, 1, 3, 9), (2, 4, 1, 3, 9)),  # the ring of whole groups, as tuned
+        (8, 64, 5120, (2, 4, 1, 3, 9), (2, 4, 1, 3, 7)),  # groups of one chunk: in turn
+        (8, 128, 5184, (2, 4, 1, 3, 9), (2, 4, 1, 3, 7)),  # an odd chunk count: in turn
+        (16, 128, 5120, (4, 8, 1, 2, 7), (4, 8, 1, 2, 7)),  # 2 token groups still fit the ring
+        (24, 128, 5120, (4, 8, 1, 2, 7), (2, 8, 1, 2, 2)),  # 4 spill it: mode 2, 2 tiles
+        (64, 128, 5120, (2, 4, 2, 3, 9), (1, 4, 2, 3, 2)),  # 8: mode 2, one tile, K still split
+        (8, 192, 5184, (2, 4, 3, 2, 7), (2, 4, 3, 2, 1)),  # groups found by division: cp.async
+    ],
+)
+def test_tiling_for_rows_swaps_what_does_not_fit(
+    m: int,
+    group: int,
+    k: int,
+    tuned: tuple[int, int, int, int, int],
+    launched: tuple[int, int, int, int, int],
+) -> None:
+    from worker.kernels.cuda import int4_mma
+
+    t = int4_mma.tiling_for_rows(int4_mma.MmaTiling(*tuned), m, 34816, k, group)
+    assert t == int4_mma.MmaTiling(*launched)
+
+
 # --- compiled, on a GPU ----------------------------------------------------------------------------
 
 
@@ -483,8 +508,8 @@ def test_gate_up_silu_mul_on_gpu(
     k: int,
     tiling: tuple[int, int, int, int, int] | None,
 ) -> None:
-    """silu(gate) * up from the GEMV's epilogue (2 or 4 tiles per CTA, modes 0-2, 7 and 9, M <= 32) or
-    from its product (other tilings, M > 32) against the fp32 reference."""
+    """silu(gate) * up from the GEMV's epilogue (2 or 4 tiles per CTA, modes 0-2, 7 and 9,
+    M <= 32) or from its product (other tilings, M > 32) against the fp32 reference."""
     from worker.kernels.cuda import int4_mma
 
     words, scales, weight = gpu_gate_up(f, k)

@@ -56,8 +56,9 @@ class MmaTiling:
     x stages evenly, as mode 3) or 7 (mode 2 on a register ring of `depth` + 1 sets, so a
     chunk's load is never waited for by the chunk that issued it) or 9 (mode 7 with each warp
     taking whole groups, so their sums close once a group: groups of 128 only, 3 chunks in
-    flight). Modes 5, 6 and 8 are timing
-    probes (4's, 2's and 7's weight stream without the math), never the product."""
+    flight). Modes 5, 6 and 8 are timing probes (4's, 2's and 7's weight stream without the
+    math), never the product. From M = 17 modes 7 and 9 run as mode 2 (their register sets
+    spill at 4+ token groups)."""
 
     rows: int = 2
     warps: int = 8
@@ -87,6 +88,28 @@ def default_tiling(n: int, k: int, group_size: int, sms: int = 132) -> MmaTiling
     warps = 8
     splits = max(1, min(-(-2 * sms // blocks), groups // warps))
     return MmaTiling(rows, warps, splits)
+
+
+def tiling_for_rows(
+    t: MmaTiling, m: int, n: int, k: int, group_size: int, sm90: bool = True
+) -> MmaTiling:
+    """The tiling `gemv` launches for M = `m` rows of a weight tuned as `t` (tuned at M = 8):
+    fewer row tiles a CTA as token groups grow (registers), and the pipelines whose layout or
+    registers do not fit the case swapped for one that does."""
+    gc = group_size // 64
+    if m > 16 and t.rows == 4:  # 4 tiles x 4 token groups spill registers
+        t = dataclasses.replace(t, rows=2)
+    if m > 32 and t.rows == 2:  # 8 token groups x 2 tiles spill registers: one tile per CTA
+        t = dataclasses.replace(t, rows=1)
+    if t.mode == 9 and (gc != 2 or (k // 64) % 2):  # whole groups of 2 chunks
+        t = dataclasses.replace(t, mode=7)
+    if m > 16 and t.mode in (7, 9):  # the ring's sets spill at 4+ token groups: mode 2's pipeline
+        t = dataclasses.replace(t, mode=2)
+    if t.mode in BULK_MODES and ((k // 64) % t.warps or not sm90):
+        t = default_tiling(n, k, group_size)  # a stage is one chunk per consumer warp; sm_90
+    if t.mode >= 2 and gc & (gc - 1):  # interleaved chunks find their group by a shift
+        t = dataclasses.replace(t, mode=1, splits=t.splits if t.mode in K_SPLIT_MODES else 1)
+    return t
 
 
 def supports(n: int, k: int, group_size: int) -> tuple[bool, str]:
@@ -171,7 +194,8 @@ def gemv(
     """x [M <= 64, K] (bf16/fp16, contiguous rows) times the int4-mma weight -> [M, N]. With
     `silu_mul`, the weight is a fused gate|up [2F, K] in paired tiles
     (`reference.int4_mma_pair_tiles`) and the result silu(gate) * up [M, F]: formed in the
-    epilogue where the tiling has 2 or 4 tiles per CTA and mode 0-2, else from the product."""
+    epilogue where the tiling has 2 or 4 tiles per CTA and a K-split mode (0-2, 7, 9), else from
+    the product."""
     m, k = x.shape
     n = 16 * qweight.shape[0]
     if m > MAX_ROWS or 64 * qweight.shape[1] != k:
@@ -183,21 +207,9 @@ def gemv(
     if scales.data_ptr() % 16:  # the register ring copies them 16 bytes at a time
         scales = scales.clone()
     t = tiling or MMA_DECODE_TILINGS.get((n, k)) or default_tiling(n, k, group_size)
-    if m > 16 and t.rows == 4:  # 4 tiles x 4 token groups spill registers
-        t = dataclasses.replace(t, rows=2)
-    if m > 32 and t.rows == 2:  # 8 token groups x 2 tiles spill registers: one tile per CTA
-        t = dataclasses.replace(t, rows=1)
+    sm90 = torch.cuda.get_device_capability(x.device) >= (9, 0)
+    t = tiling_for_rows(t, m, n, k, group_size, sm90)
     gc = group_size // 64
-    if t.mode == 9 and (gc != 2 or (k // 64) % 2):  # whole groups of 2 chunks
-        t = dataclasses.replace(t, mode=7)
-    if m > 16 and t.mode in (7, 9):  # the ring's sets spill at 4+ token groups: mode 2's pipeline
-        t = dataclasses.replace(t, mode=2)
-    if t.mode in BULK_MODES and (
-        (k // 64) % t.warps or torch.cuda.get_device_capability(x.device) < (9, 0)
-    ):
-        t = default_tiling(n, k, group_size)  # a stage is one chunk per consumer warp; sm_90
-    if t.mode >= 2 and gc & (gc - 1):  # interleaved chunks find their group by a shift
-        t = dataclasses.replace(t, mode=1, splits=t.splits if t.mode in K_SPLIT_MODES else 1)
     # the epilogue pairs a CTA's tiles (even rows) in the K-split pipelines
     fused = silu_mul and t.rows in (2, 4) and t.mode in K_SPLIT_PRODUCT_MODES
     out = torch.empty((m, n // 2 if fused else n), dtype=x.dtype, device=x.device)
