@@ -207,7 +207,8 @@ def gemv(
     if scales.data_ptr() % 16:  # the register ring copies them 16 bytes at a time
         scales = scales.clone()
     t = tiling or MMA_DECODE_TILINGS.get((n, k)) or default_tiling(n, k, group_size)
-    sm90 = torch.cuda.get_device_capability(x.device) >= (9, 0)
+    # the capability matters to the bulk pipeline alone: no query on the other modes' calls
+    sm90 = t.mode not in BULK_MODES or torch.cuda.get_device_capability(x.device) >= (9, 0)
     t = tiling_for_rows(t, m, n, k, group_size, sm90)
     gc = group_size // 64
     # the epilogue pairs a CTA's tiles (even rows) in the K-split pipelines
