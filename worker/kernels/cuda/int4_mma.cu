@@ -95,6 +95,20 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   return v;
 }
 
+// p advanced by `units` of `bytes` as one wide multiply-add (IMAD.WIDE.U32): a signed int index
+// scaled in 64 bits took an index product, a shift and a 64-bit add a load.
+// (The base pointers go through `opaque` once: otherwise the compiler keeps them as an index
+// from the tensor's start, and each load pays the index's scaling again.)
+__device__ __forceinline__ const uint4* opaque(const uint4* p) {
+  asm("mov.b64 %0, %0;\n" : "+l"(p));
+  return p;
+}
+template <unsigned bytes>
+__device__ __forceinline__ const uint4* advance(const uint4* p, int units) {
+  return reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(p) +
+                                        (unsigned long long)(unsigned)units * bytes);
+}
+
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -210,24 +224,29 @@ __device__ __forceinline__ void load_scales_il(__half* my_sc, const __half* __re
   __syncthreads();
 }
 
-// x's B operands for chunk c: lane (g, t) reads token mt * 8 + g at k = 64 c + 8 t (16 bytes)
-// and 64 c + 32 + 8 t (16 bytes): each load instruction covers 4 x 64 contiguous bytes.
+// x's B operands, each lane's rows: token mt * 8 + g at k = 8 t, as 16-byte words, the
+// pointers formed once (per chunk, a 64-bit product and a branch on M took ~9 of a chunk's
+// instructions a token group). Rows past M read row M - 1 again: their sums are never written,
+// so the loads need no branch and no zeroing.
 template <bool BF16, int MT>
-__device__ __forceinline__ void load_x(uint4 (&xb)[MT][2], const typename Num<BF16>::T* x, int M,
-                                       int ldx, int c, int g, int t) {
+struct XRows {
+  const uint4* p[MT];
+  __device__ __forceinline__ XRows(const typename Num<BF16>::T* x, int M, int ldx, int g, int t) {
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const int m = mt * 8 + g;
-    if (m < M) {
-      const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * ldx + c * 64 + 8 * t);
-      xb[mt][0] = __ldg(xp);
-      xb[mt][1] = __ldg(xp + 4);
-    } else {
-      xb[mt][0] = make_uint4(0, 0, 0, 0);
-      xb[mt][1] = make_uint4(0, 0, 0, 0);
+    for (int mt = 0; mt < MT; ++mt)
+      p[mt] = opaque(reinterpret_cast<const uint4*>(x + (size_t)min(mt * 8 + g, M - 1) * ldx + 8 * t));
+  }
+  // chunk c's: k = 64 c + 8 t and 64 c + 32 + 8 t, each load instruction covering 4 x 64
+  // contiguous bytes
+  __device__ __forceinline__ void load(uint4 (&xb)[MT][2], int c) const {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const uint4* q = advance<128>(p[mt], c);
+      xb[mt][0] = __ldg(q);
+      xb[mt][1] = __ldg(q + 4);
     }
   }
-}
+};
 
 // One chunk: 4 products per row tile into the group's partial sums, and x's sums over the
 // same k (a product with an all-ones A) for the OFFSET correction.
@@ -425,6 +444,7 @@ __device__ __forceinline__ void zero(float (&a)[R][MT][4]) {
   extern __shared__ __align__(16) unsigned char smem[];                                   \
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;        \
   const int g = lane >> 2, t = lane & 3, rb = blockIdx.x;                                 \
+  const XRows<BF16, MT> xr(x, M, ldx, g, t);                                              \
   const int NC = K >> 6, G = (NC + gc - 1) / gc;                                          \
   const Range rg = warp_range<IL>(NC, gc, W, warp);                                       \
   const int first = rg.c_begin + (IL ? warp : 0), step = IL ? W : 1;                      \
@@ -474,7 +494,7 @@ __global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS) {
         uint4 wcur[R], xv[MT][2];
 #pragma unroll
         for (int r = 0; r < R; ++r) wcur[r] = wbuf[s][r];
-        if (!PROBE) load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
+        if (!PROBE) xr.load(xv, c);
         if (c + D * step < rg.c_end)
 #pragma unroll
           for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(c + D * step) * 32);
@@ -519,6 +539,7 @@ __device__ __forceinline__ void ring_run(float (&acc)[R][MT][4], const uint4* __
   static_assert(!PAIRS || S % 2 == 0, "a group's two chunks close at fixed places of a turn");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
+  const XRows<BF16, MT> xr(x, M, ldx, g, t);
   const int first = rg.c_begin + (PAIRS ? 2 * warp : warp), step = W;
   const int groups = rg.g1 - rg.g0;
   const int count = PAIRS ? (warp < groups ? 2 * ((groups - 1 - warp) / W + 1) : 0)
@@ -531,13 +552,13 @@ __device__ __forceinline__ void ring_run(float (&acc)[R][MT][4], const uint4* __
   auto chunk = [&](int n) { return min(chunk_of(n), last); };
   const uint4* wp[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) wp[r] = qw + ((size_t)(rb * R + r) * NC) * 32 + lane;
+  for (int r = 0; r < R; ++r) wp[r] = opaque(qw + ((size_t)(rb * R + r) * NC) * 32 + lane);
 
   uint4 wbuf[S][R];
 #pragma unroll
   for (int s = 0; s < D; ++s)
 #pragma unroll
-    for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)chunk(s) * 32);
+    for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(advance<512>(wp[r], chunk(s)));
   load_scales_il<R>(my_sc, sc, rg, G, rb);
   pdl_wait();
 
@@ -554,7 +575,7 @@ __device__ __forceinline__ void ring_run(float (&acc)[R][MT][4], const uint4* __
     } else {
       const int c = chunk_of(n);
       uint4 xv[MT][2];
-      load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
+      xr.load(xv, c);
       chunk_products<BF16, MT, R>(part, xsum[0], w, xv);
       if (!PAIRS)
         after_chunk<BF16, MT, R, true>(acc, part, xsum[0], my_sc, rg, c, gc, gshift, in_group,
@@ -571,7 +592,7 @@ __device__ __forceinline__ void ring_run(float (&acc)[R][MT][4], const uint4* __
     for (int s = 0; s < S; ++s) {
 #pragma unroll
       for (int r = 0; r < R; ++r)
-        wbuf[(s + D) % S][r] = load_stream(wp[r] + (size_t)chunk(n + s + D) * 32);
+        wbuf[(s + D) % S][r] = load_stream(advance<512>(wp[r], chunk(n + s + D)));
       consume(n + s, wbuf[s], s);
     }
   }
@@ -627,7 +648,7 @@ __global__ void __launch_bounds__(256) w4_gemv_async(TM_GEMV_PARAMS) {
   int n = 0;
   for (int c = first; c < rg.c_end; c += step, ++n) {
     uint4 xv[MT][2];
-    load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
+    xr.load(xv, c);
     issue(n + D - 1);  // into the slot chunk n - 1 was read from
     cp_async_wait<D - 1>();
     const int slot = n & (D - 1);
@@ -651,6 +672,7 @@ __global__ void __launch_bounds__(256) w4_gemv_streamk(TM_GEMV_PARAMS) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
+  const XRows<BF16, MT> xr(x, M, ldx, g, t);
   const int NC = K >> 6, G = (NC + gc - 1) / gc, blocks = N / (16 * R);
   const long long U = (long long)blocks * NC, P = gridDim.x;
   const long long u_end = U * (blockIdx.x + 1) / P;
@@ -691,7 +713,7 @@ __global__ void __launch_bounds__(256) w4_gemv_streamk(TM_GEMV_PARAMS) {
           uint4 wcur[R], xv[MT][2];
 #pragma unroll
           for (int r = 0; r < R; ++r) wcur[r] = wbuf[s][r];
-          load_x<BF16, MT>(xv, x, M, ldx, c, g, t);
+          xr.load(xv, c);
           if (c + D * W < c1)
 #pragma unroll
             for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(wp[r] + (size_t)(c + D * W) * 32);
@@ -767,6 +789,7 @@ __global__ void __launch_bounds__(288, 2) w4_gemv_bulk(TM_GEMV_PARAMS, int D) {
   __shared__ int last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = (blockDim.x >> 5) - 1;
   const int g = lane >> 2, t = lane & 3;
+  const XRows<BF16, MT> xr(x, M, ldx, g, t);
   const int NC = K >> 6, G = (NC + gc - 1) / gc, SPB = NC / W;  // stages per row block
   const long long stages = (long long)(N / (16 * R)) * SPB;
   const long long t0 = stages * blockIdx.x / gridDim.x, t1 = stages * (blockIdx.x + 1) / gridDim.x;
@@ -814,7 +837,7 @@ __global__ void __launch_bounds__(288, 2) w4_gemv_bulk(TM_GEMV_PARAMS, int D) {
   auto fetch = [&](long long st, uint4(&xo)[MT][2], float(&o0)[R], float(&o1)[R]) {
     if (PROBE) return;
     const int rb = (int)(st / SPB), c = (int)(st % SPB) * W + warp, grp = c >> gshift;
-    load_x<BF16, MT>(xo, x, M, ldx, c, g, t);
+    xr.load(xo, c);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const __half* sp = sc + ((size_t)(rb * R + r) * G + grp) * 16 + g;
@@ -873,17 +896,26 @@ __global__ void __launch_bounds__(288, 2) w4_gemv_bulk(TM_GEMV_PARAMS, int D) {
 // One thread per 16-byte word quad: rows (g, g + 8) of its tile, 16 consecutive k each, as
 // 16-bit floats (prefill through cuBLAS) or, SCALED, as e4m3 of q * s_g / cs_n, cs the scale
 // per output channel (the FP8 prefill path's scaled_mm operand), or, CODES, q - 8 itself
-// (exact in e4m3: the W4A8 prefill GEMM applies the group scales to its fp32 sums).
+// (exact in e4m3: the W4A8 prefill GEMM applies the group scales to its fp32 sums). With
+// CODES and `bs`, the same launch writes those group scales as cuBLAS's 1x128 blocks, fp32
+// bs[K / 128][N] (groups of a multiple of 128): the GEMM's other operand, which four torch
+// ops a GEMM built before.
 template <typename Out, bool SCALED, bool CODES = false>
 __global__ void w4_dequant_kernel(const uint4* __restrict__ qw, const __half* __restrict__ sc,
                                   const float* __restrict__ cs, Out* __restrict__ out, int N,
-                                  int K, int gc) {
+                                  int K, int gc, float* __restrict__ bs) {
   using Vec = typename std::conditional<sizeof(Out) == 2, uint4, uint2>::type;  // 8 values
   const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int NC = K >> 6, G = (NC + gc - 1) / gc;
   if (idx >= (size_t)(N >> 4) * NC * 32) return;
   const int lane = idx & 31, c = (idx >> 5) % NC, rt = (int)((idx >> 5) / NC);
   const int g = lane >> 2, t = lane & 3;
+  if (CODES && bs != nullptr && t == 0 && (c & 1) == 0) {
+    const __half* s = sc + ((size_t)rt * G + c / gc) * 16 + g;
+    float* b = bs + (size_t)(c >> 1) * N + rt * 16 + g;
+    b[0] = __half2float(s[0]);
+    b[8] = __half2float(s[8]);
+  }
   float s0 = CODES ? 1.f : __half2float(sc[((size_t)rt * G + c / gc) * 16 + g]);
   float s1 = CODES ? 1.f : __half2float(sc[((size_t)rt * G + c / gc) * 16 + g + 8]);
   if (SCALED) {
@@ -1144,10 +1176,10 @@ int tm_w4_dequant(const void* qw, const void* sc, void* out, int N, int K, int g
   const __half* h = static_cast<const __half*>(sc);
   if (bf16)
     w4_dequant_kernel<__nv_bfloat16, false>
-        <<<blocks, 256, 0, s>>>(q, h, nullptr, static_cast<__nv_bfloat16*>(out), N, K, gc);
+        <<<blocks, 256, 0, s>>>(q, h, nullptr, static_cast<__nv_bfloat16*>(out), N, K, gc, nullptr);
   else
     w4_dequant_kernel<__half, false>
-        <<<blocks, 256, 0, s>>>(q, h, nullptr, static_cast<__half*>(out), N, K, gc);
+        <<<blocks, 256, 0, s>>>(q, h, nullptr, static_cast<__half*>(out), N, K, gc, nullptr);
   return (int)cudaGetLastError();
 }
 
@@ -1158,17 +1190,20 @@ int tm_w4_dequant_e4m3(const void* qw, const void* sc, const void* cs, void* out
   const unsigned blocks = (unsigned)(((size_t)(N / 16) * (K / 64) * 32 + 255) / 256);
   w4_dequant_kernel<__nv_fp8_e4m3, true><<<blocks, 256, 0, s>>>(
       static_cast<const uint4*>(qw), static_cast<const __half*>(sc),
-      static_cast<const float*>(cs), static_cast<__nv_fp8_e4m3*>(out), N, K, gc);
+      static_cast<const float*>(cs), static_cast<__nv_fp8_e4m3*>(out), N, K, gc, nullptr);
   return (int)cudaGetLastError();
 }
 
-// out[N, K] e4m3 = q - 8 from the int4-mma layout: the codes alone, in row-major order.
-int tm_w4_codes_e4m3(const void* qw, void* out, int N, int K, void* stream) {
+// out[N, K] e4m3 = q - 8 from the int4-mma layout: the codes alone, in row-major order; with
+// `bs`, also the group scales sc (groups of gc chunks, gc even) as fp32 bs[K / 128][N].
+int tm_w4_codes_e4m3(const void* qw, const void* sc, void* bs, void* out, int N, int K, int gc,
+                     void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (N % 16 || K % 64) return -1;
+  if (N % 16 || K % 64 || (bs != nullptr && (gc < 2 || gc % 2 || K % 128))) return -1;
   const unsigned blocks = (unsigned)(((size_t)(N / 16) * (K / 64) * 32 + 255) / 256);
   w4_dequant_kernel<__nv_fp8_e4m3, false, true><<<blocks, 256, 0, s>>>(
-      static_cast<const uint4*>(qw), nullptr, nullptr, static_cast<__nv_fp8_e4m3*>(out), N, K, 1);
+      static_cast<const uint4*>(qw), static_cast<const __half*>(sc), nullptr,
+      static_cast<__nv_fp8_e4m3*>(out), N, K, bs != nullptr ? gc : 1, static_cast<float*>(bs));
   return (int)cudaGetLastError();
 }
 
