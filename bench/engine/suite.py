@@ -272,8 +272,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--batched-tokens",
         type=int,
         default=0,
-        help="tokens a step of the load-point sections (0: the engine's default for the weights:"
-        " 4,096, int4 2,048)",
+        help="tokens a step of the load-point sections (0: the engine's default, 4,096)",
     )
     p.add_argument("--sweep-batched-tokens", type=int, default=0, help="the same for the sweeps")
     p.add_argument(

@@ -177,7 +177,7 @@ def test_prefill_rows_dequantize_then_gemm(monkeypatch) -> None:
         ref = reference.int4_linear(x, q.qweight, q.scales, q.mins, 128, bias)
         assert rel_err(out, ref) < 1e-2
     assert gemv_calls == [40, 64]  # 2 x 20 rows, then 64; the 70 rows went through the scratch
-    assert int4_gemm._scratch[torch.device("cpu")].numel() >= 48 * 576 * 2
+    assert int4_gemm._scratch[(torch.device("cpu"), "weight")].numel() >= 48 * 576 * 2
     x = torch.randn(70, 576).bfloat16()
     out = int4_linear_silu_mul(x, q.qweight, q.scales, q.mins, 128, bias)
     ref = reference.int4_linear_silu_mul(x, q.qweight, q.scales, q.mins, 128, bias)

@@ -459,6 +459,25 @@ def test_w4a8_codes_and_prefill_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert 1e-3 < rel_err(got.float(), exact) < rel_err(e4m3_weights.float(), exact)
 
 
+@GPU
+@needs_cuda
+@pytest.mark.parametrize("group", [128, 256])
+def test_block_scales_from_the_codes_launch_on_gpu(group: int) -> None:
+    """The W4A8 prefill's cuBLAS scales, written by the codes' launch, equal the four torch ops'
+    `blockwise_scales` bit for bit, and the codes stay exact."""
+    from worker.kernels.cuda import int4_mma
+    from worker.kernels.triton import int4_gemm
+
+    q = quantize_rtn(torch.randn(256, 1024, device="cuda") * 0.02, group, True)
+    words, mma_scales = reference.int4_mma_pack(q.qweight, q.scales)
+    codes, blocks = int4_mma.codes_and_block_scales_e4m3(words, mma_scales, group)
+    want = int4_gemm.blockwise_scales(mma_scales, group, 1024, True)
+    assert blocks.shape == want.shape == (256, 8) and blocks.stride() == want.stride()
+    assert torch.equal(blocks, want)
+    want_codes = torch.stack((q.qweight & 0xF, q.qweight >> 4), dim=-1).reshape(256, 1024)
+    assert torch.equal(codes.float(), want_codes.float() - 8)
+
+
 _gate_ups: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
 

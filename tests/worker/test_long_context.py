@@ -106,23 +106,24 @@ def test_a_full_pool_still_admits_chunks_and_preempts_exactly():
     assert e.block_manager.num_free_blocks == 25
 
 
-def test_the_step_budget_defaults_by_the_weights_and_yields_to_the_operator():
-    """4,096 tokens a step, 2,048 with int4 weights (whose per-layer dequantizing prefill takes
-    ~1.5x FP8's time a token), unless the operator sets one."""
+def test_the_step_budget_defaults_to_4096_tokens_and_yields_to_the_operator():
+    """4,096 tokens a step whatever the weights (int4 included: half that split the load
+    point's prefill waves), unless the operator sets one."""
     import torch
 
-    from worker.engine.config import DEFAULT_STEP_TOKENS, INT4_STEP_TOKENS
+    from worker.engine.config import DEFAULT_STEP_TOKENS
     from worker.models import build_random
     from worker.models.int4 import quantize_int4
     from worker.models.presets import TINY_QWEN3_5
 
-    assert INT4_STEP_TOKENS < DEFAULT_STEP_TOKENS
+    assert DEFAULT_STEP_TOKENS == 4096
     sizing = dict(block_size=16, max_num_seqs=2, num_kv_blocks=64, max_model_len=256)
     model = build_random(TINY_QWEN3_5, "cpu", torch.float32, seed=0)
     assert LLMEngine(model, None, EngineConfig(**sizing)).config.max_num_batched_tokens == 4096
     w4 = quantize_int4(build_random(TINY_QWEN3_5, "cpu", torch.float32, seed=0), 64)
     engine_w4 = LLMEngine(w4, None, EngineConfig(**sizing))
-    assert engine_w4.config.max_num_batched_tokens == INT4_STEP_TOKENS
-    assert engine_w4.scheduler.max_num_batched_tokens == INT4_STEP_TOKENS
-    chosen = LLMEngine(w4, None, EngineConfig(max_num_batched_tokens=4096, **sizing))
-    assert chosen.config.max_num_batched_tokens == 4096
+    assert engine_w4.config.max_num_batched_tokens == 4096
+    assert engine_w4.scheduler.max_num_batched_tokens == 4096
+    chosen = LLMEngine(w4, None, EngineConfig(max_num_batched_tokens=1024, **sizing))
+    assert chosen.config.max_num_batched_tokens == 1024
+    assert chosen.scheduler.max_num_batched_tokens == 1024

@@ -90,18 +90,19 @@ def context_limit(config: EngineConfig, model: Any) -> int:
 
 
 # Tokens a step by default: the load point's 8 x 512 prompt tokens prefill in one step (vLLM's
-# API server takes 8,192 on GPUs of 70 GiB and more), a 4,096-token FP8 step ~0.23 s on one
-# H200. Int4 weights prefill through a per-layer dequantization at ~1.5x FP8's time a token
-# (0.35 s for 4,096 tokens), past the 250 ms a running decode should wait, so half as many.
+# API server takes 8,192 on GPUs of 70 GiB and more). On one H200 a 4,096-token step takes
+# ~0.24 s with FP8 weights and ~0.30 s with int4 (their blockwise W4A8 GEMM is ~30% slower
+# than FP8's); halving it for int4 split each wave's prefill in two, so its sequences finished
+# out of step and decoded at part batches: 14% fewer W4 tokens a second at the load point
+# (857 against 999, docs/performance.md). An operator who wants shorter stalls lowers it.
 DEFAULT_STEP_TOKENS = 4096
-INT4_STEP_TOKENS = 2048
 
 
-def step_token_budget(config: EngineConfig, int4_weights: bool) -> int:
-    """max_num_batched_tokens as configured, else the default for the model's weights."""
+def step_token_budget(config: EngineConfig) -> int:
+    """max_num_batched_tokens as configured, else DEFAULT_STEP_TOKENS."""
     if config.max_num_batched_tokens > 0:
         return config.max_num_batched_tokens
-    return INT4_STEP_TOKENS if int4_weights else DEFAULT_STEP_TOKENS
+    return DEFAULT_STEP_TOKENS
 
 
 _WIDTHS = r"k([1-4])v([1-4])"
@@ -170,7 +171,7 @@ class EngineConfig:
     max_num_seqs: int = (
         8  # running sequences = DeltaNet state slots (TOKENMILL_ENGINE_MAX_NUM_SEQS)
     )
-    # Tokens per step (TOKENMILL_ENGINE_MAX_NUM_BATCHED_TOKENS); 0: the weights' own budget
+    # Tokens per step (TOKENMILL_ENGINE_MAX_NUM_BATCHED_TOKENS); 0: DEFAULT_STEP_TOKENS
     # (`step_token_budget`), resolved in place when the engine starts. A larger budget makes
     # longer prefill steps, which the running decodes wait on.
     max_num_batched_tokens: int = 0

@@ -40,7 +40,7 @@ from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import PENDING_TOKEN, FinishReason, SamplingParams, Sequence
 from worker.engine.state_slots import StateCheckpoints, StateSlotPool
 from worker.models.cache import KVStaging
-from worker.models.int4 import has_int4_weights, use_mma_kernels
+from worker.models.int4 import use_mma_kernels
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class LLMEngine:
         # int4 layers in the mma kernels' layout where those run (after fusing: it joins rows)
         use_mma_kernels(model, model_dtype(model), config.max_num_seqs)
         config.max_model_len = context_limit(config, model)
-        config.max_num_batched_tokens = step_token_budget(config, has_int4_weights(model))
+        config.max_num_batched_tokens = step_token_budget(config)
         self.kv_staging_bits = kv_staging_bits(config.kv_staging)
         self.kv_staging_layer_bits = kv_staging_layer_bits(config.kv_staging)
         if config.enable_prefix_caching and self.kv_staging_bits is not None:

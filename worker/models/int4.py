@@ -390,10 +390,6 @@ def quantize_int4(
     return model
 
 
-def has_int4_weights(model: nn.Module) -> bool:
-    return any(isinstance(m, Int4Linear) for m in model.modules())
-
-
 def use_mma_kernels(model: nn.Module, dtype: torch.dtype, max_decode_rows: int) -> int:
     """Repack every Int4Linear the int4-mma kernels take (symmetric, N % 16, K % 64, groups of
     a multiple of 64) when the registry picks those kernels for the model's device and `dtype`

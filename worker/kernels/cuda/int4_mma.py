@@ -144,7 +144,7 @@ SIGNATURES = {
     "tm_w4_gemv": [_P] * 6 + [_I] * 14 + [_P],
     "tm_w4_dequant": [_P] * 3 + [_I] * 4 + [_P],
     "tm_w4_dequant_e4m3": [_P] * 4 + [_I] * 3 + [_P],
-    "tm_w4_codes_e4m3": [_P] * 2 + [_I] * 2 + [_P],
+    "tm_w4_codes_e4m3": [_P] * 4 + [_I] * 3 + [_P],
 }
 
 
@@ -289,14 +289,37 @@ def dequantize_e4m3(
 def codes_e4m3(qweight: torch.Tensor) -> torch.Tensor:
     """The [N, K] codes q - 8 in e4m3 (exact), row-major, in the scratch: the W4A8 prefill
     GEMM's weight operand (`int4_gemm.w4a8_gemm`)."""
+    return _codes(qweight, None, 0)[0]
+
+
+def codes_and_block_scales_e4m3(
+    qweight: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`codes_e4m3` and, from the same launch, the group scales as cuBLAS's 1x128 blocks ([N,
+    K / 128] fp32, strides (1, N), in a second scratch; `int4_gemm.blockwise_scales` builds the
+    same from four torch ops): both operands of the blockwise W4A8 GEMM."""
+    codes, blocks = _codes(qweight, scales, group_size)
+    assert blocks is not None
+    return codes, blocks
+
+
+def _codes(
+    qweight: torch.Tensor, scales: torch.Tensor | None, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     n, k = 16 * qweight.shape[0], 64 * qweight.shape[1]
     out = _scratch(qweight.device, n, k, torch.float8_e4m3fn)
+    blocks = None
+    if scales is not None:
+        from worker.kernels.triton.int4_gemm import dequant_scratch
+
+        blocks = dequant_scratch(qweight.device, k // 128, n, torch.float32, "block scales").t()
     code = _library(qweight.device).tm_w4_codes_e4m3(
-        qweight.data_ptr(), out.data_ptr(), n, k,
+        qweight.data_ptr(), 0 if scales is None else scales.data_ptr(),
+        0 if blocks is None else blocks.data_ptr(), out.data_ptr(), n, k, group_size // 64,
         torch.cuda.current_stream(qweight.device).cuda_stream,
     )  # fmt: skip
     _check(code, "int4-mma codes to e4m3")
-    return out
+    return out, blocks
 
 
 def _prefill_mode(device: torch.device, group_size: int) -> str:
@@ -327,9 +350,13 @@ def int4_mma_linear(
         w8, channel = dequantize_e4m3(qweight, scales, group_size)
         y = scaled_mm(x2, w8, channel, bias)
     elif path == "w4a8":
-        from worker.kernels.triton.int4_gemm import w4a8_linear
+        from worker.kernels.triton.int4_gemm import takes_blockwise, w4a8_linear
 
-        y = w4a8_linear(x2, codes_e4m3(qweight), scales, group_size, bias)
+        if takes_blockwise(x2, group_size):
+            codes, blocks = codes_and_block_scales_e4m3(qweight, scales, group_size)
+            y = w4a8_linear(x2, codes, scales, group_size, bias, block_scales=blocks)
+        else:
+            y = w4a8_linear(x2, codes_e4m3(qweight), scales, group_size, bias)
     else:
         y = F.linear(x2, dequantize(qweight, scales, group_size, x.dtype), bias)
     return y.reshape(*lead, y.shape[-1])

@@ -777,16 +777,19 @@ def int4_codes_e4m3(qweight: torch.Tensor, out: torch.Tensor | None = None) -> t
     return w
 
 
-_scratch: dict[torch.device, torch.Tensor] = {}
+_scratch: dict[tuple[torch.device, str], torch.Tensor] = {}
 
 
-def dequant_scratch(device: torch.device, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """An [N, K] view of one per-device buffer, grown to the largest weight seen: prefill GEMMs on
-    one stream dequantize into it one after another, so no call allocates its weight."""
+def dequant_scratch(
+    device: torch.device, n: int, k: int, dtype: torch.dtype, slot: str = "weight"
+) -> torch.Tensor:
+    """An [N, K] view of one per-device buffer (per `slot`: the weight, its block scales), grown
+    to the largest seen: prefill GEMMs on one stream dequantize into it one after another, so no
+    call allocates its weight."""
     nbytes = n * k * dtype.itemsize
-    buf = _scratch.get(device)
+    buf = _scratch.get((device, slot))
     if buf is None or buf.numel() < nbytes:
-        buf = _scratch[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        buf = _scratch[(device, slot)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
     return buf[:nbytes].view(dtype).view(n, k)
 
 
@@ -1070,6 +1073,12 @@ def blockwise_runs(device: torch.device) -> bool:
     return not blockwise_refusal(device)
 
 
+def takes_blockwise(x: torch.Tensor, group_size: int) -> bool:
+    """Whether `w4a8_linear` runs x [M, K] through cuBLAS's blockwise GEMM: groups and K in whole
+    blocks of 128, on a device where it runs."""
+    return group_size % 128 == 0 and x.shape[-1] % 128 == 0 and blockwise_runs(x.device)
+
+
 def w4a8_linear(
     x: torch.Tensor,
     codes: torch.Tensor,
@@ -1077,14 +1086,20 @@ def w4a8_linear(
     group_size: int,
     bias: torch.Tensor | None = None,
     mma_scales: bool = True,
+    block_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] (16-bit) times int4 codes [N, K] held exactly in e4m3 with group scales (see
-    `blockwise_scales` for the layouts): cuBLAS's blockwise FP8 GEMM where it runs (groups of a
-    multiple of 128), else `w4a8_gemm`. Only x is rounded."""
+    `blockwise_scales` for the layouts): cuBLAS's blockwise FP8 GEMM where it runs
+    (`takes_blockwise`; `block_scales`, when given, are `blockwise_scales` already built), else
+    `w4a8_gemm`. Only x is rounded."""
     m, k = x.shape
-    if group_size % 128 == 0 and k % 128 == 0 and blockwise_runs(x.device):
+    if takes_blockwise(x, group_size):
         a, a_scale = quantize_blocks(x, 128, 16)
-        b_scale = blockwise_scales(scales, group_size, k, mma_scales)
+        b_scale = (
+            blockwise_scales(scales, group_size, k, mma_scales)
+            if block_scales is None
+            else block_scales
+        )
         out = _blockwise_gemm(a, a_scale, codes, b_scale, x.dtype)[:m]
         return out if bias is None else out + bias
     a, a_scale = quantize_rows(x)
