@@ -295,6 +295,10 @@ def test_gate_up_pairs_only_whole_tiles_without_bias() -> None:
         (24, 128, 5120, (4, 8, 1, 2, 7), (2, 8, 1, 2, 2)),  # 4 spill it: mode 2, 2 tiles
         (64, 128, 5120, (2, 4, 2, 3, 9), (1, 4, 2, 3, 2)),  # 8: mode 2, one tile, K still split
         (8, 192, 5184, (2, 4, 3, 2, 7), (2, 4, 3, 2, 1)),  # groups found by division: cp.async
+        (8, 128, 5120, (2, 4, 2, 3, 10), (2, 4, 2, 3, 10)),  # persistent: 10 groups a warp
+        (8, 128, 5120, (2, 8, 2, 3, 10), (2, 8, 1, 3, 9)),  # 5 a warp: not whole turns
+        (16, 64, 5120, (2, 4, 2, 3, 10), (2, 4, 1, 3, 7)),  # groups of one chunk
+        (24, 128, 5120, (2, 4, 2, 3, 10), (2, 4, 1, 3, 2)),  # 4 token groups: mode 2
     ],
 )
 def test_tiling_for_rows_swaps_what_does_not_fit(
@@ -342,6 +346,9 @@ def test_tiling_for_rows_swaps_what_does_not_fit(
         (2, 4, 1, 3, 9),
         (2, 8, 3, 3, 9),
         (1, 4, 2, 3, 9),
+        (2, 4, 1, 3, 10),
+        (2, 4, 4, 3, 10),
+        (2, 8, 2, 3, 10),
     ],
 )
 def test_gemv_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int, int] | None) -> None:
@@ -371,6 +378,7 @@ def test_gemv_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int, i
         (4, 4, 4, 2, 7),
         (2, 8, 2, 2, 7),
         (2, 4, 3, 3, 9),
+        (2, 8, 1, 3, 10),
     ],
 )
 def test_split_k_gives_the_same_bits_every_run(tiling: tuple[int, int, int, int, int]) -> None:
@@ -514,6 +522,7 @@ def gpu_gate_up(f: int, k: int) -> tuple[torch.Tensor, ...]:
         (4, 8, 1, 2, 7),
         (2, 4, 3, 4, 7),
         (2, 4, 1, 3, 9),
+        (2, 4, 2, 3, 10),
         (1, 8, 2, 4, 2),  # one tile per CTA: the product, then silu_mul
         (2, 8, 2, 2, 3),  # stream-K and the bulk pipeline: likewise
         (4, 8, 2, 4, 4),
@@ -540,7 +549,8 @@ def test_gate_up_silu_mul_on_gpu(
     monkeypatch.setattr(int4_mma, "silu_mul_of_pairs", lambda y: unfused.append(1) or pairs(y))
     got = int4_mma.gemv(x, words, scales, 128, t, silu_mul=True)
     assert got.shape == (m, f) and got.dtype == dtype
-    assert bool(unfused) == (m > 32 or rows == 1 or t.mode not in int4_mma.K_SPLIT_PRODUCT_MODES)
+    epilogue_modes = (*int4_mma.K_SPLIT_PRODUCT_MODES, int4_mma.PERSISTENT_MODE)
+    assert bool(unfused) == (m > 32 or rows == 1 or t.mode not in epilogue_modes)
     want = silu_of_pairs_reference(x.float() @ weight.T)
     assert rel_err(got.float(), want) < 1e-2
     ws, arrivals = int4_mma._workspaces.get(x.device), int4_mma._arrivals.get(x.device)
@@ -551,7 +561,15 @@ def test_gate_up_silu_mul_on_gpu(
 @GPU
 @needs_cuda
 @pytest.mark.parametrize(
-    "tiling", [(4, 4, 4, 4, 2), (2, 8, 3, 2, 0), (2, 4, 2, 4, 1), (4, 8, 1, 2, 7), (2, 4, 2, 3, 9)]
+    "tiling",
+    [
+        (4, 4, 4, 4, 2),
+        (2, 8, 3, 2, 0),
+        (2, 4, 2, 4, 1),
+        (4, 8, 1, 2, 7),
+        (2, 4, 2, 3, 9),
+        (2, 4, 2, 3, 10),
+    ],
 )
 def test_gate_up_silu_mul_gives_the_same_bits_every_run(
     tiling: tuple[int, int, int, int, int],

@@ -234,7 +234,8 @@ struct XRows {
   __device__ __forceinline__ XRows(const typename Num<BF16>::T* x, int M, int ldx, int g, int t) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
-      p[mt] = opaque(reinterpret_cast<const uint4*>(x + (size_t)min(mt * 8 + g, M - 1) * ldx + 8 * t));
+      p[mt] = opaque(
+          reinterpret_cast<const uint4*>(x + (size_t)min(mt * 8 + g, M - 1) * ldx + 8 * t));
   }
   // chunk c's: k = 64 c + 8 t and 64 c + 32 + 8 t, each load instruction covering 4 x 64
   // contiguous bytes
@@ -616,6 +617,93 @@ __global__ void __launch_bounds__(256, 2) w4_gemv_ring(TM_GEMV_PARAMS) {
   if (PROBE) acc[0][0][0] = __uint_as_float(probe & 0x3fffffffu);
   finish<BF16, MT, R, SILU>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy, rb,
                             1, gridDim.y, blockIdx.y, gridDim.y);
+}
+
+// Mode 10, the persistent ring (groups of 128, R = 2, M <= 16): gridDim.x CTAs stay resident and
+// take row blocks blockIdx.x, + gridDim.x, ..., each over all of K, and the ring runs on across
+// them: the last turn of a row block loads the next one's first chunks, and the next one's
+// scales are copied (cp.async) into a second buffer while this one runs. A CTA of mode 9 pays a
+// fixed ~2.8 us (8 warps) for its prologue, ring fill and reduction, a third of its life at
+// K = 5120 on one H200 (bench/kernels/int4_mma_scaling.py); here that is paid once a CTA.
+// Every warp has count = 2 G / W chunks a row block (the host checks G % W == 0 and count % S
+// == 0), so the turns of the ring end where row blocks do.
+template <bool BF16, int MT, int R, int D, bool SILU>
+__global__ void __launch_bounds__(256, 2) w4_gemv_persist(TM_GEMV_PARAMS) {
+  constexpr int S = D + 1;
+  static_assert(S % 2 == 0, "a group's two chunks close at fixed places of a turn");
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int NC = K >> 6, G = NC >> 1, blocks = N / (16 * R), P = gridDim.x;
+  const int count = 2 * G / W;
+  float* red = reinterpret_cast<float*>(smem);
+  __half* scb = reinterpret_cast<__half*>(smem + (size_t)W * R * MT * 4 * 32 * sizeof(float));
+  const int sc_per = R * G * 16;  // halves of one row block's scales: [R][G][16]
+  const XRows<BF16, MT> xr(x, M, ldx, g, t);
+  auto chunk_of = [&](int n) { return 2 * warp + (n >> 1) * 2 * W + (n & 1); };
+  auto block_ptrs = [&](int rb, const uint4* (&p)[R]) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) p[r] = opaque(qw + ((size_t)(rb * R + r) * NC) * 32 + lane);
+  };
+  // row block rb's scales into buffer b: R runs of G * 32 bytes, 16 bytes a copy
+  auto copy_scales = [&](int rb, int b) {
+    const int per = 2 * G;
+    for (int i = threadIdx.x; i < R * per; i += blockDim.x) {
+      const int r = i >= per, piece = i - r * per;  // R == 2
+      cp_async16(scb + b * sc_per + r * G * 16 + piece * 8,
+                 sc + ((size_t)(rb * R + r) * G) * 16 + piece * 8);
+    }
+    cp_async_commit();
+  };
+  int rb = blockIdx.x;
+  const uint4 *wcur[R], *wnext[R];
+  block_ptrs(rb, wcur);
+  block_ptrs(rb + P < blocks ? rb + P : rb, wnext);  // past the last block: its own, from L2
+  uint4 wbuf[S][R];
+#pragma unroll
+  for (int s = 0; s < D; ++s)
+#pragma unroll
+    for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(advance<512>(wcur[r], chunk_of(s)));
+  copy_scales(rb, 0);
+  if (rb + P < blocks) copy_scales(rb + P, 1);
+  else cp_async_commit();
+  cp_async_wait<1>();
+  __syncthreads();
+  pdl_wait();
+
+  float acc[R][MT][4], part[R][MT][4], xsum[1][MT][4];
+  zero(acc);
+  zero(part);
+  zero(xsum);
+  for (int b = 0;; b ^= 1) {
+    const __half* my_sc = scb + b * sc_per;
+    for (int n = 0; n < count; n += S) {
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        const int ln = n + s + D;  // the chunk this step loads: this row block's, or the next's
+        const bool here = ln < count;
+        const int lc = chunk_of(here ? ln : ln - count);
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          wbuf[(s + D) % S][r] = load_stream(advance<512>(here ? wcur[r] : wnext[r], lc));
+        const int c = chunk_of(n + s);
+        uint4 xv[MT][2];
+        xr.load(xv, c);
+        chunk_products<BF16, MT, R>(part, xsum[0], wbuf[s], xv);
+        if (s & 1) close_group<BF16, MT, R>(acc, part, xsum[0], my_sc, G, c >> 1, g);
+      }
+    }
+    cp_async_wait<0>();  // the next row block's scales (this thread's copies; finish syncs)
+    finish<BF16, MT, R, SILU>(acc, red, y, ws, arrivals, M, N, ldy, rb, 1, 1, 0, 1);
+    rb += P;
+    if (rb >= blocks) break;
+#pragma unroll
+    for (int r = 0; r < R; ++r) wcur[r] = wnext[r];
+    block_ptrs(rb + P < blocks ? rb + P : rb, wnext);
+    if (rb + P < blocks) copy_scales(rb + P, b);  // the buffer the block before last read
+    else cp_async_commit();
+    zero(acc);
+  }
 }
 
 // cp.async pipeline: each lane copies its own 16-byte quads (L2 -> smem, no registers held,
@@ -1050,6 +1138,29 @@ int launch_streamk(const void* qw, const void* sc, const void* x, void* y, void*
                        static_cast<int*>(arrivals), M, N, K, ldx, ldy, gc, __builtin_ctz(gc));
 }
 
+template <bool BF16, int MT, int R, bool SILU>
+int launch_persist(const void* qw, const void* sc, const void* x, void* y, int M, int N, int K,
+                   int ldx, int ldy, int gc, int warps, int ctas_per_sm, bool pdl,
+                   cudaStream_t stream) {
+  using T = typename Num<BF16>::T;
+  constexpr int D = 3;
+  const int NC = K / 64, G = NC / 2, blocks = N / (16 * R);
+  if (gc != 2 || NC % 2 || G % warps || (2 * G / warps) % (D + 1) || ctas_per_sm < 1) return -1;
+  const int P = blocks < device_info().sms * ctas_per_sm ? blocks : device_info().sms * ctas_per_sm;
+  const size_t bytes = (size_t)warps * R * MT * 4 * 32 * sizeof(float) +
+                       2 * (size_t)R * G * 16 * sizeof(__half);
+  auto kernel = w4_gemv_persist<BF16, MT, R, D, SILU>;
+  if (bytes > 48 * 1024) {
+    cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    if (err != cudaSuccess) return (int)err;
+  }
+  return launch_kernel(kernel, dim3(P), dim3(warps * 32), bytes, stream, pdl,
+                       static_cast<const uint4*>(qw), static_cast<const __half*>(sc),
+                       static_cast<const T*>(x), static_cast<T*>(y), nullptr, nullptr, M, N, K,
+                       ldx, ldy, gc, 1);
+}
+
 // Modes 0-2, 7 and 9: K split over the grid's y.
 template <bool BF16, int MT, int R, bool SILU>
 int gemv_split_k(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
@@ -1074,12 +1185,13 @@ int gemv_split_k(const void* qw, const void* sc, const void* x, void* y, void* w
 // or 4), 3 stream-K over that pipeline (`splits` CTAs per SM; depth 2 or 4), 4 the bulk-copy
 // pipeline (`warps` consumer warps and a producer, `splits` CTAs per SM, a ring of `depth`
 // stages; sm_90), 7 the register ring (mode 2 with a set of registers more than chunks in
-// flight, depth 2 or 4), 9 the ring taking whole groups of 128 (3 chunks in flight). Probes for
-// timing only (their output is not the product, M <= 8): 5
-// mode 4's stream without the math, 6 mode 2's (depth 2) likewise, 8 mode 7's (depth 2). The
-// variants that lost on one H200 (deeper rings, interleaved cp.async, stream-K on the ring, x
-// loaded a chunk ahead in the ring) are not built: each costs compile time at the worker's
-// first start. SILU (modes 0-2, 7 and 9): the fused gate|up epilogue of reduce_parts.
+// flight, depth 2 or 4), 9 the ring taking whole groups of 128 (3 chunks in flight), 10 mode 9's
+// ring in `splits` persistent CTAs per SM (2 tiles, M <= 16; w4_gemv_persist). Probes for
+// timing only (their output is not the product, M <= 8): 5 mode 4's stream without the math,
+// 6 mode 2's (depth 2) likewise, 8 mode 7's (depth 2). The variants that lost on one H200
+// (deeper rings, interleaved cp.async, stream-K on the ring, x loaded a chunk ahead in the
+// ring) are not built: each costs compile time at the worker's first start. SILU (modes 0-2,
+// 7, 9 and 10): the fused gate|up epilogue of reduce_parts.
 template <bool BF16, int MT, int R, bool SILU>
 int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                  int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
@@ -1087,6 +1199,12 @@ int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* w
   if (mode <= 2 || mode == 7 || mode == 9)
     return gemv_split_k<BF16, MT, R, SILU>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc,
                                            warps, splits, depth, mode, pdl, s);
+  if (mode == 10) {  // `splits` is CTAs per SM
+    if constexpr (R == 2 && MT <= 2)
+      return launch_persist<BF16, MT, R, SILU>(qw, sc, x, y, M, N, K, ldx, ldy, gc, warps, splits,
+                                               pdl, s);
+    else return -1;
+  }
   if constexpr (SILU) return -1;
   else switch (mode) {
     case 3:  // stream-K: `splits` is CTAs per SM
@@ -1138,11 +1256,12 @@ extern "C" {
 // y[M, N] = x[M, K] @ W^T. Returns a cudaError_t (0: launched; -1: bad arguments).
 // rows_per_cta 1, 2 or 4 (N a multiple of 16 * rows_per_cta; more tiles per CTA share each x
 // operand load); warps 1..8; splits >= 1 (> 1 needs ws and arrivals, zeroed, sized
-// splits * N / 16 * MT * 128 floats (modes 0-2, 6-9; modes 3-5: N / 16 * MT * 128) and N / 16 ints); mode 0-9 (gemv_by_mode); M > 16 needs
-// rows_per_cta <= 2, M > 32 rows_per_cta 1. silu_mul: W is a fused gate|up projection whose
-// 16-row tiles alternate gate / up (N = 2F), and y [M, F] (row stride ldy) = silu(gate) * up;
-// needs rows_per_cta 2 or 4 and mode 0-2, 7 or 9. pdl: launched with programmatic dependent launch
-// (sm_90), overlapping the kernel before's tail.
+// splits * N / 16 * MT * 128 floats (modes 0-2, 6-9; modes 3-5: N / 16 * MT * 128) and N / 16
+// ints; mode 10 neither); mode 0-10 (gemv_by_mode); M > 16 needs rows_per_cta <= 2, M > 32
+// rows_per_cta 1. silu_mul: W is a fused gate|up projection whose 16-row tiles alternate gate /
+// up (N = 2F), and y [M, F] (row stride ldy) = silu(gate) * up; needs rows_per_cta 2 or 4 and
+// mode 0-2, 7, 9 or 10. pdl: launched with programmatic dependent launch (sm_90), overlapping
+// the kernel before's tail.
 int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                int M, int N, int K, int ldx, int ldy, int gc, int bf16, int rows_per_cta,
                int warps, int splits, int depth, int mode, int silu_mul, int pdl, void* stream) {
@@ -1150,7 +1269,8 @@ int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws,
   if (M < 1 || M > 64 || K % 64 || gc < 1 || warps < 1 || warps > 8 || splits < 1) return -1;
   if ((rows_per_cta != 1 && rows_per_cta != 2 && rows_per_cta != 4) || N % (16 * rows_per_cta))
     return -1;
-  if (silu_mul && (rows_per_cta == 1 || mode < 0 || (mode > 2 && mode != 7 && mode != 9)))
+  if (silu_mul &&
+      (rows_per_cta == 1 || mode < 0 || (mode > 2 && mode != 7 && mode != 9 && mode != 10)))
     return -1;
 #define TM_CALL(B, R)                                                                           \
   (silu_mul ? gemv_by_rows<B, R, true>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, \

@@ -56,9 +56,12 @@ class MmaTiling:
     x stages evenly, as mode 3) or 7 (mode 2 on a register ring of `depth` + 1 sets, so a
     chunk's load is never waited for by the chunk that issued it) or 9 (mode 7 with each warp
     taking whole groups, so their sums close once a group: groups of 128 only, 3 chunks in
-    flight). Modes 5, 6 and 8 are timing probes (4's, 2's and 7's weight stream without the
-    math), never the product. From M = 17 modes 7 and 9 run as mode 2 (their register sets
-    spill at 4+ token groups)."""
+    flight) or 10 (mode 9's ring in `splits` persistent CTAs per SM, each taking row blocks in
+    turn over all of K with the ring running on across them: 2 row tiles, M <= 16, K / 128
+    groups a multiple of `warps` whose share a warp is a multiple of 2 groups; else mode 9).
+    Modes 5, 6 and 8 are timing probes (4's, 2's and 7's weight stream without the math), never
+    the product. From M = 17 modes 7 and 9 run as mode 2 (their register sets spill at 4+ token
+    groups)."""
 
     rows: int = 2
     warps: int = 8
@@ -72,6 +75,21 @@ class MmaTiling:
 K_SPLIT_PRODUCT_MODES = (0, 1, 2, 7, 9)
 K_SPLIT_MODES = (*K_SPLIT_PRODUCT_MODES, 6, 8)
 BULK_MODES = (4, 5)
+PERSISTENT_MODE = 10
+
+
+def persistent_fits(t: MmaTiling, m: int, k: int, group_size: int) -> bool:
+    """Whether mode 10 runs this case: 2 row tiles, M <= 16, groups of 128, and each warp's
+    share of a row block's K whole turns of its ring (4 chunks: 2 groups)."""
+    groups = k // 128
+    return (
+        t.rows == 2
+        and m <= 16
+        and group_size == 128
+        and k % 128 == 0
+        and groups % t.warps == 0
+        and (groups // t.warps) % 2 == 0
+    )
 
 
 # Per weight shape, filled from the GPU's tuning file (worker/kernels/tuning; measured at M = 8
@@ -97,6 +115,8 @@ def tiling_for_rows(
     fewer row tiles a CTA as token groups grow (registers), and the pipelines whose layout or
     registers do not fit the case swapped for one that does."""
     gc = group_size // 64
+    if t.mode == PERSISTENT_MODE and not persistent_fits(t, m, k, group_size):
+        t = dataclasses.replace(t, mode=9, splits=1)  # its `splits` counted CTAs per SM
     if m > 16 and t.rows == 4:  # 4 tiles x 4 token groups spill registers
         t = dataclasses.replace(t, rows=2)
     if m > 32 and t.rows == 2:  # 8 token groups x 2 tiles spill registers: one tile per CTA
@@ -212,10 +232,12 @@ def gemv(
     t = tiling_for_rows(t, m, n, k, group_size, sm90)
     gc = group_size // 64
     # the epilogue pairs a CTA's tiles (even rows) in the K-split pipelines
-    fused = silu_mul and t.rows in (2, 4) and t.mode in K_SPLIT_PRODUCT_MODES
+    fused = silu_mul and t.rows in (2, 4) and t.mode in (*K_SPLIT_PRODUCT_MODES, PERSISTENT_MODE)
     out = torch.empty((m, n // 2 if fused else n), dtype=x.dtype, device=x.device)
     ws = arrivals = None
-    if t.splits > 1 or t.mode not in K_SPLIT_MODES:  # split K, or stream-K's parts of row blocks
+    if t.mode == PERSISTENT_MODE:  # whole row blocks: no parts to sum
+        pass
+    elif t.splits > 1 or t.mode not in K_SPLIT_MODES:  # split K, or stream-K's row-block parts
         token_groups = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8  # the kernel's MT
         # K split over the grid's y: a slot per part, summed in order; stream-K's segments
         # (modes 3-5) add into one
