@@ -91,7 +91,7 @@ def context_limit(config: EngineConfig, model: Any) -> int:
 
 # Tokens a step by default: the load point's 8 x 512 prompt tokens prefill in one step (vLLM's
 # API server takes 8,192 on GPUs of 70 GiB and more). On one H200 a 4,096-token step takes
-# ~0.24 s with FP8 weights and ~0.30 s with int4 (their blockwise W4A8 GEMM is ~30% slower
+# ~0.23 s with FP8 weights and ~0.28 s with int4 (their blockwise W4A8 GEMM is ~30% slower
 # than FP8's); halving it for int4 split each wave's prefill in two, so its sequences finished
 # out of step and decoded at part batches: 14% fewer W4 tokens a second at the load point
 # (857 against 999, docs/performance.md). An operator who wants shorter stalls lowers it.
