@@ -139,9 +139,16 @@ __device__ __forceinline__ void pdl_wait() {
   pdl_release();
 }
 
+// Launches `kernel`, opting it in to more than the default 48 KB of dynamic shared memory when
+// `smem` asks for it.
 template <typename... Params, typename... Args>
 int launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                   cudaStream_t stream, bool pdl, Args... args) {
+  if (smem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (err != cudaSuccess) return (int)err;
+  }
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
@@ -1069,11 +1076,6 @@ int launch_bulk(const void* qw, const void* sc, const void* x, void* y, void* ws
   const size_t bytes = (size_t)depth * R * warps * 512 + (size_t)warps * R * MT * 4 * 32 * 4 +
                        2 * (size_t)depth * sizeof(uint64_t);
   auto kernel = w4_gemv_bulk<BF16, MT, R, PROBE>;
-  if (bytes > 48 * 1024) {
-    cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
-    if (err != cudaSuccess) return (int)err;
-  }
   return launch_kernel(kernel, dim3(P), dim3((warps + 1) * 32), bytes, stream, pdl,
                        static_cast<const uint4*>(qw), static_cast<const __half*>(sc),
                        static_cast<const T*>(x), static_cast<T*>(y), static_cast<float*>(ws),
@@ -1101,11 +1103,6 @@ int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws
     else if constexpr (ASYNC) return w4_gemv_async<BF16, MT, R, D, IL, SILU>;
     else return w4_gemv_regs<BF16, MT, R, D, IL, PROBE, SILU>;
   }();
-  if (bytes > 48 * 1024) {
-    cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
-    if (err != cudaSuccess) return (int)err;
-  }
   dim3 grid(N / (16 * R), splits);
   return launch_kernel(kernel, grid, dim3(warps * 32), bytes, stream, pdl,
                        static_cast<const uint4*>(qw), static_cast<const __half*>(sc),
@@ -1127,11 +1124,6 @@ int launch_streamk(const void* qw, const void* sc, const void* x, void* y, void*
   const size_t red_bytes = (size_t)warps * R * MT * 4 * 32 * sizeof(float);
   const size_t bytes = sc_bytes > red_bytes ? sc_bytes : red_bytes;
   auto kernel = w4_gemv_streamk<BF16, MT, R, D>;
-  if (bytes > 48 * 1024) {
-    cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
-    if (err != cudaSuccess) return (int)err;
-  }
   return launch_kernel(kernel, dim3(P), dim3(warps * 32), bytes, stream, pdl,
                        static_cast<const uint4*>(qw), static_cast<const __half*>(sc),
                        static_cast<const T*>(x), static_cast<T*>(y), static_cast<float*>(ws),
@@ -1146,15 +1138,10 @@ int launch_persist(const void* qw, const void* sc, const void* x, void* y, int M
   constexpr int D = 3;
   const int NC = K / 64, G = NC / 2, blocks = N / (16 * R);
   if (gc != 2 || NC % 2 || G % warps || (2 * G / warps) % (D + 1) || ctas_per_sm < 1) return -1;
-  const int P = blocks < device_info().sms * ctas_per_sm ? blocks : device_info().sms * ctas_per_sm;
+  const int slots = device_info().sms * ctas_per_sm, P = blocks < slots ? blocks : slots;
   const size_t bytes = (size_t)warps * R * MT * 4 * 32 * sizeof(float) +
                        2 * (size_t)R * G * 16 * sizeof(__half);
   auto kernel = w4_gemv_persist<BF16, MT, R, D, SILU>;
-  if (bytes > 48 * 1024) {
-    cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
-    if (err != cudaSuccess) return (int)err;
-  }
   return launch_kernel(kernel, dim3(P), dim3(warps * 32), bytes, stream, pdl,
                        static_cast<const uint4*>(qw), static_cast<const __half*>(sc),
                        static_cast<const T*>(x), static_cast<T*>(y), nullptr, nullptr, M, N, K,

@@ -235,9 +235,8 @@ def gemv(
     fused = silu_mul and t.rows in (2, 4) and t.mode in (*K_SPLIT_PRODUCT_MODES, PERSISTENT_MODE)
     out = torch.empty((m, n // 2 if fused else n), dtype=x.dtype, device=x.device)
     ws = arrivals = None
-    if t.mode == PERSISTENT_MODE:  # whole row blocks: no parts to sum
-        pass
-    elif t.splits > 1 or t.mode not in K_SPLIT_MODES:  # split K, or stream-K's row-block parts
+    # split K, or stream-K's parts of row blocks (the persistent ring's blocks are whole)
+    if t.mode != PERSISTENT_MODE and (t.splits > 1 or t.mode not in K_SPLIT_MODES):
         token_groups = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8  # the kernel's MT
         # K split over the grid's y: a slot per part, summed in order; stream-K's segments
         # (modes 3-5) add into one
