@@ -80,9 +80,10 @@ def candidates(n: int, k: int, modes: list[int] | None = None) -> list[MmaTiling
                     out.add(MmaTiling(rows, warps, ctas_per_sm, depth, 3))
         if rows == 2:  # the persistent ring: CTAs an SM (8 warps: 2 fit, 4 warps: 4)
             for warps, ctas in ((4, 1), (4, 2), (4, 3), (4, 4), (8, 1), (8, 2)):
-                t = MmaTiling(rows, warps, ctas, 3, 10)
-                if int4_mma.persistent_fits(t, 8, k, GROUP):
-                    out.add(t)
+                for mode in int4_mma.PERSISTENT_MODES:
+                    t = MmaTiling(rows, warps, ctas, 3, mode)
+                    if int4_mma.persistent_fits(t, 8, k, GROUP):
+                        out.add(t)
         for warps in (4, 8):  # the bulk-copy ring: consumer warps, CTAs an SM, stages
             for ctas_per_sm in (1, 2):
                 for depth in (3, 4, 6):
@@ -94,9 +95,9 @@ def candidates(n: int, k: int, modes: list[int] | None = None) -> list[MmaTiling
         out = {int4_mma.default_tiling(n, k, GROUP)}
     if tuned is not None:  # today's winner, the baseline of every run
         out.add(tuned)
-    rank = {m: i for i, m in enumerate(modes or range(11))}
+    rank = {m: i for i, m in enumerate(modes or range(12))}
     return sorted(
-        out, key=lambda t: (t != tuned, rank.get(t.mode, 10), t.rows, t.warps, t.splits, t.depth)
+        out, key=lambda t: (t != tuned, rank.get(t.mode, 12), t.rows, t.warps, t.splits, t.depth)
     )
 
 
