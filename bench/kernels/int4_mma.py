@@ -32,6 +32,7 @@ import triton
 import triton.testing
 
 from bench.common import copy_bandwidth, err, graph_time, rel_err, result_path, write_result
+from bench.engine.gemv import keep_or_replace
 from bench.kernels.int4 import GROUP, L2_SET_BYTES, SHAPES, int4_bytes, time_fp8_gemv
 from worker.kernels import reference
 from worker.kernels.cuda import int4_mma
@@ -80,10 +81,9 @@ def candidates(n: int, k: int, modes: list[int] | None = None) -> list[MmaTiling
                     out.add(MmaTiling(rows, warps, ctas_per_sm, depth, 3))
         if rows == 2:  # the persistent ring: CTAs an SM (8 warps: 2 fit, 4 warps: 4)
             for warps, ctas in ((4, 1), (4, 2), (4, 3), (4, 4), (8, 1), (8, 2)):
-                for mode in int4_mma.PERSISTENT_MODES:
-                    t = MmaTiling(rows, warps, ctas, 3, mode)
-                    if int4_mma.persistent_fits(t, 8, k, GROUP):
-                        out.add(t)
+                t = MmaTiling(rows, warps, ctas, 3, 10)
+                if int4_mma.persistent_fits(t, 8, k, GROUP):
+                    out.add(t)
         for warps in (4, 8):  # the bulk-copy ring: consumer warps, CTAs an SM, stages
             for ctas_per_sm in (1, 2):
                 for depth in (3, 4, 6):
@@ -95,9 +95,9 @@ def candidates(n: int, k: int, modes: list[int] | None = None) -> list[MmaTiling
         out = {int4_mma.default_tiling(n, k, GROUP)}
     if tuned is not None:  # today's winner, the baseline of every run
         out.add(tuned)
-    rank = {m: i for i, m in enumerate(modes or range(12))}
+    rank = {m: i for i, m in enumerate(modes or range(11))}
     return sorted(
-        out, key=lambda t: (t != tuned, rank.get(t.mode, 12), t.rows, t.warps, t.splits, t.depth)
+        out, key=lambda t: (t != tuned, rank.get(t.mode, 10), t.rows, t.warps, t.splits, t.depth)
     )
 
 
@@ -194,7 +194,11 @@ def decode_shape(
     good = [r for r in result["m8"] if r.get("ok")]
     if not good:
         return result
-    best = min(good, key=lambda r: r["us"])
+    # the tuned tiling stays unless another beats it by KEEP_MARGIN: gate|up's mode 9 and 10 trade
+    # places within 1 us from run to run here, while in the decode step mode 10 is 5 us faster
+    tuned = repr(int4_mma.MMA_DECODE_TILINGS.get((n, k)))
+    best_name = keep_or_replace({r["tiling"]: r["us"] for r in good}, tuned)
+    best = next(r for r in good if r["tiling"] == best_name)
     result["best"] = best
     best_tiling = eval(best["tiling"], {"MmaTiling": MmaTiling})  # noqa: S307 (our own repr)
     result["by_m"][8] = {"mma": best, "triton": time_triton(8, n, k, ws, x, ref, bandwidth),

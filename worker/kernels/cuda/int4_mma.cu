@@ -328,20 +328,6 @@ __device__ __forceinline__ T silu_mul(float gate, float up) {
   return (T)(act * u);
 }
 
-// A CTA's arrival at its row block's counter, after a barrier that follows its workspace
-// writes: one thread's acquire-release add publishes them all (the barrier orders the other
-// threads' writes before it) and, for the last arrival, orders the block's reads after the
-// others' writes. A fence in every thread (__threadfence) waited for each warp's weight loads
-// in flight, draining the persistent ring at every piece of a row block.
-__device__ __forceinline__ int arrive(int* counter, int count) {
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n"
-               : "=r"(old)
-               : "l"(counter), "r"(count)
-               : "memory");
-  return old;
-}
-
 // Reduce W warps (smem red[W][V][32], V = R * MT * 4 values per lane) for row block rb, of
 // which they computed `count` of `total` parts: a whole block is written at once; a part goes
 // to the workspace, and whoever completes the block writes it and re-zeroes the workspace and
@@ -384,10 +370,12 @@ __device__ __forceinline__ void reduce_parts(const float (&acc)[R][MT][4], float
       if (parts > 0) __stcg(slab + v * 32 + lane, sum);
       else atomicAdd(slab + v * 32 + lane, sum);
     }
+    __threadfence();
     sync();
-    if (threadIdx.x == 0) *last = arrive(arrivals + rb, count) + count == total;
+    if (threadIdx.x == 0) *last = atomicAdd(arrivals + rb, count) + count == total;
     sync();
     done = *last;
+    if (done) __threadfence();
   }
   if (done) {
     // cell v's total: the parts' slots in part order (re-zeroed), or the CTA's warps
@@ -721,122 +709,6 @@ __global__ void __launch_bounds__(256, 2) w4_gemv_persist(TM_GEMV_PARAMS) {
     block_ptrs(rb + P < blocks ? rb + P : rb, wnext);
     if (rb + P < blocks) copy_scales(rb + P, b);  // the buffer the block before last read
     else cp_async_commit();
-    zero(acc);
-  }
-}
-
-// Stream-K over the persistent ring (mode 11): CTA i of P takes the turns [U i / P, U (i + 1)
-// / P) of the U = blocks x T turns of the weight, in row-block order. A row block is cut into
-// at most streamk_parts pieces, and the piece starting at turn u belongs to CTA
-// streamk_owner(u). `int4_mma.streamk_parts` mirrors this for the workspace's size.
-__host__ __device__ inline int streamk_parts(long long U, int P, int T) {
-  const long long share = U / P;  // >= 1: the host keeps P <= U
-  const long long parts = (T + share - 1) / share + 1;
-  return (int)(parts < P ? parts : P);
-}
-__device__ __forceinline__ int streamk_owner(long long u, long long U, int P) {
-  return (int)(((u + 1) * P - 1) / U);
-}
-
-// Mode 11, stream-K on the persistent ring (groups of 128, R = 2, M <= 16). Mode 10 hands out
-// whole row blocks, so its CTAs' loads differ by a block (gate|up: 1,088 blocks for 528 CTAs,
-// 32 of them take a third) and a weight of few row blocks (down and o: 160 for 132 SMs) leaves
-// SMs idle. Here each CTA takes an equal run of turns (a turn: 2 groups a warp, 2 W groups a
-// CTA; the host checks that G is a multiple of 2 W), the ring running on across row blocks as
-// in mode 10. Each piece of a row block is a part of it with its own workspace slot, summed in
-// part order by whoever completes the block (reduce_parts): the same bits on every run.
-template <bool BF16, int MT, int R, int D, bool SILU>
-__global__ void __launch_bounds__(256, 2) w4_gemv_persist_sk(TM_GEMV_PARAMS) {
-  constexpr int S = D + 1;
-  static_assert(S == 4 && R == 2, "a turn: both chunks of 2 groups a warp, on 2 row tiles");
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int NC = K >> 6, G = NC >> 1, blocks = N / (16 * R), P = gridDim.x;
-  const int T = G / (2 * W);
-  const long long U = (long long)blocks * T, u_end = U * (blockIdx.x + 1) / P;
-  long long u = U * blockIdx.x / P;
-  const int parts = streamk_parts(U, P, T);
-  float* red = reinterpret_cast<float*>(smem);
-  __half* scb = reinterpret_cast<__half*>(smem + (size_t)W * R * MT * 4 * 32 * sizeof(float));
-  const int sc_per = R * G * 16;  // halves of one row block's scales: [R][G][16]
-  const XRows<BF16, MT> xr(x, M, ldx, g, t);
-  // the warp's chunk at step s of turn j: group warp + (2 j + s / 2) W, its chunk s % 2
-  auto chunk_of = [&](int j, int s) { return 2 * warp + (2 * j + (s >> 1)) * 2 * W + (s & 1); };
-  auto block_ptrs = [&](int rb, const uint4* (&p)[R]) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) p[r] = opaque(qw + ((size_t)(rb * R + r) * NC) * 32 + lane);
-  };
-  // the end of the piece that starts at turn v (its row block's end, or the run's)
-  auto piece_end = [&](long long v) { return (int)min((long long)T, v % T + (u_end - v)); };
-  // the scales of the piece starting at v into buffer b, at their places in [R][G][16]
-  auto copy_scales = [&](long long v, int b) {
-    if (v < u_end) {
-      const int rb = (int)(v / T), j0 = (int)(v % T), g0 = 2 * W * j0;
-      const int per = 4 * W * (piece_end(v) - j0);  // 16-byte copies a tile: 2 a group
-      for (int i = threadIdx.x; i < R * per; i += blockDim.x) {
-        const int r = i >= per, piece = i - r * per;
-        cp_async16(scb + b * sc_per + (r * G + g0) * 16 + piece * 8,
-                   sc + ((size_t)(rb * R + r) * G + g0) * 16 + piece * 8);
-      }
-    }
-    cp_async_commit();
-  };
-  int rb = (int)(u / T), j0 = (int)(u % T), j1 = piece_end(u);
-  int piece = blockIdx.x - streamk_owner((long long)rb * T, U, P);
-  const uint4 *wcur[R], *wnext[R];
-  block_ptrs(rb, wcur);
-  block_ptrs(rb + 1 < blocks ? rb + 1 : rb, wnext);
-  uint4 wbuf[S][R];
-#pragma unroll
-  for (int s = 0; s < D; ++s)
-#pragma unroll
-    for (int r = 0; r < R; ++r) wbuf[s][r] = load_stream(advance<512>(wcur[r], chunk_of(j0, s)));
-  copy_scales(u, 0);
-  copy_scales(u + (j1 - j0), 1);
-  cp_async_wait<1>();
-  __syncthreads();
-  pdl_wait();
-
-  float acc[R][MT][4], part[R][MT][4], xsum[1][MT][4];
-  zero(acc);
-  zero(part);
-  zero(xsum);
-  for (int b = 0;; b ^= 1) {
-    const __half* my_sc = scb + b * sc_per;
-    for (int j = j0; j < j1; ++j) {
-      // the turn whose first chunks this one's last steps load: the next of the run (in the
-      // next row block after a block's last turn), or this one again at the run's end (L2)
-      const bool last = j + 1 == j1, on = last && j1 == T && u + (j1 - j0) < u_end;
-      const int nj = !last ? j + 1 : on ? 0 : j;
-      const uint4* np[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) np[r] = on ? wnext[r] : wcur[r];
-#pragma unroll
-      for (int s = 0; s < S; ++s) {
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-          wbuf[(s + D) % S][r] = load_stream(s + D < S ? advance<512>(wcur[r], chunk_of(j, s + D))
-                                                       : advance<512>(np[r], chunk_of(nj, s + D - S)));
-        const int c = chunk_of(j, s);
-        uint4 xv[MT][2];
-        xr.load(xv, c);
-        chunk_products<BF16, MT, R>(part, xsum[0], wbuf[s], xv);
-        if (s & 1) close_group<BF16, MT, R>(acc, part, xsum[0], my_sc, G, c >> 1, g);
-      }
-    }
-    cp_async_wait<0>();  // the next piece's scales (this thread's copies; finish syncs)
-    finish<BF16, MT, R, SILU>(acc, red, y, ws, arrivals, M, N, ldy, rb, j1 - j0, T, piece, parts);
-    u += j1 - j0;
-    if (u >= u_end) break;
-    ++rb;
-    j0 = 0;
-    j1 = piece_end(u);
-    piece = 0;
-#pragma unroll
-    for (int r = 0; r < R; ++r) wcur[r] = wnext[r];
-    block_ptrs(rb + 1 < blocks ? rb + 1 : rb, wnext);
-    copy_scales(u + j1, b);  // the piece after this one, into the buffer just read
     zero(acc);
   }
 }
@@ -1258,32 +1130,22 @@ int launch_streamk(const void* qw, const void* sc, const void* x, void* y, void*
                        static_cast<int*>(arrivals), M, N, K, ldx, ldy, gc, __builtin_ctz(gc));
 }
 
-// Modes 10 and 11 (STREAMK): `ctas_per_sm` resident CTAs an SM. Mode 11 needs ws and arrivals
-// (its parts' slots, streamk_parts of them); mode 10 neither.
-template <bool BF16, int MT, int R, bool SILU, bool STREAMK>
-int launch_persist(const void* qw, const void* sc, const void* x, void* y, void* ws,
-                   void* arrivals, int M, int N, int K, int ldx, int ldy, int gc, int warps,
-                   int ctas_per_sm, bool pdl, cudaStream_t stream) {
+template <bool BF16, int MT, int R, bool SILU>
+int launch_persist(const void* qw, const void* sc, const void* x, void* y, int M, int N, int K,
+                   int ldx, int ldy, int gc, int warps, int ctas_per_sm, bool pdl,
+                   cudaStream_t stream) {
   using T = typename Num<BF16>::T;
   constexpr int D = 3;
   const int NC = K / 64, G = NC / 2, blocks = N / (16 * R);
-  // whole turns of the ring (2 groups a warp) in a row block
-  if (gc != 2 || NC % 2 || G % (2 * warps) || ctas_per_sm < 1) return -1;
-  if (STREAMK && (ws == nullptr || arrivals == nullptr)) return -1;
-  const long long units = STREAMK ? (long long)blocks * (G / (2 * warps)) : blocks;
-  const long long slots = (long long)device_info().sms * ctas_per_sm;
-  const int P = (int)(units < slots ? units : slots);
+  if (gc != 2 || NC % 2 || G % warps || (2 * G / warps) % (D + 1) || ctas_per_sm < 1) return -1;
+  const int slots = device_info().sms * ctas_per_sm, P = blocks < slots ? blocks : slots;
   const size_t bytes = (size_t)warps * R * MT * 4 * 32 * sizeof(float) +
                        2 * (size_t)R * G * 16 * sizeof(__half);
-  auto kernel = [] {
-    if constexpr (STREAMK) return w4_gemv_persist_sk<BF16, MT, R, D, SILU>;
-    else return w4_gemv_persist<BF16, MT, R, D, SILU>;
-  }();
+  auto kernel = w4_gemv_persist<BF16, MT, R, D, SILU>;
   return launch_kernel(kernel, dim3(P), dim3(warps * 32), bytes, stream, pdl,
                        static_cast<const uint4*>(qw), static_cast<const __half*>(sc),
-                       static_cast<const T*>(x), static_cast<T*>(y),
-                       static_cast<float*>(STREAMK ? ws : nullptr),
-                       static_cast<int*>(STREAMK ? arrivals : nullptr), M, N, K, ldx, ldy, gc, 1);
+                       static_cast<const T*>(x), static_cast<T*>(y), nullptr, nullptr, M, N, K,
+                       ldx, ldy, gc, 1);
 }
 
 // Modes 0-2, 7 and 9: K split over the grid's y.
@@ -1311,14 +1173,12 @@ int gemv_split_k(const void* qw, const void* sc, const void* x, void* y, void* w
 // pipeline (`warps` consumer warps and a producer, `splits` CTAs per SM, a ring of `depth`
 // stages; sm_90), 7 the register ring (mode 2 with a set of registers more than chunks in
 // flight, depth 2 or 4), 9 the ring taking whole groups of 128 (3 chunks in flight), 10 mode 9's
-// ring in `splits` persistent CTAs per SM (2 tiles, M <= 16; w4_gemv_persist), 11 the same CTAs
-// taking equal runs of turns across row blocks (stream-K that keeps the ring running,
-// w4_gemv_persist_sk). Probes for
+// ring in `splits` persistent CTAs per SM (2 tiles, M <= 16; w4_gemv_persist). Probes for
 // timing only (their output is not the product, M <= 8): 5 mode 4's stream without the math,
 // 6 mode 2's (depth 2) likewise, 8 mode 7's (depth 2). The variants that lost on one H200
-// (deeper rings, interleaved cp.async, stream-K that drains the ring at each segment, x loaded
-// a chunk ahead in the ring) are not built: each costs compile time at the worker's first
-// start. SILU (modes 0-2, 7, 9, 10 and 11): the fused gate|up epilogue of reduce_parts.
+// (deeper rings, interleaved cp.async, stream-K on the ring, x loaded a chunk ahead in the
+// ring) are not built: each costs compile time at the worker's first start. SILU (modes 0-2,
+// 7, 9 and 10): the fused gate|up epilogue of reduce_parts.
 template <bool BF16, int MT, int R, bool SILU>
 int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                  int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, int depth,
@@ -1326,14 +1186,10 @@ int gemv_by_mode(const void* qw, const void* sc, const void* x, void* y, void* w
   if (mode <= 2 || mode == 7 || mode == 9)
     return gemv_split_k<BF16, MT, R, SILU>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc,
                                            warps, splits, depth, mode, pdl, s);
-  if (mode == 10 || mode == 11) {  // `splits` is CTAs per SM
+  if (mode == 10) {  // `splits` is CTAs per SM
     if constexpr (R == 2 && MT <= 2)
-      return mode == 10 ? launch_persist<BF16, MT, R, SILU, false>(
-                              qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits,
-                              pdl, s)
-                        : launch_persist<BF16, MT, R, SILU, true>(
-                              qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, splits,
-                              pdl, s);
+      return launch_persist<BF16, MT, R, SILU>(qw, sc, x, y, M, N, K, ldx, ldy, gc, warps, splits,
+                                               pdl, s);
     else return -1;
   }
   if constexpr (SILU) return -1;
@@ -1388,10 +1244,10 @@ extern "C" {
 // rows_per_cta 1, 2 or 4 (N a multiple of 16 * rows_per_cta; more tiles per CTA share each x
 // operand load); warps 1..8; splits >= 1 (> 1 needs ws and arrivals, zeroed, sized
 // splits * N / 16 * MT * 128 floats (modes 0-2, 6-9; modes 3-5: N / 16 * MT * 128) and N / 16
-// ints; mode 10 neither; mode 11 streamk_parts * N / 16 * MT * 128 floats whatever the splits);
-// mode 0-11 (gemv_by_mode); M > 16 needs rows_per_cta <= 2, M > 32 rows_per_cta 1. silu_mul: W is a fused gate|up projection whose 16-row tiles alternate gate /
+// ints; mode 10 neither); mode 0-10 (gemv_by_mode); M > 16 needs rows_per_cta <= 2, M > 32
+// rows_per_cta 1. silu_mul: W is a fused gate|up projection whose 16-row tiles alternate gate /
 // up (N = 2F), and y [M, F] (row stride ldy) = silu(gate) * up; needs rows_per_cta 2 or 4 and
-// mode 0-2, 7, 9, 10 or 11. pdl: launched with programmatic dependent launch (sm_90), overlapping
+// mode 0-2, 7, 9 or 10. pdl: launched with programmatic dependent launch (sm_90), overlapping
 // the kernel before's tail.
 int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                int M, int N, int K, int ldx, int ldy, int gc, int bf16, int rows_per_cta,
@@ -1401,7 +1257,7 @@ int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws,
   if ((rows_per_cta != 1 && rows_per_cta != 2 && rows_per_cta != 4) || N % (16 * rows_per_cta))
     return -1;
   if (silu_mul &&
-      (rows_per_cta == 1 || mode < 0 || (mode > 2 && mode != 7 && mode != 9 && mode != 10 && mode != 11)))
+      (rows_per_cta == 1 || mode < 0 || (mode > 2 && mode != 7 && mode != 9 && mode != 10)))
     return -1;
 #define TM_CALL(B, R)                                                                           \
   (silu_mul ? gemv_by_rows<B, R, true>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc, warps, \

@@ -58,9 +58,7 @@ class MmaTiling:
     taking whole groups, so their sums close once a group: groups of 128 only, 3 chunks in
     flight) or 10 (mode 9's ring in `splits` persistent CTAs per SM, each taking row blocks in
     turn over all of K with the ring running on across them: 2 row tiles, M <= 16, K / 128
-    groups a multiple of `warps` whose share a warp is a multiple of 2 groups; else mode 9) or
-    11 (mode 10's CTAs taking equal runs of the weight's turns, 2 groups a warp each, across row
-    blocks: stream-K that keeps the ring running; the same conditions).
+    groups a multiple of `warps` whose share a warp is a multiple of 2 groups; else mode 9).
     Modes 5, 6 and 8 are timing probes (4's, 2's and 7's weight stream without the math), never
     the product. From M = 17 modes 7 and 9 run as mode 2 (their register sets spill at 4+ token
     groups)."""
@@ -77,14 +75,12 @@ class MmaTiling:
 K_SPLIT_PRODUCT_MODES = (0, 1, 2, 7, 9)
 K_SPLIT_MODES = (*K_SPLIT_PRODUCT_MODES, 6, 8)
 BULK_MODES = (4, 5)
-PERSISTENT_MODE = 10  # whole row blocks a CTA
-STREAMK_PERSISTENT_MODE = 11  # equal runs of turns a CTA
-PERSISTENT_MODES = (PERSISTENT_MODE, STREAMK_PERSISTENT_MODE)
+PERSISTENT_MODE = 10
 
 
 def persistent_fits(t: MmaTiling, m: int, k: int, group_size: int) -> bool:
-    """Whether modes 10 and 11 run this case: 2 row tiles, M <= 16, groups of 128, and each
-    warp's share of a row block's K whole turns of its ring (4 chunks: 2 groups)."""
+    """Whether mode 10 runs this case: 2 row tiles, M <= 16, groups of 128, and each warp's
+    share of a row block's K whole turns of its ring (4 chunks: 2 groups)."""
     groups = k // 128
     return (
         t.rows == 2
@@ -94,45 +90,6 @@ def persistent_fits(t: MmaTiling, m: int, k: int, group_size: int) -> bool:
         and groups % t.warps == 0
         and (groups // t.warps) % 2 == 0
     )
-
-
-def streamk_parts(n: int, k: int, t: MmaTiling, sms: int) -> int:
-    """Mode 11's workspace slots a row block (the kernel's `streamk_parts`): its `t.splits` CTAs
-    an SM take equal runs of the blocks x turns (2 x `t.warps` groups a turn), so a row block
-    is cut into at most ceil(turns / shortest run) + 1 pieces."""
-    turns = k // 128 // (2 * t.warps)
-    units = n // 32 * turns
-    ctas = min(units, sms * t.splits)
-    share = units // ctas
-    return min(ctas, -(-turns // share) + 1)
-
-
-def streamk_pieces(n: int, k: int, t: MmaTiling, sms: int) -> list[list[tuple[int, int, int, int]]]:  # fmt: skip
-    """Mode 11's cut, as the kernel makes it: per CTA, its pieces (row block, first turn, end
-    turn, part). For tests of the cut on CPU."""
-    turns = k // 128 // (2 * t.warps)
-    units = n // 32 * turns
-    ctas = min(units, sms * t.splits)
-    out = []
-    for i in range(ctas):
-        u, end, pieces = units * i // ctas, units * (i + 1) // ctas, []
-        while u < end:
-            block, first = divmod(u, turns)
-            last = min(turns, first + end - u)
-            owner = ((block * turns + 1) * ctas - 1) // units  # the CTA of the block's first turn
-            pieces.append((block, first, last, i - owner))
-            u += last - first
-        out.append(pieces)
-    return out
-
-
-_sm_counts: dict[torch.device, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device not in _sm_counts:
-        _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _sm_counts[device]
 
 
 # Per weight shape, filled from the GPU's tuning file (worker/kernels/tuning; measured at M = 8
@@ -158,7 +115,7 @@ def tiling_for_rows(
     fewer row tiles a CTA as token groups grow (registers), and the pipelines whose layout or
     registers do not fit the case swapped for one that does."""
     gc = group_size // 64
-    if t.mode in PERSISTENT_MODES and not persistent_fits(t, m, k, group_size):
+    if t.mode == PERSISTENT_MODE and not persistent_fits(t, m, k, group_size):
         t = dataclasses.replace(t, mode=9, splits=1)  # its `splits` counted CTAs per SM
     if m > 16 and t.rows == 4:  # 4 tiles x 4 token groups spill registers
         t = dataclasses.replace(t, rows=2)
@@ -257,8 +214,8 @@ def gemv(
     """x [M <= 64, K] (bf16/fp16, contiguous rows) times the int4-mma weight -> [M, N]. With
     `silu_mul`, the weight is a fused gate|up [2F, K] in paired tiles
     (`reference.int4_mma_pair_tiles`) and the result silu(gate) * up [M, F]: formed in the
-    epilogue where the tiling has 2 or 4 tiles per CTA and a K-split or persistent mode (0-2,
-    7, 9-11), else from the product."""
+    epilogue where the tiling has 2 or 4 tiles per CTA and a K-split mode (0-2, 7, 9), else from
+    the product."""
     m, k = x.shape
     n = 16 * qweight.shape[0]
     if m > MAX_ROWS or 64 * qweight.shape[1] != k:
@@ -275,18 +232,15 @@ def gemv(
     t = tiling_for_rows(t, m, n, k, group_size, sm90)
     gc = group_size // 64
     # the epilogue pairs a CTA's tiles (even rows) in the K-split pipelines
-    fused = silu_mul and t.rows in (2, 4) and t.mode in (*K_SPLIT_PRODUCT_MODES, *PERSISTENT_MODES)
+    fused = silu_mul and t.rows in (2, 4) and t.mode in (*K_SPLIT_PRODUCT_MODES, PERSISTENT_MODE)
     out = torch.empty((m, n // 2 if fused else n), dtype=x.dtype, device=x.device)
     ws = arrivals = None
-    # split K, or stream-K's parts of row blocks (mode 10's blocks are whole)
+    # split K, or stream-K's parts of row blocks (the persistent ring's blocks are whole)
     if t.mode != PERSISTENT_MODE and (t.splits > 1 or t.mode not in K_SPLIT_MODES):
         token_groups = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8  # the kernel's MT
-        # K split over the grid's y, or mode 11's pieces: a slot per part, summed in order;
-        # stream-K's segments (modes 3-5) add into one
-        if t.mode == STREAMK_PERSISTENT_MODE:
-            parts = streamk_parts(n, k, t, _sm_count(x.device))
-        else:
-            parts = t.splits if t.mode in K_SPLIT_MODES else 1
+        # K split over the grid's y: a slot per part, summed in order; stream-K's segments
+        # (modes 3-5) add into one
+        parts = t.splits if t.mode in K_SPLIT_MODES else 1
         ws = _zeroed(_workspaces, x.device, parts * n // 16 * token_groups * 128, torch.float32)
         arrivals = _zeroed(_arrivals, x.device, n // 16, torch.int32)
     code = _library(x.device).tm_w4_gemv(
