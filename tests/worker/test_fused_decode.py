@@ -245,6 +245,8 @@ def test_gemv_with_16bit_weights_matches_linear() -> None:
     ):
         out = w8_gemv(x, w, None, bias, tiling)
         assert rel_err(out, torch.nn.functional.linear(x, w, bias)) < 1e-5
+        # waiting for the launch before only before the first write changes no bit
+        assert torch.equal(w8_gemv(x, w, None, bias, tiling, beside_previous=True), out)
     with pytest.raises(ValueError):
         w8_gemv(x, w, torch.ones(70))  # a scale belongs to fp8 weights only
 
@@ -403,6 +405,41 @@ def test_engine_fuses_projections_by_default() -> None:
 def test_gpu_w8_gemv_27b(n: int, k: int) -> None:
     torch.manual_seed(0)
     check_gemv(8, n, k, None, "cuda")
+
+
+@GPU
+@needs_cuda
+def test_gpu_gemv_beside_previous_reads_its_input_complete() -> None:
+    """The DeltaNet b|a chain of a W4 decode step in a CUDA graph under PDL: a norm writes h,
+    a long GEMV reads it, and the 16-bit b|a GEMV (split K, as tuned) reads h beside that GEMV.
+    Every replay with a new input gives b|a of that input's h, and so does a GEMV after it that
+    reads the long GEMV's output (b|a's late wait covers it)."""
+    torch.manual_seed(0)
+    device, bf16 = torch.device("cuda"), torch.bfloat16
+    x_in = torch.empty(8, 5120, device=device, dtype=bf16)
+    norm = torch.rand(5120, device=device, dtype=bf16) + 0.5
+    long_w = torch.randn(16384, 5120, device=device, dtype=bf16) * 0.02
+    ba_w = torch.randn(96, 5120, device=device, dtype=bf16) * 0.02
+    after_w = torch.randn(64, 16384, device=device, dtype=bf16) * 0.02
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        h = ops.rms_norm(x_in, norm, 1e-6, False)
+        mid = w8_gemv(h, long_w, None, None, DecodeTiling(64, 256, 1))
+        ba = w8_gemv(h, ba_w, None, None, DecodeTiling(32, 256, 20), beside_previous=True)
+        return ba, w8_gemv(mid, after_w, None, None, DecodeTiling(32, 256, 4))
+
+    x_in.copy_(torch.randn_like(x_in))
+    step()  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ba, after = step()
+    for _ in range(30):
+        x_in.copy_(torch.randn_like(x_in))
+        graph.replay()
+        h = reference.rms_norm(x_in, norm, 1e-6, False)
+        assert rel_err(ba.float(), (h.float() @ ba_w.float().T)) < 1e-2
+        mid = h.float() @ long_w.float().T
+        assert rel_err(after.float(), mid @ after_w.float().T) < 2e-2
 
 
 @GPU

@@ -175,6 +175,27 @@ def test_fused_int4_projections_equal_unfused(config) -> None:
     assert rel_err(prefill_logits(model), unfused) < 1e-5
 
 
+def test_the_16bit_ba_runs_beside_the_int4_qkvz(monkeypatch: pytest.MonkeyPatch) -> None:
+    """b|a reads the same hidden as qkv|z, launched just before it: it is asked to run beside
+    that launch (on a GPU, `w8_gemv` waits for it only before writing)."""
+    from worker.kernels import ops
+
+    model = quantize_int4(build_random(TINY_QWEN3_5, "cpu", torch.float32, seed=7))
+    model.fuse_projections()
+    calls: list[tuple[int, bool]] = []
+    linear = ops.linear
+
+    def recorded(x, weight, bias=None, beside_previous=False):  # type: ignore[no-untyped-def]
+        calls.append((weight.shape[0], beside_previous))
+        return linear(x, weight, bias, beside_previous)
+
+    monkeypatch.setattr(ops, "linear", recorded)
+    prefill_logits(model)
+    deltanet_layers = sum(not layer.is_attention for layer in model.model.layers)
+    beside = calls.count((8, True))  # one b|a per DeltaNet layer and forward
+    assert beside > 0 and beside % deltanet_layers == 0 and (8, False) not in calls
+
+
 def test_fusable_refuses_mixed_formats() -> None:
     torch.manual_seed(0)
     a, b = nn.Linear(64, 16, bias=False), nn.Linear(64, 16, bias=False)

@@ -401,9 +401,16 @@ def paged_attention_decode(
     return fn(q, k_cache, v_cache, context_lens, block_tables, scale, k_scale, v_scale)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] times a 16-bit weight [N, K] (the model's nn.Linear layers)."""
-    return _pick("linear", x)(x, weight, bias)
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    beside_previous: bool = False,
+) -> torch.Tensor:
+    """x [..., K] times a 16-bit weight [N, K] (the model's nn.Linear layers). beside_previous:
+    x was written before the launch just before this one, so a GPU kernel may run beside that
+    launch (triton's `w8_gemv` says how); the result is the same."""
+    return _pick("linear", x)(x, weight, bias, beside_previous)
 
 
 def fp8_linear(

@@ -343,8 +343,14 @@ def write_kv_cache(
     v_flat[slots] = _quantize(v[keep], v_cache.dtype, v_scale)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] times a 16-bit (or fp32) weight [N, K]: F.linear."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    beside_previous: bool = False,
+) -> torch.Tensor:
+    """x [..., K] times a 16-bit (or fp32) weight [N, K]: F.linear (one stream: beside_previous
+    changes nothing)."""
     return F.linear(x, weight, bias)
 
 

@@ -85,7 +85,10 @@ class GatedDeltaNet(nn.Module):
             return tuple(self.in_proj_qkvzba(hidden).split(sizes, dim=-1))
         if self.in_proj_qkvz is not None and self.in_proj_ba is not None:
             mixed, z = self.in_proj_qkvz(hidden).split([self.conv_dim, self.value_dim], dim=-1)
-            b, a = self.in_proj_ba(hidden).split([nv, nv], dim=-1)
+            # hidden comes from before qkv|z's launch: the 16-bit b|a may run beside it
+            ba = self.in_proj_ba
+            ba_out = ba.beside_previous(hidden) if isinstance(ba, Linear) else ba(hidden)
+            b, a = ba_out.split([nv, nv], dim=-1)
             return mixed, z, b, a
         return tuple(p(hidden) for p in self._parts())
 

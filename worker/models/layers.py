@@ -56,6 +56,10 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias)
 
+    def beside_previous(self, x: torch.Tensor) -> torch.Tensor:
+        """forward, for an x written before the launch just before this one (`ops.linear`)."""
+        return ops.linear(x, self.weight, self.bias, beside_previous=True)
+
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up when this is a fused gate|up projection."""
         return ops.linear_silu_mul(x, self.weight, None, self.bias)

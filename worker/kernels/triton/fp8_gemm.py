@@ -239,6 +239,7 @@ def _gemv_kernel(
     ACT_FP8: tl.constexpr,
     X_PER_TOKEN: tl.constexpr,
     FP8_DOT: tl.constexpr,
+    LATE_WAIT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out^T tile [BN, BM] = W[BN, K-range] @ x^T[K-range, BM]. SPLITS > 1: fp32 partials go to
@@ -252,7 +253,11 @@ def _gemv_kernel(
     cores, no widening of the weight; under the interpreter the fp8 values are dotted in DOT).
     X_PER_TOKEN (with ACT_FP8): x arrives quantized already, e4m3 with one scale per row
     (x_scale [M], `quantize_rows`), so no program repeats the quantization; the row scales
-    multiply the fp32 sums once, after the loop."""
+    multiply the fp32 sums once, after the loop.
+
+    LATE_WAIT: x was written before the launch just before this one (`w8_gemv`'s
+    `beside_previous`), so the products run beside that launch and the PDL wait comes before
+    the first write, not before the first load."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
     rm = tl.arange(0, BM)
@@ -262,7 +267,8 @@ def _gemv_kernel(
     w_rows = w + rn[:, None].to(tl.int64) * stride_wn
     x_rows = x + rm[:, None] * stride_xm
     k_start = split * k_per_split
-    pdl_wait(PDL)
+    if not LATE_WAIT:
+        pdl_wait(PDL)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     # the last split may be shorter (k_per_split is rounded up to BK): stop at K
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BK):
@@ -293,6 +299,8 @@ def _gemv_kernel(
         else:
             acc += tl.dot(wb.to(DOT), tl.trans(xb.to(DOT)))
     mask = n_ok & m_ok
+    if LATE_WAIT:
+        pdl_wait(PDL)
     if X_PER_TOKEN:
         acc *= tl.load(x_scale + rm, mask=rm < M, other=0.0)[None, :]
     if not SPLIT:
@@ -605,9 +613,16 @@ def w8_gemv(
     scale: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     tiling: DecodeTiling | None = None,
+    beside_previous: bool = False,
 ) -> torch.Tensor:
     """Decode GEMM in one launch: x [M <= 16, K] 16-bit times weight [N, K], either fp8 with an
-    fp32 scale [N] (widened to fp16 for the dot) or 16-bit like x (scale None)."""
+    fp32 scale [N] (widened to fp16 for the dot) or 16-bit like x (scale None).
+
+    beside_previous: x was written before the launch just before this one, which this GEMV
+    does not read. Under PDL the launch before lets this one start as soon as it passed its own
+    wait (so x is complete by then); this one then loads and multiplies beside it, and waits for
+    it only before writing, so a kernel that waits for this one also finds the one before
+    finished. The plain kernel only (the two-pass and stream-K forms wait first, as always)."""
     m, k = x.shape
     n = weight.shape[0]
     if m > 64:
@@ -662,6 +677,7 @@ def w8_gemv(
         ACT_FP8=fp8 and tiling.act_fp8,
         X_PER_TOKEN=per_token,
         FP8_DOT=on_gpu,
+        LATE_WAIT=beside_previous,
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages if on_gpu else 1,
     )
@@ -885,15 +901,21 @@ def linear_silu_mul(
     return out.view(*x.shape[:-1], f)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    beside_previous: bool = False,
+) -> torch.Tensor:
     """16-bit linear: the one-launch GEMV for decode rows where the sweep found it faster than
-    cuBLAS (BF16_DECODE_TILINGS), F.linear everywhere else."""
+    cuBLAS (BF16_DECODE_TILINGS), F.linear everywhere else. beside_previous: see `w8_gemv`."""
     rows = x.reshape(-1, x.shape[-1])
     n, k = weight.shape
     tiling = BF16_DECODE_TILINGS.get((n, k)) if rows.shape[0] <= 16 else None
     if tiling is None or weight.dtype != x.dtype:
         return torch.nn.functional.linear(x, weight, bias)
-    return w8_gemv(rows, weight, None, bias, tiling).view(*x.shape[:-1], weight.shape[0])
+    out = w8_gemv(rows, weight, None, bias, tiling, beside_previous)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 @kernel
