@@ -340,30 +340,6 @@ def test_triton_restage_reads_strided_int32_block_ids():
     check_restage("cpu", 2, 64, 4, 4, 3, strided=True)
 
 
-def check_rotate_heads(device: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    """The triton rotation against x @ r and x @ r^T in fp32, and back again."""
-    from worker.kernels.triton.turboquant import rotate_heads
-    from worker.kvcache.turboquant import rotation_matrix
-
-    torch.manual_seed(0)
-    x = torch.randn(*shape, device=device).to(dtype)
-    r32 = rotation_matrix(shape[-1], device)
-    r = r32.to(dtype)
-    assert torch.equal(r.float(), r32)  # D a power of 4: entries +-2^-k, exact in 16 bits
-    there = rotate_heads(x, r)
-    assert there.shape == x.shape and there.dtype == dtype
-    assert rel_err(there.float(), x.float() @ r32) < 1e-2
-    back = rotate_heads(there, r, inverse=True)
-    assert rel_err(back.float(), x.float()) < 1e-2
-    assert rel_err(back.float(), there.float() @ r32.T) < 1e-2
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(3, 5, 64), (17, 64), (2, 1, 256)])
-def test_triton_rotate_heads(shape: tuple[int, ...], dtype: torch.dtype):
-    check_rotate_heads("cpu", shape, dtype)
-
-
 def check_staged_decode(
     device: str, contexts: list[int], fraction: float, hq: int, hkv: int, dim: int, bs: int,
     partition: int | None = None, kv_dtype: torch.dtype = FP8, k_bits: int = 4, v_bits: int = 3,
@@ -541,13 +517,6 @@ def test_triton_scratch_pages_of_three_kv_heads():
 @needs_cuda
 def test_gpu_restage_27b_shape():
     check_restage("cuda", 4, 256, 16, 4, 3)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("shape", [(8, 24, 256), (8, 4, 256), (4096, 4, 256)])
-def test_gpu_rotate_heads_27b_shape(shape: tuple[int, ...]):
-    check_rotate_heads("cuda", shape, torch.bfloat16)
 
 
 @pytest.mark.gpu

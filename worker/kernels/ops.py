@@ -61,7 +61,6 @@ OPS = (
     "turboquant_restage",
     "staged_attention_prefill",
     "staged_attention_decode",
-    "rotate_heads",
     "embedding",
 )
 # Ops whose implementation choice also depends on the KV cache dtype (fp8 or not).
@@ -493,12 +492,6 @@ def int4_mma_linear_silu_mul(
 # rotated-basis outputs out; see worker.kernels.reference.
 
 PLUGINS = (*PLUGINS, "worker.kernels.triton.turboquant")
-
-
-def rotate_heads(x: torch.Tensor, rotation: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """x [..., D] times the staged cache's rotation [D, D] (x's 16-bit dtype, exact in it), or
-    times its transpose (`inverse`): heads into and out of the pages' rotated basis."""
-    return _pick("rotate_heads", x)(x, rotation, inverse)
 
 
 def turboquant_restage(

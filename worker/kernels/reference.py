@@ -703,11 +703,6 @@ def staged_attention_prefill(
     return out
 
 
-def rotate_heads(x: torch.Tensor, rotation: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """x @ rotation (or its transpose): one 16-bit GEMM, fp32 sums."""
-    return x @ (rotation.T if inverse else rotation)
-
-
 def staged_attention_decode(
     q: torch.Tensor,
     cache: StagedAttentionCache,

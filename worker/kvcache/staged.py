@@ -17,17 +17,15 @@ from worker.models.cache import StagedAttentionCache
 
 
 def to_rotated(x: torch.Tensor, cache: StagedAttentionCache) -> torch.Tensor:
-    """x [..., D] in the cache's rotated basis, in x's dtype (`ops.rotate_heads` where the
-    rotation is exact in x's 16-bit dtype, else through fp32)."""
+    """x [..., D] in the cache's rotated basis, in x's dtype (a 16-bit GEMM where the rotation
+    is exact in 16 bits, else through fp32)."""
     r = cache.rotation_for(x.dtype)
-    return ops.rotate_heads(x, r) if r is not None else (x.float() @ cache.rotation).to(x.dtype)
+    return x @ r if r is not None else (x.float() @ cache.rotation).to(x.dtype)
 
 
 def from_rotated(y: torch.Tensor, cache: StagedAttentionCache) -> torch.Tensor:
     r = cache.rotation_for(y.dtype)
-    if r is not None:
-        return ops.rotate_heads(y, r, inverse=True)
-    return (y.float() @ cache.rotation.T).to(y.dtype)
+    return y @ r.T if r is not None else (y.float() @ cache.rotation.T).to(y.dtype)
 
 
 def staged_attention(

@@ -756,50 +756,6 @@ def cuda_restage(
     return ops.cuda_only(device, dtype, kv_dtype)
 
 
-@kernel
-def _rotate_kernel(
-    x, r, out, N, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, INVERSE: tl.constexpr,
-    DOT: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """out [BM rows, BN columns] = x rows [BM, D] @ r[:, columns] (INVERSE: r^T's), r from L2."""
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    k = tl.arange(0, D)
-    ok = (rows < N)[:, None]
-    if INVERSE:  # r^T[k, c] = r[c, k]
-        rt = tl.load(r + cols[None, :] * D + k[:, None])
-    else:
-        rt = tl.load(r + k[:, None] * D + cols[None, :])
-    pdl_wait(PDL)
-    xt = tl.load(x + rows[:, None] * D + k[None, :], mask=ok, other=0.0)
-    y = tl.dot(xt.to(DOT), rt.to(DOT))
-    tl.store(out + rows[:, None] * D + cols[None, :], y.to(out.dtype.element_ty), mask=ok)
-
-
-def rotate_heads(x: torch.Tensor, rotation: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """`ops.rotate_heads` in one launch with PDL. (cuBLAS's GEMM, 4 a staged layer each step,
-    launches without PDL: the kernel after it cannot start early.)"""
-    d = x.shape[-1]
-    rows = x.reshape(-1, d)
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
-    out = torch.empty_like(rows)
-    n, bm, bn = rows.shape[0], 16, min(d, 64)
-    grid = (triton.cdiv(n, bm), d // bn)
-    dot = tl.float16 if x.dtype == torch.float16 and x.is_cuda else dot_dtype(x.device)
-    _rotate_kernel[grid](rows, rotation, out, n, D=d, BM=bm, BN=bn, INVERSE=inverse, DOT=dot, num_warps=4)  # fmt: skip
-    return out.view(x.shape)
-
-
-def cuda_rotation(
-    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None
-) -> tuple[bool, str]:
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return False, f"needs 16-bit heads on CUDA, got {dtype} on {device.type}"
-    return True, "CUDA, 16-bit heads (a power-of-two width, as the staged cache's)"
-
-
-ops.register("rotate_heads", rotate_heads, cuda_rotation, name="triton.rotate_heads")
 ops.register("turboquant_restage", turboquant_restage, cuda_restage, name="triton.tq_restage")
 ops.register(
     "staged_attention_decode", staged_attention_decode, cuda_staged, name="triton.staged_decode"
