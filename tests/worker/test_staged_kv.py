@@ -256,7 +256,7 @@ def test_staged_attention_layer_equals_plain_attention_without_compression():
             has_initial_state=torch.tensor([lo > 0]),
             logits_indices=torch.tensor([hi - lo - 1]),
         )
-        outs.append(staged_attention(q[lo:hi], k[lo:hi], v[lo:hi], meta, cache, 0.125))
+        outs.append(staged_attention(q[lo:hi], k[lo:hi], v[lo:hi], None, meta, cache, 0.125))
         reference.write_kv_cache(k[lo:hi], v[lo:hi], plain_k, plain_v, slots[lo:hi])
     want = reference.paged_attention_prefill(
         q,
@@ -268,7 +268,7 @@ def test_staged_attention_layer_equals_plain_attention_without_compression():
         torch.arange(prefix + chunk),
         0.125,
     )
-    assert rel_err(torch.cat(outs), want) < 1e-5
+    assert rel_err(torch.cat(outs), want.reshape(prefix + chunk, -1)) < 1e-5
     # stored rotated: the recent page is not the plain k
     assert rel_err(cache.k_cache[5, 0], k[0]) > 0.5
 
@@ -338,6 +338,82 @@ def test_triton_restage(bits: tuple[int, int]):
 
 def test_triton_restage_reads_strided_int32_block_ids():
     check_restage("cpu", 2, 64, 4, 4, 3, strided=True)
+
+
+def check_rotations(device: str, tokens: int, hq: int, hkv: int, dim: int, dtype: torch.dtype) -> None:  # fmt: skip
+    """The triton rotations against the reference ops: q a strided half of q|gate (as the
+    attention layer splits it), k and v strided views of one k|v, the gate strided too."""
+    from worker.kernels.triton.turboquant import rotate_qkv, unrotate_sigmoid_mul
+    from worker.kvcache.turboquant import rotation_matrix
+
+    torch.manual_seed(0)
+    r32 = rotation_matrix(dim, device)
+    r = r32.to(dtype)
+    assert torch.equal(r.float(), r32)  # D a power of 4: entries +-2^-k, exact in 16 bits
+    qg = torch.randn(tokens, hq, 2 * dim, device=device).to(dtype)
+    kv = torch.randn(tokens, 2, hkv, dim, device=device).to(dtype)
+    q, gate, k, v = qg[..., :dim], qg[..., dim:], kv[:, 0], kv[:, 1]
+    got = rotate_qkv(q, k, v, r)
+    want = reference.rotate_qkv(q, k, v, r)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.is_contiguous() and g.dtype == dtype
+        assert rel_err(g.float(), w.float()) < 1e-2
+    out = torch.randn(tokens, hq, dim, device=device).to(dtype)
+    for gt in (gate, None):
+        got_out = unrotate_sigmoid_mul(out, gt, r)
+        want_out = reference.unrotate_sigmoid_mul(out, gt, r)
+        assert got_out.shape == (tokens, hq * dim) and got_out.dtype == dtype
+        assert rel_err(got_out.float(), want_out.float()) < 1e-2
+    # there and back
+    back = unrotate_sigmoid_mul(got[0], None, r).view(tokens, hq, dim)
+    assert rel_err(back.float(), q.float()) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("tokens", "hq", "hkv", "dim"), [(3, 4, 2, 64), (9, 3, 1, 64), (2, 2, 1, 256)])  # fmt: skip
+def test_triton_rotations(tokens: int, hq: int, hkv: int, dim: int, dtype: torch.dtype):
+    check_rotations("cpu", tokens, hq, hkv, dim, dtype)
+
+
+def test_staged_attention_with_16bit_heads_rotates_through_the_ops(monkeypatch):
+    """bf16 heads whose rotation is exact: q, k, v rotated by one `rotate_qkv`, the output
+    un-rotated and gated by one `unrotate_sigmoid_mul`; the result is plain attention gated."""
+    from worker.engine.batch import BatchMetadata
+    from worker.kernels import ops
+    from worker.kvcache.staged import staged_attention
+
+    torch.manual_seed(4)
+    hq, hkv, dim, bs, n = 4, 2, 64, 4, 7
+    cache = StagedAttentionCache.allocate(8, 4, bs, hkv, dim, kv_dtype=torch.bfloat16)
+    q, k, v, gate = (torch.randn(n, h, dim).bfloat16() for h in (hq, hkv, hkv, hq))
+    table = torch.tensor([[5, 2]], dtype=torch.int32)
+    slots = torch.tensor([int(table[0, p // bs]) * bs + p % bs for p in range(n)])
+    meta = BatchMetadata(
+        seq_ids=[0],
+        num_prefills=1,
+        query_lens=[n],
+        context_lens=torch.tensor([n], dtype=torch.int32),
+        cu_seqlens=cu_seqlens_of([n]),
+        positions=torch.arange(n),
+        slot_mapping=slots,
+        block_tables=table,
+        state_slots=torch.zeros(1, dtype=torch.int64),
+        has_initial_state=torch.tensor([False]),
+        logits_indices=torch.tensor([n - 1]),
+    )
+    called: list[str] = []
+    for name in ("rotate_qkv", "unrotate_sigmoid_mul"):
+        fn = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _fn=fn, _name=name: called.append(_name) or _fn(*a))  # fmt: skip
+    got = staged_attention(q, k, v, gate, meta, cache, 0.125)
+    assert called == ["rotate_qkv", "unrotate_sigmoid_mul"]
+    plain_k, plain_v = torch.zeros(8, bs, hkv, dim), torch.zeros(8, bs, hkv, dim)
+    reference.write_kv_cache(k.float(), v.float(), plain_k, plain_v, slots)
+    attn = reference.paged_attention_prefill(
+        q.float(), plain_k, plain_v, cu_seqlens_of([n]), torch.tensor([n]), table, torch.arange(n), 0.125
+    )  # fmt: skip
+    want = attn.reshape(n, -1) * torch.sigmoid(gate.float().reshape(n, -1))
+    assert got.shape == (n, hq * dim) and rel_err(got.float(), want) < 3e-2
 
 
 def check_staged_decode(
@@ -517,6 +593,13 @@ def test_triton_scratch_pages_of_three_kv_heads():
 @needs_cuda
 def test_gpu_restage_27b_shape():
     check_restage("cuda", 4, 256, 16, 4, 3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 8, 4096])
+def test_gpu_rotations_27b_shape(tokens: int):
+    check_rotations("cuda", tokens, 24, 4, 256, torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -61,6 +61,8 @@ OPS = (
     "turboquant_restage",
     "staged_attention_prefill",
     "staged_attention_decode",
+    "rotate_qkv",
+    "unrotate_sigmoid_mul",
     "embedding",
 )
 # Ops whose implementation choice also depends on the KV cache dtype (fp8 or not).
@@ -492,6 +494,22 @@ def int4_mma_linear_silu_mul(
 # rotated-basis outputs out; see worker.kernels.reference.
 
 PLUGINS = (*PLUGINS, "worker.kernels.triton.turboquant")
+
+
+def rotate_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k and v [T, Hkv, D] (heads may be strided views) times the staged cache's
+    rotation [D, D] (in their 16-bit dtype, exact in it): contiguous heads in the pages' basis."""
+    return _pick("rotate_qkv", q)(q, k, v, rotation)
+
+
+def unrotate_sigmoid_mul(
+    x: torch.Tensor, gate: torch.Tensor | None, rotation: torch.Tensor
+) -> torch.Tensor:
+    """Rotated attention output x [T, H, D] back to the heads' basis (x @ rotation^T, rounded
+    to x's dtype), times sigmoid(gate) where gate [T, H, D] (strided) is given: [T, H * D]."""
+    return _pick("unrotate_sigmoid_mul", x)(x, gate, rotation)
 
 
 def turboquant_restage(

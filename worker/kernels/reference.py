@@ -703,6 +703,21 @@ def staged_attention_prefill(
     return out
 
 
+def rotate_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each of q, k, v @ rotation: 16-bit GEMMs, fp32 sums."""
+    return q @ rotation, k @ rotation, v @ rotation
+
+
+def unrotate_sigmoid_mul(
+    x: torch.Tensor, gate: torch.Tensor | None, rotation: torch.Tensor
+) -> torch.Tensor:
+    """(x @ rotation^T) as [T, H * D], then sigmoid_mul with gate where given."""
+    out = (x @ rotation.T).reshape(x.shape[0], -1)
+    return out if gate is None else sigmoid_mul(out, gate)
+
+
 def staged_attention_decode(
     q: torch.Tensor,
     cache: StagedAttentionCache,

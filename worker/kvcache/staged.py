@@ -32,17 +32,25 @@ def staged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    gate: torch.Tensor | None,
     meta: BatchMetadata,
     cache: StagedAttentionCache,
     scale: float,
 ) -> torch.Tensor:
     """Write this step's k, v [T, Hkv, D] into their (recent) pages and attend q [T, Hq, D]
     (after rotary) over each sequence's mixed pages: prefill chunks first, then decodes, as
-    BatchMetadata orders them. Returns [T, Hq, D] in q's dtype and basis."""
-    q_rot = to_rotated(q, cache)
+    BatchMetadata orders them. Returns [T, Hq * D] in q's dtype and basis, times sigmoid(gate)
+    where the layer has a gate [T, Hq, D]. Where the rotation is exact in the heads' 16-bit
+    dtype, q, k and v enter the pages' basis in one launch and the output leaves it in the
+    gate's (a GEMM each took 2.6 us on one H200, a third of the staged step's extra time)."""
+    r = cache.rotation_for(q.dtype)
+    if r is not None:
+        q_rot, k_rot, v_rot = ops.rotate_qkv(q, k, v, r)
+    else:
+        q_rot, k_rot, v_rot = (to_rotated(x, cache) for x in (q, k, v))
     ops.write_kv_cache(
-        to_rotated(k, cache),
-        to_rotated(v, cache),
+        k_rot,
+        v_rot,
         cache.k_cache,
         cache.v_cache,
         meta.slot_mapping,
@@ -71,7 +79,10 @@ def staged_attention(
             )
         )
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return from_rotated(out, cache)
+    if r is not None:
+        return ops.unrotate_sigmoid_mul(out, gate, r)
+    out = from_rotated(out, cache).reshape(out.shape[0], -1)
+    return out if gate is None else ops.sigmoid_mul(out, gate)
 
 
 def restage(

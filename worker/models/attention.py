@@ -87,14 +87,12 @@ class Attention(nn.Module):
         q = ops.apply_rotary(q, meta.positions, rotary.cos_sin(), rotary.rotary_dim)
         k = ops.apply_rotary(k, meta.positions, rotary.cos_sin(), rotary.rotary_dim)
 
-        if isinstance(cache, StagedAttentionCache):
-            out = staged_kv.staged_attention(q, k, v, meta, cache, self.scale)
-        else:
-            ops.write_kv_cache(
-                k, v, cache.k_cache, cache.v_cache, meta.slot_mapping, cache.k_scale, cache.v_scale
-            )
-            out = self._attend(q, meta, cache)
-        out = out.reshape(tokens, -1)
+        if isinstance(cache, StagedAttentionCache):  # the gate applied with the un-rotation
+            return self.o_proj(staged_kv.staged_attention(q, k, v, gate, meta, cache, self.scale))
+        ops.write_kv_cache(
+            k, v, cache.k_cache, cache.v_cache, meta.slot_mapping, cache.k_scale, cache.v_scale
+        )
+        out = self._attend(q, meta, cache).reshape(tokens, -1)
         if gate is not None:
             out = ops.sigmoid_mul(out, gate)
         return self.o_proj(out)

@@ -756,6 +756,133 @@ def cuda_restage(
     return ops.cuda_only(device, dtype, kv_dtype)
 
 
+@triton.jit
+def _rotation_block(r, cols, D: tl.constexpr, INVERSE: tl.constexpr):
+    """Columns `cols` of the rotation [D, D] (INVERSE: of its transpose), as a [D, BN] tile."""
+    k = tl.arange(0, D)
+    if INVERSE:  # r^T[k, c] = r[c, k]
+        return tl.load(r + cols[None, :] * D + k[:, None])
+    return tl.load(r + k[:, None] * D + cols[None, :])
+
+
+@triton.jit
+def _rotate_rows(x, stride_t, stride_h, H, rt, out, N, pid_m, cols, D: tl.constexpr, BM: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+    """Rows pid_m * BM.. of x [T, H, D] (row t * H + h, heads strided) times the tile rt, into
+    the contiguous out [N, D]."""
+    rows = pid_m * BM + tl.arange(0, BM)
+    ok = (rows < N)[:, None]
+    t, h = (rows // H).to(tl.int64), rows % H
+    k = tl.arange(0, D)
+    xt = tl.load(x + t[:, None] * stride_t + h[:, None] * stride_h + k[None, :], mask=ok, other=0.0)
+    y = tl.dot(xt.to(DOT), rt.to(DOT))
+    tl.store(out + rows[:, None].to(tl.int64) * D + cols[None, :], y.to(out.dtype.element_ty), mask=ok)  # fmt: skip
+
+
+@kernel
+def _rotate_qkv_kernel(
+    q, k, v, r, q_out, k_out, v_out, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, HQ, HKV, NQ, NKV,
+    Q_TILES, KV_TILES, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """q, k and v rows (tiles of BM, in that order along the grid's x) times the rotation's
+    columns pid_n * BN..: the three in one launch."""
+    pid, cols = tl.program_id(0), tl.program_id(1) * BN + tl.arange(0, BN)
+    rt = _rotation_block(r, cols, D, False)  # a constant: before the wait
+    pdl_wait(PDL)
+    if pid < Q_TILES:
+        _rotate_rows(q, sq_t, sq_h, HQ, rt, q_out, NQ, pid, cols, D, BM, DOT)
+    elif pid < Q_TILES + KV_TILES:
+        _rotate_rows(k, sk_t, sk_h, HKV, rt, k_out, NKV, pid - Q_TILES, cols, D, BM, DOT)
+    else:
+        _rotate_rows(v, sv_t, sv_h, HKV, rt, v_out, NKV, pid - Q_TILES - KV_TILES, cols, D, BM, DOT)  # fmt: skip
+
+
+def _dot_of(x: torch.Tensor) -> Any:
+    return tl.float16 if x.dtype == torch.float16 and x.is_cuda else dot_dtype(x.device)
+
+
+_ROTATE_BM = 16
+
+
+def rotate_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`ops.rotate_qkv` in one launch (with PDL), reading strided heads in place."""
+    d = q.shape[-1]
+    if any(x.stride(-1) != 1 for x in (q, k, v)):
+        raise ValueError("rotate_qkv needs each head's D contiguous")
+    outs = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    nq, nkv = q.shape[0] * q.shape[1], k.shape[0] * k.shape[1]
+    if nq == 0:
+        return outs  # type: ignore[return-value]
+    q_tiles, kv_tiles = triton.cdiv(nq, _ROTATE_BM), triton.cdiv(nkv, _ROTATE_BM)
+    bn = min(d, 64)
+    _rotate_qkv_kernel[(q_tiles + 2 * kv_tiles, d // bn)](
+        q, k, v, rotation, *outs, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), q.shape[1], k.shape[1], nq, nkv, q_tiles, kv_tiles, D=d, BM=_ROTATE_BM,
+        BN=bn, DOT=_dot_of(q), num_warps=4,
+    )  # fmt: skip
+    return outs  # type: ignore[return-value]
+
+
+@kernel
+def _unrotate_gate_kernel(
+    x, r, gate, out, N, H, s_gt, s_gh, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    HAS_GATE: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """out rows [BM, BN] = (x rows @ r^T[:, cols]) rounded to x's dtype, times sigmoid(gate)
+    rounded likewise (as `sigmoid_mul` rounds)."""
+    pid, cols = tl.program_id(0), tl.program_id(1) * BN + tl.arange(0, BN)
+    rt = _rotation_block(r, cols, D, True)
+    pdl_wait(PDL)
+    rows = pid * BM + tl.arange(0, BM)
+    ok = (rows < N)[:, None]
+    k = tl.arange(0, D)
+    xt = tl.load(x + rows[:, None].to(tl.int64) * D + k[None, :], mask=ok, other=0.0)
+    y = tl.dot(xt.to(DOT), rt.to(DOT)).to(out.dtype.element_ty)
+    if HAS_GATE:
+        t, h = (rows // H).to(tl.int64), rows % H
+        g = tl.load(gate + t[:, None] * s_gt + h[:, None] * s_gh + cols[None, :], mask=ok, other=0.0)  # fmt: skip
+        sig = (1.0 / (1.0 + tl.exp(-g.to(tl.float32)))).to(out.dtype.element_ty).to(tl.float32)
+        y = (y.to(tl.float32) * sig).to(out.dtype.element_ty)
+    tl.store(out + rows[:, None].to(tl.int64) * D + cols[None, :], y, mask=ok)
+
+
+def unrotate_sigmoid_mul(
+    x: torch.Tensor, gate: torch.Tensor | None, rotation: torch.Tensor
+) -> torch.Tensor:
+    """`ops.unrotate_sigmoid_mul` in one launch (with PDL), the gate read in place."""
+    tokens, heads, d = x.shape
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if gate is not None and (gate.shape != x.shape or gate.stride(-1) != 1):
+        raise ValueError(f"unrotate_sigmoid_mul: gate {tuple(gate.shape)} against {tuple(x.shape)}")  # fmt: skip
+    out = torch.empty((tokens, heads * d), dtype=x.dtype, device=x.device)
+    n = tokens * heads
+    if n == 0:
+        return out
+    bn = min(d, 64)
+    g = gate if gate is not None else x
+    _unrotate_gate_kernel[(triton.cdiv(n, _ROTATE_BM), d // bn)](
+        x, rotation, g, out, n, heads, g.stride(0), g.stride(1), D=d, BM=_ROTATE_BM, BN=bn,
+        HAS_GATE=gate is not None, DOT=_dot_of(x), num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def cuda_rotation(
+    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None
+) -> tuple[bool, str]:
+    """The staged cache's rotations: 16-bit heads (whose dtype holds the rotation exactly)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False, f"needs 16-bit heads on CUDA, got {dtype} on {device.type}"
+    return True, "CUDA, 16-bit heads of the staged cache's power-of-two width"
+
+
+ops.register("rotate_qkv", rotate_qkv, cuda_rotation, name="triton.rotate_qkv")
+ops.register(
+    "unrotate_sigmoid_mul", unrotate_sigmoid_mul, cuda_rotation, name="triton.unrotate_sigmoid_mul"
+)
 ops.register("turboquant_restage", turboquant_restage, cuda_restage, name="triton.tq_restage")
 ops.register(
     "staged_attention_decode", staged_attention_decode, cuda_staged, name="triton.staged_decode"
