@@ -2,9 +2,10 @@
 executor's half of restaging (the block manager decides which pages move; this re-encodes them).
 
 The rotation is folded into the layer, not the pages: q, k and v are rotated once per head as
-they are projected (one [tokens * heads, D] x [D, D] GEMM each), recent pages store rotated
+they are projected (`ops.rotate_qkv`, one launch for the three), recent pages store rotated
 FP8, compressed pages rotated codes, and the attention output (a softmax-weighted sum of
-rotated values) is un-rotated once per head. No page is ever rotated back on read.
+rotated values) is un-rotated once per head, with the layer's gate (`ops.unrotate_sigmoid_mul`).
+No page is ever rotated back on read.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def staged_attention(
     BatchMetadata orders them. Returns [T, Hq * D] in q's dtype and basis, times sigmoid(gate)
     where the layer has a gate [T, Hq, D]. Where the rotation is exact in the heads' 16-bit
     dtype, q, k and v enter the pages' basis in one launch and the output leaves it in the
-    gate's (a GEMM each took 2.6 us on one H200, a third of the staged step's extra time)."""
+    gate's (four GEMMs a layer, 2.6 us each on one H200, were most of the staged decode step's
+    extra time)."""
     r = cache.rotation_for(q.dtype)
     if r is not None:
         q_rot, k_rot, v_rot = ops.rotate_qkv(q, k, v, r)
