@@ -1,9 +1,11 @@
 """Connecting to NATS as a cluster: a list of seed URLs, start-up that waits (within a bound)
-for a cluster still forming, and KV buckets created with the install's replica count."""
+for a cluster still forming, KV buckets created with the install's replica count, and
+unsubscribes bounded in time."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
@@ -30,6 +32,9 @@ REPLICAS_NOT_SUPPORTED = 10074
 # How long start-up keeps retrying: a cluster whose nodes start together elects its meta
 # leader within seconds, and answers JetStream requests with timeouts until then.
 STARTUP_WITHIN_S = 60.0
+# An unsubscribe waits for the socket to drain; a stalled connection (the server no longer
+# reading, seen under load) would hold a shutdown for good.
+UNSUBSCRIBE_S = 5.0
 
 
 async def retry_startup(
@@ -141,3 +146,10 @@ async def ensure_key_value(
             raise TimeoutError(f"KV bucket {config.bucket} vanished") from None
 
     return await retry_startup(f"creating KV bucket {config.bucket}", attempt, within_s=within_s)
+
+
+async def unsubscribe_within(sub: Any, within_s: float = UNSUBSCRIBE_S) -> None:
+    """Unsubscribe `sub` (a core or JetStream subscription), giving up after `within_s`; a
+    connection already closed is no error here."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(sub.unsubscribe(), within_s)

@@ -24,7 +24,6 @@ one reserve/settle path.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -45,6 +44,7 @@ from control_plane.admission.windows import Window, go_duration, quota_window, r
 from events.control import LimitsSet
 from events.usage import RequestFinished
 from tokenmill.settings import AdmissionSettings
+from tokenmill.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 BudgetKind = Literal["streams", "rpm", "tpm", "quota"]
@@ -190,10 +190,7 @@ class Admission:
         self._sync_task = asyncio.create_task(self._sync_loop())
 
     async def stop(self) -> None:
-        if self._sync_task:
-            self._sync_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sync_task
+        await cancel_and_wait(self._sync_task)
         await self.budgets.close()
         await self.limits.stop()
         await self.ledger.stop()

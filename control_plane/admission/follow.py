@@ -25,6 +25,8 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from control_plane.admission.position import StreamPosition
+from events.nats_cluster import unsubscribe_within
+from tokenmill.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +94,8 @@ class StreamFollower:
             self._task = asyncio.create_task(self._run(), name=f"follow:{self.name}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -209,8 +208,7 @@ class StreamFollower:
         finally:
             broken.set()
             consumer, self._consumer = self._consumer, None
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            await unsubscribe_within(sub)
             if consumer is not None and self.nc.is_connected:
                 with contextlib.suppress(Exception):
                     await self.js.delete_consumer(self.stream, consumer)

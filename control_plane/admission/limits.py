@@ -5,8 +5,6 @@ SKUs) and prices come from the governance view (`view.GovernanceView`)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from decimal import ROUND_CEILING, Decimal
 
 import msgspec
@@ -17,13 +15,10 @@ from control_plane.admission.position import StreamPosition
 from control_plane.admission.view import PricePlan
 from events import control
 from events.control import LimitsSet, decode_limits
+from events.nats_cluster import unsubscribe_within
 
 # A limit scope: (tenant, key or None, SKU or None).
 ScopeKey = tuple[str, str | None, str | None]
-
-
-# How long a stop waits for its unsubscribe to reach the server.
-UNSUBSCRIBE_S = 5.0
 
 
 class LimitsBook:
@@ -85,10 +80,7 @@ class LimitsBook:
 
     async def stop(self) -> None:
         if self._sub is not None:
-            # An unsubscribe waits for the socket to drain: bounded, so a stalled connection
-            # (seen once under load, the server no longer reading) cannot hold a shutdown.
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._sub.unsubscribe(), UNSUBSCRIBE_S)  # type: ignore[attr-defined]
+            await unsubscribe_within(self._sub)
 
 
 def cost_micros(plan: PricePlan, prompt: int, cached: int, completion: int) -> int:

@@ -37,6 +37,7 @@ from events.control import (
     aggregate_of,
     decode_control_or_skip,
 )
+from events.nats_cluster import unsubscribe_within
 from events.store import StreamLayout
 
 log = logging.getLogger(__name__)
@@ -149,10 +150,7 @@ class GovernanceView:
 
     async def stop(self) -> None:
         if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:  # the connection may already be closed
-                pass
+            await unsubscribe_within(self._sub)
             self._sub = None
         for _, fut in self._waiters:
             fut.cancel()

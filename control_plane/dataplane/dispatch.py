@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from control_plane.dataplane import fast_path
+from events.nats_cluster import unsubscribe_within
 from tokenmill.settings import RoutingSettings
 from worker import protocol as p
 from worker import request_bodies
@@ -101,8 +102,7 @@ class WorkerRegistry:
 
     async def close(self) -> None:
         if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+            await unsubscribe_within(self._sub)
 
     async def _on_presence(self, msg: Msg) -> None:
         try:
@@ -455,8 +455,7 @@ class WorkerClient:
         if self._reaper is not None:
             self._reaper.cancel()
         if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+            await unsubscribe_within(self._sub)
 
     def in_flight(self) -> int:
         return len(self._in_flight)

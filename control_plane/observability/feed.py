@@ -22,6 +22,7 @@ from litestar.plugins import InitPluginProtocol
 from litestar.types import ASGIApp, Message, Receive, ReceiveMessage, Scope, Send
 
 from control_plane.observability.metrics import OpsMetrics
+from events.nats_cluster import unsubscribe_within
 from events.projections import all_projections, committed_positions, dead_letters
 from worker import protocol as p
 
@@ -180,8 +181,7 @@ def feeding(
         try:
             yield
         finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            await unsubscribe_within(sub)
 
     return run
 

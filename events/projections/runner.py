@@ -26,6 +26,7 @@ from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from events.nats_cluster import unsubscribe_within
 from events.projections import dead_letters
 from events.projections.tables import ProjectionPositionRow, ddl
 from events.store import StreamLayout
@@ -133,10 +134,7 @@ class Projector:
                     await self._commit(conn, batch)
         finally:
             if sub is not None:
-                try:
-                    await sub.unsubscribe()
-                except Exception:  # the connection may be closing
-                    pass
+                await unsubscribe_within(sub)
             await conn.close()
 
     async def wait_caught_up(self, seq: int, within: float = 30.0) -> None:
