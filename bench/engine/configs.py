@@ -189,7 +189,7 @@ def engine_config(
     result["overlap_check"] = overlap_check(
         engine, random_prompts(args.concurrency, args.prompt_len, vocab, rng)
     )
-    steps.steps.clear()
+    steps.clear()
 
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     repeats: list[Any] = []

@@ -14,6 +14,10 @@ from worker.engine.engine import LLMEngine
 from worker.engine.sequence import SamplingParams
 
 
+def mean_ms(values: list[float]) -> float | None:
+    return 1e3 * sum(values) / len(values) if values else None
+
+
 class StepLog:
     """Wraps runner.execute: wall time of every step, tagged prefill (any prefill chunk) or
     decode (the number of decodes). The sampler's host copy ends every step, so wall = GPU.
@@ -24,18 +28,35 @@ class StepLog:
         self.runner, self.inner = runner, runner.execute
         self.inner_launch = runner.launch_forward
         self.steps: list[tuple[str, int, float]] = []
+        # beside each step: the pages restaged just before it (staged KV; 0 otherwise)
+        self.restaged: list[int] = []
+        self._restaged_since = 0
+        self.inner_restage = getattr(runner, "restage", None)
+        if self.inner_restage is not None:
+            runner.restage = self.restage
         self.profile_prefill = False  # profile the next prefill step's kernels (once)
         self.prefill_profile: dict[str, Any] | None = None
-        self.last_launch: tuple[int, float] | None = None  # (decodes, start) of the last launch
+        # (decodes, start, pages restaged before it) of the last launch
+        self.last_launch: tuple[int, float, int] | None = None
         runner.execute = self
         runner.launch_forward = self.launch
+
+    def restage(self, *args: Any, **kwargs: Any) -> Any:
+        moves = self.inner_restage(*args, **kwargs)  # type: ignore[misc]
+        self._restaged_since += len(moves)
+        return moves
+
+    def _log(self, kind: str, n: int, wall: float, restaged: int) -> None:
+        self.steps.append((kind, n, wall))
+        self.restaged.append(restaged)
 
     def launch(self, batch: Any) -> Any:
         t0 = time.perf_counter()
         if self.last_launch is not None:
-            n, started = self.last_launch
-            self.steps.append(("overlapped", n, t0 - started))
-        self.last_launch = (len(batch.decodes), t0)
+            n, started, restaged = self.last_launch
+            self._log("overlapped", n, t0 - started, restaged)
+        self.last_launch = (len(batch.decodes), t0, self._restaged_since)
+        self._restaged_since = 0
         return self.inner_launch(batch)
 
     def __call__(self, batch: Any) -> Any:
@@ -50,19 +71,35 @@ class StepLog:
         t0 = time.perf_counter()
         out = self.inner(batch)
         kind = "prefill" if batch.prefills else "decode"
-        self.steps.append((kind, batch.num_tokens, time.perf_counter() - t0))
+        self._log(kind, batch.num_tokens, time.perf_counter() - t0, self._restaged_since)
+        self._restaged_since = 0
         return out
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.restaged.clear()
 
     def summary(self) -> dict[str, Any]:
         full = self.runner.sizes[-1]
         decode = [s for k, n, s in self.steps if k == "decode" and n == full]
         overlapped = [s for k, n, s in self.steps if k == "overlapped" and n == full]
         prefill = [s for k, _, s in self.steps if k == "prefill"]
+        after_restage = [
+            s
+            for (k, n, s), pages in zip(self.steps, self.restaged, strict=True)
+            if k == "overlapped" and n == full and pages
+        ]
         return {
             "decode_steps": len(decode),
             "decode_step_wall_ms_p50": median(decode, 1e3),
             "overlapped_decode_steps": len(overlapped),
             "overlapped_decode_step_wall_ms_p50": median(overlapped, 1e3),
+            # where a round's time goes past the medians: the mean, the steps that restaged
+            # pages (staged KV), and every logged step's wall summed
+            "overlapped_decode_step_wall_ms_mean": mean_ms(overlapped),
+            "overlapped_decode_steps_after_restage": len(after_restage),
+            "overlapped_decode_step_after_restage_wall_ms_mean": mean_ms(after_restage),
+            "steps_wall_s_sum": sum(s for _, _, s in self.steps),
             "prefill_steps": len(prefill),
             "prefill_step_wall_ms_p50": median(prefill, 1e3),
             "prefill_tokens_per_step_max": max(

@@ -51,7 +51,7 @@ def concurrency_sweep(
         run_round(engine, random_prompts(c, args.prompt_len, config.vocab_size, rng), c, params)
         rounds = []
         for _ in range(max(1, args.repeats)):
-            steps.steps.clear()
+            steps.clear()
             before = compiles()
             prompts = random_prompts(2 * c, args.prompt_len, config.vocab_size, rng)
             r = run_round(engine, prompts, c, params)
