@@ -370,7 +370,7 @@ def check_rotations(device: str, tokens: int, hq: int, hkv: int, dim: int, dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("tokens", "hq", "hkv", "dim"), [(3, 4, 2, 64), (9, 3, 1, 64), (2, 2, 1, 256)])  # fmt: skip
+@pytest.mark.parametrize(("tokens", "hq", "hkv", "dim"), [(3, 4, 2, 64), (9, 3, 1, 64), (2, 2, 1, 256), (300, 16, 4, 64)])  # fmt: skip
 def test_triton_rotations(tokens: int, hq: int, hkv: int, dim: int, dtype: torch.dtype):
     check_rotations("cpu", tokens, hq, hkv, dim, dtype)
 
@@ -597,7 +597,7 @@ def test_gpu_restage_27b_shape():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("tokens", [1, 8, 4096])
+@pytest.mark.parametrize("tokens", [1, 8, 170, 4096])
 def test_gpu_rotations_27b_shape(tokens: int):
     check_rotations("cuda", tokens, 24, 4, 256, torch.bfloat16)
 
