@@ -20,6 +20,7 @@ from events.nats_cluster import ensure_streams
 from events.projections import Projector, all_projections, committed_positions, ensure_schema
 from events.store import EventStore, StreamLayout
 from tokenmill.settings import Settings
+from tokenmill.tasks import cancel_and_wait
 
 log = logging.getLogger("tokenmill")
 
@@ -100,9 +101,7 @@ class Services:
         try:
             yield self.projectors
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*map(cancel_and_wait, tasks), return_exceptions=True)
 
 
 async def _supervise(projector: Projector) -> None:

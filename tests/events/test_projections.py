@@ -38,6 +38,7 @@ from events.projections import (
 )
 from events.store import EventStore
 from events.usage import GatewayDelivered, encode_usage, usage_subject
+from tokenmill.tasks import cancel_and_wait
 
 
 async def _publish_usage(nc: NATS, prefix: str, n: int, duplicates: int = 0) -> dict[str, int]:
@@ -141,8 +142,7 @@ async def test_suspension_and_revocation_visible_within_a_second(
             assert time.monotonic() - t0 < 1.0, "not visible in the read models within 1 s"
             await asyncio.sleep(0.005)
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.gather(cancel_and_wait(task), return_exceptions=True)
         await conn.close()
 
 
@@ -161,8 +161,7 @@ async def test_limits_have_no_read_model(nc: NATS, store: EventStore, database_u
         assert await conn.fetchval("SELECT to_regclass('tenant_limits')") is None
         assert await conn.fetchval("SELECT count(*) FROM projection_dead_letters") == 0
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.gather(cancel_and_wait(task), return_exceptions=True)
         await conn.close()
 
 
@@ -191,8 +190,7 @@ async def test_cancelled_mid_batch_loses_and_doubles_nothing(
     projector = Projector(nc, database_url, store.layout, stalling, batch_size=2000)
     task = asyncio.create_task(projector.run())
     await asyncio.wait_for(stalling.stalled.wait(), 30)
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    await asyncio.gather(cancel_and_wait(task), return_exceptions=True)
     conn = await asyncpg.connect(database_url)
     try:
         # Only the first batch is committed; the half-written second one was rolled back.
@@ -301,8 +299,7 @@ async def test_one_projector_per_projection_others_stand_by(
         await asyncio.sleep(0.3)
         assert not standby.done()
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.gather(cancel_and_wait(task), return_exceptions=True)
     await store.append(TenantSuspended(tenant_id="t1"), None)
     await asyncio.wait_for(standby, 10)
     conn = await asyncpg.connect(database_url)

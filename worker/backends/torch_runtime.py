@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.tasks import cancel_and_wait
 from worker.backends.base import InvalidRequest, Load, Progress
 from worker.protocol import (
     ChatMessage,
@@ -403,9 +404,7 @@ class TorchRuntimeBackend:
                 yield i, item
                 left -= item.finished
         finally:  # cancelling a pump leaves its engine stream, which aborts that choice
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*map(cancel_and_wait, tasks), return_exceptions=True)
 
     def _prompt_logprobs(self, entries: list[Any] | None, ids: list[int]) -> list[TokenLogprob]:
         """The prompt's tokens as OpenAI echoes them: every one with its text, the first with
