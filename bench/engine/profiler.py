@@ -31,6 +31,7 @@ class StepLog:
         # beside each step: the pages restaged just before it (staged KV; 0 otherwise)
         self.restaged: list[int] = []
         self._restaged_since = 0
+        self.restage_host_s = 0.0  # host time in runner.restage (the block manager's scan too)
         self.inner_restage = getattr(runner, "restage", None)
         if self.inner_restage is not None:
             runner.restage = self.restage
@@ -42,7 +43,9 @@ class StepLog:
         runner.launch_forward = self.launch
 
     def restage(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
         moves = self.inner_restage(*args, **kwargs)  # type: ignore[misc]
+        self.restage_host_s += time.perf_counter() - t0
         self._restaged_since += len(moves)
         return moves
 
@@ -78,6 +81,7 @@ class StepLog:
     def clear(self) -> None:
         self.steps.clear()
         self.restaged.clear()
+        self.restage_host_s = 0.0
 
     def summary(self) -> dict[str, Any]:
         full = self.runner.sizes[-1]
@@ -100,6 +104,7 @@ class StepLog:
             "overlapped_decode_steps_after_restage": len(after_restage),
             "overlapped_decode_step_after_restage_wall_ms_mean": mean_ms(after_restage),
             "steps_wall_s_sum": sum(s for _, _, s in self.steps),
+            "restage_host_s_sum": self.restage_host_s,
             "prefill_steps": len(prefill),
             "prefill_step_wall_ms_p50": median(prefill, 1e3),
             "prefill_tokens_per_step_max": max(
