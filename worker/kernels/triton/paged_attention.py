@@ -87,8 +87,13 @@ def _decode_partition_kernel(
     for t0 in range(start, end, BN):
         tokens = t0 + tl.arange(0, BN)
         valid = tokens < end
-        page = tl.load(block_tables + b * stride_bt + tokens // BLOCK_SIZE, mask=valid, other=0)
-        row = (page.to(tl.int64) * BLOCK_SIZE + tokens % BLOCK_SIZE) * HKV + hkv
+        # never negative: unsigned, a token's page and offset are a shift and a mask
+        unsigned = tokens.to(tl.uint32)
+        page_of = (unsigned // BLOCK_SIZE).to(tl.int32)
+        page = tl.load(block_tables + b * stride_bt + page_of, mask=valid, other=0)
+        # row numbers fit 32 bits (2^31 rows: 2^27 pages of 16 x 16 heads); their byte
+        # offsets may not, so 64 bits from there on
+        row = ((page * BLOCK_SIZE + (unsigned % BLOCK_SIZE).to(tl.int32)) * HKV + hkv).to(tl.int64)
         b_k = tl.load(k_cache + row[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
         scores = tl.dot(b_q, tl.trans(b_k.to(DOT))) * softmax_scale
         scores = tl.where(valid[None, :], scores, float("-inf"))

@@ -374,6 +374,23 @@ def _dequant_tile(codes, norms, cb, crow, mask, D: tl.constexpr, BITS: tl.conste
     return unit * norm[:, None]
 
 
+@triton.jit
+def _tile_pools(table, t0, end, num_recent, BLOCK_SIZE: tl.constexpr, BN: tl.constexpr):
+    """(FP8 pages, compressed pages) among the pages of row `table` that tokens [t0, t0 + BN)
+    below `end` fall in, counted from scalar loads of their ids (t0 a multiple of BN)."""
+    PAGES: tl.constexpr = (BN + BLOCK_SIZE - 1) // BLOCK_SIZE
+    n_plain = 0
+    n_comp = 0
+    for j in tl.static_range(PAGES):
+        first = t0 + j * BLOCK_SIZE  # a tile of BN < BLOCK_SIZE starts inside its page
+        if first < end:
+            page = tl.load(table + first // BLOCK_SIZE)
+            compressed = (page >= num_recent).to(tl.int32)
+            n_comp += compressed
+            n_plain += 1 - compressed
+    return n_plain, n_comp
+
+
 @kernel
 def _staged_decode_kernel(
     q,
@@ -447,18 +464,24 @@ def _staged_decode_kernel(
     for t0 in tl.range(start, end, BN, num_stages=STAGES):
         tokens = t0 + tl.arange(0, BN)
         valid = tokens < end
-        page = tl.load(block_tables + b * stride_bt + tokens // BLOCK_SIZE, mask=valid, other=0)
+        # never negative: unsigned, a token's page and offset are a shift and a mask
+        unsigned = tokens.to(tl.uint32)
+        offset = (unsigned % BLOCK_SIZE).to(tl.int32)
+        page_of = (unsigned // BLOCK_SIZE).to(tl.int32)
+        page = tl.load(block_tables + b * stride_bt + page_of, mask=valid, other=0)
         packed = page >= num_recent
         plain = valid & ~packed
         comp = valid & packed
         # which pools the tile holds: all codes (the bulk of a long context), all FP8 (anchors,
-        # window), or both (a tile across the boundary): each pool's dot runs only if present
-        n_plain = tl.sum(plain.to(tl.int32), 0)
-        n_comp = tl.sum(comp.to(tl.int32), 0)
-        offset = tokens % BLOCK_SIZE
-        row = (page.to(tl.int64) * BLOCK_SIZE + offset) * HKV + hkv
-        crow = ((page - num_recent).to(tl.int64) * BLOCK_SIZE + offset) * HKV + hkv
-        crow = tl.where(comp, crow, 0)
+        # window), or both (a tile across the boundary): each pool's dot runs only if present.
+        # Read off the tile's few page ids as scalars, the same in every thread: a sum over
+        # the tokens took a cross-warp reduction, three barriers a tile.
+        n_plain, n_comp = _tile_pools(block_tables + b * stride_bt, t0, end, num_recent, BLOCK_SIZE, BN)  # fmt: skip
+        # row numbers fit 32 bits (2^31 rows: 2^27 pages of 16 x 16 heads); their byte
+        # offsets may not, so 64 bits from there on
+        row = ((page * BLOCK_SIZE + offset) * HKV + hkv).to(tl.int64)
+        crow = ((page - num_recent) * BLOCK_SIZE + offset) * HKV + hkv
+        crow = tl.where(comp, crow, 0).to(tl.int64)
         # the codes' loads at the loop's top level, where the pipeliner prefetches them (a
         # masked lane moves no bytes); FP8 tiles (a sequence's anchor and window pages) load
         # inside their branch, so the code path carries none of their registers
