@@ -555,6 +555,13 @@ def test_triton_staged_decode_split_partitions():
     check_staged_decode("cpu", [150, 9], 0.5, 6, 2, 64, 8, partition=64)
 
 
+def test_triton_staged_decode_tiles_that_start_inside_a_page():
+    # 20-token partitions, 16-token tiles, 8-token pages: tiles start mid-page and span one
+    # page more than aligned ones, so the pools a tile holds include the page of its last tokens
+    for fraction in (0.3, 0.5, 0.7):
+        check_staged_decode("cpu", [150, 97, 61], fraction, 6, 2, 64, 8, partition=20, block_n=16)  # fmt: skip
+
+
 def test_triton_staged_decode_splits_each_rows_own_context():
     # 8 splits a row (on a CPU) over a table of 300 pages, each row cutting its own context
     # into them, the 9-token row's all but one empty

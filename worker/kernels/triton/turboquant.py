@@ -377,14 +377,16 @@ def _dequant_tile(codes, norms, cb, crow, mask, D: tl.constexpr, BITS: tl.conste
 @triton.jit
 def _tile_pools(table, t0, end, num_recent, BLOCK_SIZE: tl.constexpr, BN: tl.constexpr):
     """(FP8 pages, compressed pages) among the pages of row `table` that tokens [t0, t0 + BN)
-    below `end` fall in, counted from scalar loads of their ids (t0 a multiple of BN)."""
-    PAGES: tl.constexpr = (BN + BLOCK_SIZE - 1) // BLOCK_SIZE
+    below `end` fall in, counted from scalar loads of their ids. A tile starting inside a page
+    (a partition that is not a multiple of BN) spans one page more."""
+    PAGES: tl.constexpr = (BN + BLOCK_SIZE - 1) // BLOCK_SIZE + 1
+    first = t0 // BLOCK_SIZE
+    stop = tl.minimum(t0 + BN, end)
     n_plain = 0
     n_comp = 0
     for j in tl.static_range(PAGES):
-        first = t0 + j * BLOCK_SIZE  # a tile of BN < BLOCK_SIZE starts inside its page
-        if first < end:
-            page = tl.load(table + first // BLOCK_SIZE)
+        if (first + j) * BLOCK_SIZE < stop:
+            page = tl.load(table + first + j)
             compressed = (page >= num_recent).to(tl.int32)
             n_comp += compressed
             n_plain += 1 - compressed
