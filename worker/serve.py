@@ -33,7 +33,7 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from events.nats_cluster import nats_servers
+from events.nats_cluster import nats_servers, unsubscribe_within
 from events.publish import UsagePublisher
 from events.usage import WorkerGenerated
 from tokenmill.settings import WorkerSettings
@@ -104,8 +104,8 @@ class Worker:
             await self._stopping.wait()
         finally:
             # No new work; give in-flight requests their drain time, then cancel (they still meter).
-            await work.unsubscribe()
-            await direct.unsubscribe()
+            await unsubscribe_within(work)
+            await unsubscribe_within(direct)
             if self._handlers:
                 _, pending = await asyncio.wait(set(self._handlers), timeout=s.drain_s)
                 if pending:
