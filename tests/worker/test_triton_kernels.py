@@ -338,6 +338,20 @@ def test_paged_attention_decode_merges_more_splits_than_one_chunk() -> None:
     check_paged_decode([1, 300, 517], 6, 2, 32, 16, True, 16, "cpu")
 
 
+def test_paged_attention_decode_refuses_a_pool_past_32_bit_rows() -> None:
+    """The decode loops number (token, head) rows in 32 bits: 2^31 of them is refused before a
+    launch, one fewer page passes (shapes only: meta tensors)."""
+    from worker.kernels.triton.paged_attention import check_rows_fit_32_bits
+
+    check_rows_fit_32_bits(torch.empty((2**27 - 1, 16, 1, 8), device="meta"))
+    with pytest.raises(ValueError, match="32 bits"):
+        check_rows_fit_32_bits(torch.empty((2**27, 16, 1, 8), device="meta"))
+    pool = torch.empty((2**24, 16, 8, 8), device="meta")
+    q, tables = torch.zeros(1, 8, 8), torch.zeros(1, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="32 bits"):
+        paged_attention_decode(q, pool, pool, torch.ones(1, dtype=torch.int32), tables, 1.0)
+
+
 def test_paged_attention_decode_splits_each_rows_own_context() -> None:
     """A table far wider than the contexts (as the engine's, sized for its context limit):
     8 splits (on a CPU), each row cutting its own context into them, most splits of the short

@@ -190,6 +190,14 @@ def decode_splits(batch: int, kv_heads: int, device: torch.device) -> int:
     return max(1, triton.cdiv(_TARGET_PROGRAMS, triton.next_power_of_2(batch) * kv_heads))
 
 
+def check_rows_fit_32_bits(cache: torch.Tensor) -> None:
+    """The decode loops number a page's (token, head) rows in 32 bits: a pool [blocks,
+    block_size, Hkv, ...] of 2^31 rows or more is refused (2^27 pages of 16 x 16 heads)."""
+    rows = cache.shape[0] * cache.shape[1] * cache.shape[2]
+    if rows >= 2**31:
+        raise ValueError(f"a pool of {rows} (token, head) rows does not fit the decode's 32 bits")
+
+
 def split_plan(
     capacity: int, batch: int, kv_heads: int, partition: int | None, device: torch.device
 ) -> tuple[int, int]:
@@ -218,6 +226,7 @@ def paged_attention_decode(
         raise ValueError("q needs a contiguous last dim and the caches must be contiguous")
     if hq % hkv or triton.next_power_of_2(dim) != dim or block_tables.stride(1) != 1:
         raise ValueError(f"unsupported shape q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
+    check_rows_fit_32_bits(k_cache)
     capacity = block_tables.shape[1] * block_size
     num_splits, partition = split_plan(capacity, batch, hkv, partition, q.device)
     out = torch.empty((batch, hq, dim), dtype=q.dtype, device=q.device)

@@ -39,6 +39,7 @@ from worker.kernels.triton._launch import dot_dtype, kernel, pdl_wait
 from worker.kernels.triton.activations import sigmoid_mul
 from worker.kernels.triton.paged_attention import (
     _combine_kernel,
+    check_rows_fit_32_bits,
     paged_attention_prefill,
     split_plan,
     split_range,
@@ -583,6 +584,8 @@ def staged_attention_decode(
         raise ValueError(
             f"unsupported shape q {tuple(q.shape)}, cache {tuple(cache.k_cache.shape)}"
         )
+    check_rows_fit_32_bits(cache.k_cache)
+    check_rows_fit_32_bits(cache.k_norms)
     way = lookup or _LOOKUP
     if way not in ("tree", "prmt", "prmt_v3"):
         raise ValueError(f"lookup must be 'tree', 'prmt' or 'prmt_v3', got {way!r}")
