@@ -223,6 +223,18 @@ def print_table(report: dict[str, Any]) -> None:
     if "output_tok_s" in staged and "output_tok_s" in fp8:
         ratio = staged["output_tok_s"] / fp8["output_tok_s"]
         print(f"staged KV (k4v3) / FP8 KV output tok/s: {ratio:.3f} (target >= 0.97)")
+    long_decode = s.get("long_decode", {})
+    if "staged_over_fp8_kv" in long_decode:
+        points = long_decode["points"]
+        print(
+            f"decode step at {long_decode['rows']} x {long_decode['context']}: staged / FP8 KV "
+            f"{long_decode['staged_over_fp8_kv']:.3f} (target <= 1.10; "
+            + ", ".join(
+                f"{name} {p.get('decode_step_graph_ms', p['decode_step_eager_ms']):.2f} ms"
+                for name, p in points.items()
+            )
+            + ")"
+        )
     for name in ("fp8", "staged", "w4", "w4a8"):
         if kinds := s.get(name, {}).get("step_kinds"):
             print(
