@@ -1,6 +1,6 @@
 """The attention decode kernels' main loops as sm_90 SASS, counted without a GPU: FP8 KV's paged
-decode and the staged decode's variants are compiled ahead of time for Hopper (triton's own
-ptxas, cuobjdump), each loop found by its backward branch, and its instructions counted for one warp: all of them, those a tile of codes only runs
+decode and the staged decode's variants (and the staged direct prefill) are compiled ahead of
+time for Hopper (triton's own ptxas, cuobjdump), each loop found by its backward branch, and its instructions counted for one warp: all of them, those a tile of codes only runs
 (staged), per 64 tokens for all warps, by region between the loop's branches, and by opcode.
 With the registers and shared memory, the CTAs an SM holds.
 
@@ -33,7 +33,8 @@ _BRANCH = re.compile(r"\bBRA\b(?:\.\S+)?\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))")
 @dataclass(frozen=True)
 class Variant:
     """A compile of one kernel: the staged decode's constexprs (`staged_attention_decode`'s
-    options) or FP8 KV's paged decode (`staged=False`)."""
+    options), FP8 KV's paged decode (`staged=False`), or the staged direct prefill
+    (`prefill=True`, `bm` query rows a program)."""
 
     staged: bool = True
     bn: int = 64
@@ -42,6 +43,8 @@ class Variant:
     lookup: str = "prmt_v3"  # "tree", "prmt" or "prmt_v3"
     words: bool = True
     maxnreg: int | None = None
+    prefill: bool = False
+    bm: int = 64
 
 
 # the variants bench/engine/staged_kv.py has timed (docs/performance.md holds both counts)
@@ -53,6 +56,9 @@ VARIANTS = {
     "prmt_bytes": Variant(lookup="prmt", words=False),
     "bn32_r168": Variant(bn=32, stages=1, maxnreg=168),
     "w8": Variant(warps=8),
+    # the direct prefill at its tiling (`staged_prefill_tiles`) and at the plain prefill's
+    "staged_prefill": Variant(prefill=True, bm=64, bn=32, warps=8),
+    "staged_prefill_128x64": Variant(prefill=True, bm=128, bn=64, warps=8),
 }
 
 
@@ -74,13 +80,26 @@ def _source(v: Variant) -> Any:
     strides = {"stride_qb": "i32", "stride_qh": "i32", "stride_bt": "i32"}
     splits = {"num_splits": "i32", "partition": "i32"}
     shape = dict(HQ=24, HKV=4, D=256, BLOCK_SIZE=16, GP=16, BN=v.bn)
-    if v.staged:
+    if v.prefill:
+        from worker.kernels.triton.turboquant import _staged_prefill_kernel as kernel
+
+        tables = {"cu_seqlens": "*i32", "context_lens": "*i32", "block_tables": "*i32"}
+        pointers = {**q_and_pages, **codes, **tables, "positions": "*i64", "out": "*bf16"}
+        scalars = {"qk_scale": "fp32", "k_scale": "fp32", "v_scale": "fp32", "num_recent": "i32"}
+        scalars |= {"num_seqs": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_bt": "i32"}
+        strides = {k: "i32" for k in ("stride_qt", "stride_qh", "stride_bt")}
+        constexprs: dict[str, Any] = dict(
+            HQ=24, HKV=4, D=256, BLOCK_SIZE=16, BM=v.bm, BN=v.bn, SEQS=8, K_BITS=4, V_BITS=3,
+            DOT=tl.float16, PRMT=v.lookup != "tree", PRMT_V3=v.lookup == "prmt_v3",
+            WORDS3=v.words, PDL=True,
+        )  # fmt: skip
+    elif v.staged:
         from worker.kernels.triton.turboquant import _staged_decode_kernel as kernel
 
         pointers = {**q_and_pages, **codes, **tables, **outs}
         scalars = {"softmax_scale": "fp32", "k_scale": "fp32", "v_scale": "fp32"}
         scalars |= {"num_recent": "i32", **strides, **splits}
-        constexprs: dict[str, Any] = dict(
+        constexprs = dict(
             **shape, K_BITS=4, V_BITS=3, SINGLE_SPLIT=False, DOT=tl.float16, STAGES=v.stages,
             PRMT=v.lookup != "tree", PRMT_V3=v.lookup == "prmt_v3", WORDS3=v.words, PDL=True,
         )  # fmt: skip
@@ -108,7 +127,7 @@ def compile_sass(v: Variant) -> tuple[str, dict[str, Any]]:
     from triton.backends.compiler import GPUTarget
 
     options: dict[str, Any] = {"num_warps": v.warps}
-    if not v.staged:
+    if not v.staged or v.prefill:
         options["num_stages"] = 2
     if v.maxnreg:
         options["maxnreg"] = v.maxnreg
@@ -124,11 +143,14 @@ def compile_sass(v: Variant) -> tuple[str, dict[str, Any]]:
             [str(tools / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True
         ).stdout
     registers = int(re.search(r"REG:(\d+)", usage).group(1))  # type: ignore[union-attr]
+    # bytes of stack a thread: where ptxas spills what 255 registers do not hold
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))  # type: ignore[union-attr]
     shared = int(compiled.metadata.shared)
     by_registers = SM90_REGISTERS // (registers * 32 * v.warps)
     by_shared = SM90_SHARED // shared if shared else SM90_MAX_CTAS
     resources = {
         "registers": registers,
+        "stack_bytes": stack,
         "shared_bytes": shared,
         "ctas_per_sm": min(by_registers, by_shared, SM90_MAX_CTAS),
         "warps_per_sm": min(by_registers, by_shared, SM90_MAX_CTAS) * v.warps,
@@ -193,7 +215,7 @@ def analyse(name: str, v: Variant) -> dict[str, Any]:
     always = sum(r["instructions"] for r in loop["regions"] if not r["skippable"])
     skippable = [r["instructions"] for r in loop["regions"] if r["skippable"]]
     executed = always + sum(skippable[0::2]) if v.staged else total
-    per_tile = 64 / v.bn  # one warp's instructions per 64 tokens
+    per_tile = 64 / v.bn  # one warp's instructions per 64 tokens (of keys, for a prefill)
     return {
         "variant": vars(v),
         **resources,
@@ -214,8 +236,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     report: dict[str, Any] = {"target": "sm_90 (compiled here, not run)", "variants": {}}
     print(
-        "variant | registers | CTAs/SM | loop (one warp) | a tile of codes (one warp) | "
-        "per 64 tokens, all warps",
+        "variant | registers | stack bytes | CTAs/SM | loop (one warp) | "
+        "a tile of codes (one warp) | per 64 tokens, all warps",
         file=sys.stderr,
     )
     for name in args.variants.split(","):
@@ -226,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             (Path(args.sass) / f"{name}.sass").write_text(sass)
         report["variants"][name] = result
         print(
-            f"{name} | {result['registers']} | {result['ctas_per_sm']} | "
+            f"{name} | {result['registers']} | {result['stack_bytes']} | {result['ctas_per_sm']} | "
             f"{result['loop_instructions']} | {result['executed_per_tile']} | "
             f"{result['per_64_tokens_all_warps']:.0f}",
             file=sys.stderr,

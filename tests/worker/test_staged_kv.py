@@ -584,6 +584,63 @@ def test_triton_staged_prefill_via_scratch():
     assert rel_err(got, want) < 2e-2
 
 
+def check_staged_prefill(
+    contexts: list[int], chunks: list[int], fraction: float, hq: int, hkv: int, dim: int,
+    bs: int, k_bits: int = 4, v_bits: int = 3, seed: int = 0, device: str = "cpu",
+) -> None:  # fmt: skip
+    """The direct prefill (codes decoded tile by tile in the kernel) against the reference and
+    the scratch way: each sequence's last `chunks[b]` tokens are the chunk, the rest cached."""
+    tq_kernels = triton_module()
+    cache, tables, _ = staged_case(
+        contexts, fraction, hq, hkv, dim, bs, device, k_bits=k_bits, v_bits=v_bits, seed=seed
+    )
+    tables = tables.to(device)
+    q = torch.randn(sum(chunks), hq, dim, device=device).bfloat16()
+    cu = cu_seqlens_of(chunks).to(device)
+    ctx = torch.tensor(contexts, dtype=torch.int32, device=device)
+    positions = torch.cat(
+        [torch.arange(n - c, n, device=device) for n, c in zip(contexts, chunks, strict=True)]
+    )
+    scale = dim**-0.5
+    want = reference.staged_attention_prefill(q, cache, cu, ctx, tables, positions, scale)
+    got = tq_kernels.staged_attention_prefill(q, cache, cu, ctx, tables, positions, scale)
+    scratch = tq_kernels.staged_attention_prefill(
+        q, cache, cu, ctx, tables, positions, scale, way="scratch"
+    )
+    assert got.shape == want.shape and got.dtype == q.dtype
+    assert rel_err(got, want) < 2e-2
+    assert rel_err(got, scratch) < 2e-2
+
+
+# key tiles of codes only, FP8 only and both (the compressed fraction), chunks that start
+# mid-page over a cached prefix, several sequences in one launch, GQA groups of 1-6 heads,
+# partial last tiles; every width pair the decode kernel takes
+@pytest.mark.parametrize(
+    ("contexts", "chunks", "fraction", "hq", "hkv", "dim", "bs", "bits"),
+    [
+        ([150, 40], [150, 40], 0.5, 4, 2, 64, 8, (4, 3)),
+        ([150, 97, 9], [37, 97, 3], 0.7, 6, 1, 64, 16, (4, 3)),
+        ([200], [65], 1.0, 4, 2, 64, 8, (4, 3)),
+        ([130, 61], [130, 20], 0.0, 4, 2, 64, 8, (4, 3)),
+        ([90, 33], [17, 33], 0.4, 9, 3, 128, 8, (3, 3)),
+        ([120], [50], 0.5, 2, 2, 64, 8, (2, 1)),
+        ([100, 80], [100, 5], 0.5, 2, 2, 64, 4, (4, 4)),
+    ],
+)
+def test_triton_staged_prefill_decodes_codes_tile_by_tile(
+    contexts, chunks, fraction, hq, hkv, dim, bs, bits
+):
+    check_staged_prefill(contexts, chunks, fraction, hq, hkv, dim, bs, *bits)
+
+
+def test_triton_staged_prefill_refuses_an_unknown_way():
+    tq_kernels = triton_module()
+    cache, tables, _ = staged_case([9], 0.5)
+    q, cu, ctx = torch.randn(9, 4, 64).bfloat16(), cu_seqlens_of([9]), torch.tensor([9])
+    with pytest.raises(ValueError, match="direct"):
+        tq_kernels.staged_attention_prefill(q, cache, cu, ctx, tables, torch.arange(9), 0.1, way="x")  # fmt: skip
+
+
 def test_triton_scratch_pages_of_three_kv_heads():
     """SmolLM2's 3 KV heads: a page's rows (block_size x 3) are not a power of two."""
     tq_kernels = triton_module()
@@ -600,6 +657,16 @@ def test_triton_scratch_pages_of_three_kv_heads():
 @needs_cuda
 def test_gpu_restage_27b_shape():
     check_restage("cuda", 4, 256, 16, 4, 3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fraction", [0.0, 0.7, 1.0])
+def test_gpu_staged_prefill_direct_27b_shape(fraction: float):
+    # chunks over cached prefixes of codes and FP8 pages, one chunk a whole prompt
+    check_staged_prefill(
+        [4096, 1000, 33, 700], [512, 1000, 33, 129], fraction, 24, 4, 256, 16, device="cuda"
+    )
 
 
 @pytest.mark.gpu

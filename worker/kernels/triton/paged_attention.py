@@ -296,6 +296,36 @@ def paged_attention_decode(
 # Within a sequence tiles run last-first, so the longest (latest) tiles start first.
 
 
+@triton.jit
+def prefill_rows(cu_seqlens, context_lens, positions, num_seqs, tile, BM: tl.constexpr, BN: tl.constexpr, SEQS: tl.constexpr):  # fmt: skip
+    """A prefill program's query rows: (sequence b, its first token start, the rows (last tile
+    first within the sequence), which are in the chunk, their positions, the key bound kv_end,
+    and unmasked_end, below which every row sees every key in whole BN tiles). b >= num_seqs:
+    the program has no rows."""
+    # which sequence this tile belongs to: the number of sequences whose tiles all come before
+    seqs = tl.arange(0, SEQS)
+    listed = seqs < num_seqs
+    starts = tl.load(cu_seqlens + seqs, mask=listed, other=0)
+    lens = tl.load(cu_seqlens + seqs + 1, mask=listed, other=0) - starts
+    tiles = (lens + BM - 1) // BM
+    tiles_through = tl.cumsum(tiles, 0)
+    b = tl.sum((tiles_through <= tile).to(tl.int32), 0)
+    mine = seqs == b
+    start = tl.sum(tl.where(mine, starts, 0), 0)
+    length = tl.sum(tl.where(mine, lens, 0), 0)
+    last_tile = tl.sum(tl.where(mine, tiles_through, 0), 0) - 1
+    rows = (last_tile - tile) * BM + tl.arange(0, BM)  # last-first within the sequence
+    in_chunk = rows < length
+    ctx = tl.load(context_lens + tl.minimum(b, num_seqs - 1))
+    # padding rows take position 0: they see key 0, so their softmax stays finite (not stored)
+    pos = tl.load(positions + start + rows, mask=in_chunk, other=0).to(tl.int32)
+    # keys every row sees (below the tile's first position) run unmasked; the rest, up to its
+    # last position, are masked per row. Both stop at the context length.
+    kv_end = tl.minimum(tl.max(pos, 0) + 1, ctx)
+    unmasked_end = (tl.minimum(tl.min(tl.where(in_chunk, pos, ctx), 0) + 1, kv_end) // BN) * BN
+    return b, start, rows, in_chunk, pos, kv_end, unmasked_end
+
+
 @kernel
 def _prefill_kernel(
     q,
@@ -324,36 +354,15 @@ def _prefill_kernel(
 ):
     pdl_wait(PDL)
     h = tl.program_id(0)
-    tile = tl.program_id(1)
     hkv = h // (HQ // HKV)
-
-    # which sequence this tile belongs to: the number of sequences whose tiles all come before
-    seqs = tl.arange(0, SEQS)
-    listed = seqs < num_seqs
-    starts = tl.load(cu_seqlens + seqs, mask=listed, other=0)
-    lens = tl.load(cu_seqlens + seqs + 1, mask=listed, other=0) - starts
-    tiles = (lens + BM - 1) // BM
-    tiles_through = tl.cumsum(tiles, 0)
-    b = tl.sum((tiles_through <= tile).to(tl.int32), 0)
+    b, start, rows, in_chunk, pos, kv_end, unmasked_end = prefill_rows(
+        cu_seqlens, context_lens, positions, num_seqs, tl.program_id(1), BM, BN, SEQS
+    )
     if b >= num_seqs:
         return
-    mine = seqs == b
-    start = tl.sum(tl.where(mine, starts, 0), 0)
-    length = tl.sum(tl.where(mine, lens, 0), 0)
-    last_tile = tl.sum(tl.where(mine, tiles_through, 0), 0) - 1
-    rows = (last_tile - tile) * BM + tl.arange(0, BM)  # last-first within the sequence
-    in_chunk = rows < length
-
     offs_d = tl.arange(0, D)
-    ctx = tl.load(context_lens + b)
-    # padding rows take position 0: they see key 0, so their softmax stays finite (not stored)
-    pos = tl.load(positions + start + rows, mask=in_chunk, other=0).to(tl.int32)
     q_ptrs = q + (start + rows)[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
     b_q = tl.load(q_ptrs, mask=in_chunk[:, None], other=0.0).to(DOT)
-    # keys every row sees (below the tile's first position) run unmasked; the rest, up to its
-    # last position, are masked per row. Both loops stop at the context length.
-    kv_end = tl.minimum(tl.max(pos, 0) + 1, ctx)
-    unmasked_end = (tl.minimum(tl.min(tl.where(in_chunk, pos, ctx), 0) + 1, kv_end) // BN) * BN
 
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)

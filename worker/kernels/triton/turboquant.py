@@ -18,7 +18,8 @@ basis (worker/kvcache/turboquant.py). References: worker.kernels.reference.
   output stays rotated (the layer un-rotates it once per head).
 - `staged_attention_prefill`: compressed pages dequantized (the same `_decode_codes`) into a
   scratch of every page the batch's tables name (`_scratch_kernel`), then the plain prefill
-  kernel over the scratch.
+  kernel over the scratch; or, "direct", the prefill kernel's grid and rows (`prefill_rows`)
+  with each key tile's codes decoded in registers as in the decode kernel.
 
 Importing this module registers the three ops with `worker.kernels.ops`.
 
@@ -38,9 +39,11 @@ from worker.kernels import ops
 from worker.kernels.triton._launch import dot_dtype, kernel, pdl_wait
 from worker.kernels.triton.activations import sigmoid_mul
 from worker.kernels.triton.paged_attention import (
+    _LOG2E,
     _combine_kernel,
     check_rows_fit_32_bits,
     paged_attention_prefill,
+    prefill_rows,
     split_plan,
     split_range,
 )
@@ -744,6 +747,106 @@ def staged_scratch(
     return keys, values, tables.view(batch, width)
 
 
+@kernel
+def _staged_prefill_kernel(
+    q, k_cache, v_cache, k_codes, k_norms, v_codes, v_norms, k_centroids, v_centroids,
+    cu_seqlens, context_lens, block_tables, positions, out, qk_scale, k_scale, v_scale,
+    num_recent, num_seqs, stride_qt, stride_qh, stride_bt, HQ: tl.constexpr,
+    HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, SEQS: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    DOT: tl.constexpr, PRMT: tl.constexpr, PRMT_V3: tl.constexpr, WORDS3: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """`_prefill_kernel`'s grid and rows over mixed pages: each key tile decodes its codes in
+    registers as the decode kernel does (the norms scale the scores and the probabilities), so
+    no page is decoded to memory; one loop, causal masks on every tile."""
+    k_cb = _half_codebook(k_centroids, K_BITS)
+    if PRMT:
+        k_tables = _byte_tables(k_cb, DOT)
+    v_cb = _half_codebook(v_centroids, V_BITS)
+    if PRMT_V3:
+        v_tables = _byte_tables(v_cb, DOT)
+    pdl_wait(PDL)
+    h = tl.program_id(0)
+    hkv = h // (HQ // HKV)
+    b, start, rows, in_chunk, pos, kv_end, _ = prefill_rows(
+        cu_seqlens, context_lens, positions, num_seqs, tl.program_id(1), BM, BN, SEQS
+    )
+    if b >= num_seqs:
+        return
+    offs_d = tl.arange(0, D)
+    q_ptrs = q + (start + rows)[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
+    b_q = tl.load(q_ptrs, mask=in_chunk[:, None], other=0.0).to(DOT)
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, D], dtype=tl.float32)
+    table = block_tables + b * stride_bt
+    for n0 in range(0, kv_end, BN):
+        keys = n0 + tl.arange(0, BN)
+        present = keys < kv_end
+        unsigned = keys.to(tl.uint32)
+        offset = (unsigned % BLOCK_SIZE).to(tl.int32)
+        page = tl.load(table + (unsigned // BLOCK_SIZE).to(tl.int32), mask=present, other=0)
+        packed = page >= num_recent
+        plain = present & ~packed
+        comp = present & packed
+        n_plain, n_comp = _tile_pools(table, n0, kv_end, num_recent, BLOCK_SIZE, BN)
+        row = ((page * BLOCK_SIZE + offset) * HKV + hkv).to(tl.int64)
+        crow = ((page - num_recent) * BLOCK_SIZE + offset) * HKV + hkv
+        crow = tl.where(comp, crow, 0).to(tl.int64)
+        scores = tl.zeros([BM, BN], dtype=tl.float32)
+        if n_comp > 0:
+            k_groups = _code_groups(k_codes, crow, comp, D, K_BITS, WORDS3)
+            k_norm = tl.load(k_norms + crow, mask=comp, other=0.0).to(tl.float32)
+            if PRMT:
+                k_unit = _decode_codes_prmt(k_groups, k_tables, D, DOT)
+            else:
+                k_unit = _decode_codes(k_groups, k_cb, D, K_BITS).to(DOT)
+            scores += tl.dot(b_q, tl.trans(k_unit)) * (k_norm * qk_scale)[None, :]
+        if n_plain > 0:
+            k_plain = tl.load(
+                k_cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0
+            )
+            scores += tl.dot(b_q, tl.trans(k_plain.to(DOT))) * (k_scale * qk_scale)
+        visible = present[None, :] & (keys[None, :] <= pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if n_comp > 0:  # the norm scales p, not each coordinate of v
+            v_groups = _code_groups(v_codes, crow, comp, D, V_BITS, WORDS3)
+            v_norm = tl.load(v_norms + crow, mask=comp, other=0.0).to(tl.float32)
+            if PRMT_V3:
+                v_unit = _decode_codes_prmt(_nibbles3(v_groups), v_tables, D, DOT)
+            else:
+                v_unit = _decode_codes(v_groups, v_cb, D, V_BITS).to(DOT)
+            acc = tl.dot((p * v_norm[None, :]).to(DOT), v_unit, acc)
+        if n_plain > 0:
+            v_plain = tl.load(
+                v_cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0
+            )
+            p_plain = p * tl.where(plain, v_scale, 0.0)[None, :]
+            acc = tl.dot(p_plain.to(DOT), v_plain.to(DOT), acc)
+        m_i = m_new
+    o_ptrs = out + ((start + rows)[:, None] * HQ + h) * D + offs_d[None, :]
+    tl.store(o_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=in_chunk[:, None])
+
+
+# "scratch": every page the tables name decoded to memory first, then the plain prefill kernel;
+# "direct": the prefill kernel decodes each key tile's codes in registers (built, not yet timed:
+# docs/performance.md; the suite's staged_direct section runs it beside scratch)
+_PREFILL = "scratch"
+
+
+def staged_prefill_tiles(dim: int) -> tuple[int, int, int]:
+    """(query rows BM, keys per tile BN, warps) of the direct prefill: at D = 256, 64 x 32 x 8
+    is the largest tiling that compiles without spills for sm_90 (128 x 64 x 8 spills 840
+    bytes a thread: the accumulator, the queries and a decoded tile do not fit 255 registers)."""
+    return 64, 32, 8 if dim >= 256 else 4
+
+
 def staged_attention_prefill(
     q: torch.Tensor,
     cache: StagedAttentionCache,
@@ -752,13 +855,47 @@ def staged_attention_prefill(
     block_tables: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
+    way: str | None = None,
 ) -> torch.Tensor:
-    """Rotated q [T, Hq, D] over mixed pages: the pages decoded to a scratch in q's dtype, then
-    the plain prefill kernel. The scratch costs 2 x B x M pages of q's dtype per call."""
-    keys, values, tables = staged_scratch(cache, block_tables, q.dtype)
-    return paged_attention_prefill(
-        q, keys, values, cu_seqlens, context_lens, tables, positions, scale
-    )
+    """Rotated q [T, Hq, D] over mixed pages. `way` (default `_PREFILL`): "scratch" decodes every
+    page the tables name into a scratch of q's dtype (2 x B x M pages a call: a pass over the
+    whole context every chunk, quadratic in a long prompt's chunks), then runs the plain prefill
+    kernel; "direct" decodes the codes inside the prefill kernel, tile by tile (each query tile
+    of each query head decodes its keys again: work that grows with the chunk, not memory)."""
+    way = way or _PREFILL
+    if way == "scratch":
+        keys, values, tables = staged_scratch(cache, block_tables, q.dtype)
+        return paged_attention_prefill(
+            q, keys, values, cu_seqlens, context_lens, tables, positions, scale
+        )
+    if way != "direct":
+        raise ValueError(f"way must be 'direct' or 'scratch', got {way!r}")
+    tokens, hq, dim = q.shape
+    _, block_size, hkv, _ = cache.k_cache.shape
+    num_seqs = cu_seqlens.shape[0] - 1
+    if q.stride(2) != 1 or not (cache.k_cache.is_contiguous() and cache.v_cache.is_contiguous()):
+        raise ValueError("q needs a contiguous last dim and the caches must be contiguous")
+    if hq % hkv or triton.next_power_of_2(dim) != dim or block_tables.stride(1) != 1:
+        raise ValueError(f"unsupported shape q {tuple(q.shape)}, cache {tuple(cache.k_cache.shape)}")  # fmt: skip
+    check_rows_fit_32_bits(cache.k_cache)
+    check_rows_fit_32_bits(cache.k_norms)
+    out = torch.empty((tokens, hq, dim), dtype=q.dtype, device=q.device)
+    if tokens == 0 or num_seqs == 0:
+        return out
+    bm, bn, warps = staged_prefill_tiles(dim)
+    k_scale, v_scale = _scales(cache)
+    _staged_prefill_kernel[(hq, triton.cdiv(tokens, bm) + num_seqs)](
+        q, cache.k_cache, cache.v_cache, cache.k_codes, cache.k_norms, cache.v_codes,
+        cache.v_norms, cache.k_centroids, cache.v_centroids, cu_seqlens, context_lens,
+        block_tables, positions, out, scale * _LOG2E, k_scale, v_scale, cache.num_recent_blocks,
+        num_seqs, q.stride(0), q.stride(1), block_tables.stride(0), HQ=hq, HKV=hkv, D=dim,
+        BLOCK_SIZE=block_size, BM=bm, BN=bn, SEQS=triton.next_power_of_2(num_seqs),
+        K_BITS=cache.k_bits, V_BITS=cache.v_bits, DOT=_dot(cache, q),
+        PRMT=_LOOKUP in ("prmt", "prmt_v3") and q.is_cuda and cache.k_bits == 4,
+        PRMT_V3=_LOOKUP == "prmt_v3" and q.is_cuda and cache.v_bits == 3,
+        WORDS3=_CODE_LOADS == "words", num_warps=warps, num_stages=2,
+    )  # fmt: skip
+    return out
 
 
 def cuda_staged(
