@@ -326,6 +326,14 @@ def prefill_rows(cu_seqlens, context_lens, positions, num_seqs, tile, BM: tl.con
     return b, start, rows, in_chunk, pos, kv_end, unmasked_end
 
 
+@triton.jit
+def prefill_queries(q, start, rows, in_chunk, h, stride_qt, stride_qh, D: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+    """Query head h of the program's rows (`prefill_rows`), in DOT; 0 past the chunk."""
+    offs_d = tl.arange(0, D)
+    q_ptrs = q + (start + rows)[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
+    return tl.load(q_ptrs, mask=in_chunk[:, None], other=0.0).to(DOT)
+
+
 @kernel
 def _prefill_kernel(
     q,
@@ -361,8 +369,7 @@ def _prefill_kernel(
     if b >= num_seqs:
         return
     offs_d = tl.arange(0, D)
-    q_ptrs = q + (start + rows)[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
-    b_q = tl.load(q_ptrs, mask=in_chunk[:, None], other=0.0).to(DOT)
+    b_q = prefill_queries(q, start, rows, in_chunk, h, stride_qt, stride_qh, D, DOT)
 
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)

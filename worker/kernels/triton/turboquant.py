@@ -43,6 +43,7 @@ from worker.kernels.triton.paged_attention import (
     _combine_kernel,
     check_rows_fit_32_bits,
     paged_attention_prefill,
+    prefill_queries,
     prefill_rows,
     split_plan,
     split_range,
@@ -379,6 +380,36 @@ def _dequant_tile(codes, norms, cb, crow, mask, D: tl.constexpr, BITS: tl.conste
 
 
 @triton.jit
+def _codebooks(k_centroids, v_centroids, K_BITS: tl.constexpr, V_BITS: tl.constexpr, DOT: tl.constexpr, PRMT: tl.constexpr, PRMT_V3: tl.constexpr):  # fmt: skip
+    """(keys' half codebook, their lookup tables, values' half codebook, theirs): the byte
+    tables where decoded by byte permutes, else the codebook again (`_unit_rows`)."""
+    k_cb = _half_codebook(k_centroids, K_BITS)
+    v_cb = _half_codebook(v_centroids, V_BITS)
+    k_tables = _byte_tables(k_cb, DOT) if PRMT else k_cb
+    v_tables = _byte_tables(v_cb, DOT) if PRMT_V3 else v_cb
+    return k_cb, k_tables, v_cb, v_tables
+
+
+@triton.jit
+def _unit_rows(groups, cb, tables, D: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr, PRMT: tl.constexpr, NIBBLES3: tl.constexpr):  # fmt: skip
+    """A tile's code groups (`_code_groups`) decoded to unit vectors [R, D] in DOT: by byte
+    permutes (PRMT: `tables` from `_byte_tables`; NIBBLES3: 3-bit codes spread to nibbles
+    first) or by the select tree over `cb`."""
+    if PRMT:
+        if NIBBLES3:
+            return _decode_codes_prmt(_nibbles3(groups), tables, D, DOT)
+        return _decode_codes_prmt(groups, tables, D, DOT)
+    return _decode_codes(groups, cb, D, BITS).to(DOT)
+
+
+@triton.jit
+def _plain_rows(cache, row, plain, D: tl.constexpr):
+    """The FP8 (or 16-bit) rows `row` [R] of a recent pool, 0 where not `plain`."""
+    offs_d = tl.arange(0, D)
+    return tl.load(cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0)
+
+
+@triton.jit
 def _tile_pools(table, t0, end, num_recent, BLOCK_SIZE: tl.constexpr, BN: tl.constexpr):
     """(FP8 pages, compressed pages) among the pages of row `table` that tokens [t0, t0 + BN)
     below `end` fall in, counted from scalar loads of their ids. A tile starting inside a page
@@ -438,12 +469,7 @@ def _staged_decode_kernel(
     WORDS3: tl.constexpr,  # 3-bit codes loaded as int32 words (`_code_groups`)
     PDL: tl.constexpr,
 ):
-    k_cb = _half_codebook(k_centroids, K_BITS)
-    if PRMT:
-        k_tables = _byte_tables(k_cb, DOT)
-    v_cb = _half_codebook(v_centroids, V_BITS)
-    if PRMT_V3:
-        v_tables = _byte_tables(v_cb, DOT)
+    k_cb, k_tables, v_cb, v_tables = _codebooks(k_centroids, v_centroids, K_BITS, V_BITS, DOT, PRMT, PRMT_V3)  # fmt: skip
     pdl_wait(PDL)
     b = tl.program_id(0)
     hkv = tl.program_id(1)
@@ -498,15 +524,10 @@ def _staged_decode_kernel(
         # there load as 0, the code rows decode to finite centroids), so the two dots add up
         scores = tl.zeros([GP, BN], dtype=tl.float32)
         if n_comp > 0:
-            if PRMT:
-                k_unit = _decode_codes_prmt(k_groups, k_tables, D, DOT)
-            else:
-                k_unit = _decode_codes(k_groups, k_cb, D, K_BITS).to(DOT)
+            k_unit = _unit_rows(k_groups, k_cb, k_tables, D, K_BITS, DOT, PRMT, False)
             scores += tl.dot(b_q, tl.trans(k_unit)) * (k_norm * softmax_scale)[None, :]
         if n_plain > 0:
-            k_plain = tl.load(
-                k_cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0
-            )
+            k_plain = _plain_rows(k_cache, row, plain, D)
             scores += tl.dot(b_q, tl.trans(k_plain.to(DOT))) * (k_scale * softmax_scale)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -518,15 +539,10 @@ def _staged_decode_kernel(
         v_norm = tl.load(v_norms + crow, mask=comp, other=0.0).to(tl.float32)
         acc = acc * alpha[None, :]
         if n_comp > 0:  # the norm scales p, not each coordinate of v
-            if PRMT_V3:
-                v_unit = _decode_codes_prmt(_nibbles3(v_groups), v_tables, D, DOT)
-            else:
-                v_unit = _decode_codes(v_groups, v_cb, D, V_BITS).to(DOT)
+            v_unit = _unit_rows(v_groups, v_cb, v_tables, D, V_BITS, DOT, PRMT_V3, True)
             acc = tl.dot(tl.trans(v_unit), tl.trans((p * v_norm[None, :]).to(DOT)), acc)
         if n_plain > 0:
-            v_plain = tl.load(
-                v_cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0
-            )
+            v_plain = _plain_rows(v_cache, row, plain, D)
             p_plain = p * tl.where(plain, v_scale, 0.0)[None, :]
             acc = tl.dot(tl.trans(v_plain.to(DOT)), tl.trans(p_plain.to(DOT)), acc)
         m_i = m_new
@@ -760,12 +776,7 @@ def _staged_prefill_kernel(
     """`_prefill_kernel`'s grid and rows over mixed pages: each key tile decodes its codes in
     registers as the decode kernel does (the norms scale the scores and the probabilities), so
     no page is decoded to memory; one loop, causal masks on every tile."""
-    k_cb = _half_codebook(k_centroids, K_BITS)
-    if PRMT:
-        k_tables = _byte_tables(k_cb, DOT)
-    v_cb = _half_codebook(v_centroids, V_BITS)
-    if PRMT_V3:
-        v_tables = _byte_tables(v_cb, DOT)
+    k_cb, k_tables, v_cb, v_tables = _codebooks(k_centroids, v_centroids, K_BITS, V_BITS, DOT, PRMT, PRMT_V3)  # fmt: skip
     pdl_wait(PDL)
     h = tl.program_id(0)
     hkv = h // (HQ // HKV)
@@ -774,9 +785,7 @@ def _staged_prefill_kernel(
     )
     if b >= num_seqs:
         return
-    offs_d = tl.arange(0, D)
-    q_ptrs = q + (start + rows)[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
-    b_q = tl.load(q_ptrs, mask=in_chunk[:, None], other=0.0).to(DOT)
+    b_q = prefill_queries(q, start, rows, in_chunk, h, stride_qt, stride_qh, D, DOT)
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, D], dtype=tl.float32)
@@ -798,15 +807,10 @@ def _staged_prefill_kernel(
         if n_comp > 0:
             k_groups = _code_groups(k_codes, crow, comp, D, K_BITS, WORDS3)
             k_norm = tl.load(k_norms + crow, mask=comp, other=0.0).to(tl.float32)
-            if PRMT:
-                k_unit = _decode_codes_prmt(k_groups, k_tables, D, DOT)
-            else:
-                k_unit = _decode_codes(k_groups, k_cb, D, K_BITS).to(DOT)
+            k_unit = _unit_rows(k_groups, k_cb, k_tables, D, K_BITS, DOT, PRMT, False)
             scores += tl.dot(b_q, tl.trans(k_unit)) * (k_norm * qk_scale)[None, :]
         if n_plain > 0:
-            k_plain = tl.load(
-                k_cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0
-            )
+            k_plain = _plain_rows(k_cache, row, plain, D)
             scores += tl.dot(b_q, tl.trans(k_plain.to(DOT))) * (k_scale * qk_scale)
         visible = present[None, :] & (keys[None, :] <= pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
@@ -818,19 +822,14 @@ def _staged_prefill_kernel(
         if n_comp > 0:  # the norm scales p, not each coordinate of v
             v_groups = _code_groups(v_codes, crow, comp, D, V_BITS, WORDS3)
             v_norm = tl.load(v_norms + crow, mask=comp, other=0.0).to(tl.float32)
-            if PRMT_V3:
-                v_unit = _decode_codes_prmt(_nibbles3(v_groups), v_tables, D, DOT)
-            else:
-                v_unit = _decode_codes(v_groups, v_cb, D, V_BITS).to(DOT)
+            v_unit = _unit_rows(v_groups, v_cb, v_tables, D, V_BITS, DOT, PRMT_V3, True)
             acc = tl.dot((p * v_norm[None, :]).to(DOT), v_unit, acc)
         if n_plain > 0:
-            v_plain = tl.load(
-                v_cache + row[:, None] * D + offs_d[None, :], mask=plain[:, None], other=0.0
-            )
+            v_plain = _plain_rows(v_cache, row, plain, D)
             p_plain = p * tl.where(plain, v_scale, 0.0)[None, :]
             acc = tl.dot(p_plain.to(DOT), v_plain.to(DOT), acc)
         m_i = m_new
-    o_ptrs = out + ((start + rows)[:, None] * HQ + h) * D + offs_d[None, :]
+    o_ptrs = out + ((start + rows)[:, None] * HQ + h) * D + tl.arange(0, D)[None, :]
     tl.store(o_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=in_chunk[:, None])
 
 
