@@ -1,8 +1,10 @@
 """The attention decode kernels' main loops as sm_90 SASS, counted without a GPU: FP8 KV's paged
 decode and the staged decode's variants (and the staged direct prefill) are compiled ahead of
-time for Hopper (triton's own ptxas, cuobjdump), each loop found by its backward branch, and its instructions counted for one warp: all of them, those a tile of codes only runs
-(staged), per 64 tokens for all warps, by region between the loop's branches, and by opcode.
-With the registers and shared memory, the CTAs an SM holds.
+time for Hopper (triton's own ptxas, cuobjdump), each loop found by its backward branch, and
+its instructions counted for one warp: all of them, those a tile of codes only runs (staged),
+per 64 tokens (keys, for the prefill) for all warps, by region between the loop's branches, and
+by opcode. With the registers, the stack bytes a thread spills to, the shared memory, and the
+CTAs an SM holds.
 
     PYTHONPATH=. python3 -m bench.kernels.decode_sass [--variants default,tree,...] [--sass DIR]
 
