@@ -21,9 +21,13 @@ def test_page_tables_keep_anchor_and_window_recent() -> None:
     assert staged == [[0, 100, 101, 1, 2], [3, 102, 103, 4, 5]]
 
 
-def args(context: int) -> argparse.Namespace:
+def args(*contexts: int) -> argparse.Namespace:
     return argparse.Namespace(
-        device="cpu", concurrency=2, long_decode_context=context, seed=0, preset="tiny-qwen3_5"
+        device="cpu",
+        concurrency=2,
+        long_decode_contexts=",".join(map(str, contexts)),
+        seed=0,
+        preset="tiny-qwen3_5",
     )
 
 
@@ -50,13 +54,16 @@ def test_the_layout_matches_what_the_staged_engine_serves(one_thread) -> None:
     assert sum(b >= first for b in table) == len(table) - 9  # 1 anchor, 8 window pages
 
 
-def test_both_points_run_and_the_staged_rows_read_compressed_pages(one_thread) -> None:
+def test_both_caches_run_at_every_context(one_thread) -> None:
     config = presets.PRESETS["tiny-qwen3.5"]
-    result = long_decode(args(16 * 24), config, 60.0)
-    fp8_kv, staged = result["points"]["fp8_kv"], result["points"]["staged"]
-    assert fp8_kv["compressed_pages_per_row"] == 0 and fp8_kv["recent_pages_per_row"] == 24
-    assert staged["compressed_pages_per_row"] == 24 - 9  # one anchor and 8 window pages recent
-    assert fp8_kv["decode_step_eager_ms"] > 0 and result["staged_over_fp8_kv"] > 0
+    result = long_decode(args(16 * 12, 16 * 24), config, 60.0)
+    assert set(result["points"]) == set(result["staged_over_fp8_kv"]) == {"192", "384"}
+    for context, pages in (("192", 12), ("384", 24)):
+        fp8_kv, staged = result["points"][context]["fp8_kv"], result["points"][context]["staged"]
+        assert fp8_kv["compressed_pages_per_row"] == 0 and fp8_kv["recent_pages_per_row"] == pages
+        # one anchor and 8 window pages recent
+        assert staged["compressed_pages_per_row"] == pages - 9
+        assert fp8_kv["decode_step_eager_ms"] > 0 and result["staged_over_fp8_kv"][context] > 0
 
 
 def test_a_staged_step_reads_the_codes_it_is_given(one_thread) -> None:
