@@ -572,6 +572,23 @@ def _dot(cache: StagedAttentionCache, q: torch.Tensor) -> Any:
     return tl.float16 if fp8 and q.is_cuda else dot_dtype(q.device)
 
 
+def check_staged_inputs(
+    q: torch.Tensor, cache: StagedAttentionCache, block_tables: torch.Tensor
+) -> None:
+    """What the staged attention kernels take: q [*, Hq, D] with a contiguous last dim, Hq a
+    multiple of the pools' Hkv, D a power of two, contiguous pools whose rows fit 32 bits."""
+    hq, dim = q.shape[-2:]
+    hkv = cache.k_cache.shape[2]
+    if q.stride(-1) != 1 or not (cache.k_cache.is_contiguous() and cache.v_cache.is_contiguous()):
+        raise ValueError("q needs a contiguous last dim and the caches must be contiguous")
+    if hq % hkv or triton.next_power_of_2(dim) != dim or block_tables.stride(1) != 1:
+        raise ValueError(
+            f"unsupported shape q {tuple(q.shape)}, cache {tuple(cache.k_cache.shape)}"
+        )
+    check_rows_fit_32_bits(cache.k_cache)
+    check_rows_fit_32_bits(cache.k_norms)
+
+
 def staged_attention_decode(
     q: torch.Tensor,
     cache: StagedAttentionCache,
@@ -597,14 +614,7 @@ def staged_attention_decode(
     context into `decode_splits`' count)."""
     batch, hq, dim = q.shape
     _, block_size, hkv, _ = cache.k_cache.shape
-    if q.stride(2) != 1 or not (cache.k_cache.is_contiguous() and cache.v_cache.is_contiguous()):
-        raise ValueError("q needs a contiguous last dim and the caches must be contiguous")
-    if hq % hkv or triton.next_power_of_2(dim) != dim or block_tables.stride(1) != 1:
-        raise ValueError(
-            f"unsupported shape q {tuple(q.shape)}, cache {tuple(cache.k_cache.shape)}"
-        )
-    check_rows_fit_32_bits(cache.k_cache)
-    check_rows_fit_32_bits(cache.k_norms)
+    check_staged_inputs(q, cache, block_tables)
     way = lookup or _LOOKUP
     if way not in ("tree", "prmt", "prmt_v3"):
         raise ValueError(f"lookup must be 'tree', 'prmt' or 'prmt_v3', got {way!r}")
@@ -872,12 +882,7 @@ def staged_attention_prefill(
     tokens, hq, dim = q.shape
     _, block_size, hkv, _ = cache.k_cache.shape
     num_seqs = cu_seqlens.shape[0] - 1
-    if q.stride(2) != 1 or not (cache.k_cache.is_contiguous() and cache.v_cache.is_contiguous()):
-        raise ValueError("q needs a contiguous last dim and the caches must be contiguous")
-    if hq % hkv or triton.next_power_of_2(dim) != dim or block_tables.stride(1) != 1:
-        raise ValueError(f"unsupported shape q {tuple(q.shape)}, cache {tuple(cache.k_cache.shape)}")  # fmt: skip
-    check_rows_fit_32_bits(cache.k_cache)
-    check_rows_fit_32_bits(cache.k_norms)
+    check_staged_inputs(q, cache, block_tables)
     out = torch.empty((tokens, hq, dim), dtype=q.dtype, device=q.device)
     if tokens == 0 or num_seqs == 0:
         return out
