@@ -2,10 +2,10 @@
 pages FP8, compressed pages TurboQuant codes + fp16 norms, every vector in the codec's rotated
 basis (worker/kvcache/turboquant.py). References: worker.kernels.reference.
 
-- `turboquant_restage`: one program per page, its block_size x Hkv vectors of K and V: norm,
-  nearest centroid per coordinate, codes packed LSB-first (byte j, bit t holds bit (8j + t) % b
-  of coordinate (8j + t) // b; each packed bit is computed from its own coordinate, so no
-  register shuffles are needed).
+- `turboquant_restage`: programs of 16 vectors of a page (its block_size x Hkv vectors of K
+  and V): norm, nearest centroid per coordinate (the count of decision bounds below it), codes
+  packed LSB-first (byte j, bit t holds bit (8j + t) % b of coordinate (8j + t) // b), so each
+  run of 8 coordinates is b whole bytes: a sum of shifted codes, stored bytewise.
 - `staged_attention_decode`: flash-decoding as `paged_attention_decode` (grid (sequence,
   kv head, split), the GQA group's query heads as the rows of one dot). A tile's codes load
   as whole words (8 coordinates per 32-bit word at 4 bits; the 3 bytes of 8 coordinates at 3
@@ -67,40 +67,43 @@ _LOOKUP = "prmt_v3"
 # 32 cache lines per load instruction); bench/engine/staged_kv.py times both
 _CODE_LOADS = "words"
 _INT32_SIGN = tl.constexpr(-(1 << 31))  # the fp32 sign bit as an int32
+# the re-encode's vectors a program (4 warps): 16 x 256 coordinates, 32 a thread
+_RESTAGE_ROWS = 16
 
 
 @triton.jit
-def _encode_row(
+def _encode_rows(
     src,
-    row,
+    rows,
     scale,
     bounds,
     codes,
     norms,
-    out_row,
+    out_rows,
     D: tl.constexpr,
     BITS: tl.constexpr,
-    NBYTES: tl.constexpr,
-    NBP: tl.constexpr,
+    R: tl.constexpr,
 ):
-    """Encode the vector src[row] (D values) into codes[out_row] and norms[out_row]."""
-    offs_d = tl.arange(0, D)
-    x = tl.load(src + row * D + offs_d).to(tl.float32) * scale
-    norm = tl.sqrt(tl.sum(x * x, 0))
-    tl.store(norms + out_row, norm.to(norms.dtype.element_ty))
-    # packed byte j, bit t: bit q % BITS of coordinate q // BITS, q = 8 j + t
-    byte = tl.arange(0, NBYTES)
-    q = byte[:, None] * 8 + tl.arange(0, 8)[None, :]  # [NBYTES, 8]
-    present = byte < (D * BITS // 8)
-    coord = tl.where(present[:, None], q // BITS, 0)
-    level = tl.arange(0, NBP)
-    b = tl.load(bounds + level, mask=level < (1 << BITS) - 1, other=float("inf"))
-    # the coordinates again, by bit position (L1 hits): u = x / |x| per packed bit
-    u = tl.load(src + row * D + coord).to(tl.float32) * (scale / tl.maximum(norm, 1e-30))
-    code = tl.sum((u[:, :, None] > b[None, None, :]).to(tl.int32), 2)
-    bit = (code >> (q % BITS)) & 1
-    packed = tl.sum(bit << tl.arange(0, 8)[None, :], 1)
-    tl.store(codes + out_row * (D * BITS // 8) + byte, packed.to(tl.uint8), mask=present)
+    """Encode the vectors src[rows] (R of D values) into codes[out_rows] and norms[out_rows].
+    Each run of 8 coordinates packs into BITS whole bytes of the LSB-first stream, so every
+    code is computed once and placed by a shift."""
+    G: tl.constexpr = D // 8
+    g = tl.arange(0, G)
+    t = tl.arange(0, 8)
+    raw = tl.load(src + rows[:, None, None] * D + (g[None, :, None] * 8 + t[None, None, :]))
+    raw = raw.to(tl.float32)  # [R, G, 8]
+    x = raw * scale
+    norm = tl.sqrt(tl.sum(tl.sum(x * x, 2), 1))  # [R]
+    tl.store(norms + out_rows, norm.to(norms.dtype.element_ty))
+    u = raw * (scale / tl.maximum(norm, 1e-30))[:, None, None]
+    # the code is the number of decision bounds below u (torch.bucketize's convention)
+    code = tl.zeros([R, G, 8], dtype=tl.int32)
+    for j in tl.static_range((1 << BITS) - 1):
+        code += (u > tl.load(bounds + j)).to(tl.int32)
+    word = tl.sum(code << (t * BITS)[None, None, :], 2)  # [R, G]: disjoint bits, so sum = or
+    out = codes + out_rows[:, None] * (D * BITS // 8) + g[None, :] * BITS
+    for b in tl.static_range(BITS):
+        tl.store(out + b, ((word >> (8 * b)) & 0xFF).to(tl.uint8))
 
 
 @kernel
@@ -119,25 +122,19 @@ def _restage_kernel(
     v_scale,
     D: tl.constexpr,
     ROWS: tl.constexpr,  # block_size * Hkv: the vectors of one page
+    R: tl.constexpr,  # vectors a program (divides ROWS)
     K_BITS: tl.constexpr,
     V_BITS: tl.constexpr,
-    K_NBYTES: tl.constexpr,
-    V_NBYTES: tl.constexpr,
-    NBP: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Grid (page, vector of the page)."""
+    """Grid (page, run of R vectors of the page)."""
     pdl_wait(PDL)
     i = tl.program_id(0)
-    r = tl.program_id(1)
-    row = tl.load(recent_blocks + i).to(tl.int64) * ROWS + r
-    out_row = tl.load(compressed_blocks + i).to(tl.int64) * ROWS + r
-    _encode_row(
-        k_cache, row, k_scale, k_bounds, k_codes, k_norms, out_row, D, K_BITS, K_NBYTES, NBP
-    )
-    _encode_row(
-        v_cache, row, v_scale, v_bounds, v_codes, v_norms, out_row, D, V_BITS, V_NBYTES, NBP
-    )
+    r = tl.program_id(1) * R + tl.arange(0, R)
+    rows = tl.load(recent_blocks + i).to(tl.int64) * ROWS + r
+    out_rows = tl.load(compressed_blocks + i).to(tl.int64) * ROWS + r
+    _encode_rows(k_cache, rows, k_scale, k_bounds, k_codes, k_norms, out_rows, D, K_BITS, R)
+    _encode_rows(v_cache, rows, v_scale, v_bounds, v_codes, v_norms, out_rows, D, V_BITS, R)
 
 
 def _scales(cache: StagedAttentionCache) -> tuple[float, float]:
@@ -154,12 +151,12 @@ def turboquant_restage(
         return
     _, block_size, hkv, dim = cache.k_cache.shape
     rows = block_size * hkv
-    if triton.next_power_of_2(dim) != dim or not cache.k_cache.is_contiguous():
+    if triton.next_power_of_2(dim) != dim or dim < 8 or not cache.k_cache.is_contiguous():
         raise ValueError(f"unsupported page shape {tuple(cache.k_cache.shape)}")
     k_scale, v_scale = _scales(cache)
-    k_bytes, v_bytes = dim * cache.k_bits // 8, dim * cache.v_bits // 8
     k_bounds, v_bounds = cache.decision_bounds()
-    _restage_kernel[(n, rows)](
+    per_program = min(rows & -rows, _RESTAGE_ROWS)  # a power of two that divides the page
+    _restage_kernel[(n, rows // per_program)](
         cache.k_cache,
         cache.v_cache,
         cache.k_codes,
@@ -175,12 +172,10 @@ def turboquant_restage(
         v_scale,
         D=dim,
         ROWS=rows,
+        R=per_program,
         K_BITS=cache.k_bits,
         V_BITS=cache.v_bits,
-        K_NBYTES=triton.next_power_of_2(k_bytes),
-        V_NBYTES=triton.next_power_of_2(v_bytes),
-        NBP=max(2, triton.next_power_of_2((1 << max(cache.k_bits, cache.v_bits)) - 1)),
-        num_warps=1,
+        num_warps=4,
     )
 
 
