@@ -13,6 +13,7 @@ and is skipped rather than started when it would not finish.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import sys
 import time
@@ -52,10 +53,11 @@ def one_prompt(engine: LLMEngine, length: int, vocab: int, rng: random.Random) -
     }
 
 
-def long_context(args: argparse.Namespace, config: Any, budget: float) -> dict[str, Any]:
-    began = time.perf_counter()
-    _, _, model = build_model(args, config, "fp8")
-    engine = LLMEngine(
+def worker_sized_engine(
+    model: Any, args: argparse.Namespace, kv_staging: str | None = None
+) -> LLMEngine:
+    """An engine sized as a worker is: the KV pool from free memory, the model's context limit."""
+    return LLMEngine(
         model,
         None,
         EngineConfig(
@@ -66,32 +68,33 @@ def long_context(args: argparse.Namespace, config: Any, budget: float) -> dict[s
             kv_dtype=torch.float8_e4m3fn,
             device=args.device,
             warm_up=False,
+            kv_staging=kv_staging,
         ),
     )
-    result: dict[str, Any] = {
-        "build_s": time.perf_counter() - began,
-        "max_model_len": engine.config.max_model_len,
-        "kv_blocks": engine.block_manager.num_blocks,
-        "kv_tokens": engine.block_manager.num_blocks * 16,
-        "max_num_batched_tokens": args.long_batched_tokens,
-        "single": [],
-    }
-    rng = random.Random(args.seed)
-    one_prompt(engine, 4096, config.vocab_size, rng)  # compiles the prefill and decode paths
+
+
+def single_prompts(
+    engine: LLMEngine, lengths: list[int], vocab: int, rng: random.Random, deadline: float
+) -> list[dict[str, Any]]:
+    """`one_prompt` at each length (the model's limit at most), after a 4K prompt that compiles
+    the prefill and decode paths; a length whose estimate (the previous point's prefill rate,
+    quadratic in the length) would pass `deadline` is skipped."""
+    one_prompt(engine, 4096, vocab, rng)
+    points: list[dict[str, Any]] = []
     rate: float | None = None
     last_len = 0
-    for length in SINGLE_LENGTHS:
+    for length in lengths:
         length = min(length, engine.config.max_model_len)
         if length == last_len:  # a model with a shorter context: each length once
             continue
-        left = budget - (time.perf_counter() - began)
+        left = deadline - time.perf_counter()
         estimate = 0.0 if rate is None else length / rate * (length / last_len) + 10
         if estimate > left:
-            result["single"].append({"length": length, "skipped": f"budget ({estimate:.0f} s)"})
+            points.append({"length": length, "skipped": f"budget ({estimate:.0f} s)"})
             continue
-        point = one_prompt(engine, length, config.vocab_size, rng)
+        point = one_prompt(engine, length, vocab, rng)
         point["length"] = length
-        result["single"].append(point)
+        points.append(point)
         rate, last_len = point["prefill_tok_s"], length
         print(
             f"  {length} tokens: TTFT {point['ttft_s']:.2f} s, "
@@ -99,6 +102,70 @@ def long_context(args: argparse.Namespace, config: Any, budget: float) -> dict[s
             f"decode {point['decode_ms_per_token']:.2f} ms/token",
             file=sys.stderr,
         )
+    return points
+
+
+# (name, kv_staging, staged prefill way) of `long_prompts_by_cache`
+CACHES = (
+    ("fp8_kv", None, None),
+    ("staged", "k4v3", "scratch"),
+    ("staged_direct", "k4v3", "direct"),
+)
+
+
+def long_prompts_by_cache(args: argparse.Namespace, config: Any, budget: float) -> dict[str, Any]:
+    """Single long prompts (`--long-prompt-lengths`) through FP8 KV, then staged KV (K4/V3)
+    with each staged prefill way: "scratch" decodes every compressed page a chunk's tables name
+    into a 16-bit scratch per chunk, "direct" decodes each key tile in the prefill kernel.
+    One model; one worker-sized engine at a time, each an equal share of the time left."""
+    from worker.kernels.triton import turboquant
+
+    began = time.perf_counter()
+    _, _, model = build_model(args, config, "fp8")
+    lengths = [int(n) for n in str(args.long_prompt_lengths).split(",") if n]
+    result: dict[str, Any] = {"lengths": lengths, "build_s": time.perf_counter() - began}
+    rng = random.Random(args.seed)
+    for i, (name, staging, way) in enumerate(CACHES):
+        share = (budget - (time.perf_counter() - began)) / (len(CACHES) - i)
+        print(f"  {name}", file=sys.stderr)
+        kept = turboquant._PREFILL
+        turboquant._PREFILL = way or kept
+        try:
+            engine = worker_sized_engine(model, args, staging)
+            result[name] = {
+                "kv_blocks": engine.block_manager.num_blocks,
+                "compressed_blocks": engine.block_manager.num_compressed_blocks,
+                "single": single_prompts(
+                    engine, lengths, config.vocab_size, rng, time.perf_counter() + share
+                ),
+            }
+            del engine
+        finally:
+            turboquant._PREFILL = kept
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    result["section_s"] = time.perf_counter() - began
+    return result
+
+
+def long_context(args: argparse.Namespace, config: Any, budget: float) -> dict[str, Any]:
+    began = time.perf_counter()
+    _, _, model = build_model(args, config, "fp8")
+    engine = worker_sized_engine(model, args)
+    result: dict[str, Any] = {
+        "build_s": time.perf_counter() - began,
+        "max_model_len": engine.config.max_model_len,
+        "kv_blocks": engine.block_manager.num_blocks,
+        "kv_tokens": engine.block_manager.num_blocks * 16,
+        "max_num_batched_tokens": args.long_batched_tokens,
+    }
+    rng = random.Random(args.seed)
+    result["single"] = single_prompts(
+        engine, list(SINGLE_LENGTHS), config.vocab_size, rng, began + budget
+    )
+    done = [p for p in result["single"] if "prefill_tok_s" in p]
+    rate = done[-1]["prefill_tok_s"] if done else None
     n, length = CONCURRENT[0], min(CONCURRENT[1], engine.config.max_model_len)
     left = budget - (time.perf_counter() - began)
     estimate = 0.0 if rate is None else n * length / rate + 20

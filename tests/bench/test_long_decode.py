@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 
-import pytest
 import torch
 
 from bench.engine.long_decode import decode_step_at, long_decode, long_decode_engine, page_tables
@@ -82,11 +81,3 @@ def test_a_staged_step_reads_the_codes_it_is_given(one_thread) -> None:
             cache.k_codes.random_(0, 256, generator=torch.Generator().manual_seed(0))
         after = runner._logits(inputs.input_ids(2), inputs.meta(2))
     assert not torch.allclose(before, after)
-
-
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
