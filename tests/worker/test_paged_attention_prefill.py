@@ -91,6 +91,27 @@ def test_prefill_single_sequence_and_strided_queries() -> None:
     assert rel_err(out, reference.paged_attention_prefill(*args)) < 1e-2
 
 
+@pytest.mark.parametrize("chunks", [[(45, 50), (0, 33)], [(150, 14)]])
+def test_widened_fp8_pages_give_the_same_output(chunks: list[tuple[int, int]]) -> None:
+    """FP8 pages widened into the fp16 scratch first: the same values in the same dots."""
+    args = prefill_args(chunks, 6, 2, 32, 16, True, "cpu")
+    plain = paged_attention_prefill(*args, widen_from_tokens=0)
+    widened = paged_attention_prefill(*args, widen_from_tokens=1)
+    assert torch.equal(plain, widened)
+
+
+def test_widened_pages_follow_the_tables() -> None:
+    from worker.kernels.triton.paged_attention import widened_pages
+
+    _, k_cache, v_cache, _, _, tables, *_ = prefill_args([(20, 20)], 2, 2, 32, 16, True, "cpu")
+    keys, values, into = widened_pages(k_cache, v_cache, tables)
+    assert keys.dtype == values.dtype == torch.float16 and into.shape == tables.shape
+    for b, row in enumerate(tables.tolist()):
+        for i, page in enumerate(row):
+            assert torch.equal(keys[into[b, i]], k_cache[page].to(torch.float16))
+            assert torch.equal(values[into[b, i]], v_cache[page].to(torch.float16))
+
+
 def test_registry_prefers_triton_prefill_on_cuda_only() -> None:
     names = [impl.name for impl in ops.implementations("paged_attention_prefill")]
     assert names[0] == "triton.paged_prefill" and names[-1] == "reference"
@@ -110,6 +131,8 @@ def test_gpu_paged_attention_prefill_27b(fp8: bool) -> None:
         args = prefill_args(chunks, 24, 4, 256, 16, fp8, "cuda")
         out = paged_attention_prefill(*args)
         assert rel_err(out, reference.paged_attention_prefill(*args)) < 1e-2
+        if fp8:  # the same kernel over pages widened first: the same output
+            assert torch.equal(out, paged_attention_prefill(*args, widen_from_tokens=1))
 
 
 # Compiles the 27B-shape kernel for sm_90 and prints the cubin's resource usage. In a fresh
@@ -129,7 +152,7 @@ pointers = {"q": "*bf16", "k_cache": "*" + kv, "v_cache": "*" + kv, "cu_seqlens"
 scalars = {"qk_scale": "fp32", "v_scale": "fp32", "num_seqs": "i32", "stride_qt": "i32",
            "stride_qh": "i32", "stride_bt": "i32"}
 constexprs = dict(HQ=24, HKV=4, D=256, BLOCK_SIZE=16, BM=block_m, BN=block_n, SEQS=8,
-                  DOT=tl.float16 if kv == "fp8e4nv" else tl.bfloat16, PDL=True)
+                  DOT=tl.float16 if kv in ("fp8e4nv", "fp16") else tl.bfloat16, PDL=True)
 signature = {**pointers, **scalars, **dict.fromkeys(constexprs, "constexpr")}
 names = list(signature)
 # what the launcher specializes at run time: 16-byte aligned pointers, strides multiple of 16
@@ -155,7 +178,7 @@ with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv", ["bf16", "fp8e4nv"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8e4nv", "fp16"])  # fp16: FP8 pages widened
 def test_prefill_compiles_for_hopper_without_spills(kv: str) -> None:
     """The 27B-shape kernel compiled ahead of time for sm_90 (no GPU needed): it builds, its K/V
     loads are pipelined (cp.async), it uses wgmma, and its registers do not spill."""

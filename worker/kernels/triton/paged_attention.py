@@ -13,7 +13,8 @@ dot (q too; post-norm queries are far inside fp16's range); k_scale folds into t
 the dots run in fp32 (its bf16 dot multiplies raw bits).
 
 Prefill (a chunk of query tokens per sequence) is `paged_attention_prefill`, further down:
-flash attention over the same caches, grid (query head, query tile), same fp8 handling.
+flash attention over the same caches, grid (query head, query tile), same fp8 handling; over a
+long context the FP8 pages are widened once into a 16-bit scratch first (`widened_pages`).
 
 Size: Decode and prefill kernels over one paged layout, with their launchers: they share the
 page-addressing code.
@@ -426,6 +427,27 @@ def prefill_tiles(dim: int) -> tuple[int, int, int]:
     return 64, 64, 4
 
 
+# FP8 pages widen to fp16 inside the prefill kernel once per query tile and query head, so over a
+# long context the conversions, not the bytes, may bound it. From this many tokens of table
+# width a chunk's pages are widened once, into an fp16 scratch (exact: every e4m3 value is an
+# fp16 value), and the kernel runs on 16-bit pages with the same dot type: the same output.
+# 0: never (bench.engine.suite's long_prompt_caches times both).
+FP8_SCRATCH_FROM_TOKENS = 0
+
+
+def widened_pages(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(keys, values, tables): every page the tables [B, M] name, in fp16, as caches [B * M,
+    block_size, Hkv, D], and the tables into them."""
+    batch, width = block_tables.shape
+    pages = block_tables.reshape(-1).long()
+    keys = k_cache.index_select(0, pages).to(torch.float16)
+    values = v_cache.index_select(0, pages).to(torch.float16)
+    tables = torch.arange(batch * width, dtype=torch.int32, device=block_tables.device)
+    return keys, values, tables.view(batch, width)
+
+
 def paged_attention_prefill(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -441,9 +463,12 @@ def paged_attention_prefill(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    widen_from_tokens: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's chunk q [T, Hq, D] over its context in the caches
-    [num_blocks, block_size, Hkv, D] (bf16/fp16 or fp8 e4m3): cached prefix + this chunk."""
+    [num_blocks, block_size, Hkv, D] (bf16/fp16 or fp8 e4m3): cached prefix + this chunk.
+    FP8 pages go through `widened_pages` from `widen_from_tokens` of table width (default
+    FP8_SCRATCH_FROM_TOKENS; 0: never)."""
     tokens, hq, dim = q.shape
     _, block_size, hkv, _ = k_cache.shape
     num_seqs = cu_seqlens.shape[0] - 1
@@ -454,6 +479,12 @@ def paged_attention_prefill(
     out = torch.empty((tokens, hq, dim), dtype=q.dtype, device=q.device)
     if tokens == 0 or num_seqs == 0:
         return out
+    fp8 = k_cache.dtype.itemsize == 1
+    # fp8 widens to fp16 in one instruction (to bf16 it takes a detour through fp32)
+    dot = tl.float16 if fp8 and q.is_cuda else dot_dtype(q.device)
+    widen_from = FP8_SCRATCH_FROM_TOKENS if widen_from_tokens is None else widen_from_tokens
+    if fp8 and 0 < widen_from <= block_tables.shape[1] * block_size:
+        k_cache, v_cache, block_tables = widened_pages(k_cache, v_cache, block_tables)
     bm, bn, warps = prefill_tiles(dim)
     bm, bn, warps = block_m or bm, block_n or bn, num_warps or warps
     _prefill_kernel[(hq, triton.cdiv(tokens, bm) + num_seqs)](
@@ -478,8 +509,7 @@ def paged_attention_prefill(
         BM=bm,
         BN=bn,
         SEQS=triton.next_power_of_2(num_seqs),
-        # fp8 widens to fp16 in one instruction (to bf16 it takes a detour through fp32)
-        DOT=tl.float16 if k_cache.dtype.itemsize == 1 and q.is_cuda else dot_dtype(q.device),
+        DOT=dot,
         num_warps=warps,
         num_stages=num_stages,
     )
