@@ -100,6 +100,20 @@ def test_widened_fp8_pages_give_the_same_output(chunks: list[tuple[int, int]]) -
     assert torch.equal(plain, widened)
 
 
+def test_no_scratch_past_its_byte_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.kernels.triton import paged_attention
+
+    made: list[int] = []
+    widen = paged_attention.widened_pages
+    monkeypatch.setattr(paged_attention, "widened_pages", lambda *a: made.append(1) or widen(*a))
+    args = prefill_args([(40, 8)], 2, 2, 32, 16, True, "cpu")
+    paged_attention_prefill(*args, widen_from_tokens=1)
+    assert made == [1]
+    monkeypatch.setattr(paged_attention, "FP8_SCRATCH_MAX_BYTES", 1024)
+    paged_attention_prefill(*args, widen_from_tokens=1)
+    assert made == [1]
+
+
 def test_widened_pages_follow_the_tables() -> None:
     from worker.kernels.triton.paged_attention import widened_pages
 

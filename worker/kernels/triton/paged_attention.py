@@ -428,11 +428,16 @@ def prefill_tiles(dim: int) -> tuple[int, int, int]:
 
 
 # FP8 pages widen to fp16 inside the prefill kernel once per query tile and query head, so over a
-# long context the conversions, not the bytes, may bound it. From this many tokens of table
-# width a chunk's pages are widened once, into an fp16 scratch (exact: every e4m3 value is an
-# fp16 value), and the kernel runs on 16-bit pages with the same dot type: the same output.
-# 0: never (bench.engine.suite's long_prompt_caches times both).
-FP8_SCRATCH_FROM_TOKENS = 0
+# long context the conversions, not the bytes, bound it. From this many tokens of table width a
+# chunk's pages are widened once, into an fp16 scratch (exact: every e4m3 value is an fp16
+# value), and the kernel runs on 16-bit pages with the same dot type: the same output. On one
+# H200 (27B shape, one prompt, 8K chunks): TTFT at 8K 0.49 s either way, at 32K 2.54 -> 2.39 s,
+# at 128K 19.43 -> 16.64 s (docs/performance.md, "Long context"). 0: never.
+FP8_SCRATCH_FROM_TOKENS = 16_384
+# ... while the scratch (B x table width pages of K and V) stays under this many bytes: 262K
+# tokens of one sequence at the 27B shape take 1 GiB; a step of many long rows keeps the
+# in-kernel widening rather than a scratch of several GiB
+FP8_SCRATCH_MAX_BYTES = 2 << 30
 
 
 def widened_pages(
@@ -468,7 +473,7 @@ def paged_attention_prefill(
     """Causal attention of each sequence's chunk q [T, Hq, D] over its context in the caches
     [num_blocks, block_size, Hkv, D] (bf16/fp16 or fp8 e4m3): cached prefix + this chunk.
     FP8 pages go through `widened_pages` from `widen_from_tokens` of table width (default
-    FP8_SCRATCH_FROM_TOKENS; 0: never)."""
+    FP8_SCRATCH_FROM_TOKENS; 0: never) while the scratch fits FP8_SCRATCH_MAX_BYTES."""
     tokens, hq, dim = q.shape
     _, block_size, hkv, _ = k_cache.shape
     num_seqs = cu_seqlens.shape[0] - 1
@@ -483,8 +488,10 @@ def paged_attention_prefill(
     # fp8 widens to fp16 in one instruction (to bf16 it takes a detour through fp32)
     dot = tl.float16 if fp8 and q.is_cuda else dot_dtype(q.device)
     widen_from = FP8_SCRATCH_FROM_TOKENS if widen_from_tokens is None else widen_from_tokens
+    scratch_bytes = 4 * block_tables.numel() * k_cache[0].numel()  # K and V, 2 bytes a value
     if fp8 and 0 < widen_from <= block_tables.shape[1] * block_size:
-        k_cache, v_cache, block_tables = widened_pages(k_cache, v_cache, block_tables)
+        if scratch_bytes <= FP8_SCRATCH_MAX_BYTES:
+            k_cache, v_cache, block_tables = widened_pages(k_cache, v_cache, block_tables)
     bm, bn, warps = prefill_tiles(dim)
     bm, bn, warps = block_m or bm, block_n or bn, num_warps or warps
     _prefill_kernel[(hq, triton.cdiv(tokens, bm) + num_seqs)](
