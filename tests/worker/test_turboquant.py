@@ -86,6 +86,18 @@ def test_pack_roundtrip(bits: int):
     assert torch.equal(tq.unpack_codes(packed, bits, D), codes)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_a_folded_code_is_its_sign_and_magnitude(bits: int):
+    """Stored codes: the top bit the sign, the low bits a magnitude of the lower half."""
+    centroids, _ = tq.codebook(256, bits)
+    codes = torch.arange(1 << bits)
+    folded = tq.fold_codes(codes, bits)
+    assert torch.equal(tq.fold_codes(folded, bits), codes)  # an involution
+    half = 1 << (bits - 1)
+    sign = torch.where(folded >= half, -1.0, 1.0)
+    assert torch.equal(centroids[codes], sign * centroids[folded % half])
+
+
 def test_pack_layout_is_an_lsb_first_bit_stream():
     # 3-bit codes 1..8 (mod 8): coordinate 2 straddles bytes 0 and 1
     codes = torch.tensor([[5, 3, 6, 1, 7, 0, 2, 4]])

@@ -6,8 +6,10 @@ norm (fp16) and b-bit codes of the coordinates of the rotated unit vector R x / 
 - After a random rotation each coordinate of a unit vector follows the density
   f(t) ~ (1 - t^2)^((d - 3) / 2) on [-1, 1] (about N(0, 1/d)); the b-bit scalar quantizer is the
   Lloyd-Max quantizer of that density, computed once per (d, b) in `codebook`.
-- Codes are packed LSB-first into a bit stream of d * b / 8 bytes: coordinate i holds bits
-  [b i, b i + b) (a 3-bit code may straddle two bytes). `pack_codes` / `unpack_codes`.
+- Codes are stored folded (`fold_codes`: the upper half of the codebook mirrored, so a code's
+  low b - 1 bits index the magnitudes of the lower half and its top bit is the sign) and packed
+  LSB-first into a bit stream of d * b / 8 bytes: coordinate i holds bits [b i, b i + b) (a
+  3-bit code may straddle two bytes). `pack_codes` / `unpack_codes`.
 
 The expected squared error of a unit vector is d * E[(t - Q(t))^2]: 0.363, 0.118, 0.0345,
 0.0095 at 1-4 bits (the paper's 0.36 / 0.117 / 0.03 / 0.009).
@@ -149,6 +151,15 @@ def packed_bytes(dim: int, bits: int) -> int:
     return dim * bits // 8
 
 
+def fold_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Centroid indices <-> their stored form (an involution): an index c in the upper half,
+    c >= h = 2^(b-1), becomes c ^ (h - 1). With the symmetric codebook (c[2^b - 1 - i] =
+    -c[i]) the stored code's low b - 1 bits then index the magnitudes c[0..h) and its top bit
+    is the sign, so a decoder takes both off the bits as they are, with no mirror per code."""
+    half = 1 << (bits - 1)
+    return codes ^ ((codes >> (bits - 1)) * (half - 1))
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes [..., d] (integers < 2^bits) -> uint8 [..., d * bits / 8], LSB-first bit stream."""
     dim = codes.shape[-1]
@@ -172,7 +183,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Encoded:
-    codes: torch.Tensor  # uint8 [..., d * bits / 8]
+    codes: torch.Tensor  # uint8 [..., d * bits / 8], folded codes packed
     norms: torch.Tensor  # fp16 [...]
 
 
@@ -185,13 +196,13 @@ def quantize_rotated(y: torch.Tensor, bits: int) -> Encoded:
     unit = yf / norms.clamp_min(1e-30).unsqueeze(-1)
     _, bounds = codebook(dim, bits, y.device)
     codes = torch.bucketize(unit, bounds)
-    return Encoded(pack_codes(codes, bits), norms.to(torch.float16))
+    return Encoded(pack_codes(fold_codes(codes, bits), bits), norms.to(torch.float16))
 
 
 def dequantize_rotated(encoded: Encoded, bits: int, dim: int) -> torch.Tensor:
     """The rotated-basis vectors [..., d] (fp32) the codes stand for: centroid * norm."""
     centroids, _ = codebook(dim, bits, encoded.codes.device)
-    values = centroids[unpack_codes(encoded.codes, bits, dim)]
+    values = centroids[fold_codes(unpack_codes(encoded.codes, bits, dim), bits)]
     return values * encoded.norms.float().unsqueeze(-1)
 
 

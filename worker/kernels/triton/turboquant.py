@@ -4,8 +4,9 @@ basis (worker/kvcache/turboquant.py). References: worker.kernels.reference.
 
 - `turboquant_restage`: programs of 16 vectors of a page (its block_size x Hkv vectors of K
   and V): norm, nearest centroid per coordinate (the count of decision bounds below it), codes
-  packed LSB-first (byte j, bit t holds bit (8j + t) % b of coordinate (8j + t) // b), so each
-  run of 8 coordinates is b whole bytes: a sum of shifted codes, stored bytewise.
+  folded (`turboquant.fold_codes`: the decoders read magnitude and sign off the bits as they
+  are) and packed LSB-first (byte j, bit t holds bit (8j + t) % b of coordinate (8j + t) // b),
+  so each run of 8 coordinates is b whole bytes: a sum of shifted codes, stored bytewise.
 - `staged_attention_decode`: flash-decoding as `paged_attention_decode` (grid (sequence,
   kv head, split), the GQA group's query heads as the rows of one dot). A tile's codes load
   as whole words (8 coordinates per 32-bit word at 4 bits; the 3 bytes of 8 coordinates at 3
@@ -100,6 +101,7 @@ def _encode_rows(
     code = tl.zeros([R, G, 8], dtype=tl.int32)
     for j in tl.static_range((1 << BITS) - 1):
         code += (u > tl.load(bounds + j)).to(tl.int32)
+    code = code ^ ((code >> (BITS - 1)) * ((1 << (BITS - 1)) - 1))  # stored folded (fold_codes)
     word = tl.sum(code << (t * BITS)[None, None, :], 2)  # [R, G]: disjoint bits, so sum = or
     out = codes + out_rows[:, None] * (D * BITS // 8) + g[None, :] * BITS
     for b in tl.static_range(BITS):
@@ -244,26 +246,26 @@ def _code_groups(codes, crow, mask, D: tl.constexpr, BITS: tl.constexpr, WORDS: 
 
 
 @triton.jit
-def _slot(t, x, cb, SLOT: tl.constexpr, BITS: tl.constexpr):
-    """Centroid of code SLOT of each group: a select tree on the folded magnitude bits, the
-    sign bit (the code's top bit) xor-ed into the float."""
+def _slot(t, cb, SLOT: tl.constexpr, BITS: tl.constexpr):
+    """Centroid of code SLOT of each group: a select tree on the folded code's magnitude bits,
+    its sign bit (the top bit) xor-ed into the float."""
     s: tl.constexpr = SLOT * BITS
     if BITS == 1:
         mag = tl.zeros(t.shape, tl.float32) + cb[0]
     else:
-        p0 = (x & (1 << s)) != 0
+        p0 = (t & (1 << s)) != 0
         if BITS == 2:
             mag = tl.where(p0, cb[1], cb[0])
         else:
             a = tl.where(p0, cb[1], cb[0])
             b = tl.where(p0, cb[3], cb[2])
-            p1 = (x & (1 << (s + 1))) != 0
+            p1 = (t & (1 << (s + 1))) != 0
             if BITS == 3:
                 mag = tl.where(p1, b, a)
             else:
                 c = tl.where(p0, cb[5], cb[4])
                 d = tl.where(p0, cb[7], cb[6])
-                p2 = (x & (1 << (s + 2))) != 0
+                p2 = (t & (1 << (s + 2))) != 0
                 mag = tl.where(p2, tl.where(p1, d, c), tl.where(p1, b, a))
     top: tl.constexpr = s + BITS - 1
     sign = (t << (31 - top)) & _INT32_SIGN
@@ -274,33 +276,30 @@ def _slot(t, x, cb, SLOT: tl.constexpr, BITS: tl.constexpr):
 def _decode_codes(t, cb, D: tl.constexpr, BITS: tl.constexpr):
     """Unit-vector coordinates [R, D] fp32 (centroids, no norm) of the code groups t [R, D / 8]
     (`_code_groups`), in the natural coordinate order, with no gathers: code i of a group is
-    bits [b i, b i + b) of its int; a code in the upper half of the codebook is the mirror
-    (bits xor 2^(b-1) - 1) of one in the lower half, negated, so the tree has 2^(b-1) leaves."""
-    if BITS == 1:
-        x = t
-    else:
-        low: tl.constexpr = ((1 << (8 * BITS)) - 1) // ((1 << BITS) - 1)  # bit 0 of each code
-        x = t ^ (((t >> (BITS - 1)) & low) * ((1 << (BITS - 1)) - 1))
-    v0 = _slot(t, x, cb, 0, BITS)
-    v1 = _slot(t, x, cb, 1, BITS)
-    v2 = _slot(t, x, cb, 2, BITS)
-    v3 = _slot(t, x, cb, 3, BITS)
-    v4 = _slot(t, x, cb, 4, BITS)
-    v5 = _slot(t, x, cb, 5, BITS)
-    v6 = _slot(t, x, cb, 6, BITS)
-    v7 = _slot(t, x, cb, 7, BITS)
+    bits [b i, b i + b) of its int, stored folded (`turboquant.fold_codes`): its low b - 1 bits
+    index the magnitudes of the codebook's lower half and its top bit is the sign, so the tree
+    has 2^(b-1) leaves."""
+    v0 = _slot(t, cb, 0, BITS)
+    v1 = _slot(t, cb, 1, BITS)
+    v2 = _slot(t, cb, 2, BITS)
+    v3 = _slot(t, cb, 3, BITS)
+    v4 = _slot(t, cb, 4, BITS)
+    v5 = _slot(t, cb, 5, BITS)
+    v6 = _slot(t, cb, 6, BITS)
+    v7 = _slot(t, cb, 7, BITS)
     # [R, G, 2, 2, 2], index (d1, d2, d3) = slot 4 d1 + 2 d2 + d3: row-major = natural order
     r0 = tl.join(tl.join(v0, v4), tl.join(v2, v6))
     r1 = tl.join(tl.join(v1, v5), tl.join(v3, v7))
     return tl.reshape(tl.join(r0, r1), [t.shape[0], D])
 
 
-# 4-bit codes by byte permutes (PTX `prmt`): per group (8 codes, one word t, x the folded
-# word of `_decode_codes`), the fp16/bf16 bytes of the 8 magnitudes are two 8-entry byte tables
-# (lo: $10 $11, hi: $12 $13); x's nibbles (top bits masked) select 4 bytes per prmt, the code's
-# top bits become sign masks by prmt's sign-replicate mode (bit 7 of each byte of t and t << 4),
-# and two prmts per pair interleave lo and hi bytes into half2 words: 20 integer instructions
-# per 8 coordinates, where the select tree takes ~8 per coordinate.
+# 4-bit codes by byte permutes (PTX `prmt`): per group (8 folded codes, one word, passed as $8
+# for the signs and $9 for the magnitudes), the fp16/bf16 bytes of the 8 magnitudes are two
+# 8-entry byte tables (lo: $10 $11, hi: $12 $13); the nibbles (top bits masked) select 4 bytes
+# per prmt, the top bits become sign masks by prmt's sign-replicate mode (bit 7 of each byte of
+# the word and the word << 4), and two prmts per pair interleave lo and hi bytes into half2
+# words: 16 integer instructions per 8 coordinates, where the select tree takes ~8 per
+# coordinate.
 _PRMT_4BIT: tl.constexpr = tl.constexpr(
     "{\n.reg .b32 s03, s47, l03, h03, l47, h47, t4, g03, g47, p01, p23, p45, p67;\n"
     "and.b32 s03, $9, 0x7777;\nshr.u32 s47, $9, 16;\nand.b32 s47, s47, 0x7777;\n"
@@ -337,10 +336,10 @@ def _byte_tables(cb, DOT: tl.constexpr):
 
 @triton.jit
 def _nibbles3(t):
-    """The 8 3-bit codes of a group (bits 3i..3i+3 of t) one per nibble (nibble i), bit 3 of
-    each nibble a copy of the code's top bit: 3-bit codes in the form `_decode_codes_prmt`
-    takes. With the 3-bit half codebook as its tables (c[0..3], repeated), nibble c + 8 (c >= 4)
-    decodes to -c[15 - (c + 8)] = -c[7 - c]: code c's centroid. 8 integer instructions."""
+    """The 8 folded 3-bit codes of a group (bits 3i..3i+3 of t) one per nibble (nibble i), bit 3
+    of each nibble a copy of the code's top bit (its sign): 3-bit codes in the form
+    `_decode_codes_prmt` takes, with the 3-bit half codebook as its tables (c[0..3], repeated,
+    so bit 2 of a nibble picks the same magnitude). 8 integer instructions."""
     x = (t & 0xFFF) | ((t << 4) & 0xFFF0000)  # codes 4..7 to the upper half
     x = (x & 0x3F003F) | ((x << 2) & 0x3F003F00)  # pairs of codes to bytes
     x = (x & 0x07070707) | ((x << 1) & 0x70707070)  # codes to nibbles
@@ -350,9 +349,8 @@ def _nibbles3(t):
 @triton.jit
 def _decode_codes_prmt(t, tables, D: tl.constexpr, DOT: tl.constexpr):
     """`_decode_codes` of 4-bit codes, in DOT, by byte permutes (CUDA only: inline PTX)."""
-    x = t ^ (((t >> 3) & 0x11111111) * 7)
     zero = t * 0
-    args = [t, x, zero + tables[0], zero + tables[1], zero + tables[2], zero + tables[3]]
+    args = [t, t, zero + tables[0], zero + tables[1], zero + tables[2], zero + tables[3]]
     if DOT == tl.bfloat16:
         v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
             _PRMT_4BIT, _PRMT_CONSTRAINTS, args, (tl.bfloat16,) * 8, True, 1
