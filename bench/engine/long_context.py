@@ -7,7 +7,13 @@ context limit from the model's config (262,144 for Qwen3.6). Each point checks t
 time budget first (its estimate: the previous point's prefill rate, quadratic in the length)
 and is skipped rather than started when it would not finish.
 
+`long_prompts_by_cache` (the suite's long_prompt_caches section) serves single prompts of
+`--long-prompt-lengths` through each cache of `CACHES` in turn, on one model: FP8 KV with its
+pages widened inside the prefill kernel or into an fp16 scratch first, staged KV with each
+prefill way.
+
     PYTHONPATH=. python3 -m bench.engine.suite --sections long_context --budget-s 540
+    PYTHONPATH=. python3 -m bench.engine.suite --sections long_prompt_caches
 """
 
 from __future__ import annotations

@@ -488,10 +488,10 @@ def paged_attention_prefill(
     # fp8 widens to fp16 in one instruction (to bf16 it takes a detour through fp32)
     dot = tl.float16 if fp8 and q.is_cuda else dot_dtype(q.device)
     widen_from = FP8_SCRATCH_FROM_TOKENS if widen_from_tokens is None else widen_from_tokens
+    long_enough = 0 < widen_from <= block_tables.shape[1] * block_size
     scratch_bytes = 4 * block_tables.numel() * k_cache[0].numel()  # K and V, 2 bytes a value
-    if fp8 and 0 < widen_from <= block_tables.shape[1] * block_size:
-        if scratch_bytes <= FP8_SCRATCH_MAX_BYTES:
-            k_cache, v_cache, block_tables = widened_pages(k_cache, v_cache, block_tables)
+    if fp8 and long_enough and scratch_bytes <= FP8_SCRATCH_MAX_BYTES:
+        k_cache, v_cache, block_tables = widened_pages(k_cache, v_cache, block_tables)
     bm, bn, warps = prefill_tiles(dim)
     bm, bn, warps = block_m or bm, block_n or bn, num_warps or warps
     _prefill_kernel[(hq, triton.cdiv(tokens, bm) + num_seqs)](
