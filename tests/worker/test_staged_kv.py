@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -92,6 +94,56 @@ def test_restage_stops_at_the_limit_and_when_the_compressed_pool_is_full():
     assert sum(bm.is_compressed(x) for x in a.block_table) == 4
     assert sum(bm.is_compressed(x) for x in b.block_table) == 1
     assert bm.restage([a, b], step=3) == []  # stays FP8 until compressed blocks free up
+
+
+def brute_force_stale_pages(bm: BlockManager, s: Sequence, step: int) -> list[int]:
+    """`stale_pages` by its definition: every page past the anchors and before the window that
+    is recent and old enough."""
+    table = s.block_table
+    return [
+        i
+        for i in range(bm.anchor_pages, len(table) - bm.window_pages)
+        if not bm.is_compressed(table[i]) and step - bm.last_write_step[table[i]] >= bm.min_age
+    ]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["prefill", "decode", "restage", "free"]),
+            st.integers(0, 3),
+            st.integers(1, 40),
+        ),
+        max_size=60,
+    ),
+    st.integers(0, 12),
+    st.integers(1, 3),
+)
+def test_stale_pages_agree_with_their_definition(ops: list[tuple[str, int, int]], pool: int, window: int):  # fmt: skip
+    """Random prefill chunks, decode tokens, restages (a small compressed pool that runs out,
+    page limits) and frees of four sequences: at every step the bisection finds the pages the
+    definition does."""
+    bm = BlockManager(400, 4, num_compressed_blocks=pool, window_pages=window, anchor_pages=1)
+    seqs = [seq(i) for i in range(4)]
+    written = [0] * 4  # tokens each sequence holds
+    for step, (op, who, n) in enumerate(ops, start=1):
+        s = seqs[who]
+        if op in ("prefill", "decode"):
+            end = written[who] + (n if op == "prefill" else 1)
+            if bm.num_new_blocks(s, end) > bm.num_free_blocks:
+                continue
+            bm.grow(s, end)
+            bm.record_write(s, written[who], end, step)
+            written[who] = end
+        elif op == "restage":
+            bm.restage(seqs, step, max_pages=n % 5 or None)
+        else:
+            bm.free(s)
+            written[who] = 0
+        for t in seqs:
+            for later in (step, step + 1, step + 5):
+                assert bm.stale_pages(t, later) == brute_force_stale_pages(bm, t, later)
 
 
 def test_without_compressed_blocks_nothing_moves():

@@ -27,6 +27,7 @@ could hold without it.
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict, deque
 from collections.abc import Hashable
 
@@ -264,14 +265,23 @@ class BlockManager:
 
     def stale_pages(self, seq: Sequence, step: int) -> list[int]:
         """Indices into `seq.block_table` of its recent pages that aged out at `step`: past the
-        anchors, before the window of the last `window_pages`, last written >= min_age ago."""
+        anchors, before the window of the last `window_pages`, last written >= min_age ago.
+
+        Found without a scan of the table: a sequence writes its pages in order, so their last
+        writes never decrease along the table, and `restage` moves stale pages in table order,
+        so past the anchors the compressed pages are a prefix and the stale recent ones follow
+        it: a bisection to the first recent page, then the pages up to the first fresh one."""
         table = seq.block_table
-        return [
-            i
-            for i in range(self.anchor_pages, len(table) - self.window_pages)
-            if not self.is_compressed(table[i])
-            and step - self.last_write_step[table[i]] >= self.min_age
-        ]
+        lo, hi = self.anchor_pages, len(table) - self.window_pages
+        if lo >= hi:
+            return []
+        first = bisect.bisect_left(table, True, lo, hi, key=lambda b: not self.is_compressed(b))
+        stale = []
+        for i in range(first, hi):
+            if step - self.last_write_step[table[i]] < self.min_age:
+                break
+            stale.append(i)
+        return stale
 
     def restage(
         self, seqs: list[Sequence], step: int, max_pages: int | None = None
