@@ -93,3 +93,30 @@ def test_padded_rows_write_only_scratch():
             changed = set((t != s).flatten(1).any(1).nonzero().flatten().tolist())
             assert changed <= allowed
             assert scratch in changed
+
+
+def test_fill_stages_each_table_padded_with_the_scratch_block():
+    """Rows shorter than the longest table end in the scratch block; padding rows are all
+    scratch; a longer table staged before in the same buffer set is overwritten up to the width."""
+    from worker.engine.runner import DecodeInputs
+    from worker.engine.scheduler import ScheduledBatch, ScheduledSeq
+    from worker.engine.sequence import Sequence
+
+    inputs = DecodeInputs(4, 8, 4, scratch_block=99, scratch_slot=7, device=torch.device("cpu"))
+
+    def batch(*tables: list[int]) -> ScheduledBatch:
+        decodes = []
+        for i, table in enumerate(tables):
+            s = Sequence(i, f"r{i}", list(range(1, 4 * len(table))), SamplingParams())
+            s.block_table, s.state_slot = list(table), i
+            decodes.append(ScheduledSeq(s, 4 * len(table) - 2, 1, True))
+        return ScheduledBatch(step=1, decodes=decodes)
+
+    inputs.fill(batch([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11]), 2)
+    inputs.fill(batch([8]), 2)  # the other buffer set
+    inputs.fill(batch([10, 11, 12], [13]), 3)  # back to the first: shorter tables this time
+    tables = inputs.host["block_tables"]
+    assert tables[0, :3].tolist() == [10, 11, 12]
+    assert tables[1, :3].tolist() == [13, 99, 99]
+    assert tables[2].tolist() == [99] * 8
+    assert torch.equal(inputs.device_buffers["block_tables"][:3, :3], tables[:3, :3])

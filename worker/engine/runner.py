@@ -173,9 +173,13 @@ class DecodeInputs:
                 strict=True,
             ):
                 h[name][:b] = row
+            # row by row through numpy: a list into an array view converts in C, where
+            # torch.tensor of the padded lists took 3.6 ms for 32 tables of 2,048 pages
             width = max(len(t) for t in tables)
-            padded = [t + [self.scratch_block] * (width - len(t)) for t in tables]
-            h["block_tables"][:b, :width] = torch.tensor(padded, dtype=torch.int32)
+            block_tables = h["block_tables"].numpy()
+            for i, table in enumerate(tables):
+                block_tables[i, : len(table)] = table
+                block_tables[i, len(table) : width] = self.scratch_block
         self.fill_padding(b, rows)
         self.upload(rows)
 
