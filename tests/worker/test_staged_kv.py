@@ -383,7 +383,7 @@ def check_restage(
     assert (cache.k_norms[untouched.to(device)] == 0).all()
 
 
-@pytest.mark.parametrize("bits", [(4, 3), (2, 1)])
+@pytest.mark.parametrize("bits", [(4, 3), (2, 1), (3, 3), (4, 4), (1, 2)])
 def test_triton_restage(bits: tuple[int, int]):
     check_restage("cpu", 2, 64, 4, *bits)
 
