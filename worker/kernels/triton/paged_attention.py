@@ -434,10 +434,11 @@ def prefill_tiles(dim: int) -> tuple[int, int, int]:
 # H200 (27B shape, one prompt, 8K chunks): TTFT at 8K 0.49 s either way, at 32K 2.54 -> 2.39 s,
 # at 128K 19.43 -> 16.64 s (docs/performance.md, "Long context"). 0: never.
 FP8_SCRATCH_FROM_TOKENS = 16_384
-# ... while the scratch (B x table width pages of K and V) stays under this many bytes: 262K
-# tokens of one sequence at the 27B shape take 1 GiB; a step of many long rows keeps the
-# in-kernel widening rather than a scratch of several GiB
-FP8_SCRATCH_MAX_BYTES = 2 << 30
+# ... while the scratch (B x table width pages of K and V, in fp16) stays within this many bytes:
+# 262K tokens of one sequence at the 27B shape take 1 GiB (plus half that in passing, the
+# gathered e4m3 pages); a step of many long rows keeps the in-kernel widening rather than take
+# GiBs beside a KV pool sized from free memory
+FP8_SCRATCH_MAX_BYTES = 1 << 30
 
 
 def widened_pages(
