@@ -11,21 +11,21 @@ behind the GPU's step while it is shorter.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from bench.common import print_table, result_path, write_result
+from bench.common import median, print_table, result_path, write_result
 from worker.engine.block_manager import BlockManager
+from worker.engine.config import DEFAULT_STEP_TOKENS
 from worker.engine.runner import DecodeInputs
 from worker.engine.scheduler import ScheduledBatch, ScheduledSeq
 from worker.engine.sequence import SamplingParams, Sequence
 
 BLOCK_SIZE = 16
-CHUNK = 4096  # tokens a prefill step writes (the engine's default step)
+CHUNK = DEFAULT_STEP_TOKENS  # tokens a prefill step writes
 
 
 def staged_sequences(rows: int, tokens: int) -> tuple[BlockManager, list[Sequence]]:
@@ -57,7 +57,7 @@ def median_ms(fn: Callable[[], Any], calls: int, repeats: int) -> float:
         for _ in range(calls):
             fn()
         times.append((time.perf_counter() - t0) / calls)
-    return 1e3 * statistics.median(times)
+    return median(times, 1e3) or 0.0
 
 
 def point(rows: int, tokens: int, repeats: int) -> dict[str, Any]:
