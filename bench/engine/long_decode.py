@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 from typing import Any
@@ -28,6 +29,8 @@ from bench.engine.profiler import profile_step
 from worker.engine.block_manager import staged_recent_blocks
 from worker.engine.config import DEFAULT_STEP_TOKENS
 from worker.engine.engine import EngineConfig, LLMEngine
+from worker.kernels import ops
+from worker.kernels.cuda import staged_decode
 
 BLOCK_SIZE = 16
 
@@ -155,7 +158,19 @@ def long_decode(args: argparse.Namespace, config: Any, budget: float) -> dict[st
     contexts = [int(c) for c in str(args.long_decode_contexts).split(",") if c]
     _, _, model = build_model(args, config, "fp8")
     result: dict[str, Any] = {"rows": rows, "contexts": contexts, "points": {}}
-    for name, staging in (("fp8_kv", None), ("staged", "k4v3")):
+    # staged twice: with the default decode kernel (CUDA where it runs) and with the Triton one
+    engines = (
+        ("fp8_kv", None, None),
+        ("staged", "k4v3", None),
+        ("staged_triton", "k4v3", "triton"),
+    )
+    for name, staging, kernel in engines:
+        if kernel and not torch.cuda.is_available():
+            continue  # on a CPU both are the reference
+        switch = os.environ.get(staged_decode.SWITCH)
+        if kernel:
+            os.environ[staged_decode.SWITCH] = kernel
+            ops.reset_choices()
         engine = long_decode_engine(model, args, rows, max(contexts), staging)
         for context in contexts:
             point = decode_step_at(engine, rows, context)
@@ -164,14 +179,22 @@ def long_decode(args: argparse.Namespace, config: Any, budget: float) -> dict[st
             step = point.get("decode_step_graph_ms", point["decode_step_eager_ms"])
             print(f"  {name}: {rows} x {context} decode step {step:.2f} ms", file=sys.stderr)
         del engine
+        if kernel:
+            os.environ.pop(staged_decode.SWITCH)
+            if switch is not None:
+                os.environ[staged_decode.SWITCH] = switch
+            ops.reset_choices()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     key = "decode_step_graph_ms" if args.device == "cuda" else "decode_step_eager_ms"
     result["staged_over_fp8_kv"] = {}
+    result["staged_triton_over_fp8_kv"] = {}
     for context, points in result["points"].items():
-        fp8_kv, staged = (points[n].get(key) for n in ("fp8_kv", "staged"))
-        if fp8_kv and staged:
-            result["staged_over_fp8_kv"][context] = staged / fp8_kv
+        fp8_kv = points["fp8_kv"].get(key)
+        for name in ("staged", "staged_triton"):
+            step = points.get(name, {}).get(key)
+            if fp8_kv and step:
+                result[f"{name}_over_fp8_kv"][context] = step / fp8_kv
     result["section_s"] = time.perf_counter() - began
     return result

@@ -330,6 +330,13 @@ DECODE_VARIANTS: list[tuple[int, int, int, str, str, int | None, int | None]] = 
 ]
 
 
+# the CUDA kernel (worker/kernels/cuda/staged_decode.cu) beside them: (compiled variant, splits a
+# sequence or None for `splits_for`'s one wave)
+CUDA_VARIANTS: list[tuple[int, int | None]] = [
+    (0, None), (1, None), (2, None), (3, None), (4, None), (0, 16), (1, 24), (3, 16), (2, 16),
+]  # fmt: skip
+
+
 def variant_name(v: tuple[int, int, int, str, str, int | None, int | None]) -> str:
     bn, warps, stages, lookup, loads, regs, part = v
     return (
@@ -341,7 +348,7 @@ def variant_name(v: tuple[int, int, int, str, str, int | None, int | None]) -> s
 
 def section_decode(args: argparse.Namespace) -> dict[str, Any]:
     from tests.worker.numerics import rel_err
-    from worker.kernels import reference
+    from worker.kernels import ops, reference
     from worker.kernels.triton import turboquant as tk
     from worker.kernels.triton.paged_attention import paged_attention_decode
 
@@ -370,7 +377,7 @@ def section_decode(args: argparse.Namespace) -> dict[str, Any]:
 
     def staged_rotated() -> None:  # the layer's whole cost: rotate q, attend, un-rotate
         q_rot = (q.float() @ rot).to(q.dtype)
-        out = tk.staged_attention_decode(q_rot, cache, ctx, tables, scale)
+        out = ops.staged_attention_decode(q_rot, cache, ctx, tables, scale)  # the default kernel
         (out.float() @ rot.T).to(q.dtype)
 
     default = (
@@ -397,6 +404,23 @@ def section_decode(args: argparse.Namespace) -> dict[str, Any]:
         result["variants"][name] = {"rel_err_vs_reference": err, "ok": err < 2e-2}
         if err < 2e-2:  # a variant that disagrees with the reference is not timed
             fns.append((name, staged_with(v)))
+    if args.device == "cuda":
+        from worker.kernels.cuda import staged_decode as sd
+
+        for variant, splits in CUDA_VARIANTS:
+            name = f"staged cuda v{variant} {sd.VARIANTS[variant]}" + (f" x{splits}" if splits else "")  # fmt: skip
+
+            def cuda_fn(variant: int = variant, splits: int | None = splits) -> Any:
+                return sd.staged_attention_decode(q, cache, ctx, tables, scale, None, variant, splits)  # fmt: skip
+
+            try:
+                err = rel_err(cuda_fn(), want)
+            except Exception as exc:
+                result["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+                continue
+            result["variants"][name] = {"rel_err_vs_reference": err, "ok": err < 2e-2}
+            if err < 2e-2:
+                fns.append((name, cuda_fn))
     fns.append(("staged_with_rotations", staged_rotated))
     for name, fn in fns:
         row = result["variants"].setdefault(name, {}) if name.startswith("staged ") else {}

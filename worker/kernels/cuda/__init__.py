@@ -1,5 +1,5 @@
 """CUDA C++ kernels, for what Triton does not express (the int4 GEMV's loads in mma fragment
-order). Built with nvcc on first use (`build.py`); importing this package registers them with
+order, the staged-KV decode's codes decoded straight into mma fragments). Built with nvcc on first use (`build.py`); importing this package registers them with
 `worker.kernels.ops`, each with the reason it can or cannot run here."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from worker.kernels import ops
-from worker.kernels.cuda import int4_mma
+from worker.kernels.cuda import int4_mma, staged_decode
 
 
 def _int4_mma_supported(
@@ -26,4 +26,12 @@ ops.register(
     int4_mma.int4_mma_linear_silu_mul,
     _int4_mma_supported,
     name="cuda.int4_mma_gate_up_silu_mul",
+)
+# above the Triton kernel (priority 10), which still takes the shapes this one does not
+ops.register(
+    "staged_attention_decode",
+    staged_decode.staged_attention_decode,
+    staged_decode.available,
+    priority=20,
+    name="cuda.staged_decode",
 )
