@@ -15,6 +15,7 @@ from tests.worker.numerics import rel_err
 from tests.worker.test_staged_kv import staged_case
 from worker.kernels import ops, reference
 from worker.kernels.cuda import staged_decode as sd
+from worker.kvcache import turboquant as tq
 from worker.models.cache import StagedAttentionCache
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -39,6 +40,128 @@ def test_every_variant_is_compiled() -> None:
     for v, (warps, per_sm, prefetch) in sd.VARIANTS.items():
         launch = f"case {v}: return launch<VB, BF16, {warps}, {per_sm}, {str(prefetch).lower()}>"
         assert launch in source, launch
+
+
+# ---------------------------------------------------------------- each lane's arithmetic, on CPU
+#
+# The kernel's fragments emulated lane by lane (lane = 4 g + t): the bytes each lane loads, its
+# byte-permute decode, where each register lands in the m16n8k16 operands (PTX ISA's fragment
+# layouts), the movmatrix transpose and the output's coordinates; the products in float64 must
+# equal the dense ones over the codes the reference decodes.
+
+LANES = [(lane >> 2, lane & 3) for lane in range(32)]
+
+
+def prmt(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32, default mode (bit 3 of a selector nibble: replicate the byte's sign)."""
+    src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+    out = 0
+    for k in range(4):
+        nib = (sel >> 4 * k) & 0xF
+        byte = src[nib & 7]
+        out |= ((0xFF if byte & 0x80 else 0) if nib & 8 else byte) << 8 * k
+    return out
+
+
+def tables_of(centroids: torch.Tensor, bits: int) -> tuple[int, int, int, int]:
+    h = 1 << (bits - 1)
+    b = [int(centroids[i % h].half().view(torch.int16)) & 0xFFFF for i in range(8)]
+    lo0, lo1 = (sum((b[4 * j + i] & 0xFF) << 8 * i for i in range(4)) for j in (0, 1))
+    hi0, hi1 = (sum((b[4 * j + i] >> 8) << 8 * i for i in range(4)) for j in (0, 1))
+    return lo0, lo1, hi0, hi1
+
+
+def decode8(w: int, tb: tuple[int, int, int, int]) -> list[int]:
+    lo0, lo1, hi0, hi1 = tb
+    s03, s47 = w & 0x7777, (w >> 16) & 0x7777
+    l03, l47 = prmt(lo0, lo1, s03), prmt(lo0, lo1, s47)
+    w4 = (w << 4) & 0xFFFFFFFF
+    h03 = prmt(hi0, hi1, s03) ^ (prmt(w4, w, 0xD9C8) & 0x80808080)
+    h47 = prmt(hi0, hi1, s47) ^ (prmt(w4, w, 0xFBEA) & 0x80808080)
+    return [prmt(l03, h03, 0x5140), prmt(l03, h03, 0x7362), prmt(l47, h47, 0x5140), prmt(l47, h47, 0x7362)]  # fmt: skip
+
+
+def nibbles3(x: int) -> int:
+    x = (x & 0xFFF) | ((x << 4) & 0xFFF0000)
+    x = (x & 0x3F003F) | ((x << 2) & 0x3F003F00)
+    x = (x & 0x07070707) | ((x << 1) & 0x70707070)
+    return x | ((x << 1) & 0x88888888)
+
+
+def halves(u: int) -> tuple[float, float]:
+    pair = torch.tensor([u & 0xFFFF, u >> 16], dtype=torch.int32).to(torch.int16)
+    lo, hi = pair.view(torch.float16).double().tolist()
+    return lo, hi
+
+
+def words(row: torch.Tensor, start: int, count: int) -> list[int]:
+    raw = row[start : start + 4 * count].tolist()
+    return [sum(raw[4 * i + j] << 8 * j for j in range(4)) for i in range(count)]
+
+
+def mma(a: list[list[int]], b: list[list[int]]) -> torch.Tensor:
+    """D [16, 8] of m16n8k16 from each lane's 4 A and 2 B registers (half2 each)."""
+    am, bm = torch.zeros(16, 16, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
+    for (g, t), ar, br in zip(LANES, a, b, strict=True):
+        for j, (row, col) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):  # fmt: skip
+            am[row, col], am[row, col + 1] = halves(ar[j])
+        for j, k in enumerate([2 * t, 2 * t + 8]):
+            bm[k, g], bm[k + 1, g] = halves(br[j])
+    return am @ bm
+
+
+def unit_vectors(codes: torch.Tensor, centroids: torch.Tensor, bits: int) -> torch.Tensor:
+    index = tq.fold_codes(tq.unpack_codes(codes, bits, 256), bits)
+    return centroids[index].half().double()
+
+
+@pytest.mark.parametrize("v_bits", [3, 4])
+def test_lane_emulation_gives_the_tiles_products(v_bits: int) -> None:
+    gen = torch.Generator().manual_seed(v_bits)
+    kc, vc = tq.codebook(256, 4)[0], tq.codebook(256, v_bits)[0]
+    k_codes = torch.randint(0, 256, (16, 128), generator=gen, dtype=torch.uint8)
+    v_codes = torch.randint(0, 256, (16, 32 * v_bits), generator=gen, dtype=torch.uint8)
+    q = torch.randn(8, 256, generator=gen).half()
+    p = torch.rand(16, 8, generator=gen).half()  # P^T: 16 tokens x 8 heads
+    kt, vt = tables_of(kc, 4), tables_of(vc, v_bits)
+    # scores, S^T = K Q^T: lane t holds bytes [32 t, 32 t + 32) of tokens g and g + 8, and
+    # its head g's query coordinates [64 t, 64 t + 64) as 32 half2
+    qbits = q.view(torch.int16).to(torch.int32) & 0xFFFF
+    qf = [[int(qbits[g, 64 * t + 2 * j]) | int(qbits[g, 64 * t + 2 * j + 1]) << 16 for j in range(32)] for g, t in LANES]  # fmt: skip
+    s = torch.zeros(16, 8, dtype=torch.float64)
+    for w in range(8):
+        dec = [(decode8(words(k_codes[g], 32 * t, 8)[w], kt), decode8(words(k_codes[g + 8], 32 * t, 8)[w], kt)) for g, t in LANES]  # fmt: skip
+        lane_qf = [qf[lane] for lane in range(32)]
+        s += mma([[a[0], b[0], a[1], b[1]] for a, b in dec], [[f[4 * w], f[4 * w + 1]] for f in lane_qf])  # fmt: skip
+        s += mma([[a[2], b[2], a[3], b[3]] for a, b in dec], [[f[4 * w + 2], f[4 * w + 3]] for f in lane_qf])  # fmt: skip
+    keys = unit_vectors(k_codes, kc, 4)
+    assert torch.allclose(s, keys @ q.double().T, rtol=1e-12, atol=1e-12)
+    # values, O^T = V^T P^T: P^T's B fragment as movmatrix leaves it (lane (g, t): tokens 2t,
+    # 2t + 1 and 2t + 8, 2t + 9 of head g); lane g decodes coordinates [32 g, 32 g + 32) of
+    # tokens 2t, 2t+1, 2t+8, 2t+9, m-tile i's rows g and g + 8 being coordinates 32 g + 2 i, + 1
+    pbits = p.view(torch.int16).to(torch.int32) & 0xFFFF
+    pb = [[int(pbits[2 * t + 8 * h, g]) | int(pbits[2 * t + 8 * h + 1, g]) << 16 for h in (0, 1)] for g, t in LANES]  # fmt: skip
+    out = torch.zeros(8, 256, dtype=torch.float64)
+    for e in range(4):
+        groups = []
+        for g, t in LANES:
+            per_token = []
+            for tok in (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9):
+                v = words(v_codes[tok], 4 * v_bits * g, v_bits)
+                if v_bits == 4:
+                    group = v[e]
+                else:
+                    group = nibbles3([v[0], (v[0] >> 24) | (v[1] << 8), (v[1] >> 16) | (v[2] << 16), v[2] >> 8][e] & 0xFFFFFFFF)  # fmt: skip
+                per_token.append(decode8(group, vt))
+            groups.append(per_token)
+        for i in range(4):
+            a = [[prmt(x[0][i], x[1][i], 0x5410), prmt(x[0][i], x[1][i], 0x7632), prmt(x[2][i], x[3][i], 0x5410), prmt(x[2][i], x[3][i], 0x7632)] for x in groups]  # fmt: skip
+            d = mma(a, pb)  # O^T's m-tile 4 e + i: [16 rows, 8 heads]
+            for g, t in LANES:
+                for r, c in ((g, 32 * g + 2 * (4 * e + i)), (g + 8, 32 * g + 2 * (4 * e + i) + 1)):
+                    out[2 * t, c], out[2 * t + 1, c] = d[r, 2 * t], d[r, 2 * t + 1]
+    values = unit_vectors(v_codes, vc, v_bits)
+    assert torch.allclose(out, p.double().T @ values, rtol=1e-12, atol=1e-12)
 
 
 def small_cache(dim: int = 256, k_bits: int = 4, v_bits: int = 3, bs: int = 16, kv=FP8):
