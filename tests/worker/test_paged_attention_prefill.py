@@ -14,12 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tests.worker.numerics import paged_cache, rel_err
 from tests.worker.triton_env import needs_cuda
 from worker.kernels import ops, reference
 from worker.kernels.reference import cu_seqlens_of
 from worker.kernels.triton import paged_attention_prefill
+from worker.kernels.triton._launch import kernel
+from worker.kernels.triton.paged_attention import prefill_rows
 
 # q, k_cache, v_cache, cu_seqlens, context_lens, block_tables, positions, scale, k_scale, v_scale
 PrefillArgs = tuple[
@@ -134,6 +138,34 @@ def test_registry_prefers_triton_prefill_on_cuda_only() -> None:
     for kv in (None, torch.bfloat16, torch.float8_e4m3fn):
         chosen = ops.select("paged_attention_prefill", torch.device("cuda"), torch.bfloat16, kv)
         assert chosen.name == "triton.paged_prefill"
+
+
+@kernel
+def _rows_kernel(cu_seqlens, context_lens, positions, num_seqs, seq_of, rows_in, BM: tl.constexpr, SEQS: tl.constexpr):  # fmt: skip
+    tile = tl.program_id(0)
+    b, _, rows, in_chunk, _, _, _ = prefill_rows(cu_seqlens, context_lens, positions, num_seqs, tile, BM, 16, SEQS)  # fmt: skip
+    tl.store(seq_of + tile, b)
+    tl.store(rows_in + tile, tl.sum(in_chunk.to(tl.int32), 0))
+
+
+def test_surplus_prefill_programs_hold_no_rows() -> None:
+    """The prefill grid is an upper bound (tiles + sequences): the programs past the last tile
+    must have no rows, or their masked loads read before q and positions (an illegal address
+    on a GPU when the memory there is unmapped)."""
+    lengths, bm = [20, 16, 5], 16
+    cu = cu_seqlens_of(lengths, "cpu")
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    tiles = sum(-(-n // bm) for n in lengths)
+    grid = triton.cdiv(sum(lengths), bm) + len(lengths)
+    seq_of = torch.full((grid,), -1, dtype=torch.int32)
+    rows_in = torch.full((grid,), -1, dtype=torch.int32)
+    _rows_kernel[(grid,)](
+        cu, torch.tensor(lengths, dtype=torch.int32), positions, len(lengths), seq_of, rows_in,
+        BM=bm, SEQS=4,
+    )  # fmt: skip
+    # tiles run last-first within a sequence: 20 tokens = a tile of 4 rows then one of 16
+    assert seq_of[:tiles].tolist() == [0, 0, 1, 2] and rows_in[:tiles].tolist() == [4, 16, 16, 5]
+    assert (seq_of[tiles:] >= len(lengths)).all() and (rows_in[tiles:] == 0).all()
 
 
 @pytest.mark.gpu

@@ -316,7 +316,9 @@ def prefill_rows(cu_seqlens, context_lens, positions, num_seqs, tile, BM: tl.con
     length = tl.sum(tl.where(mine, lens, 0), 0)
     last_tile = tl.sum(tl.where(mine, tiles_through, 0), 0) - 1
     rows = (last_tile - tile) * BM + tl.arange(0, BM)  # last-first within the sequence
-    in_chunk = rows < length
+    # a surplus program (b = num_seqs) has last_tile -1, so negative rows: none of them are in
+    # the chunk (they once were, and their query and position loads read before the tensors)
+    in_chunk = (rows >= 0) & (rows < length)
     ctx = tl.load(context_lens + tl.minimum(b, num_seqs - 1))
     # padding rows take position 0: they see key 0, so their softmax stays finite (not stored)
     pos = tl.load(positions + start + rows, mask=in_chunk, other=0).to(tl.int32)
