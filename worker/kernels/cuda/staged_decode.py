@@ -14,7 +14,6 @@ import os
 from pathlib import Path
 
 import torch
-import triton
 
 from worker.kernels.cuda.build import load, nvcc
 from worker.kernels.pdl import pdl_enabled
@@ -82,12 +81,18 @@ def shape_reason(
     return ""
 
 
+def _pow2_at_least(n: int) -> int:
+    # triton.next_power_of_2 without importing triton here: the int4 GEMV shares this package
+    # and runs without it
+    return 1 << max(0, n - 1).bit_length()
+
+
 def splits_for(batch: int, kv_heads: int, variant: int, sms: int) -> int:
     """Splits per sequence: at most one wave of CTAs at the variant's CTAs an SM (a second,
     partial wave would double the step for a few CTAs), by the batch's power-of-two bucket
     only (the merge compiles per split count; see `decode_splits`)."""
     _, per_sm, _ = VARIANTS[variant]
-    return max(1, sms * per_sm // (triton.next_power_of_2(batch) * kv_heads))
+    return max(1, sms * per_sm // (_pow2_at_least(batch) * kv_heads))
 
 
 _libraries: dict[torch.device, ctypes.CDLL] = {}
@@ -135,7 +140,7 @@ def staged_attention_decode(
         q = q.contiguous()
     lib = _library(q.device)
     if partition:
-        num_splits = triton.cdiv(block_tables.shape[1] * block_size, partition)
+        num_splits = -(-block_tables.shape[1] * block_size // partition)
     else:
         num_splits = splits or splits_for(batch, hkv, v, _sms[q.device])
     out = torch.empty((batch, hq, dim), dtype=q.dtype, device=q.device)
@@ -165,7 +170,7 @@ def staged_attention_decode(
             1.0,
             num_splits,
             D=dim,
-            SP=triton.next_power_of_2(num_splits),
+            SP=_pow2_at_least(num_splits),
             num_warps=4,
         )
     return out
