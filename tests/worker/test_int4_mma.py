@@ -122,18 +122,10 @@ def test_affine_and_small_groups_keep_the_nibble_layout() -> None:
 
 
 def test_ctypes_signatures_match_the_source() -> None:
-    """ctypes cannot check a call against the C prototype: compare them here."""
-    import ctypes
-    import re
-
+    from tests.worker.cuda_sources import check_ctypes_signatures
     from worker.kernels.cuda import int4_mma
 
-    source = int4_mma.SOURCE.read_text()
-    for name, argtypes in int4_mma.SIGNATURES.items():
-        params = re.search(rf"int {name}\(([^)]*)\)", source)
-        assert params is not None, name
-        kinds = [ctypes.c_void_p if "*" in p else ctypes.c_int for p in params.group(1).split(",")]
-        assert kinds == argtypes, name
+    check_ctypes_signatures(int4_mma.SOURCE, int4_mma.SIGNATURES)
 
 
 def test_cpu_models_keep_the_nibble_layout() -> None:

@@ -5,14 +5,12 @@ graph."""
 
 from __future__ import annotations
 
-import ctypes
-import re
-
 import pytest
 import torch
 
+from tests.worker.cuda_sources import check_ctypes_signatures
 from tests.worker.numerics import rel_err
-from tests.worker.test_staged_kv import staged_case
+from tests.worker.test_staged_kv import prmt, staged_case
 from worker.kernels import ops, reference
 from worker.kernels.cuda import staged_decode as sd
 from worker.kvcache import turboquant as tq
@@ -23,16 +21,7 @@ FP8 = torch.float8_e4m3fn
 
 
 def test_ctypes_signature_matches_the_source() -> None:
-    """ctypes cannot check a call against the C prototype: compare them here."""
-    source = sd.SOURCE.read_text()
-    for name, argtypes in sd.SIGNATURES.items():
-        params = re.search(rf"int {name}\(([^)]*)\)", source)
-        assert params is not None, name
-        kinds = [
-            ctypes.c_void_p if "*" in p else ctypes.c_float if "float" in p else ctypes.c_int
-            for p in params.group(1).split(",")
-        ]
-        assert kinds == argtypes, name
+    check_ctypes_signatures(sd.SOURCE, sd.SIGNATURES)
 
 
 def test_every_variant_is_compiled() -> None:
@@ -50,17 +39,6 @@ def test_every_variant_is_compiled() -> None:
 # equal the dense ones over the codes the reference decodes.
 
 LANES = [(lane >> 2, lane & 3) for lane in range(32)]
-
-
-def prmt(a: int, b: int, sel: int) -> int:
-    """PTX prmt.b32, default mode (bit 3 of a selector nibble: replicate the byte's sign)."""
-    src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
-    out = 0
-    for k in range(4):
-        nib = (sel >> 4 * k) & 0xF
-        byte = src[nib & 7]
-        out |= ((0xFF if byte & 0x80 else 0) if nib & 8 else byte) << 8 * k
-    return out
 
 
 def tables_of(centroids: torch.Tensor, bits: int) -> tuple[int, int, int, int]:

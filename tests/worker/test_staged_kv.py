@@ -757,6 +757,20 @@ def test_gpu_staged_decode_27b_shape(
     )  # fmt: skip
 
 
+def prmt(a: int, b: int, c: int) -> int:
+    """PTX prmt.b32 in its default mode (bit 3 of a selector nibble: replicate the byte's
+    sign)."""
+    src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+    out = 0
+    for k in range(4):
+        sel = (c >> 4 * k) & 0xF
+        byte = src[sel & 7]
+        if sel & 8:  # replicate the byte's sign bit
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << 8 * k
+    return out
+
+
 def run_ptx(asm: str, args: dict[int, int]) -> dict[int, int]:
     """A tiny interpreter of the b32/b16 PTX the byte-permute decoder uses (and, shr, shl,
     prmt in its default mode, lop3, mov into a 16-bit pair): $N operands in, outputs out."""
@@ -764,17 +778,6 @@ def run_ptx(asm: str, args: dict[int, int]) -> dict[int, int]:
 
     def val(op: str) -> int:
         return int(op, 0) if op[0].isdigit() else regs[op]
-
-    def prmt(a: int, b: int, c: int) -> int:
-        src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
-        out = 0
-        for k in range(4):
-            sel = (c >> 4 * k) & 0xF
-            byte = src[sel & 7]
-            if sel & 8:  # replicate the byte's sign bit
-                byte = 0xFF if byte & 0x80 else 0
-            out |= byte << 8 * k
-        return out
 
     for line in asm.replace("{", "").replace("}", "").split(";"):
         parts = line.strip().replace(",", " ").split()

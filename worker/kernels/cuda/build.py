@@ -18,6 +18,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+import torch
+
 _lock = threading.Lock()
 _loaded: dict[tuple[str, str], ctypes.CDLL] = {}
 
@@ -28,6 +30,18 @@ def nvcc() -> str | None:
     if home and (Path(home) / "bin" / "nvcc").exists():
         return str(Path(home) / "bin" / "nvcc")
     return shutil.which("nvcc")
+
+
+def missing(device: torch.device, capability: tuple[int, int], needs: str, source: Path) -> str:
+    """Why kernels built from `source` cannot run on `device` ("" when they can): a CUDA
+    device of at least `capability` (`needs` says for what) and nvcc."""
+    if device.type != "cuda":
+        return f"needs CUDA, got {device.type}"
+    if torch.cuda.get_device_capability(device) < capability:
+        return f"needs {needs}"
+    if nvcc() is None:
+        return f"needs nvcc to build {source.name} (set CUDA_HOME or put nvcc on PATH)"
+    return ""
 
 
 def cache_dir() -> Path:

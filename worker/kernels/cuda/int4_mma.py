@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from worker.kernels.cuda.build import load, nvcc
+from worker.kernels.cuda.build import load, missing
 from worker.kernels.pdl import pdl_enabled
 
 SOURCE = Path(__file__).with_name("int4_mma.cu")
@@ -149,13 +149,8 @@ def available(device: torch.device) -> tuple[bool, str]:
     """Whether the mma kernels can run on `device` (the registry's reason string)."""
     if kernel_choice() == "triton":
         return False, f"{KERNEL_SWITCH}=triton"
-    if device.type != "cuda":
-        return False, f"needs CUDA, got {device.type}"
-    if torch.cuda.get_device_capability(device) < (8, 0):
-        return False, "needs mma.sync bf16 (sm_80 or newer)"
-    if nvcc() is None:
-        return False, "needs nvcc to build int4_mma.cu (set CUDA_HOME or put nvcc on PATH)"
-    return True, "CUDA sm_80+, built with nvcc"
+    reason = missing(device, (8, 0), "mma.sync bf16 (sm_80 or newer)", SOURCE)
+    return (False, reason) if reason else (True, "CUDA sm_80+, built with nvcc")
 
 
 _P, _I = ctypes.c_void_p, ctypes.c_int

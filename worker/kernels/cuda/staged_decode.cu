@@ -480,6 +480,8 @@ __global__ void __launch_bounds__(32 * W, MINB) staged_decode(const Params p) {
 
 size_t smem_bytes(int warps) { return (size_t)warps * HEADS * (D + 2) * sizeof(float); }
 
+// As int4_mma.cu's launch_kernel, not shared through a header: build.py keys its cache on the
+// one source file's bytes, so an included header's change would not rebuild the library.
 template <int VB, bool BF16, int W, int MINB, bool PREV>
 int launch(const Params& p, int batch, cudaStream_t stream, bool pdl) {
   auto kernel = staged_decode<VB, BF16, W, MINB, PREV>;

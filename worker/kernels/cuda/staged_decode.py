@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from worker.kernels.cuda.build import load, nvcc
+from worker.kernels.cuda.build import load, missing
 from worker.kernels.pdl import pdl_enabled
 from worker.models.cache import StagedAttentionCache
 
@@ -45,14 +45,10 @@ def available(
     """The registry's check: device, dtypes and the switch (shapes: `shape_reason`)."""
     if choice() == "triton":
         return False, f"{SWITCH}=triton"
-    if device.type != "cuda":
-        return False, f"needs CUDA, got {device.type}"
+    if reason := missing(device, (8, 9), "cvt.f16x2.e4m3x2 (sm_89 or newer)", SOURCE):
+        return False, reason
     if dtype not in (torch.bfloat16, torch.float16) or kv_dtype != torch.float8_e4m3fn:
         return False, f"needs bf16/fp16 queries and an fp8-e4m3 recent pool, got {kv_dtype}"
-    if torch.cuda.get_device_capability(device) < (8, 9):
-        return False, "needs cvt.f16x2.e4m3x2 (sm_89 or newer)"
-    if nvcc() is None:
-        return False, "needs nvcc to build staged_decode.cu (set CUDA_HOME or put nvcc on PATH)"
     return True, "CUDA sm_89+, fp8 recent pages + 4-bit keys, built with nvcc"
 
 
