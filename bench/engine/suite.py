@@ -98,6 +98,16 @@ SECTIONS: dict[str, Section] = {
         0.5,
     ),
     "w4": (lambda args, config, budget: engine_config(args, config, "w4", budget), 0.5),
+    # fp8 and w4 with the norms and the attention's output gate releasing the next kernel early
+    # (worker/kernels/pdl.py): `--sections fp8,w4,fp8_early,w4_early` measures all four at once
+    "fp8_early": (
+        lambda args, config, budget: with_early_release(engine_config, args, config, "fp8", budget),
+        0.5,
+    ),
+    "w4_early": (
+        lambda args, config, budget: with_early_release(engine_config, args, config, "w4", budget),
+        0.5,
+    ),
     # the w4 section with the embedding table on the GPU (w4 keeps it in host memory, as the
     # worker does)
     "w4_device": (
@@ -142,6 +152,19 @@ def with_staged_prefill(
     finally:
         turboquant._PREFILL = kept
     return {**result, "staged_prefill": way}
+
+
+def with_early_release(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """`run(*args)` with early release on (graphs are captured inside it), then back."""
+    from worker.kernels import pdl
+
+    kept = pdl._state["early"]
+    pdl.set_early_release(True)
+    try:
+        result = run(*args)
+    finally:
+        pdl.set_early_release(kept)
+    return {**result, "pdl_early_release": True}
 
 
 def with_w4a8(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
@@ -205,8 +228,9 @@ def print_table(report: dict[str, Any]) -> None:
     cols = ("output tok/s", "TTFT p50/p95 s", "E2E p50/p95 s", "weights GiB", "KV GiB@1M",
             "state MiB/seq", "GPU-h/1M tok", "decode ms (graph/eager)")  # fmt: skip
     print(" | ".join(["config", *cols]))
-    for name in ("bf16", "fp8", "staged", "staged_direct", "w4", "w4a8", "hf"):
-        if name in ("staged", "staged_direct", "w4a8") and name not in s:
+    optional = ("staged", "staged_direct", "w4a8", "fp8_early", "w4_early")
+    for name in ("bf16", "fp8", "fp8_early", "staged", "staged_direct", "w4", "w4_early", "w4a8", "hf"):  # fmt: skip
+        if name in optional and name not in s:
             continue
         r = s.get(name, {})
         if "output_tok_s" not in r:
@@ -244,10 +268,11 @@ def print_table(report: dict[str, Any]) -> None:
                     f"{point['preemptions']} preemptions, {point['compiles_after_warm_up']} compiles"
                 )
     fp8 = s.get("fp8", {})
-    for name in ("w4", "w4a8"):
-        w4 = s.get(name, {})
+    for name, base in (("w4", "fp8"), ("w4a8", "fp8"), ("w4_early", "fp8_early"), ("w4_early", "fp8")):  # fmt: skip
+        w4, fp8 = s.get(name, {}), s.get(base, {})
         if "output_tok_s" in w4 and "output_tok_s" in fp8:
-            print(f"{name} / FP8 output tok/s: {w4['output_tok_s'] / fp8['output_tok_s']:.3f}")
+            print(f"{name} / {base} output tok/s: {w4['output_tok_s'] / fp8['output_tok_s']:.3f}")
+    fp8 = s.get("fp8", {})
     for name in ("staged", "staged_direct"):
         staged = s.get(name, {})
         if "output_tok_s" in staged and "output_tok_s" in fp8:
@@ -265,7 +290,7 @@ def print_table(report: dict[str, Any]) -> None:
             )
             + ")"
         )
-    for name in ("fp8", "staged", "staged_direct", "w4", "w4a8"):
+    for name in ("fp8", "fp8_early", "staged", "staged_direct", "w4", "w4_early", "w4a8"):
         if kinds := s.get(name, {}).get("step_kinds"):
             print(
                 f"{name} steps of the timed rounds: "

@@ -5,6 +5,17 @@ start overlap the tail of the one before it (the kernel waits in its first state
 predecessor completed, see worker/kernels/triton/_launch.py). TOKENMILL_PDL=0 turns it off;
 `set_pdl` flips it at run time (graphs captured before keep what they captured). This module
 imports no triton, so the engine can consult it on machines without one.
+
+Early release (`TOKENMILL_PDL_EARLY_RELEASE=1`, off by default until measured; `set_early_release`
+at run time): the short kernels that sit between two weight-streaming GEMVs (the norms, the
+attention's output gate) let the next kernel launch before their own wait instead of after it,
+so the GEMV after them is resident and has its first weights and scales in registers while the
+GEMV before them still runs, instead of starting that prologue once it has finished. Correct
+because a kernel's wait still waits for the kernel before it to complete, and that one waited
+for its own predecessor. The rule it asks of the kernels launched after an early-releasing one:
+before their wait they read only constants (weights, scales), never what an earlier kernel
+wrote: the int4-mma GEMV and every triton kernel that waits first keep it; a GEMV with a late
+wait (`w8_gemv(..., beside_previous=True)`) must never follow one.
 """
 
 from __future__ import annotations
@@ -14,11 +25,23 @@ import os
 
 import torch
 
-_state = {"on": os.environ.get("TOKENMILL_PDL", "1") != "0"}
+_state = {
+    "on": os.environ.get("TOKENMILL_PDL", "1") != "0",
+    "early": os.environ.get("TOKENMILL_PDL_EARLY_RELEASE", "0") == "1",
+}
 
 
 def set_pdl(on: bool) -> None:
     _state["on"] = on
+
+
+def set_early_release(on: bool) -> None:
+    _state["early"] = on
+
+
+def early_release_enabled(device: torch.device) -> bool:
+    """Whether the kernels that may release early do so on `device` (PDL on, and the switch)."""
+    return _state["early"] and pdl_enabled(device)
 
 
 def pdl_enabled(device: torch.device) -> bool:

@@ -24,7 +24,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from worker.kernels.pdl import pdl_enabled
+from worker.kernels.pdl import early_release_enabled, pdl_enabled
 
 
 @contextmanager
@@ -52,6 +52,20 @@ def pdl_wait(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_release_wait(PDL: tl.constexpr, EARLY_RELEASE: tl.constexpr):
+    """`pdl_wait` of a short kernel that may let the next grid launch before its own wait
+    (EARLY_RELEASE, worker/kernels/pdl.py says when that is safe): the next kernel's programs
+    then take their places and load their constants while this one waits."""
+    if PDL:
+        if EARLY_RELEASE:
+            gdc_launch_dependents()
+            gdc_wait()
+        else:
+            gdc_wait()
+            gdc_launch_dependents()
 
 
 # Integer arguments that change from one engine step to the next (row, token and sequence
@@ -111,12 +125,14 @@ _install_compile_hook()
 
 class Kernel:
     """`kernel[grid](*args, **constexprs)` like a `triton.jit` function. A kernel that declares
-    `PDL: tl.constexpr` gets it from the launcher (True on Hopper+ GPUs while PDL is on).
+    `PDL: tl.constexpr` gets it from the launcher (True on Hopper+ GPUs while PDL is on), and one
+    that declares `EARLY_RELEASE: tl.constexpr` gets whether to release early (`pdl_release_wait`).
     Arguments named in PER_STEP_SIZES are not specialized."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         params = inspect.signature(fn).parameters
         self.takes_pdl = "PDL" in params
+        self.takes_early_release = "EARLY_RELEASE" in params
         self.per_step = [name for name in params if name in PER_STEP_SIZES]
         self.compiled = triton.jit(fn, do_not_specialize=self.per_step)
         self.interpreted = (
@@ -135,6 +151,8 @@ class Kernel:
                 kwargs["PDL"] = pdl
                 if pdl:
                     kwargs["launch_pdl"] = True
+                if self.takes_early_release and "EARLY_RELEASE" not in kwargs:
+                    kwargs["EARLY_RELEASE"] = pdl and early_release_enabled(tensor.device)
             if not on_cpu:
                 self.compiled[grid](*args, **kwargs)
                 return

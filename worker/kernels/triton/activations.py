@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels.triton._launch import kernel, pdl_wait
+from worker.kernels.triton._launch import kernel, pdl_release_wait, pdl_wait
 
 
 @triton.jit
@@ -60,10 +60,21 @@ def silu_mul(x: torch.Tensor, paired: int = 0) -> torch.Tensor:
 
 @kernel
 def _sigmoid_mul_kernel(
-    x, gate, out, N, D, stride_xt, stride_gt, stride_gh, BLOCK: tl.constexpr, PDL: tl.constexpr
+    x,
+    gate,
+    out,
+    N,
+    D,
+    stride_xt,
+    stride_gt,
+    stride_gh,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+    EARLY_RELEASE: tl.constexpr,
 ):
-    """out[t, n] = x[t, n] * sigmoid(gate[t, n // D, n % D]) (gate as [T, N / D, D] strided)."""
-    pdl_wait(PDL)
+    """out[t, n] = x[t, n] * sigmoid(gate[t, n // D, n % D]) (gate as [T, N / D, D] strided).
+    The attention's output gate, before the o projection: it may release early (pdl.py)."""
+    pdl_release_wait(PDL, EARLY_RELEASE)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N

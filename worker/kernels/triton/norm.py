@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels.triton._launch import kernel, pdl_wait
+from worker.kernels.triton._launch import kernel, pdl_release_wait
 
 
 @kernel
@@ -38,8 +38,10 @@ def _rms_norm_kernel(
     GATED: tl.constexpr,
     ADD: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY_RELEASE: tl.constexpr,
 ):
-    pdl_wait(PDL)
+    # between two GEMVs in a decode step: the next one may launch before this wait (pdl.py)
+    pdl_release_wait(PDL, EARLY_RELEASE)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
