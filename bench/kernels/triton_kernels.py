@@ -40,6 +40,7 @@ from worker.kernels.triton import (
     gated_rms_norm,
     paged_attention_decode,
     paged_attention_prefill,
+    qk_norm_rotary,
     rms_norm,
 )
 
@@ -217,6 +218,36 @@ def norm_cases() -> list[Case]:
             bytes_moved=2 * BATCH * HQ * HEAD_DIM * 2,
         )
     )
+    rotary_dim = HEAD_DIM // 4  # Qwen3.6's partial rotary
+    angles = torch.outer(
+        torch.arange(4096.0, device="cuda"),
+        1.0 / 1e7 ** (torch.arange(0, rotary_dim, 2, device="cuda") / rotary_dim),
+    )
+    tables = (angles.cos(), angles.sin())
+    for tokens in (BATCH, BATCH * PROMPT):
+
+        def make_qk(tokens: int = tokens) -> Inputs:
+            return {
+                "q": bf16(tokens, HQ, 2 * HEAD_DIM)[..., :HEAD_DIM],  # the gate's half beside
+                "k": bf16(tokens, HKV, HEAD_DIM),
+                "wq": bf16(HEAD_DIM) * 0.1,
+                "wk": bf16(HEAD_DIM) * 0.1,
+                "pos": torch.randint(0, 4096, (tokens,), device="cuda"),
+            }
+
+        def qk_args(i: Inputs) -> tuple[Any, ...]:
+            return (i["q"], i["k"], i["wq"], i["wk"], EPS, True, i["pos"], tables, rotary_dim)
+
+        cases.append(
+            Case(
+                "q/k norms + rotary (one launch; unfused: 4)",
+                f"[{tokens}, {HQ}+{HKV}, {HEAD_DIM}]",
+                make_qk,
+                lambda i: qk_norm_rotary(*qk_args(i)),
+                lambda i: reference.qk_norm_rotary(*qk_args(i)),
+                bytes_moved=2 * tokens * (HQ + HKV) * HEAD_DIM * 2,
+            )
+        )
     for rows in (BATCH * HV, BATCH * PROMPT * HV):
         cases.append(
             Case(

@@ -347,7 +347,7 @@ def test_gdn_gates_match_reference() -> None:
 
 
 def test_new_ops_prefer_triton_on_cuda() -> None:
-    for op in ("add_rms_norm", "silu_mul", "sigmoid_mul", "gdn_gates", "apply_rotary", "linear"):
+    for op in ("add_rms_norm", "silu_mul", "sigmoid_mul", "gdn_gates", "apply_rotary", "qk_norm_rotary", "linear"):  # fmt: skip
         assert ops.select(op, torch.device("cpu"), torch.bfloat16).name == "reference"
         assert ops.select(op, torch.device("cuda"), torch.bfloat16).name == f"triton.{op}"
 
@@ -465,6 +465,61 @@ def test_apply_rotary_matches_reference(rotary_dim: int) -> None:
     assert out.shape == x.shape and out.is_contiguous()
     assert rel_err(out, ref) < 1e-2
     assert torch.equal(out[..., rotary_dim:], x[..., rotary_dim:])  # passed through
+
+
+def check_qk_norm_rotary(
+    tokens: int, hq: int, hk: int, dim: int, rotary_dim: int, unit_offset: bool, gated: bool,
+    device: str,
+) -> None:  # fmt: skip
+    from worker.kernels.triton.rotary import qk_norm_rotary
+
+    torch.manual_seed(6)
+    q_width = hq * dim * (2 if gated else 1)
+    # strided heads, as the fused projection gives them: q (and its gate) then k then v
+    fused = torch.randn(tokens, q_width + 2 * hk * dim, device=device).bfloat16() * 3
+    q_part = fused[:, :q_width]
+    q = q_part.view(tokens, hq, 2 * dim)[..., :dim] if gated else q_part.view(tokens, hq, dim)
+    k = fused[:, q_width : q_width + hk * dim].view(tokens, hk, dim)
+    q_w = torch.randn(dim, device=device).bfloat16() * 0.3
+    k_w = torch.randn(dim, device=device).bfloat16() * 0.3
+    positions = torch.randint(0, 128, (tokens,), device=device)
+    freqs = 1.0 / 1e4 ** (torch.arange(0, rotary_dim, 2, device=device) / rotary_dim)
+    angles = torch.outer(torch.arange(128.0, device=device), freqs)
+    tables = (angles.cos(), angles.sin())
+    args = (1e-6, unit_offset, positions, tables, rotary_dim)
+    got_q, got_k = qk_norm_rotary(q, k, q_w, k_w, *args)
+    want_q, want_k = reference.qk_norm_rotary(q, k, q_w, k_w, *args)
+    assert got_q.shape == (tokens, hq, dim) and got_k.shape == (tokens, hk, dim)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    # two roundings to bf16 (the norm's, the rotation's), each up to an ulp under the
+    # interpreter, which truncates where the GPU rounds to nearest
+    assert rel_err(got_q, want_q) < 2e-2 and rel_err(got_k, want_k) < 2e-2
+    # the unrotated channels are rms_norm's own output
+    plain = reference.rms_norm(k, k_w, 1e-6, unit_offset)
+    assert rel_err(got_k[..., rotary_dim:], plain[..., rotary_dim:]) < 1e-2
+    # k normed with q's weight instead (the two programs' arguments crossed) is far off
+    assert rel_err(got_k, reference.qk_norm_rotary(q, k, k_w, q_w, *args)[1]) > 0.1
+
+
+@pytest.mark.parametrize(
+    ("hq", "hk", "dim", "rotary_dim", "unit_offset", "gated"),
+    [
+        (6, 2, 64, 16, True, True),  # Qwen3.5's shape class: gated q, partial rotary
+        (3, 1, 32, 32, False, False),  # Qwen3's: plain norm weights, full rotary
+        (5, 5, 48, 24, True, False),  # heads and dims off the powers of two
+    ],
+)
+def test_qk_norm_rotary_matches_reference(
+    hq: int, hk: int, dim: int, rotary_dim: int, unit_offset: bool, gated: bool
+) -> None:
+    check_qk_norm_rotary(5, hq, hk, dim, rotary_dim, unit_offset, gated, "cpu")
+
+
+@GPU
+@needs_cuda
+@pytest.mark.parametrize("tokens", [8, 4096])
+def test_gpu_qk_norm_rotary_27b(tokens: int) -> None:
+    check_qk_norm_rotary(tokens, 24, 4, 256, 64, True, True, "cuda")
 
 
 # ------------------------------------- the down projection of silu(gate) * up, rounded in one pass

@@ -42,6 +42,7 @@ OPS = (
     "sigmoid_mul",
     "gdn_gates",
     "apply_rotary",
+    "qk_norm_rotary",
     "causal_conv1d_prefill",
     "causal_conv1d_update",
     "conv_update_with_gates",
@@ -268,6 +269,24 @@ def apply_rotary(
     rotary_dim: int,
 ) -> torch.Tensor:
     return _pick("apply_rotary", x)(x, positions, cos_sin, rotary_dim)
+
+
+def qk_norm_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool,
+    positions: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    rotary_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rotary(rms_norm(q)), apply_rotary(rms_norm(k)): an attention layer's q/k norms and
+    rotary (kernels: one launch for the four)."""
+    return _pick("qk_norm_rotary", q)(
+        q, k, q_weight, k_weight, eps, unit_offset, positions, cos_sin, rotary_dim
+    )
 
 
 def causal_conv1d_prefill(

@@ -112,6 +112,24 @@ def apply_rotary(
     return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
 
 
+def qk_norm_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool,
+    positions: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    rotary_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An attention layer's per-head q and k norms, then rotary on both: q [T, Hq, D], k [T, Hk,
+    D] (strided views of the fused projection are fine) -> contiguous [T, Hq, D], [T, Hk, D]."""
+    q = apply_rotary(rms_norm(q, q_weight, eps, unit_offset), positions, cos_sin, rotary_dim)
+    k = apply_rotary(rms_norm(k, k_weight, eps, unit_offset), positions, cos_sin, rotary_dim)
+    return q.contiguous(), k.contiguous()
+
+
 def causal_conv1d_prefill(
     x: torch.Tensor,
     weight: torch.Tensor,

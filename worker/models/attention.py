@@ -59,10 +59,10 @@ class Attention(nn.Module):
         return self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
 
     def heads(
-        self, hidden: torch.Tensor
+        self, hidden: torch.Tensor, norms: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """q [T, Hq, D], k and v [T, Hkv, D] after the q/k norms, before rotary, and the output
-        gate [T, Hq, D] (None without one)."""
+        """q [T, Hq, D], k and v [T, Hkv, D] after the q/k norms (`norms`), before rotary, and
+        the output gate [T, Hq, D] (None without one)."""
         tokens = hidden.shape[0]
         q, k, v = self.project(hidden)
         gate = None
@@ -71,7 +71,7 @@ class Attention(nn.Module):
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if norms and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v, gate
 
@@ -83,9 +83,16 @@ class Attention(nn.Module):
         rotary: RotaryTables,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q, k, v, gate = self.heads(hidden)
-        q = ops.apply_rotary(q, meta.positions, rotary.cos_sin(), rotary.rotary_dim)
-        k = ops.apply_rotary(k, meta.positions, rotary.cos_sin(), rotary.rotary_dim)
+        q, k, v, gate = self.heads(hidden, norms=False)
+        qn, kn = self.q_norm, self.k_norm
+        if qn is not None and kn is not None:  # built alike: one eps, one kind of scale
+            q, k = ops.qk_norm_rotary(
+                q, k, qn.weight, kn.weight, qn.eps, qn.unit_offset, meta.positions,
+                rotary.cos_sin(), rotary.rotary_dim,
+            )  # fmt: skip
+        else:
+            q = ops.apply_rotary(q, meta.positions, rotary.cos_sin(), rotary.rotary_dim)
+            k = ops.apply_rotary(k, meta.positions, rotary.cos_sin(), rotary.rotary_dim)
 
         if isinstance(cache, StagedAttentionCache):  # the gate applied with the un-rotation
             return self.o_proj(staged_kv.staged_attention(q, k, v, gate, meta, cache, self.scale))

@@ -30,7 +30,7 @@ from worker.kernels.triton.int4_gemm import int4_linear, int4_linear_silu_mul
 from worker.kernels.triton.kv_cache import write_kv_cache
 from worker.kernels.triton.norm import add_rms_norm, gated_rms_norm, rms_norm
 from worker.kernels.triton.paged_attention import paged_attention_decode, paged_attention_prefill
-from worker.kernels.triton.rotary import apply_rotary
+from worker.kernels.triton.rotary import apply_rotary, qk_norm_rotary
 
 _KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 
@@ -64,6 +64,7 @@ ops.register("rms_norm", rms_norm, ops.cuda_only, name="triton.rms_norm")
 ops.register("add_rms_norm", add_rms_norm, ops.cuda_only, name="triton.add_rms_norm")
 ops.register("gated_rms_norm", gated_rms_norm, ops.cuda_only, name="triton.gated_rms_norm")
 ops.register("apply_rotary", apply_rotary, ops.cuda_only, name="triton.apply_rotary")
+ops.register("qk_norm_rotary", qk_norm_rotary, ops.cuda_only, name="triton.qk_norm_rotary")
 ops.register("silu_mul", silu_mul, ops.cuda_only, name="triton.silu_mul")
 ops.register("sigmoid_mul", sigmoid_mul, ops.cuda_only, name="triton.sigmoid_mul")
 ops.register("gdn_gates", gdn_gates, ops.cuda_only, name="triton.gdn_gates")
@@ -112,6 +113,7 @@ __all__ = [
     "linear_silu_mul",
     "paged_attention_decode",
     "paged_attention_prefill",
+    "qk_norm_rotary",
     "rms_norm",
     "sigmoid_mul",
     "silu_mul",

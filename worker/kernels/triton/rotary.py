@@ -1,6 +1,8 @@
 """Neox-style rotary embedding (rotate halves) of the first `rotary_dim` channels, every head of a
 token in one program; the other channels pass through. One launch where the reference takes
-about a dozen (gathers of the tables, casts, slices, products, concatenations)."""
+about a dozen (gathers of the tables, casts, slices, products, concatenations). And the same
+after an attention layer's q and k norms (`qk_norm_rotary`): the four launches of a decode
+step's attention prologue in one."""
 
 from __future__ import annotations
 
@@ -9,6 +11,24 @@ import triton
 import triton.language as tl
 
 from worker.kernels.triton._launch import kernel, pdl_wait
+
+
+@triton.jit
+def _rotate(xv, xp, positions, t, cos, sin, stride_table, cols, HALF: tl.constexpr):
+    """Channels `cols` of fp32 rows xv rotated by token t's angles, xp holding each channel's
+    partner (c + HALF in the first half, c - HALF in the second); the rest pass through."""
+    rotated = cols < 2 * HALF
+    first = cols < HALF
+    pos = tl.load(positions + t).to(tl.int64)
+    freq = tl.where(first, cols, cols - HALF)
+    c = tl.load(cos + pos * stride_table + freq, mask=rotated, other=1.0)
+    s = tl.load(sin + pos * stride_table + freq, mask=rotated, other=0.0)
+    return tl.where(rotated, xv * c + tl.where(first, -xp, xp) * s, xv)
+
+
+@triton.jit
+def _partner(cols, HALF: tl.constexpr):
+    return tl.where(cols < HALF, cols + HALF, cols - HALF)
 
 
 @kernel
@@ -33,18 +53,87 @@ def _rotary_kernel(
     heads = tl.arange(0, BH)[:, None]
     cols = tl.arange(0, BD)[None, :]
     mask = (heads < H) & (cols < D)
-    rotated = cols < 2 * HALF
     row = x + t * stride_xt + heads * stride_xh
     xv = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
-    first = cols < HALF
-    partner = tl.where(first, cols + HALF, cols - HALF)
-    xp = tl.load(row + partner, mask=mask & rotated, other=0.0).to(tl.float32)
-    pos = tl.load(positions + t).to(tl.int64)
-    freq = tl.where(first, cols, cols - HALF)
-    c = tl.load(cos + pos * stride_table + freq, mask=rotated, other=1.0)
-    s = tl.load(sin + pos * stride_table + freq, mask=rotated, other=0.0)
-    y = tl.where(rotated, xv * c + tl.where(first, -xp, xp) * s, xv)
+    xp = tl.load(row + _partner(cols, HALF), mask=mask & (cols < 2 * HALF), other=0.0)
+    y = _rotate(xv, xp.to(tl.float32), positions, t, cos, sin, stride_table, cols, HALF)
     tl.store(out + t * H * D + heads * D + cols, y.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _normed(xv, rstd, w, UNIT_OFFSET: tl.constexpr, dtype: tl.constexpr):
+    """rms_norm's output in fp32 after its roundings to `dtype` (worker/kernels/triton/norm.py)."""
+    normed = xv * rstd[:, None]
+    if UNIT_OFFSET:
+        y = normed * (1.0 + w)
+    else:
+        y = normed.to(dtype).to(tl.float32) * w
+    return y.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _norm_rotary_heads(
+    x, weight, out, t, H, D, stride_xt, stride_xh, positions, cos, sin, stride_table, eps,
+    HALF: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+):  # fmt: skip
+    heads = tl.arange(0, BH)[:, None]
+    cols = tl.arange(0, BD)[None, :]
+    mask = (heads < H) & (cols < D)
+    partner = _partner(cols, HALF)
+    row = x + t * stride_xt + heads * stride_xh
+    xv = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, 1) / D + eps)
+    w = tl.load(weight + cols, mask=cols < D, other=0.0).to(tl.float32)
+    # the partner's normed value from its own load (a register holds no other column)
+    xp = tl.load(row + partner, mask=mask & (cols < 2 * HALF), other=0.0).to(tl.float32)
+    wp = tl.load(weight + partner, mask=cols < 2 * HALF, other=0.0).to(tl.float32)
+    dtype = out.dtype.element_ty
+    yv = _normed(xv, rstd, w, UNIT_OFFSET, dtype)
+    yp = _normed(xp, rstd, wp, UNIT_OFFSET, dtype)
+    y = _rotate(yv, yp, positions, t, cos, sin, stride_table, cols, HALF)
+    tl.store(out + t * H * D + heads * D + cols, y.to(dtype), mask=mask)
+
+
+@kernel
+def _qk_norm_rotary_kernel(
+    q,
+    k,
+    q_weight,
+    k_weight,
+    positions,
+    cos,
+    sin,
+    q_out,
+    k_out,
+    HQ,
+    HK,
+    D,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_table,
+    eps,
+    HALF: tl.constexpr,
+    BH: tl.constexpr,
+    BD: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program (t, 0): token t's query heads, (t, 1): its key heads; each head normed, rounded
+    as rms_norm rounds, then rotated as apply_rotary rotates it."""
+    pdl_wait(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 0:
+        _norm_rotary_heads(
+            q, q_weight, q_out, t, HQ, D, stride_qt, stride_qh, positions, cos, sin,
+            stride_table, eps, HALF, BH, BD, UNIT_OFFSET,
+        )  # fmt: skip
+    else:
+        _norm_rotary_heads(
+            k, k_weight, k_out, t, HK, D, stride_kt, stride_kh, positions, cos, sin,
+            stride_table, eps, HALF, BH, BD, UNIT_OFFSET,
+        )  # fmt: skip
 
 
 def apply_rotary(
@@ -77,3 +166,54 @@ def apply_rotary(
             num_warps=4,
         )
     return out
+
+
+def qk_norm_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool,
+    positions: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    rotary_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D] and k [T, Hk, D] (last dim contiguous, strided heads read in place) normed
+    per head and rotated, in one launch where the unfused way takes four."""
+    tokens, hq, dim = q.shape
+    hk = k.shape[1]
+    cos, sin = cos_sin
+    if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1 or sin.stride() != cos.stride():
+        raise ValueError("qk_norm_rotary needs contiguous head dims and contiguous tables")
+    if k.shape[0] != tokens or k.shape[2] != dim:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)}")
+    q_out = torch.empty((tokens, hq, dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((tokens, hk, dim), dtype=k.dtype, device=k.device)
+    if tokens:
+        _qk_norm_rotary_kernel[(tokens, 2)](
+            q,
+            k,
+            q_weight,
+            k_weight,
+            positions,
+            cos,
+            sin,
+            q_out,
+            k_out,
+            hq,
+            hk,
+            dim,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            cos.stride(0),
+            eps,
+            HALF=rotary_dim // 2,
+            BH=triton.next_power_of_2(max(hq, hk)),
+            BD=triton.next_power_of_2(dim),
+            UNIT_OFFSET=unit_offset,
+            num_warps=8 if max(hq, hk) * dim >= 4096 else 4,
+        )
+    return q_out, k_out
