@@ -9,7 +9,9 @@ today's triton int4 GEMV and the FP8 GEMV, on one GPU.
    loads in flight), each checked against the reference and timed as CUDA-graph replays over
    weight copies larger than L2 (median of 10 replays); the best at M = 1, 16, 32, 64; the
    triton int4 GEMV at its tuned tiling and FP8 `w8_gemv` at the same shape and M = 8; the
-   best register-pipeline, register-ring and bulk-copy tilings again as probes without the math.
+   best register-pipeline, register-ring and bulk-copy tilings again as probes without the math;
+   the int8 products (`gemv_x8`, x as int8 per token and 128 k) at the best mode 9 and 10
+   tilings, M = 8 and 16, beside the same tilings' 16-bit products.
 4. prefill (gate|up and down, M = 512, 2048, 4096): the mma layout's dequantization + cuBLAS,
    the triton layout's, the e4m3 scratch + scaled_mm (`TOKENMILL_INT4_PREFILL=fp8`), the W4A8
    GEMM per candidate tiling (`=w4a8`), each with its relative error against the exact
@@ -120,6 +122,51 @@ def time_mma(m: int, n: int, k: int, ws: list[Any], x: torch.Tensor, ref: torch.
     return row
 
 
+def time_x8(m: int, n: int, k: int, ws: list[Any], x: torch.Tensor, ref: torch.Tensor,
+            tiling: MmaTiling, bandwidth: float) -> dict[str, Any]:  # fmt: skip
+    """`gemv_x8` (int8 products, x rounded per token and 128 k once, outside the timing: the
+    kernel before would write it) at `tiling`; its error is x's rounding against the exact
+    product."""
+    codes, xscales = reference.int4_mma_x8(x)
+    outs: list[Any] = [None] * len(ws)
+    row: dict[str, Any] = {"tiling": repr(tiling)}
+    try:
+
+        def call(i: int) -> None:
+            outs[i] = int4_mma.gemv_x8(codes, xscales, ws[i][2], ws[i][3], GROUP, tiling)
+
+        t = graph_time(call, len(ws), median_replay=True)
+        e = rel_err(outs[0], ref)
+        gbs = int4_bytes(m, n, k) / t
+        row.update({"us": t * 1e6, "gb_s": gbs / 1e9, "of_copy": gbs / bandwidth, "rel_err": e})
+        row["ok"] = e < 2e-2
+    except Exception as exc:
+        row["error"] = err(exc)
+    return row
+
+
+def x8_section(good: list[dict[str, Any]], ws: list[Any], case: Any, n: int, k: int,
+               bandwidth: float) -> dict[str, Any]:  # fmt: skip
+    """The int8 products against the 16-bit ones at the fastest 2-tile tiling of each mode they
+    run in (9, 10), M = 8 and 16, same weight copies."""
+    out: dict[str, Any] = {}
+    for mode in int4_mma.X8_MODES:
+        mine = [r for r in good if f"mode={mode})" in r["tiling"] and "rows=2," in r["tiling"]]
+        if not mine:
+            continue
+        best = min(mine, key=lambda r: r["us"])
+        t = eval(best["tiling"], {"MmaTiling": MmaTiling})  # noqa: S307 (our own repr)
+        for m in (8, 16):
+            x, ref = case(m)
+            sixteen = best if m == 8 else time_mma(m, n, k, ws, x, ref, t, bandwidth)
+            row = time_x8(m, n, k, ws, x, ref, t, bandwidth)
+            row["bf16_us"] = sixteen.get("us")
+            out[f"mode{mode}_m{m}"] = row
+            log(f"  {n}x{k} M={m} x8 {best['tiling']}: {row.get('us', float('nan')):.1f} us "
+                f"against {row['bf16_us'] or float('nan'):.1f} (16-bit x), err {row.get('rel_err', row.get('error'))}")  # fmt: skip
+    return out
+
+
 def time_triton(m: int, n: int, k: int, ws: list[Any], x: torch.Tensor, ref: torch.Tensor,
                 bandwidth: float) -> dict[str, Any]:  # fmt: skip
     outs: list[Any] = [None] * len(ws)
@@ -206,6 +253,7 @@ def decode_shape(
     for m in (1, 16, 32, 64):
         xm, refm = case(m)
         result["by_m"][m] = {"mma": time_mma(m, n, k, ws, xm, refm, best_tiling, bandwidth)}
+    result["x8"] = x8_section(good, ws, case, n, k, bandwidth)
     result["probes"] = probes(result["m8"], ws, x, ref, n, k, bandwidth)
     ws.clear()
     torch.cuda.empty_cache()

@@ -98,6 +98,93 @@ def test_lane_emulation_matches_reference(m: int, n: int, k: int, group: int) ->
     assert torch.allclose(got, want, rtol=1e-9, atol=1e-9)
 
 
+def emulate_kernel_x8(
+    codes: torch.Tensor, xscales: torch.Tensor, words: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """y [M <= 8, N] as the X8 kernel's lanes compute it (int4_mma.cu chunk_products_x8 and
+    close_group_x8): A registers from the weight words by a shift, an and and an xor, B
+    registers as the stored x bytes, m16n8k32 int8 products summed over a group's two chunks,
+    then times s_w / 16 * s_x."""
+    m, k = codes.shape
+    tiles, chunks = words.shape[:2]
+    y = torch.zeros(m, 16 * tiles, dtype=torch.float64)
+    xb = torch.zeros(8, k, dtype=torch.uint8)
+    xb[:m] = codes.view(torch.uint8)
+    w = words.view(torch.uint8).view(tiles, chunks, 32, 4, 4).to(torch.int64)
+
+    def as_s8(byte: int) -> int:
+        return byte - 256 if byte >= 128 else byte
+
+    def word_of(bytes_: list[int]) -> int:
+        return sum(int(v) << (8 * j) for j, v in enumerate(bytes_))
+
+    for rt in range(tiles):
+        for grp in range(chunks // 2):
+            isum = torch.zeros(16, 8, dtype=torch.int64)
+            for c in (2 * grp, 2 * grp + 1):
+                for p in range(2):
+                    a = torch.zeros(16, 32, dtype=torch.int64)  # mma rows x mma k
+                    b = torch.zeros(32, 8, dtype=torch.int64)  # mma k x tokens
+                    for lane in range(32):
+                        g, t = lane >> 2, lane & 3
+                        w0 = word_of(w[rt, c, lane, 2 * p].tolist())
+                        w1 = word_of(w[rt, c, lane, 2 * p + 1].tolist())
+                        regs = [
+                            (((w0 << 4) & 0xFFFFFFFF) & 0xF0F0F0F0) ^ 0x80808080,  # a0: row g
+                            (w0 & 0xF0F0F0F0) ^ 0x80808080,  # a1: row g + 8
+                            (((w1 << 4) & 0xFFFFFFFF) & 0xF0F0F0F0) ^ 0x80808080,  # a2: row g
+                            (w1 & 0xF0F0F0F0) ^ 0x80808080,  # a3: row g + 8
+                        ]
+                        for r, reg in enumerate(regs):
+                            row, col = g + 8 * (r & 1), 4 * t + 16 * (r >> 1)
+                            for j in range(4):
+                                a[row, col + j] = as_s8((reg >> (8 * j)) & 0xFF)
+                        # B registers h = 0, 1: the lane's stored bytes 8 p + 4 h + j
+                        base = 64 * c + 16 * t + 8 * p
+                        for h in range(2):
+                            for j in range(4):
+                                b[4 * t + 16 * h + j, g] = as_s8(int(xb[g, base + 4 * h + j]))
+                    isum += a @ b
+            sw = scales[rt, grp].double() / 16  # [16] rows of the tile
+            sx = torch.zeros(8, dtype=torch.float64)
+            sx[:m] = xscales[:, grp].double()
+            y[:, rt * 16 : rt * 16 + 16] += (isum.double() * sw[:, None] * sx[None, :]).T[:m]
+    return y
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 16, 128), (8, 32, 256), (5, 16, 384)])
+def test_x8_lane_emulation_matches_reference(m: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(2)
+    q = quantize_rtn(torch.randn(n, k, generator=gen) * 0.02, 128, True)
+    x = torch.randn(m, k, generator=gen)
+    if k > 128:
+        x[0, :128] = 0  # a zero group: scale 0, codes 0
+    codes, xscales = reference.int4_mma_x8(x)
+    assert codes.dtype == torch.int8 and tuple(xscales.shape) == (m, k // 128)
+    values = reference.int4_mma_x8_values(codes, xscales)
+    assert rel_err(values, x) < 1e-2  # int8 per 128 k: ~0.4% of each group's absmax
+    words, mma_scales = reference.int4_mma_pack(q.qweight, q.scales)
+    got = emulate_kernel_x8(codes, xscales, words, mma_scales)
+    weight = reference.int4_dequantize(q.qweight, q.scales, None, 128).double()
+    want = values.double() @ weight.T  # values: codes * scales rounded to fp32
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(got, x.double() @ weight.T, rtol=1e-6, atol=1e-7)
+
+
+def test_x8_codes_sit_in_the_products_k_order() -> None:
+    """Byte 8 p + 4 h + j of lane t's 16 holds k = 32 p + 8 t + 4 h + (0, 2, 1, 3)[j]."""
+    x = torch.arange(128, dtype=torch.float32)[None, :] - 64  # code = value at scale 1
+    x[0, 0] = 127  # the group's absmax: scale 1 for the first group
+    x[0, 64] = -127
+    codes, scales = reference.int4_mma_x8(x)
+    assert torch.equal(scales, torch.ones(1, 1))
+    stored = codes[0].tolist()
+    assert stored[:8] == [127, -62, -63, -61, -60, -58, -59, -57]  # t 0, p 0: k 0, 2, 1, 3, ...
+    assert stored[16:20] == [-56, -54, -55, -53]  # t 1: k 8 + (0, 2, 1, 3)
+    assert stored[8:12] == [-32, -30, -31, -29]  # t 0, p 1: k 32 + (0, 2, 1, 3)
+    assert torch.equal(reference.int4_mma_x8_values(codes, scales), x)
+
+
 def test_int4_linear_in_mma_layout_answers_as_nibble() -> None:
     layer = Int4Linear.from_linear(nn.Linear(128, 48, bias=False).bfloat16(), 64)
     x = torch.randn(3, 128).bfloat16()
@@ -387,6 +474,53 @@ def test_split_k_gives_the_same_bits_every_run(tiling: tuple[int, int, int, int,
     first = int4_mma.gemv(x, words, mma_scales, 128, t)
     for _ in range(20):
         assert torch.equal(int4_mma.gemv(x, words, mma_scales, 128, t), first)
+
+
+@GPU
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 8, 13, 16])
+@pytest.mark.parametrize(
+    ("n", "k", "tiling"),
+    [
+        (5120, 17408, (2, 8, 1, 3, 9)),  # down's tuned tiling
+        (5120, 6144, (2, 8, 2, 3, 9)),  # split K
+        (16384, 5120, (2, 4, 1, 3, 9)),
+        (34816, 5120, (2, 4, 4, 3, 10)),  # gate|up's persistent ring
+        (5120, 6144, (2, 8, 2, 3, 10)),
+    ],
+)
+def test_gemv_x8_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int, int]) -> None:
+    from worker.kernels.cuda import int4_mma
+
+    torch.manual_seed(0)
+    q = quantize_rtn(torch.randn(n, k, device="cuda") * 0.02, 128, True)
+    words, mma_scales = reference.int4_mma_pack(q.qweight, q.scales)
+    codes, xscales = reference.int4_mma_x8(torch.randn(m, k, device="cuda"))
+    t = int4_mma.MmaTiling(*tiling)
+    got = int4_mma.gemv_x8(codes, xscales, words, mma_scales, 128, t)
+    x = reference.int4_mma_x8_values(codes, xscales)
+    want = x @ reference.int4_dequantize(q.qweight, q.scales, None, 128).T
+    assert got.dtype == torch.bfloat16 and rel_err(got.float(), want) < 1e-2
+    for _ in range(5):  # int32 sums, parts summed in order: the same bits every run
+        assert torch.equal(int4_mma.gemv_x8(codes, xscales, words, mma_scales, 128, t), got)
+    ws, arrivals = int4_mma._workspaces.get(x.device), int4_mma._arrivals.get(x.device)
+    assert ws is None or ws.count_nonzero() == 0
+    assert arrivals is None or arrivals.count_nonzero() == 0
+
+
+@GPU
+@needs_cuda
+@pytest.mark.parametrize("tiling", [(2, 4, 4, 3, 10), (2, 4, 1, 3, 9)])
+def test_gate_up_silu_mul_x8_on_gpu(tiling: tuple[int, int, int, int, int]) -> None:
+    from worker.kernels.cuda import int4_mma
+
+    f, k = 17408, 5120
+    weight, scales, dense = gpu_gate_up(f, k)
+    codes, xscales = reference.int4_mma_x8(torch.randn(8, k, device="cuda"))
+    t = int4_mma.MmaTiling(*tiling)
+    got = int4_mma.gemv_x8(codes, xscales, weight, scales, 128, t, silu_mul=True)
+    y = (reference.int4_mma_x8_values(codes, xscales) @ dense.T).bfloat16()
+    assert got.shape == (8, f) and rel_err(got.float(), silu_of_pairs_reference(y).float()) < 2e-2
 
 
 @GPU

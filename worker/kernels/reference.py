@@ -516,6 +516,49 @@ def int4_mma_linear(
     return int4_linear(x, q, s, None, group_size, bias)
 
 
+# x for the int4-mma GEMV's int8 products (int4_mma.cu, X8): token m's chunk c (64 k) is 64
+# bytes, lane t's 16 at 16 t; byte 8 p + 4 h + b holds k = 64 c + 32 p + 8 t + 4 h +
+# MMA_K_OF_BYTE[b], so B register h of the chunk's m16n8k32 product p is one 32-bit word, in the
+# weight words' k order.
+X8_GROUP = 128
+
+
+def _x8_order(device: torch.device) -> torch.Tensor:
+    """For each stored byte of a chunk, the k within the chunk it holds."""
+    order = [
+        32 * p + 8 * t + 4 * h + MMA_K_OF_BYTE[b]
+        for t in range(4)
+        for p in range(2)
+        for h in range(2)
+        for b in range(4)
+    ]
+    return torch.tensor(order, device=device)
+
+
+def int4_mma_x8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K % 128 == 0) rounded to int8 per token and group of 128 k (scale = absmax /
+    127, codes round(x / scale)): (codes int8 [M, K] in the X8 order above, scales fp32 [M, K /
+    128]). A zero group has scale 0 and codes 0."""
+    m, k = x.shape
+    if k % X8_GROUP:
+        raise ValueError(f"int4-mma x8 needs K % {X8_GROUP} == 0, got K={k}")
+    groups = x.float().view(m, k // X8_GROUP, X8_GROUP)
+    scales = groups.abs().amax(-1) / 127.0
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(groups / safe[..., None]).clamp(-127, 127).to(torch.int8).view(m, k)
+    stored = codes.view(m, k // 64, 64)[..., _x8_order(x.device)].reshape(m, k)
+    return stored.contiguous(), scales.contiguous()
+
+
+def int4_mma_x8_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 x [M, K] that `int4_mma_x8`'s codes and scales stand for (natural k order)."""
+    m, k = codes.shape
+    natural = torch.empty_like(codes).view(m, k // 64, 64)
+    natural[..., _x8_order(codes.device)] = codes.view(m, k // 64, 64)
+    values = natural.view(m, k // X8_GROUP, X8_GROUP).float() * scales[..., None]
+    return values.view(m, k)
+
+
 # A fused gate|up weight [2F, K] in the int4-mma layout may have its 16-row tiles paired: tile 2j
 # holds gate rows 16 j..16 j + 15 and tile 2j + 1 the up rows of the same outputs (F % 16 == 0),
 # so the decode GEMV's CTAs, which own an even number of tiles, form silu(gate) * up themselves.

@@ -24,6 +24,10 @@
 // the CTAs add into an fp32 workspace and the last to arrive writes the output and re-zeroes the
 // workspace and its counter (so CUDA-graph replays need no memset). A fused gate|up weight
 // whose tiles alternate gate / up can have that write be silu(gate) * up (reduce_parts' SILU).
+//
+// X8 (modes 9 and 10, tm_w4_gemv_x8): the products on int8 tensor cores (mma m16n8k32 s8), x
+// arriving as int8 codes with a scale per token and group of 128, rounded by the kernel before
+// (`reference.int4_mma_x8`): see chunk_products_x8.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -319,6 +323,96 @@ __device__ __forceinline__ void close_group(float (&acc)[R][MT][4], float (&part
   });
 }
 
+// ---- X8: the same weight words on int8 tensor cores.
+// Word i of a lane's quad holds row g's codes in the low nibbles of its bytes and row g + 8's in
+// the high ones, at real k base + (0, 2, 1, 3) byte by byte (base = 64 c + 8 t + 32 (i >> 1) +
+// 4 (i & 1), the header's order). As bytes, (w << 4) & 0xf0 and w & 0xf0, each xor 0x80, are
+// 16 (q - 8) in two's complement: an s8 A register in one shift and one lop3. So words 2p and
+// 2p + 1 are A registers (a0, a1) and (a2, a3) of m16n8k32 product p, whose mma k 4t..4t+3 and
+// 16+4t..16+4t+3 are real k base + (0, 2, 1, 3) and base + 4 + (0, 2, 1, 3). x arrives in that
+// order (int4_mma_x8: token m's chunk c is 64 bytes, lane t's 16 of them at 16 t: product 0's
+// B registers, then product 1's), so one 16-byte load a lane and token group brings a chunk's
+// B operands. The int32 sums of a group's two chunks (|sum| < 2^22) reach fp32 once a group,
+// times s_w / 16 * s_x.
+__device__ __forceinline__ uint32_t and_xor(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0x6a;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+__device__ __forceinline__ void imma(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                     uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Each lane's rows of the int8 x: token mt * 8 + g's chunks (its 16 bytes at 16 t), and the
+// group scales of the tokens its C fragment holds (2 t and 2 t + 1). Rows past M read row
+// M - 1 again (their sums are never written).
+template <int MT>
+struct X8Rows {
+  const uint4* p[MT];
+  const float* s[MT][2];
+  __device__ __forceinline__ X8Rows(const void* x8, const float* xs, int M, int K, int g, int t) {
+    const int G = K >> 7;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      p[mt] = opaque(reinterpret_cast<const uint4*>(static_cast<const char*>(x8) +
+                                                    (size_t)min(mt * 8 + g, M - 1) * K + 16 * t));
+      s[mt][0] = xs + (size_t)min(mt * 8 + 2 * t, M - 1) * G;
+      s[mt][1] = xs + (size_t)min(mt * 8 + 2 * t + 1, M - 1) * G;
+    }
+  }
+  __device__ __forceinline__ void load(uint4 (&xb)[MT], int c) const {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) xb[mt] = __ldg(advance<64>(p[mt], c));
+  }
+};
+
+template <int MT, int R>
+__device__ __forceinline__ void chunk_products_x8(int (&isum)[R][MT][4], const uint4 (&w)[R],
+                                                  const uint4 (&xb)[MT]) {
+  constexpr uint32_t HI = 0xf0f0f0f0u, SIGN = 0x80808080u;
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const uint32_t w0 = word(w[r], 2 * p), w1 = word(w[r], 2 * p + 1);
+      const uint32_t a0 = and_xor(w0 << 4, HI, SIGN), a1 = and_xor(w0, HI, SIGN);
+      const uint32_t a2 = and_xor(w1 << 4, HI, SIGN), a3 = and_xor(w1, HI, SIGN);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        imma(isum[r][mt], a0, a1, a2, a3, word(xb[mt], 2 * p), word(xb[mt], 2 * p + 1));
+    }
+}
+
+// A group's end: acc += int32 sums * s_w / 16 * s_x; sums = 0. gi: the group in the scales'
+// smem copy [R][maxg][16]; gx: the group in x's scales.
+template <int MT, int R>
+__device__ __forceinline__ void close_group_x8(float (&acc)[R][MT][4], int (&isum)[R][MT][4],
+                                               const X8Rows<MT>& xr, const __half* my_sc,
+                                               int maxg, int gi, int gx, int g) {
+  float sx[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) sx[mt][0] = __ldg(xr.s[mt][0] + gx), sx[mt][1] = __ldg(xr.s[mt][1] + gx);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float s0 = 0.0625f * __half2float(my_sc[(r * maxg + gi) * 16 + g]);
+    const float s1 = 0.0625f * __half2float(my_sc[(r * maxg + gi) * 16 + g + 8]);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      acc[r][mt][0] += (float)isum[r][mt][0] * (s0 * sx[mt][0]);
+      acc[r][mt][1] += (float)isum[r][mt][1] * (s0 * sx[mt][1]);
+      acc[r][mt][2] += (float)isum[r][mt][2] * (s1 * sx[mt][0]);
+      acc[r][mt][3] += (float)isum[r][mt][3] * (s1 * sx[mt][1]);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) isum[r][mt][q] = 0;
+    }
+  }
+}
+
 // silu(gate) * up from the projection's fp32 sums, rounded as the unfused path rounds (the
 // projection to T, silu to T, then the product): ops.silu_mul's math on the GEMV's output.
 template <typename T>
@@ -537,17 +631,20 @@ __global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS) {
 // g0 + warp + W, ..., both chunks of each in turn, so a group's partial sums close once, after
 // its second chunk, not after every chunk (a close is ~a fifth of a chunk's instructions at 2
 // tiles); S even, so the closing chunks sit at fixed places in the unrolled turn.
-template <bool BF16, int MT, int R, int D, bool PROBE, bool PAIRS = false>
+template <bool BF16, int MT, int R, int D, bool PROBE, bool PAIRS = false, bool X8 = false>
 __device__ __forceinline__ void ring_run(float (&acc)[R][MT][4], const uint4* __restrict__ qw,
                                          const __half* __restrict__ sc,
                                          const typename Num<BF16>::T* __restrict__ x,
-                                         __half* my_sc, const Range& rg, int rb, int NC, int G,
-                                         int M, int ldx, int gc, int gshift, uint32_t& probe) {
+                                         const float* __restrict__ xs, __half* my_sc,
+                                         const Range& rg, int rb, int NC, int G, int M, int ldx,
+                                         int gc, int gshift, uint32_t& probe) {
   constexpr int S = D + 1;
   static_assert(!PAIRS || S % 2 == 0, "a group's two chunks close at fixed places of a turn");
+  static_assert(!X8 || PAIRS, "int8 sums close once a group, after its two chunks");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const XRows<BF16, MT> xr(x, M, ldx, g, t);
+  const X8Rows<MT> x8r(x, xs, M, NC * 64, g, t);  // X8: x is the int8 codes
   const int first = rg.c_begin + (PAIRS ? 2 * warp : warp), step = W;
   const int groups = rg.g1 - rg.g0;
   const int count = PAIRS ? (warp < groups ? 2 * ((groups - 1 - warp) / W + 1) : 0)
@@ -571,15 +668,22 @@ __device__ __forceinline__ void ring_run(float (&acc)[R][MT][4], const uint4* __
   pdl_wait();
 
   float part[R][MT][4], xsum[1][MT][4];
+  int isum[R][MT][4] = {};
   zero(acc);
   zero(part);
   zero(xsum);
   int in_group = 0, gi = 0;
   // s: the chunk's place in its turn (PAIRS: odd closes the group)
   auto consume = [&](int n, const uint4(&w)[R], int s) {
-    if (PROBE) {
+    if constexpr (PROBE) {
 #pragma unroll
       for (int r = 0; r < R; ++r) probe ^= w[r].x ^ w[r].y ^ w[r].z ^ w[r].w;
+    } else if constexpr (X8) {
+      const int c = chunk_of(n);
+      uint4 xb[MT];
+      x8r.load(xb, c);
+      chunk_products_x8<MT, R>(isum, w, xb);
+      if (s & 1) close_group_x8<MT, R>(acc, isum, x8r, my_sc, rg.maxg, (c >> 1) - rg.g0, c >> 1, g);
     } else {
       const int c = chunk_of(n);
       uint4 xv[MT][2];
@@ -612,15 +716,16 @@ __device__ __forceinline__ void ring_run(float (&acc)[R][MT][4], const uint4* __
 // Modes 7 and 9 (PAIRS): the ring over the CTA's K range (split over gridDim.y). SILU: see
 // reduce_parts.
 template <bool BF16, int MT, int R, int D, bool PROBE = false, bool SILU = false,
-          bool PAIRS = false>
-__global__ void __launch_bounds__(256, 2) w4_gemv_ring(TM_GEMV_PARAMS) {
+          bool PAIRS = false, bool X8 = false>
+__global__ void __launch_bounds__(256, 2) w4_gemv_ring(TM_GEMV_PARAMS,
+                                                       const float* __restrict__ xs) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int NC = K >> 6, G = (NC + gc - 1) / gc, rb = blockIdx.x;
   const Range rg = warp_range<true>(NC, gc, blockDim.x >> 5, threadIdx.x >> 5);
   float acc[R][MT][4];
   uint32_t probe = 0;
-  ring_run<BF16, MT, R, D, PROBE, PAIRS>(acc, qw, sc, x, reinterpret_cast<__half*>(smem), rg, rb,
-                                         NC, G, M, ldx, gc, gshift, probe);
+  ring_run<BF16, MT, R, D, PROBE, PAIRS, X8>(acc, qw, sc, x, xs, reinterpret_cast<__half*>(smem),
+                                             rg, rb, NC, G, M, ldx, gc, gshift, probe);
   if (PROBE) acc[0][0][0] = __uint_as_float(probe & 0x3fffffffu);
   finish<BF16, MT, R, SILU>(acc, reinterpret_cast<float*>(smem), y, ws, arrivals, M, N, ldy, rb,
                             1, gridDim.y, blockIdx.y, gridDim.y);
@@ -634,8 +739,9 @@ __global__ void __launch_bounds__(256, 2) w4_gemv_ring(TM_GEMV_PARAMS) {
 // K = 5120 on one H200 (bench/kernels/int4_mma_scaling.py); here that is paid once a CTA.
 // Every warp has count = 2 G / W chunks a row block (the host checks G % W == 0 and count % S
 // == 0), so the turns of the ring end where row blocks do.
-template <bool BF16, int MT, int R, int D, bool SILU>
-__global__ void __launch_bounds__(256, 2) w4_gemv_persist(TM_GEMV_PARAMS) {
+template <bool BF16, int MT, int R, int D, bool SILU, bool X8 = false>
+__global__ void __launch_bounds__(256, 2) w4_gemv_persist(TM_GEMV_PARAMS,
+                                                          const float* __restrict__ xs) {
   constexpr int S = D + 1;
   static_assert(S % 2 == 0, "a group's two chunks close at fixed places of a turn");
   extern __shared__ __align__(16) unsigned char smem[];
@@ -647,6 +753,7 @@ __global__ void __launch_bounds__(256, 2) w4_gemv_persist(TM_GEMV_PARAMS) {
   __half* scb = reinterpret_cast<__half*>(smem + (size_t)W * R * MT * 4 * 32 * sizeof(float));
   const int sc_per = R * G * 16;  // halves of one row block's scales: [R][G][16]
   const XRows<BF16, MT> xr(x, M, ldx, g, t);
+  const X8Rows<MT> x8r(x, xs, M, K, g, t);  // X8: x is the int8 codes
   auto chunk_of = [&](int n) { return 2 * warp + (n >> 1) * 2 * W + (n & 1); };
   auto block_ptrs = [&](int rb, const uint4* (&p)[R]) {
 #pragma unroll
@@ -679,6 +786,7 @@ __global__ void __launch_bounds__(256, 2) w4_gemv_persist(TM_GEMV_PARAMS) {
   pdl_wait();
 
   float acc[R][MT][4], part[R][MT][4], xsum[1][MT][4];
+  int isum[R][MT][4] = {};
   zero(acc);
   zero(part);
   zero(xsum);
@@ -694,10 +802,17 @@ __global__ void __launch_bounds__(256, 2) w4_gemv_persist(TM_GEMV_PARAMS) {
         for (int r = 0; r < R; ++r)
           wbuf[(s + D) % S][r] = load_stream(advance<512>(here ? wcur[r] : wnext[r], lc));
         const int c = chunk_of(n + s);
-        uint4 xv[MT][2];
-        xr.load(xv, c);
-        chunk_products<BF16, MT, R>(part, xsum[0], wbuf[s], xv);
-        if (s & 1) close_group<BF16, MT, R>(acc, part, xsum[0], my_sc, G, c >> 1, g);
+        if constexpr (X8) {
+          uint4 xb[MT];
+          x8r.load(xb, c);
+          chunk_products_x8<MT, R>(isum, wbuf[s], xb);
+          if (s & 1) close_group_x8<MT, R>(acc, isum, x8r, my_sc, G, c >> 1, c >> 1, g);
+        } else {
+          uint4 xv[MT][2];
+          xr.load(xv, c);
+          chunk_products<BF16, MT, R>(part, xsum[0], wbuf[s], xv);
+          if (s & 1) close_group<BF16, MT, R>(acc, part, xsum[0], my_sc, G, c >> 1, g);
+        }
       }
     }
     cp_async_wait<0>();  // the next row block's scales (this thread's copies; finish syncs)
@@ -1084,10 +1199,10 @@ int launch_bulk(const void* qw, const void* sc, const void* x, void* y, void* ws
 }
 
 template <bool BF16, int MT, int R, int D, bool ASYNC, bool IL, bool PROBE = false,
-          bool SILU = false, int RING = 0>
+          bool SILU = false, int RING = 0, bool X8 = false>
 int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws, void* arrivals,
                 int M, int N, int K, int ldx, int ldy, int gc, int warps, int splits, bool pdl,
-                cudaStream_t stream) {
+                cudaStream_t stream, const float* xs = nullptr) {
   using T = typename Num<BF16>::T;
   const int NC = K / 64, G = (NC + gc - 1) / gc, P = splits * (IL ? 1 : warps);
   const int maxg = (G + P - 1) / P;
@@ -1099,15 +1214,21 @@ int launch_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws
   const size_t bytes = ring_bytes + sc_bytes > red_bytes ? ring_bytes + sc_bytes : red_bytes;
   // if constexpr, not ?: (which would build both kernels, one never launched)
   auto kernel = [] {
-    if constexpr (RING > 0) return w4_gemv_ring<BF16, MT, R, D, PROBE, SILU, RING == 2>;
+    if constexpr (RING > 0) return w4_gemv_ring<BF16, MT, R, D, PROBE, SILU, RING == 2, X8>;
     else if constexpr (ASYNC) return w4_gemv_async<BF16, MT, R, D, IL, SILU>;
     else return w4_gemv_regs<BF16, MT, R, D, IL, PROBE, SILU>;
   }();
   dim3 grid(N / (16 * R), splits);
-  return launch_kernel(kernel, grid, dim3(warps * 32), bytes, stream, pdl,
-                       static_cast<const uint4*>(qw), static_cast<const __half*>(sc),
-                       static_cast<const T*>(x), static_cast<T*>(y), static_cast<float*>(ws),
-                       static_cast<int*>(arrivals), M, N, K, ldx, ldy, gc, gshift);
+  if constexpr (RING > 0)
+    return launch_kernel(kernel, grid, dim3(warps * 32), bytes, stream, pdl,
+                         static_cast<const uint4*>(qw), static_cast<const __half*>(sc),
+                         static_cast<const T*>(x), static_cast<T*>(y), static_cast<float*>(ws),
+                         static_cast<int*>(arrivals), M, N, K, ldx, ldy, gc, gshift, xs);
+  else
+    return launch_kernel(kernel, grid, dim3(warps * 32), bytes, stream, pdl,
+                         static_cast<const uint4*>(qw), static_cast<const __half*>(sc),
+                         static_cast<const T*>(x), static_cast<T*>(y), static_cast<float*>(ws),
+                         static_cast<int*>(arrivals), M, N, K, ldx, ldy, gc, gshift);
 }
 
 template <bool BF16, int MT, int R, int D>
@@ -1130,10 +1251,10 @@ int launch_streamk(const void* qw, const void* sc, const void* x, void* y, void*
                        static_cast<int*>(arrivals), M, N, K, ldx, ldy, gc, __builtin_ctz(gc));
 }
 
-template <bool BF16, int MT, int R, bool SILU>
+template <bool BF16, int MT, int R, bool SILU, bool X8 = false>
 int launch_persist(const void* qw, const void* sc, const void* x, void* y, int M, int N, int K,
                    int ldx, int ldy, int gc, int warps, int ctas_per_sm, bool pdl,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, const float* xs = nullptr) {
   using T = typename Num<BF16>::T;
   constexpr int D = 3;
   const int NC = K / 64, G = NC / 2, blocks = N / (16 * R);
@@ -1141,11 +1262,11 @@ int launch_persist(const void* qw, const void* sc, const void* x, void* y, int M
   const int slots = device_info().sms * ctas_per_sm, P = blocks < slots ? blocks : slots;
   const size_t bytes = (size_t)warps * R * MT * 4 * 32 * sizeof(float) +
                        2 * (size_t)R * G * 16 * sizeof(__half);
-  auto kernel = w4_gemv_persist<BF16, MT, R, D, SILU>;
+  auto kernel = w4_gemv_persist<BF16, MT, R, D, SILU, X8>;
   return launch_kernel(kernel, dim3(P), dim3(warps * 32), bytes, stream, pdl,
                        static_cast<const uint4*>(qw), static_cast<const __half*>(sc),
                        static_cast<const T*>(x), static_cast<T*>(y), nullptr, nullptr, M, N, K,
-                       ldx, ldy, gc, 1);
+                       ldx, ldy, gc, 1, xs);
 }
 
 // Modes 0-2, 7 and 9: K split over the grid's y.
@@ -1236,6 +1357,21 @@ int gemv_by_rows(const void* qw, const void* sc, const void* x, void* y, void* w
 #undef TM_ROWS
 }
 
+// X8 (bf16 output, 2 row tiles a CTA, groups of 128, M <= 16): mode 9 over gridDim.y splits,
+// or mode 10 with `splits` CTAs an SM.
+template <int MT, bool SILU>
+int gemv_x8(const void* qw, const void* sc, const void* x8, const float* xs, void* y, void* ws,
+            void* arrivals, int M, int N, int K, int ldy, int warps, int splits, int mode,
+            bool pdl, cudaStream_t s) {
+  if (mode == 9)
+    return launch_gemv<true, MT, 2, 3, false, true, false, SILU, 2, true>(
+        qw, sc, x8, y, ws, arrivals, M, N, K, K, ldy, 2, warps, splits, pdl, s, xs);
+  if (mode == 10)
+    return launch_persist<true, MT, 2, SILU, true>(qw, sc, x8, y, M, N, K, K, ldy, 2, warps, splits,
+                                                   pdl, s, xs);
+  return -1;
+}
+
 }  // namespace
 
 extern "C" {
@@ -1271,6 +1407,22 @@ int tm_w4_gemv(const void* qw, const void* sc, const void* x, void* y, void* ws,
                                              warps, splits, depth, mode, pdl, s)
               : gemv_by_rows<false, 1, false>(qw, sc, x, y, ws, arrivals, M, N, K, ldx, ldy, gc,
                                               warps, splits, depth, mode, pdl, s);
+}
+
+// y[M, N] (bf16) = x @ W^T with x as int8 codes x8 [M, K] in `reference.int4_mma_x8`'s order and
+// fp32 scales xs [M, K / 128] (x = codes * scale per token and group of 128): the products on
+// int8 tensor cores. Groups of 128 (gc 2), 2 row tiles a CTA, M <= 16, mode 9 (`splits` over
+// gridDim.y, ws and arrivals as tm_w4_gemv's) or 10 (`splits` CTAs an SM); silu_mul as there.
+int tm_w4_gemv_x8(const void* qw, const void* sc, const void* x8, const void* xs, void* y,
+                  void* ws, void* arrivals, int M, int N, int K, int ldy, int warps, int splits,
+                  int mode, int silu_mul, int pdl, void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (M < 1 || M > 16 || K % 128 || N % 32 || warps < 1 || warps > 8 || splits < 1) return -1;
+  if (mode != 9 && mode != 10) return -1;
+  const float* f = static_cast<const float*>(xs);
+#define TM_X8(MT)                                                                                (silu_mul ? gemv_x8<MT, true>(qw, sc, x8, f, y, ws, arrivals, M, N, K, ldy, warps, splits, mode,                                 pdl, s)                                                                    : gemv_x8<MT, false>(qw, sc, x8, f, y, ws, arrivals, M, N, K, ldy, warps, splits,                                   mode, pdl, s))
+  return M <= 8 ? TM_X8(1) : TM_X8(2);
+#undef TM_X8
 }
 
 // out[N, K] (x's dtype) = (q - 8) * s from the int4-mma layout.

@@ -157,6 +157,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 # the extern "C" signatures of int4_mma.cu (tests compare them with the source)
 SIGNATURES = {
     "tm_w4_gemv": [_P] * 6 + [_I] * 14 + [_P],
+    "tm_w4_gemv_x8": [_P] * 7 + [_I] * 9 + [_P],
     "tm_w4_dequant": [_P] * 3 + [_I] * 4 + [_P],
     "tm_w4_dequant_e4m3": [_P] * 4 + [_I] * 3 + [_P],
     "tm_w4_codes_e4m3": [_P] * 4 + [_I] * 3 + [_P],
@@ -247,6 +248,60 @@ def gemv(
     )  # fmt: skip
     _check(code, "int4-mma gemv")
     return silu_mul_of_pairs(out) if silu_mul and not fused else out
+
+
+# The modes the int8 products run in (ring_run's whole groups, and its persistent form)
+X8_MODES = (9, PERSISTENT_MODE)
+
+
+def x8_tiling(n: int, k: int, m: int, group_size: int) -> MmaTiling | None:
+    """The tiling `gemv_x8` launches for this weight at M = `m` (the tuned one, as `gemv` would
+    run it), or None where the int8 products do not run: groups of 128, M <= 16, 2 row tiles in
+    mode 9 or 10."""
+    if group_size != 128 or m > 16 or k % 128 or n % 32:
+        return None
+    t = MMA_DECODE_TILINGS.get((n, k)) or default_tiling(n, k, group_size)
+    t = tiling_for_rows(t, m, n, k, group_size)
+    return t if t.rows == 2 and t.mode in X8_MODES else None
+
+
+def gemv_x8(
+    codes: torch.Tensor,
+    xscales: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    tiling: MmaTiling | None = None,
+    silu_mul: bool = False,
+) -> torch.Tensor:
+    """`gemv` with x as int8 codes [M <= 16, K] and fp32 scales [M, K / 128]
+    (`reference.int4_mma_x8`), the products on int8 tensor cores: bf16 [M, N] (or silu(gate) *
+    up [M, N / 2] of a paired gate|up weight). Runs the weight's tiling where it is mode 9 or 10
+    on 2 row tiles (`x8_tiling`); `tiling` overrides it (the kernel bench)."""
+    m, k = codes.shape
+    n = 16 * qweight.shape[0]
+    if codes.dtype != torch.int8 or 64 * qweight.shape[1] != k or xscales.shape != (m, k // 128):
+        raise ValueError(f"int4-mma gemv_x8: codes {tuple(codes.shape)} {codes.dtype}, scales {tuple(xscales.shape)} against weight [{n}, {64 * qweight.shape[1]}]")  # fmt: skip
+    t = tiling or x8_tiling(n, k, m, group_size)
+    if t is None or group_size != 128 or t.rows != 2 or t.mode not in X8_MODES or m > 16:
+        raise ValueError(f"int4-mma gemv_x8 runs groups of 128, M <= 16, 2 row tiles in mode 9 or 10; got {t}, M={m}")  # fmt: skip
+    codes, xscales = codes.contiguous(), xscales.float().contiguous()
+    if scales.data_ptr() % 16:
+        scales = scales.clone()
+    out = torch.empty((m, n // 2 if silu_mul else n), dtype=torch.bfloat16, device=codes.device)
+    ws = arrivals = None
+    if t.mode == 9 and t.splits > 1:
+        ws = _zeroed(_workspaces, codes.device, t.splits * n // 16 * (1 if m <= 8 else 2) * 128, torch.float32)  # fmt: skip
+        arrivals = _zeroed(_arrivals, codes.device, n // 16, torch.int32)
+    code = _library(codes.device).tm_w4_gemv_x8(
+        qweight.data_ptr(), scales.data_ptr(), codes.data_ptr(), xscales.data_ptr(),
+        out.data_ptr(), None if ws is None else ws.data_ptr(),
+        None if arrivals is None else arrivals.data_ptr(), m, n, k, out.stride(0), t.warps,
+        t.splits, t.mode, int(silu_mul), int(pdl_enabled(codes.device)),
+        torch.cuda.current_stream(codes.device).cuda_stream,
+    )  # fmt: skip
+    _check(code, "int4-mma gemv_x8")
+    return out
 
 
 def silu_mul_of_pairs(y: torch.Tensor) -> torch.Tensor:
