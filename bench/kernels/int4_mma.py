@@ -127,7 +127,7 @@ def time_x8(m: int, n: int, k: int, ws: list[Any], x: torch.Tensor, ref: torch.T
     """`gemv_x8` (int8 products, x rounded per token and 128 k once, outside the timing: the
     kernel before would write it) at `tiling`; its error is x's rounding against the exact
     product."""
-    codes, xscales = reference.int4_mma_x8(x)
+    codes, xscales, _ = reference.int4_mma_x8(x)
     outs: list[Any] = [None] * len(ws)
     row: dict[str, Any] = {"tiling": repr(tiling)}
     try:

@@ -159,7 +159,7 @@ def test_x8_lane_emulation_matches_reference(m: int, n: int, k: int) -> None:
     x = torch.randn(m, k, generator=gen)
     if k > 128:
         x[0, :128] = 0  # a zero group: scale 0, codes 0
-    codes, xscales = reference.int4_mma_x8(x)
+    codes, xscales, _ = reference.int4_mma_x8(x)
     assert codes.dtype == torch.int8 and tuple(xscales.shape) == (m, k // 128)
     values = reference.int4_mma_x8_values(codes, xscales)
     assert rel_err(values, x) < 1e-2  # int8 per 128 k: ~0.4% of each group's absmax
@@ -176,7 +176,7 @@ def test_x8_codes_sit_in_the_products_k_order() -> None:
     x = torch.arange(128, dtype=torch.float32)[None, :] - 64  # code = value at scale 1
     x[0, 0] = 127  # the group's absmax: scale 1 for the first group
     x[0, 64] = -127
-    codes, scales = reference.int4_mma_x8(x)
+    codes, scales, _ = reference.int4_mma_x8(x)
     assert torch.equal(scales, torch.ones(1, 1))
     stored = codes[0].tolist()
     assert stored[:8] == [127, -62, -63, -61, -60, -58, -59, -57]  # t 0, p 0: k 0, 2, 1, 3, ...
@@ -495,7 +495,7 @@ def test_gemv_x8_on_gpu(m: int, n: int, k: int, tiling: tuple[int, int, int, int
     torch.manual_seed(0)
     q = quantize_rtn(torch.randn(n, k, device="cuda") * 0.02, 128, True)
     words, mma_scales = reference.int4_mma_pack(q.qweight, q.scales)
-    codes, xscales = reference.int4_mma_x8(torch.randn(m, k, device="cuda"))
+    codes, xscales, _ = reference.int4_mma_x8(torch.randn(m, k, device="cuda"))
     t = int4_mma.MmaTiling(*tiling)
     got = int4_mma.gemv_x8(codes, xscales, words, mma_scales, 128, t)
     x = reference.int4_mma_x8_values(codes, xscales)
@@ -516,7 +516,7 @@ def test_gate_up_silu_mul_x8_on_gpu(tiling: tuple[int, int, int, int, int]) -> N
 
     f, k = 17408, 5120
     weight, scales, dense = gpu_gate_up(f, k)
-    codes, xscales = reference.int4_mma_x8(torch.randn(8, k, device="cuda"))
+    codes, xscales, _ = reference.int4_mma_x8(torch.randn(8, k, device="cuda"))
     t = int4_mma.MmaTiling(*tiling)
     got = int4_mma.gemv_x8(codes, xscales, weight, scales, 128, t, silu_mul=True)
     y = (reference.int4_mma_x8_values(codes, xscales) @ dense.T).bfloat16()

@@ -30,6 +30,7 @@ import torch
 from worker.kernels import reference
 
 if TYPE_CHECKING:
+    from worker.kernels.reference import X8
     from worker.models.cache import StagedAttentionCache
 
 Supported = Callable[[torch.device, torch.dtype, "torch.dtype | None"], tuple[bool, str]]
@@ -59,6 +60,14 @@ OPS = (
     "int4_linear_silu_mul",
     "int4_mma_linear",
     "int4_mma_linear_silu_mul",
+    # an int4 GEMV's input also as int8 codes (reference.int4_mma_x8), from the kernel before it,
+    # and the GEMV on int8 tensor cores that takes them
+    "rms_norm_x8",
+    "add_rms_norm_x8",
+    "gated_rms_norm_x8",
+    "sigmoid_mul_x8",
+    "int4_mma_linear_x8",
+    "int4_mma_linear_silu_mul_x8",
     "turboquant_restage",
     "staged_attention_prefill",
     "staged_attention_decode",
@@ -507,6 +516,53 @@ def int4_mma_linear_silu_mul(
     with paired tiles (`reference.int4_mma_pair_tiles`; decode GEMVs form the activation in their
     epilogue)."""
     return _pick("int4_mma_linear_silu_mul", x)(x, qweight, scales, group_size)
+
+
+def rms_norm_x8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
+) -> tuple[torch.Tensor, X8]:
+    """rms_norm, and its output as int8 codes for an int4 GEMV's int8 products."""
+    return _pick("rms_norm_x8", x)(x, weight, eps, unit_offset)
+
+
+def add_rms_norm_x8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
+) -> tuple[torch.Tensor, torch.Tensor, X8]:
+    """add_rms_norm, and the normed rows as int8 codes."""
+    return _pick("add_rms_norm_x8", x)(x, residual, weight, eps, unit_offset)
+
+
+def gated_rms_norm_x8(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, X8]:
+    """gated_rms_norm of x [T, H, D], and its output as int8 codes of rows [T, H * D]."""
+    return _pick("gated_rms_norm_x8", x)(x, gate, weight, eps)
+
+
+def sigmoid_mul_x8(x: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, X8]:
+    """sigmoid_mul, and its output as int8 codes."""
+    return _pick("sigmoid_mul_x8", x)(x, gate)
+
+
+def int4_mma_linear_x8(
+    x8: X8,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`int4_mma_linear` of x given as int8 codes: the products on int8 tensor cores, the
+    output in x's dtype. Chosen by the codes' device and that dtype."""
+    impl = select("int4_mma_linear_x8", x8.codes.device, x8.dtype)
+    return impl.fn(x8, qweight, scales, group_size, bias)
+
+
+def int4_mma_linear_silu_mul_x8(
+    x8: X8, qweight: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """`int4_mma_linear_silu_mul` of x given as int8 codes."""
+    impl = select("int4_mma_linear_silu_mul_x8", x8.codes.device, x8.dtype)
+    return impl.fn(x8, qweight, scales, group_size)
 
 
 # Staged KV pages (worker/models/cache.py StagedAttentionCache): rotated-basis queries in,

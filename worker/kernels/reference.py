@@ -13,7 +13,7 @@ Size: The plain-PyTorch reference of every kernel op, side by side: long by natu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -535,19 +535,29 @@ def _x8_order(device: torch.device) -> torch.Tensor:
     return torch.tensor(order, device=device)
 
 
-def int4_mma_x8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (K % 128 == 0) rounded to int8 per token and group of 128 k (scale = absmax /
-    127, codes round(x / scale)): (codes int8 [M, K] in the X8 order above, scales fp32 [M, K /
-    128]). A zero group has scale 0 and codes 0."""
+class X8(NamedTuple):
+    """An activation as the int4 GEMV's int8 products take it (`int4_mma_x8`): codes int8 [M, K]
+    in the X8 order, scales fp32 [M, K / 128], and the dtype of the activation they stand for
+    (the GEMV's output dtype)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype = torch.bfloat16
+
+
+def int4_mma_x8(x: torch.Tensor) -> X8:
+    """x [M, K] (K % 128 == 0) rounded to int8 per token and group of 128 k: scale = absmax /
+    127, codes floor(x / scale + 0.5) (the kernels that write them round so), stored in the X8
+    order above; scales fp32 [M, K / 128]. A zero group has scale 0 and codes 0."""
     m, k = x.shape
     if k % X8_GROUP:
         raise ValueError(f"int4-mma x8 needs K % {X8_GROUP} == 0, got K={k}")
-    groups = x.float().view(m, k // X8_GROUP, X8_GROUP)
+    groups = x.float().reshape(m, k // X8_GROUP, X8_GROUP)
     scales = groups.abs().amax(-1) / 127.0
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(groups / safe[..., None]).clamp(-127, 127).to(torch.int8).view(m, k)
+    codes = torch.floor(groups / safe[..., None] + 0.5).to(torch.int8).view(m, k)
     stored = codes.view(m, k // 64, 64)[..., _x8_order(x.device)].reshape(m, k)
-    return stored.contiguous(), scales.contiguous()
+    return X8(stored.contiguous(), scales.contiguous(), x.dtype)
 
 
 def int4_mma_x8_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -557,6 +567,54 @@ def int4_mma_x8_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
     natural[..., _x8_order(codes.device)] = codes.view(m, k // 64, 64)
     values = natural.view(m, k // X8_GROUP, X8_GROUP).float() * scales[..., None]
     return values.view(m, k)
+
+
+def rms_norm_x8(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> tuple[torch.Tensor, X8]:  # fmt: skip
+    """rms_norm, and its output as int8 codes for the int4 GEMV after it (rows [.., D] flat)."""
+    out = rms_norm(x, weight, eps, unit_offset)
+    return out, int4_mma_x8(out.reshape(-1, out.shape[-1]))
+
+
+def add_rms_norm_x8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
+) -> tuple[torch.Tensor, torch.Tensor, X8]:
+    """add_rms_norm, and its normed output as int8 codes."""
+    out, total = add_rms_norm(x, residual, weight, eps, unit_offset)
+    return out, total, int4_mma_x8(out.reshape(-1, out.shape[-1]))
+
+
+def gated_rms_norm_x8(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, X8]:
+    """gated_rms_norm of x [T, H, D], and its output as int8 codes of rows [T, H * D]."""
+    out = gated_rms_norm(x, gate, weight, eps)
+    return out, int4_mma_x8(out.reshape(out.shape[0], -1))
+
+
+def sigmoid_mul_x8(x: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, X8]:
+    """sigmoid_mul, and its output [T, N] as int8 codes."""
+    out = sigmoid_mul(x, gate)
+    return out, int4_mma_x8(out)
+
+
+def int4_mma_linear_x8(
+    x8: X8,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The int4-mma weight times x given as int8 codes (`int4_mma_x8`), in x's dtype."""
+    x = int4_mma_x8_values(x8.codes, x8.scales)
+    return int4_mma_linear(x, qweight, scales, group_size, bias).to(x8.dtype)
+
+
+def int4_mma_linear_silu_mul_x8(
+    x8: X8, qweight: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """silu(gate) * up from x given as int8 codes and a paired gate|up weight."""
+    q, s = int4_mma_unpair_tiles(qweight, scales)
+    return silu_mul(int4_mma_linear_x8(x8, q, s, group_size))
 
 
 # A fused gate|up weight [2F, K] in the int4-mma layout may have its 16-row tiles paired: tile 2j

@@ -9,10 +9,19 @@ from torch import nn
 
 from worker.engine.batch import BatchMetadata
 from worker.kernels import ops
+from worker.kernels.reference import X8
 from worker.kvcache import staged as staged_kv
 from worker.models.cache import AttentionCache, StagedAttentionCache
 from worker.models.config import ModelConfig
-from worker.models.layers import Linear, RMSNorm, RotaryTables, fusable, fuse_linears
+from worker.models.layers import (
+    Linear,
+    RMSNorm,
+    RotaryTables,
+    fusable,
+    fuse_linears,
+    project,
+    takes_x8,
+)
 
 
 def num_prefill_tokens(meta: BatchMetadata) -> int:
@@ -50,21 +59,26 @@ class Attention(nn.Module):
             self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
             self.q_proj = self.k_proj = self.v_proj = None
 
-    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(q, k, v) projections: one GEMM split by views once fused."""
+    def takes_x8(self, rows: int) -> bool:
+        """Whether the fused q|k|v projection runs on int8 codes of the input."""
+        return takes_x8(self.qkv_proj, rows)
+
+    def project(self, hidden: torch.Tensor, x8: X8 | None = None) -> tuple[torch.Tensor, ...]:
+        """(q, k, v) projections: one GEMM split by views once fused (x8: hidden's int8 codes,
+        written for it, `takes_x8`)."""
         if self.qkv_proj is not None:
             sizes = [self.q_size, self.kv_size, self.kv_size]
-            return tuple(self.qkv_proj(hidden).split(sizes, dim=-1))
+            return tuple(project(self.qkv_proj, hidden, x8).split(sizes, dim=-1))
         assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
         return self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
 
     def heads(
-        self, hidden: torch.Tensor, norms: bool = True
+        self, hidden: torch.Tensor, norms: bool = True, x8: X8 | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """q [T, Hq, D], k and v [T, Hkv, D] after the q/k norms (`norms`), before rotary, and
         the output gate [T, Hq, D] (None without one)."""
         tokens = hidden.shape[0]
-        q, k, v = self.project(hidden)
+        q, k, v = self.project(hidden, x8)
         gate = None
         if self.output_gate:
             q, gate = q.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -81,9 +95,11 @@ class Attention(nn.Module):
         meta: BatchMetadata,
         cache: AttentionCache | StagedAttentionCache,
         rotary: RotaryTables,
+        x8: X8 | None = None,
     ) -> torch.Tensor:
+        """x8: hidden's int8 codes, written for the q|k|v projection (`takes_x8`)."""
         tokens = hidden.shape[0]
-        q, k, v, gate = self.heads(hidden, norms=False)
+        q, k, v, gate = self.heads(hidden, norms=False, x8=x8)
         qn, kn = self.q_norm, self.k_norm
         if qn is not None and kn is not None:  # built alike: one eps, one kind of scale
             q, k = ops.qk_norm_rotary(
@@ -100,6 +116,8 @@ class Attention(nn.Module):
             k, v, cache.k_cache, cache.v_cache, meta.slot_mapping, cache.k_scale, cache.v_scale
         )
         out = self._attend(q, meta, cache).reshape(tokens, -1)
+        if gate is not None and takes_x8(self.o_proj, tokens):
+            return project(self.o_proj, None, ops.sigmoid_mul_x8(out, gate)[1])
         if gate is not None:
             out = ops.sigmoid_mul(out, gate)
         return self.o_proj(out)

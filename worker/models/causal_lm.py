@@ -56,17 +56,19 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it). The residual add of each
         sub-layer happens in the next norm (`add_forward`): the stream is `hidden + residual`,
-        or `hidden` alone for the first layer (residual None)."""
-        if residual is None:
-            residual, mixed = hidden, self.input_layernorm(hidden)
-        else:
-            mixed, residual = self.input_layernorm.add_forward(hidden, residual)
+        or `hidden` alone for the first layer (residual None). A norm whose next projection
+        runs on int8 codes (`takes_x8`: int4 decode rows) writes them beside its output."""
+        rows = hidden.shape[0]
+        mixer = self.self_attn if self.is_attention else self.linear_attn
+        mixed, residual, x8 = self.input_layernorm.feed(hidden, residual, mixer.takes_x8(rows))
         if isinstance(cache, DeltaNetState):
-            mixed = self.linear_attn(mixed, meta, cache)
+            mixed = self.linear_attn(mixed, meta, cache, x8)
         else:
-            mixed = self.self_attn(mixed, meta, cache, rotary)
-        mixed, residual = self.post_attention_layernorm.add_forward(mixed, residual)
-        return self.mlp(mixed), residual
+            mixed = self.self_attn(mixed, meta, cache, rotary, x8)
+        mixed, residual, x8 = self.post_attention_layernorm.feed(
+            mixed, residual, self.mlp.takes_x8(rows)
+        )
+        return self.mlp(mixed, x8), residual
 
 
 class TextModel(nn.Module):

@@ -9,10 +9,11 @@ from torch import nn
 
 from worker.engine.batch import BatchMetadata
 from worker.kernels import ops
+from worker.kernels.reference import X8
 from worker.models.attention import num_prefill_tokens
 from worker.models.cache import DeltaNetState
 from worker.models.config import ModelConfig
-from worker.models.layers import Linear, fusable, fuse_linears
+from worker.models.layers import Linear, fusable, fuse_linears, project, takes_x8
 
 
 class GatedRMSNorm(nn.Module):
@@ -23,6 +24,10 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return ops.gated_rms_norm(x, gate, self.weight, self.eps)
+
+    def forward_x8(self, x: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, X8]:
+        """`forward`, and its output rows [T, H * D] as int8 codes for the projection after."""
+        return ops.gated_rms_norm_x8(x, gate, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -77,14 +82,20 @@ class GatedDeltaNet(nn.Module):
             return
         self.in_proj_qkv = self.in_proj_z = self.in_proj_b = self.in_proj_a = None
 
-    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(q|k|v before the conv, z, b, a): one GEMM (or two) split by views once fused."""
+    def takes_x8(self, rows: int) -> bool:
+        """Whether the input projection runs on int8 codes of the input (int4 qkv|z)."""
+        return self.in_proj_qkvzba is None and takes_x8(self.in_proj_qkvz, rows)
+
+    def project(self, hidden: torch.Tensor, x8: X8 | None = None) -> tuple[torch.Tensor, ...]:
+        """(q|k|v before the conv, z, b, a): one GEMM (or two) split by views once fused; x8:
+        hidden's int8 codes, for qkv|z (`takes_x8`; b|a reads hidden)."""
         nv = self.num_v_heads
         if self.in_proj_qkvzba is not None:
             sizes = [self.conv_dim, self.value_dim, nv, nv]
             return tuple(self.in_proj_qkvzba(hidden).split(sizes, dim=-1))
         if self.in_proj_qkvz is not None and self.in_proj_ba is not None:
-            mixed, z = self.in_proj_qkvz(hidden).split([self.conv_dim, self.value_dim], dim=-1)
+            qkvz = project(self.in_proj_qkvz, hidden, x8)
+            mixed, z = qkvz.split([self.conv_dim, self.value_dim], dim=-1)
             # hidden comes from before qkv|z's launch: the 16-bit b|a may run beside it
             ba = self.in_proj_ba
             ba_out = ba.beside_previous(hidden) if isinstance(ba, Linear) else ba(hidden)
@@ -93,10 +104,15 @@ class GatedDeltaNet(nn.Module):
         return tuple(p(hidden) for p in self._parts())
 
     def forward(
-        self, hidden: torch.Tensor, meta: BatchMetadata, state: DeltaNetState
+        self,
+        hidden: torch.Tensor,
+        meta: BatchMetadata,
+        state: DeltaNetState,
+        x8: X8 | None = None,
     ) -> torch.Tensor:
+        """x8: hidden's int8 codes, written for the input projection (`takes_x8`)."""
         tokens = hidden.shape[0]
-        mixed, z, b, a = self.project(hidden)
+        mixed, z, b, a = self.project(hidden, x8)
         z = z.view(tokens, self.num_v_heads, self.head_v_dim)
         split, p = num_prefill_tokens(meta), meta.num_prefills
         weight = self.conv1d.weight.squeeze(1)
@@ -169,5 +185,7 @@ class GatedDeltaNet(nn.Module):
             )
         out = rule_parts[0] if len(rule_parts) == 1 else torch.cat(rule_parts)
         # [T, Hv, Dv] both: z stays a strided view of the fused projection (read in place)
-        out = self.norm(out.view(tokens, self.num_v_heads, self.head_v_dim), z)
-        return self.out_proj(out.reshape(tokens, self.value_dim))
+        out = out.view(tokens, self.num_v_heads, self.head_v_dim)
+        if takes_x8(self.out_proj, tokens):
+            return project(self.out_proj, None, self.norm.forward_x8(out, z)[1])
+        return self.out_proj(self.norm(out, z).reshape(tokens, self.value_dim))

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from worker.kernels import ops
+from worker.kernels.reference import X8
 
 SCALE_DTYPE = torch.float16
 
@@ -310,6 +311,36 @@ class Int4Linear(nn.Module):
         if self.layout == MMA:
             return ops.int4_mma_linear(x, self.qweight, self.scales, self.group_size, self.bias)
         return ops.int4_linear(x, self.qweight, self.scales, self.mins, self.group_size, self.bias)
+
+    def takes_x8(self, rows: int) -> bool:
+        """Whether this layer runs on int8 codes of its input at `rows` rows
+        (`TOKENMILL_INT4_X8=1`, the int4-mma layout, symmetric groups of 128, M <= 16, and on a
+        GPU a tiling the int8 kernel runs); its producer then writes them (`ops.*_x8`)."""
+        from worker.kernels.cuda.int4_mma import x8_enabled, x8_tiling
+
+        if not x8_enabled() or self.layout != MMA or not self.symmetric:
+            return False
+        if self.group_size != 128 or self.in_features % 128 or not 1 <= rows <= 16:
+            return False
+        if self.qweight.device.type != "cuda":
+            return True  # the reference op
+        return x8_tiling(self.out_features, self.in_features, rows, 128) is not None
+
+    def forward_x8(self, x8: X8) -> torch.Tensor:
+        """This layer of x given as int8 codes (`takes_x8`): outputs in gate|up order for a
+        paired gate|up, as `forward` gives them."""
+        y = ops.int4_mma_linear_x8(x8, self.qweight, self.scales, self.group_size, self.bias)
+        if self.gate_up_paired:
+            from worker.kernels import reference
+
+            return reference.int4_mma_unpair_outputs(y)
+        return y
+
+    def silu_mul_x8(self, x8: X8) -> torch.Tensor:
+        """silu(gate) * up of a paired gate|up, from int8 codes of its input."""
+        if not self.gate_up_paired:
+            return ops.silu_mul(self.forward_x8(x8))
+        return ops.int4_mma_linear_silu_mul_x8(x8, self.qweight, self.scales, self.group_size)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up when this is a fused gate|up projection."""

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from worker.kernels import ops
+from worker.kernels.reference import X8
 from worker.models.config import ModelConfig
 
 
@@ -32,6 +33,36 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): a residual add fused with this norm."""
         return ops.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
+
+    def feed(
+        self, x: torch.Tensor, residual: torch.Tensor | None, codes: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, X8 | None]:
+        """(normed, the residual stream, the normed rows as int8 codes if `codes`): `forward`
+        (residual None: the stream is x) or `add_forward`, whose output the next projection
+        may take as codes (`takes_x8`)."""
+        if residual is None:
+            if codes:
+                normed, x8 = ops.rms_norm_x8(x, self.weight, self.eps, self.unit_offset)
+                return normed, x, x8
+            return self(x), x, None
+        if codes:
+            return ops.add_rms_norm_x8(x, residual, self.weight, self.eps, self.unit_offset)
+        return (*self.add_forward(x, residual), None)
+
+
+def takes_x8(module: nn.Module | None, rows: int) -> bool:
+    """Whether a projection runs on int8 codes of its input at `rows` rows (an int4 layer with
+    `Int4Linear.takes_x8`), so the kernel before it should write them."""
+    check = getattr(module, "takes_x8", None)
+    return bool(check is not None and check(rows))
+
+
+def project(module: nn.Module, x: torch.Tensor | None, x8: X8 | None) -> torch.Tensor:
+    """module(x), or from x's int8 codes where the caller wrote them for it (`takes_x8`)."""
+    if x8 is not None:
+        return cast(torch.Tensor, cast(Any, module).forward_x8(x8))
+    assert x is not None
+    return cast(torch.Tensor, module(x))
 
 
 class HostEmbedding(nn.Module):
@@ -203,7 +234,13 @@ class MLP(nn.Module):
             self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
             self.gate_proj = self.up_proj = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_x8(self, rows: int) -> bool:
+        return takes_x8(self.gate_up_proj, rows)
+
+    def forward(self, x: torch.Tensor, x8: X8 | None = None) -> torch.Tensor:
+        """x8: x's int8 codes, written for gate|up (`takes_x8`)."""
+        if x8 is not None:
+            return self.down_proj(cast(Any, self.gate_up_proj).silu_mul_x8(x8))
         if self.gate_up_proj is not None:
             gate_up = cast(GatedProjection, self.gate_up_proj)
             # Past the decode rows (whose gate|up GEMV forms the activation in its epilogue), a

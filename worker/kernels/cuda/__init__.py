@@ -27,6 +27,28 @@ ops.register(
     _int4_mma_supported,
     name="cuda.int4_mma_gate_up_silu_mul",
 )
+
+
+def _int4_mma_x8_supported(
+    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None
+) -> tuple[bool, str]:
+    if dtype != torch.bfloat16:
+        return False, f"int8 products write bf16, asked for {dtype}"
+    return int4_mma.available(device)
+
+
+ops.register(
+    "int4_mma_linear_x8",
+    int4_mma.int4_mma_linear_x8,
+    _int4_mma_x8_supported,
+    name="cuda.int4_mma_linear_x8",
+)
+ops.register(
+    "int4_mma_linear_silu_mul_x8",
+    int4_mma.int4_mma_linear_silu_mul_x8,
+    _int4_mma_x8_supported,
+    name="cuda.int4_mma_gate_up_silu_mul_x8",
+)
 # above the Triton kernel (priority 10), which still takes the shapes this one does not
 ops.register(
     "staged_attention_decode",

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from worker.kernels.cuda.build import load, missing
 from worker.kernels.pdl import pdl_enabled
+from worker.kernels.reference import X8
 
 SOURCE = Path(__file__).with_name("int4_mma.cu")
 MAX_ROWS = 64
@@ -252,6 +253,20 @@ def gemv(
 
 # The modes the int8 products run in (ring_run's whole groups, and its persistent form)
 X8_MODES = (9, PERSISTENT_MODE)
+# Whether decode steps feed the int4 GEMVs int8 codes of x (the norms and the attention's output
+# gate write them beside their output, `reference.int4_mma_x8`) and multiply on int8 tensor
+# cores: "1" on; off by default until measured on the GPU. `set_x8` flips it at run time (graphs
+# captured before keep what they captured).
+X8_SWITCH = "TOKENMILL_INT4_X8"
+_x8 = {"on": os.environ.get(X8_SWITCH, "0") == "1"}
+
+
+def set_x8(on: bool) -> None:
+    _x8["on"] = on
+
+
+def x8_enabled() -> bool:
+    return _x8["on"]
 
 
 def x8_tiling(n: int, k: int, m: int, group_size: int) -> MmaTiling | None:
@@ -431,6 +446,25 @@ def int4_mma_linear(
     else:
         y = F.linear(x2, dequantize(qweight, scales, group_size, x.dtype), bias)
     return y.reshape(*lead, y.shape[-1])
+
+
+def int4_mma_linear_x8(
+    x8: X8,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The registry's op (see `worker.kernels.reference.int4_mma_linear_x8`)."""
+    y = gemv_x8(x8.codes, x8.scales, qweight, scales, group_size)
+    return y if bias is None else y + bias
+
+
+def int4_mma_linear_silu_mul_x8(
+    x8: X8, qweight: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """The registry's op (see `worker.kernels.reference.int4_mma_linear_silu_mul_x8`)."""
+    return gemv_x8(x8.codes, x8.scales, qweight, scales, group_size, silu_mul=True)
 
 
 def int4_mma_linear_silu_mul(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from worker.kernels import ops
-from worker.kernels.triton.activations import gdn_gates, sigmoid_mul, silu_mul
+from worker.kernels.triton.activations import gdn_gates, sigmoid_mul, sigmoid_mul_x8, silu_mul
 from worker.kernels.triton.conv1d import (
     causal_conv1d_prefill,
     causal_conv1d_update,
@@ -28,7 +28,14 @@ from worker.kernels.triton.fp8_gemm import (
 )
 from worker.kernels.triton.int4_gemm import int4_linear, int4_linear_silu_mul
 from worker.kernels.triton.kv_cache import write_kv_cache
-from worker.kernels.triton.norm import add_rms_norm, gated_rms_norm, rms_norm
+from worker.kernels.triton.norm import (
+    add_rms_norm,
+    add_rms_norm_x8,
+    gated_rms_norm,
+    gated_rms_norm_x8,
+    rms_norm,
+    rms_norm_x8,
+)
 from worker.kernels.triton.paged_attention import paged_attention_decode, paged_attention_prefill
 from worker.kernels.triton.rotary import apply_rotary, qk_norm_rotary
 
@@ -65,6 +72,10 @@ ops.register("add_rms_norm", add_rms_norm, ops.cuda_only, name="triton.add_rms_n
 ops.register("gated_rms_norm", gated_rms_norm, ops.cuda_only, name="triton.gated_rms_norm")
 ops.register("apply_rotary", apply_rotary, ops.cuda_only, name="triton.apply_rotary")
 ops.register("qk_norm_rotary", qk_norm_rotary, ops.cuda_only, name="triton.qk_norm_rotary")
+ops.register("rms_norm_x8", rms_norm_x8, ops.cuda_only, name="triton.rms_norm_x8")
+ops.register("add_rms_norm_x8", add_rms_norm_x8, ops.cuda_only, name="triton.add_rms_norm_x8")
+ops.register("gated_rms_norm_x8", gated_rms_norm_x8, ops.cuda_only, name="triton.gated_rms_norm_x8")
+ops.register("sigmoid_mul_x8", sigmoid_mul_x8, ops.cuda_only, name="triton.sigmoid_mul_x8")
 ops.register("silu_mul", silu_mul, ops.cuda_only, name="triton.silu_mul")
 ops.register("sigmoid_mul", sigmoid_mul, ops.cuda_only, name="triton.sigmoid_mul")
 ops.register("gdn_gates", gdn_gates, ops.cuda_only, name="triton.gdn_gates")
@@ -96,6 +107,7 @@ ops.register(
 
 __all__ = [
     "add_rms_norm",
+    "add_rms_norm_x8",
     "apply_rotary",
     "causal_conv1d_prefill",
     "causal_conv1d_update",
@@ -106,6 +118,7 @@ __all__ = [
     "gated_delta_rule_decode",
     "gated_delta_rule_prefill",
     "gated_rms_norm",
+    "gated_rms_norm_x8",
     "gdn_gates",
     "int4_linear",
     "int4_linear_silu_mul",
@@ -115,7 +128,9 @@ __all__ = [
     "paged_attention_prefill",
     "qk_norm_rotary",
     "rms_norm",
+    "rms_norm_x8",
     "sigmoid_mul",
+    "sigmoid_mul_x8",
     "silu_mul",
     "write_kv_cache",
 ]

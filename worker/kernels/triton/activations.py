@@ -10,7 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.kernels.reference import X8
 from worker.kernels.triton._launch import kernel, pdl_release_wait, pdl_wait
+from worker.kernels.triton.x8 import store_x8
 
 
 @triton.jit
@@ -63,12 +65,15 @@ def _sigmoid_mul_kernel(
     x,
     gate,
     out,
+    codes,
+    scales,
     N,
     D,
     stride_xt,
     stride_gt,
     stride_gh,
     BLOCK: tl.constexpr,
+    X8: tl.constexpr,
     PDL: tl.constexpr,
     EARLY_RELEASE: tl.constexpr,
 ):
@@ -82,32 +87,64 @@ def _sigmoid_mul_kernel(
     g = tl.load(gate + t * stride_gt + (cols // D) * stride_gh + cols % D, mask=mask, other=0.0)
     # round the sigmoid to the activation dtype before the product, as torch does
     sig = (1.0 / (1.0 + tl.exp(-g.to(tl.float32)))).to(out.dtype.element_ty).to(tl.float32)
-    tl.store(out + t * N + cols, (xv * sig).to(out.dtype.element_ty), mask=mask)
+    y = (xv * sig).to(out.dtype.element_ty)
+    tl.store(out + t * N + cols, y, mask=mask)
+    if X8:  # the output again as int8 codes, for the o projection's int8 products (x8.py)
+        one = tl.zeros((1,), dtype=tl.int64)
+        store_x8(tl.reshape(tl.where(mask, y.to(tl.float32), 0.0), (1, BLOCK)), codes, scales,
+                 one + t * N, one + t * (N // 128), tl.program_id(1) * BLOCK, one == 0, N, 1, BLOCK)  # fmt: skip
 
 
 def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x [T, N] * sigmoid(gate), gate [T, H, D] with H * D = N (a strided view is read in
     place) or [T, N]."""
+    return _sigmoid_mul(x, gate, False)[0]
+
+
+def sigmoid_mul_x8(x: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, X8]:
+    """sigmoid_mul, and its output as int8 codes for the int4 GEMV after it, from one pass."""
+    out, codes = _sigmoid_mul(x, gate, True)
+    assert codes is not None
+    return out, codes
+
+
+def _sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, x8: bool) -> tuple[torch.Tensor, X8 | None]:
     tokens, n = x.shape
     gate3 = gate if gate.dim() == 3 else gate.reshape(tokens, 1, n)
     if x.stride(1) != 1 or gate3.stride(2) != 1 or gate3.shape[1] * gate3.shape[2] != n:
         raise ValueError("sigmoid_mul needs contiguous last dims and a gate of x's size")
+    if x8 and n % 128:
+        raise ValueError(f"int8 codes need rows of a multiple of 128, got {n}")
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
+    codes8 = None
+    codes = scales = out
+    if x8:
+        codes8 = X8(
+            torch.empty((tokens, n), dtype=torch.int8, device=x.device),
+            torch.empty((tokens, n // 128), dtype=torch.float32, device=x.device),
+            x.dtype,
+        )
+        codes, scales = codes8.codes, codes8.scales
     if tokens:
         block = min(1024, triton.next_power_of_2(n))
+        if x8:
+            block = max(block, 128)
         _sigmoid_mul_kernel[(tokens, triton.cdiv(n, block))](
             x,
             gate3,
             out,
+            codes,
+            scales,
             n,
             gate3.shape[2],
             x.stride(0),
             gate3.stride(0),
             gate3.stride(1),
             BLOCK=block,
+            X8=x8,
             num_warps=4,
         )
-    return out
+    return out, codes8
 
 
 @triton.jit

@@ -12,7 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.kernels.reference import X8
 from worker.kernels.triton._launch import kernel, pdl_release_wait
+from worker.kernels.triton.x8 import store_x8
 
 
 @kernel
@@ -23,6 +25,8 @@ def _rms_norm_kernel(
     total,
     weight,
     out,
+    codes,
+    scales,
     n_rows,
     D,
     H,
@@ -37,6 +41,7 @@ def _rms_norm_kernel(
     UNIT_OFFSET: tl.constexpr,
     GATED: tl.constexpr,
     ADD: tl.constexpr,
+    X8: tl.constexpr,
     PDL: tl.constexpr,
     EARLY_RELEASE: tl.constexpr,
 ):
@@ -68,6 +73,11 @@ def _rms_norm_kernel(
         z = tl.load(gate + g_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         y = y * z / (1.0 + tl.exp(-z))
     tl.store(out + rows64[:, None] * D + cols[None, :], y.to(out.dtype.element_ty), mask=mask)
+    if X8:  # the output again as int8 codes, for the int4 GEMV after this norm (x8.py)
+        stored = tl.where(mask, y.to(out.dtype.element_ty).to(tl.float32), 0.0)
+        store_x8(
+            stored, codes, scales, rows64 * D, rows64 * (D // 128), 0, rows < n_rows, D, BR, BD
+        )
 
 
 def _launch(
@@ -77,8 +87,10 @@ def _launch(
     eps: float,
     unit_offset: bool,
     residual: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normed, x + residual) with residual; (normed, normed) without."""
+    x8: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, X8 | None]:
+    """(normed, x + residual) with residual; (normed, normed) without; with `x8`, also the
+    normed rows (flattened to [tokens, heads * D] for [T, H, D] inputs) as int8 codes."""
     dim = x.shape[-1]
     extra = [t for t in (gate, residual) if t is not None]
     if x.stride(-1) != 1 or any(t.stride(-1) != 1 for t in extra):
@@ -90,8 +102,17 @@ def _launch(
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
     n_rows = x.numel() // dim if dim else 0
+    codes = scales = out
+    if x8:
+        if dim % 128:
+            raise ValueError(f"int8 codes need rows of a multiple of 128, got {dim}")
+        codes = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+        scales = torch.empty((*x.shape[:-1], dim // 128), dtype=torch.float32, device=x.device)
+    codes8 = (
+        X8(codes.reshape(x.shape[0], -1), scales.reshape(x.shape[0], -1), x.dtype) if x8 else None
+    )
     if n_rows == 0:
-        return out, total
+        return out, total, codes8
     block_d = triton.next_power_of_2(dim)
     block_rows = max(1, min(16, 4096 // block_d))  # ~4K elements per program
     _rms_norm_kernel[(triton.cdiv(n_rows, block_rows),)](
@@ -101,6 +122,8 @@ def _launch(
         total,
         weight,
         out,
+        codes,
+        scales,
         n_rows,
         dim,
         x3[1],
@@ -115,9 +138,10 @@ def _launch(
         UNIT_OFFSET=unit_offset,
         GATED=gate is not None,
         ADD=residual is not None,
+        X8=x8,
         num_warps=8 if block_d >= 4096 else 4,
     )
-    return out, total
+    return out, total, codes8
 
 
 def _as_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -134,11 +158,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     return _launch(x, None, weight, eps, unit_offset)[0]
 
 
+def rms_norm_x8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
+) -> tuple[torch.Tensor, X8]:
+    """rms_norm, and its output as int8 codes for the int4 GEMV after it, from one pass."""
+    out, _, codes = _launch(x, None, weight, eps, unit_offset, x8=True)
+    assert codes is not None
+    return out, codes
+
+
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass over both."""
-    return _launch(x, None, weight, eps, unit_offset, residual)
+    out, total, _ = _launch(x, None, weight, eps, unit_offset, residual)
+    return out, total
+
+
+def add_rms_norm_x8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
+) -> tuple[torch.Tensor, torch.Tensor, X8]:
+    """add_rms_norm, and the normed rows as int8 codes, from one pass."""
+    out, total, codes = _launch(x, None, weight, eps, unit_offset, residual, x8=True)
+    assert codes is not None
+    return out, total, codes
 
 
 def gated_rms_norm(
@@ -146,3 +189,12 @@ def gated_rms_norm(
 ) -> torch.Tensor:
     """norm(x) * weight * silu(gate) for x, gate [N, D]."""
     return _launch(x, gate, weight, eps, unit_offset=False)[0]
+
+
+def gated_rms_norm_x8(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, X8]:
+    """gated_rms_norm of x [T, H, D], and its output as int8 codes of rows [T, H * D]."""
+    out, _, codes = _launch(x, gate, weight, eps, unit_offset=False, x8=True)
+    assert codes is not None
+    return out, codes
