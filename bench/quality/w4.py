@@ -96,6 +96,32 @@ def e4m3_prefill(model: CausalLM, targets: set[str], weights: bool = True) -> It
                 model.get_submodule(name).get_parameter("weight").copy_(w)
 
 
+@contextmanager
+def int8_inputs(model: CausalLM, targets: set[str]) -> Iterator[None]:
+    """The numerics of the int4 decode GEMV on int8 tensor cores (`TOKENMILL_INT4_X8=1`): x
+    rounded to int8 per token and group of 128 columns (scale absmax / 127, as
+    `reference.int4_mma_x8`; SmolLM2's K = 576 ends in a ragged group of 64, which the kernel
+    does not take but the rounding does), the weight exact, on every target linear while
+    inside."""
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        k = t.shape[-1]
+        groups = torch.nn.functional.pad(t, (0, -k % 128)).unflatten(-1, (-1, 128))
+        scale = groups.abs().amax(-1, keepdim=True) / 127
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return (torch.floor(groups / safe + 0.5) * scale).flatten(-2)[..., :k].to(t.dtype)
+
+    hooks = [
+        model.get_submodule(name).register_forward_pre_hook(lambda _, a: (rounded(a[0]),))
+        for name in targets
+    ]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def evaluate(
     gguf: Path,
     eval_tokens: int = 8192,
@@ -105,6 +131,7 @@ def evaluate(
     log: Any = None,
     e4m3: bool = False,
     w4a8: bool = False,
+    x8: bool = False,
 ) -> dict[str, Any]:
     """The quality table as a JSON-ready dict (rows: 16-bit, RTN and GPTQ per scheme)."""
     model, tokenizer = load_model(gguf, "cpu", torch.float32)
@@ -136,6 +163,11 @@ def evaluate(
                     ppl = perplexity(model, eval_ids, WINDOW)
                 rows.append(Row(f"{name}, {path} prefill", ppl, 100 * (ppl / ref - 1), 0.0))
                 say(f"{rows[-1].name}: {ppl:.3f} ({rows[-1].vs_16bit_pct:+.1f}%)")
+        if x8:  # every token as a decode row would see it
+            with int8_inputs(model, targets):
+                ppl = perplexity(model, eval_ids, WINDOW)
+            rows.append(Row(f"{name}, x int8 per 128", ppl, 100 * (ppl / ref - 1), 0.0))
+            say(f"{rows[-1].name}: {ppl:.3f} ({rows[-1].vs_16bit_pct:+.1f}%)")
 
     with_e4m3_prefill("16-bit", int4_targets(model, Scheme()))
     schemes = [Scheme(128, True)] + ([Scheme(128, False)] if asym else [])
@@ -211,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="each row again with the W4A8 prefill path's rounding (x per token, weights exact)",
     )
+    parser.add_argument(
+        "--x8",
+        action="store_true",
+        help="each row again with x rounded to int8 per token and 128 columns (TOKENMILL_INT4_X8)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--out", type=Path, default=result_path("w4_quality"))
     args = parser.parse_args(argv)
@@ -225,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         log=sys.stderr,
         e4m3=args.e4m3_prefill,
         w4a8=args.w4a8_prefill,
+        x8=args.x8,
     )
     print(table(result))
     write_result(args.out, result)
