@@ -388,19 +388,26 @@ __device__ __forceinline__ void chunk_products_x8(int (&isum)[R][MT][4], const u
     }
 }
 
-// A group's end: acc += int32 sums * s_w / 16 * s_x; sums = 0. gi: the group in the scales'
+// A group's end: acc += int32 sums * s_w * s_x / 16; sums = 0. gi: the group in the scales'
 // smem copy [R][maxg][16]; gx: the group in x's scales.
 template <int MT, int R>
 __device__ __forceinline__ void close_group_x8(float (&acc)[R][MT][4], int (&isum)[R][MT][4],
                                                const X8Rows<MT>& xr, const __half* my_sc,
                                                int maxg, int gi, int gx, int g) {
-  float sx[MT][2];
+  float sx[MT][2];  // the codes' 16 (q - 8) taken off once a token, not once a row
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) sx[mt][0] = __ldg(xr.s[mt][0] + gx), sx[mt][1] = __ldg(xr.s[mt][1] + gx);
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // one wide multiply-add (a signed index took a sign extension and a 64-bit add)
+      const float* p = reinterpret_cast<const float*>(
+          reinterpret_cast<const char*>(xr.s[mt][h]) + (unsigned long long)(unsigned)gx * 4);
+      sx[mt][h] = 0.0625f * __ldg(p);
+    }
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const float s0 = 0.0625f * __half2float(my_sc[(r * maxg + gi) * 16 + g]);
-    const float s1 = 0.0625f * __half2float(my_sc[(r * maxg + gi) * 16 + g + 8]);
+    const float s0 = __half2float(my_sc[(r * maxg + gi) * 16 + g]);
+    const float s1 = __half2float(my_sc[(r * maxg + gi) * 16 + g + 8]);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       acc[r][mt][0] += (float)isum[r][mt][0] * (s0 * sx[mt][0]);
