@@ -13,6 +13,7 @@ and without the silu(gate) * up epilogue, and the dequantization, against the re
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -183,6 +184,57 @@ def test_x8_codes_sit_in_the_products_k_order() -> None:
     assert stored[16:20] == [-56, -54, -55, -53]  # t 1: k 8 + (0, 2, 1, 3)
     assert stored[8:12] == [-32, -30, -31, -29]  # t 0, p 1: k 32 + (0, 2, 1, 3)
     assert torch.equal(reference.int4_mma_x8_values(codes, scales), x)
+
+
+def test_blockwise_codes_of_a_paired_gate_up_form_its_activation() -> None:
+    """The W4A8 prefill's down projection rounds silu(gate) * up straight from gate|up's paired
+    product: the same codes and scales as rounding `silu_mul(y, paired)`."""
+    from worker.kernels.triton.activations import silu_mul
+    from worker.kernels.triton.fp8_gemm import quantize_blocks
+
+    torch.manual_seed(3)
+    y = (torch.randn(5, 2 * 384) * 3).bfloat16()  # a gate|up output in pairs of 16 columns
+    got_q, got_s = quantize_blocks(y, 128, 16, silu_paired=16)
+    want_q, want_s = quantize_blocks(silu_mul(y, paired=16), 128, 16)
+    assert got_q.shape == (16, 384) and torch.equal(got_q.float(), want_q.float())
+    assert torch.equal(got_s, want_s)
+    unpaired_q, _ = quantize_blocks(silu_mul(y), 128, 16)  # pairs read as halves: other values
+    assert not torch.equal(got_q.float(), unpaired_q.float())
+
+
+def test_int4_mlp_prefill_forms_the_activation_for_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the decode rows an int4-mma MLP hands gate|up's paired product to the down
+    projection (`of_gate_up`), which forms silu(gate) * up itself: the same output as the
+    activation computed first."""
+    from worker.models.layers import MLP
+    from worker.models.presets import TINY_QWEN3_5
+
+    torch.manual_seed(4)
+    mlp: Any = MLP(TINY_QWEN3_5)
+    for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        nn.init.normal_(lin.weight, std=0.05)
+    mlp.gate_proj, mlp.up_proj, mlp.down_proj = (
+        Int4Linear.from_linear(mlp.gate_proj, 128),
+        Int4Linear.from_linear(mlp.up_proj, 128),
+        Int4Linear.from_linear(mlp.down_proj, 128),
+    )
+    mlp.fuse_projections()
+    x = torch.randn(80, 128)
+    want = mlp.down_proj(mlp.gate_up_proj.silu_mul(x))
+    mlp.gate_up_proj.to_mma_layout(gate_up=True)
+    mlp.down_proj.to_mma_layout()
+    calls: list[int] = []
+    op = ops.int4_mma_linear_of_silu_mul
+
+    def record(y: torch.Tensor, *rest: object) -> torch.Tensor:
+        calls.append(y.shape[-1])
+        return op(y, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ops, "int4_mma_linear_of_silu_mul", record)
+    got = mlp(x)
+    assert calls == [2 * TINY_QWEN3_5.intermediate_size]
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert mlp(x[:8]).shape == (8, 128) and len(calls) == 1  # decode rows: the GEMV's epilogue
 
 
 def test_int4_linear_in_mma_layout_answers_as_nibble() -> None:
@@ -591,6 +643,29 @@ def test_w4a8_codes_and_prefill_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(int4_gemm, "INT4_PREFILL", "fp8")
     e4m3_weights = int4_mma.int4_mma_linear(x, words, mma_scales, 128)
     assert 1e-3 < rel_err(got.float(), exact) < rel_err(e4m3_weights.float(), exact)
+
+
+@GPU
+@needs_cuda
+@pytest.mark.parametrize("rows", [300, 4096])
+def test_down_of_a_paired_gate_up_on_gpu(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The W4A8 prefill's down projection forming silu(gate) * up as it rounds x: as close to
+    the exact product as the activation rounded after being formed in 16 bits."""
+    from worker.kernels.cuda import int4_mma
+    from worker.kernels.triton import int4_gemm
+
+    monkeypatch.setattr(int4_gemm, "INT4_PREFILL", "w4a8")
+    f, k = 1024, 512
+    torch.manual_seed(0)
+    q = quantize_rtn(torch.randn(k, f, device="cuda") * 0.02, 128, True)  # down [K, F]
+    words, mma_scales = reference.int4_mma_pack(q.qweight, q.scales)
+    y = torch.randn(rows, 2 * f, device="cuda", dtype=torch.bfloat16)  # paired gate|up output
+    act = int4_mma.silu_mul_of_pairs(y)
+    exact = act.float() @ reference.int4_dequantize(q.qweight, q.scales, None, 128).T
+    got = int4_mma.int4_mma_linear_of_silu_mul(y, words, mma_scales, 128)
+    two_steps = int4_mma.int4_mma_linear(act, words, mma_scales, 128)
+    assert got.shape == (rows, k) and torch.equal(got, two_steps)
+    assert rel_err(got.float(), exact) < 2e-2
 
 
 @GPU

@@ -60,6 +60,7 @@ OPS = (
     "int4_linear_silu_mul",
     "int4_mma_linear",
     "int4_mma_linear_silu_mul",
+    "int4_mma_linear_of_silu_mul",
     # an int4 GEMV's input also as int8 codes (reference.int4_mma_x8), from the kernel before it,
     # and the GEMV on int8 tensor cores that takes them
     "rms_norm_x8",
@@ -516,6 +517,19 @@ def int4_mma_linear_silu_mul(
     with paired tiles (`reference.int4_mma_pair_tiles`; decode GEMVs form the activation in their
     epilogue)."""
     return _pick("int4_mma_linear_silu_mul", x)(x, qweight, scales, group_size)
+
+
+def int4_mma_linear_of_silu_mul(
+    y: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """int4_mma_linear(silu_mul of a paired-tile gate|up output y [..., 2F]): the MLP's down
+    projection past the decode rows (on the W4A8 prefill path one kernel forms the activation's
+    e4m3 codes, without the 16-bit activation between)."""
+    return _pick("int4_mma_linear_of_silu_mul", y)(y, qweight, scales, group_size, bias)
 
 
 def rms_norm_x8(

@@ -609,6 +609,18 @@ def int4_mma_linear_x8(
     return int4_mma_linear(x, qweight, scales, group_size, bias).to(x8.dtype)
 
 
+def int4_mma_linear_of_silu_mul(
+    y: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The MLP's down projection (int4-mma layout) of silu(gate) * up from a gate|up output y
+    [..., 2F] with paired tiles (`int4_mma_pair_tiles`), read as the GEMM gives it."""
+    return int4_mma_linear(silu_mul(int4_mma_unpair_outputs(y)), qweight, scales, group_size, bias)
+
+
 def int4_mma_linear_silu_mul_x8(
     x8: X8, qweight: torch.Tensor, scales: torch.Tensor, group_size: int
 ) -> torch.Tensor:

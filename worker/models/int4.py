@@ -312,6 +312,22 @@ class Int4Linear(nn.Module):
             return ops.int4_mma_linear(x, self.qweight, self.scales, self.group_size, self.bias)
         return ops.int4_linear(x, self.qweight, self.scales, self.mins, self.group_size, self.bias)
 
+    def of_gate_up(self, gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """This projection (the MLP's down) of silu(gate) * up from x through `gate_up`, where
+        both are int4-mma layers and gate|up's tiles are paired: its product is read as the GEMM
+        gives it (no reorder) and the activation formed on its way into this GEMM; else None."""
+        if not (
+            isinstance(gate_up, Int4Linear)
+            and gate_up.gate_up_paired
+            and self.layout == MMA
+            and gate_up.group_size == self.group_size
+        ):
+            return None
+        y = ops.int4_mma_linear(x, gate_up.qweight, gate_up.scales, gate_up.group_size)
+        return ops.int4_mma_linear_of_silu_mul(
+            y, self.qweight, self.scales, self.group_size, self.bias
+        )
+
     def takes_x8(self, rows: int) -> bool:
         """Whether this layer runs on int8 codes of its input at `rows` rows
         (`TOKENMILL_INT4_X8=1`, the int4-mma layout, symmetric groups of 128, M <= 16, and on a

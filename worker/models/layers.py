@@ -249,6 +249,12 @@ class MLP(nn.Module):
             of_silu_mul = getattr(self.down_proj, "of_silu_mul", None)
             if of_silu_mul is not None and x.numel() > 64 * x.shape[-1]:
                 return cast(torch.Tensor, of_silu_mul(gate_up(x)))
+            # int4 (paired tiles): the same, gate|up's product read as its GEMM gives it
+            of_gate_up = getattr(self.down_proj, "of_gate_up", None)
+            if of_gate_up is not None and x.numel() > 64 * x.shape[-1]:
+                out = of_gate_up(self.gate_up_proj, x)
+                if out is not None:
+                    return cast(torch.Tensor, out)
             return self.down_proj(gate_up.silu_mul(x))
         assert self.gate_proj is not None and self.up_proj is not None
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -27,6 +27,12 @@ ops.register(
     _int4_mma_supported,
     name="cuda.int4_mma_gate_up_silu_mul",
 )
+ops.register(
+    "int4_mma_linear_of_silu_mul",
+    int4_mma.int4_mma_linear_of_silu_mul,
+    _int4_mma_supported,
+    name="cuda.int4_mma_linear_of_silu_mul",
+)
 
 
 def _int4_mma_x8_supported(

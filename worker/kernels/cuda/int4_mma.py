@@ -448,6 +448,30 @@ def int4_mma_linear(
     return y.reshape(*lead, y.shape[-1])
 
 
+def int4_mma_linear_of_silu_mul(
+    y: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The registry's op (see `worker.kernels.reference.int4_mma_linear_of_silu_mul`): past the
+    decode rows on the blockwise W4A8 path the activation is formed as x is rounded to e4m3
+    (`w4a8_linear(..., silu_paired=16)`), else silu_mul then the product."""
+    lead, two_f = y.shape[:-1], y.shape[-1]
+    y2 = y.reshape(-1, two_f)
+    if y2.shape[0] > MAX_ROWS and _prefill_mode(y.device, group_size) == "w4a8":
+        from worker.kernels.triton.int4_gemm import takes_blockwise, w4a8_linear
+
+        if takes_blockwise(y2[:, : two_f // 2], group_size):
+            codes, blocks = codes_and_block_scales_e4m3(qweight, scales, group_size)
+            out = w4a8_linear(
+                y2, codes, scales, group_size, bias, block_scales=blocks, silu_paired=16
+            )
+            return out.reshape(*lead, out.shape[-1])
+    return int4_mma_linear(silu_mul_of_pairs(y), qweight, scales, group_size, bias)
+
+
 def int4_mma_linear_x8(
     x8: X8,
     qweight: torch.Tensor,

@@ -986,11 +986,14 @@ def _quantize_blocks_kernel(
     NB: tl.constexpr,
     FP8_MAX: tl.constexpr,
     EXACT_E4M3: tl.constexpr,
+    SILU_PAIRED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """NB blocks of BLOCK columns of one row of x, each rounded to e4m3 over its own amax; the
     scales go to [K / BLOCK, rows] (column-major [rows, K / BLOCK], as cuBLAS's blockwise GEMM
-    reads them). Rows from M to `rows` are padding: zero codes."""
+    reads them). Rows from M to `rows` are padding: zero codes. SILU_PAIRED > 0: x is a gate|up
+    output [M, 2K] whose columns alternate that many gate and up columns, and the values
+    rounded are silu(gate) * up as `silu_mul` rounds them (never stored in 16 bits)."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * NB
@@ -998,7 +1001,13 @@ def _quantize_blocks_kernel(
     cols = b[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     ok = cols < K
     src = tl.minimum(row, M - 1)  # padding rows read the last row, then zero it
-    xr = tl.load(x + src * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if SILU_PAIRED:
+        gate_cols = (cols // SILU_PAIRED) * (2 * SILU_PAIRED) + cols % SILU_PAIRED
+        gate = tl.load(x + src * stride_x + gate_cols, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(x + src * stride_x + gate_cols + SILU_PAIRED, mask=ok, other=0.0)
+        xr = silu_times(gate, up.to(tl.float32), x.dtype.element_ty).to(tl.float32)
+    else:
+        xr = tl.load(x + src * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     xr = tl.where(row < M, xr, 0.0)
     scale = tl.maximum(tl.max(tl.abs(xr), 1) / FP8_MAX, 1e-12)
     tl.store(scales + b.to(tl.int64) * rows + row, scale, mask=b * BLOCK < K)
@@ -1009,12 +1018,16 @@ def _quantize_blocks_kernel(
 
 
 def quantize_blocks(
-    x: torch.Tensor, block: int = 128, row_multiple: int = 1
+    x: torch.Tensor, block: int = 128, row_multiple: int = 1, silu_paired: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-(token, block of `block` columns) e4m3 quantization: q [R, K] fp8 and scales [R,
     K / block] fp32 with strides (1, R), x ~ q * s blockwise (cuBLAS's 1x128 scaling). R is M
-    rounded up to `row_multiple`; the rows past M are zero."""
+    rounded up to `row_multiple`; the rows past M are zero. `silu_paired` > 0: x is a gate|up
+    output [M, 2K] in pairs of that many gate and up columns (`silu_mul(x, paired)`), and
+    what is quantized is its activation silu(gate) * up [M, K]."""
     m, k = x.shape
+    if silu_paired:
+        k //= 2
     if k % block:
         raise ValueError(f"quantize_blocks needs K ({k}) in blocks of {block}")
     rows = -(-m // row_multiple) * row_multiple
@@ -1026,7 +1039,7 @@ def quantize_blocks(
         nb = min(8, triton.next_power_of_2(k // block))
         _quantize_blocks_kernel[(rows, triton.cdiv(k // block, nb))](
             x, q, scales, m, rows, k, x.stride(0), BLOCK=block, NB=nb, FP8_MAX=FP8_MAX,
-            EXACT_E4M3=not x.is_cuda,
+            EXACT_E4M3=not x.is_cuda, SILU_PAIRED=silu_paired,
         )  # fmt: skip
     return q, scales.t()
 

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from worker.kernels.triton._launch import dot_dtype, kernel, pdl_wait
+from worker.kernels.triton.activations import silu_mul
 from worker.kernels.triton.fp8_gemm import (
     _arrival_counters,
     _gemv_epilogue,
@@ -1087,14 +1088,19 @@ def w4a8_linear(
     bias: torch.Tensor | None = None,
     mma_scales: bool = True,
     block_scales: torch.Tensor | None = None,
+    silu_paired: int = 0,
 ) -> torch.Tensor:
     """x [M, K] (16-bit) times int4 codes [N, K] held exactly in e4m3 with group scales (see
     `blockwise_scales` for the layouts): cuBLAS's blockwise FP8 GEMM where it runs
     (`takes_blockwise`; `block_scales`, when given, are `blockwise_scales` already built), else
-    `w4a8_gemm`. Only x is rounded."""
-    m, k = x.shape
-    if takes_blockwise(x, group_size):
-        a, a_scale = quantize_blocks(x, 128, 16)
+    `w4a8_gemm`. Only x is rounded. `silu_paired` > 0: x is a gate|up output [M, 2K] in pairs of
+    that many gate and up columns and the product takes its activation silu(gate) * up, formed
+    as x is rounded on the blockwise path (no 16-bit [M, K] between them)."""
+    if silu_paired and not takes_blockwise(x[:, : x.shape[1] // 2], group_size):
+        x, silu_paired = silu_mul(x, paired=silu_paired), 0
+    m, k = x.shape[0], x.shape[1] // (2 if silu_paired else 1)
+    if silu_paired or takes_blockwise(x, group_size):
+        a, a_scale = quantize_blocks(x, 128, 16, silu_paired)
         b_scale = (
             blockwise_scales(scales, group_size, k, mma_scales)
             if block_scales is None
