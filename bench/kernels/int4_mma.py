@@ -148,8 +148,18 @@ def time_x8(m: int, n: int, k: int, ws: list[Any], x: torch.Tensor, ref: torch.T
 def x8_section(good: list[dict[str, Any]], ws: list[Any], case: Any, n: int, k: int,
                bandwidth: float) -> dict[str, Any]:  # fmt: skip
     """The int8 products against the 16-bit ones at the fastest 2-tile tiling of each mode they
-    run in (9, 10), M = 8 and 16, same weight copies."""
-    out: dict[str, Any] = {}
+    run in (9, 10), M = 8 and 16, same weight copies; and at every 2-tile mode 9 / 10 tiling
+    of the sweep at M = 8, the fastest as `best` (the tuning file's `int4_mma_x8_tilings`)."""
+    out: dict[str, Any] = {"m8": []}
+    for row16 in good:
+        if "rows=2," in row16["tiling"] and any(f"mode={m})" in row16["tiling"] for m in int4_mma.X8_MODES):  # fmt: skip
+            t = eval(row16["tiling"], {"MmaTiling": MmaTiling})  # noqa: S307 (our own repr)
+            x, ref = case(8)
+            row = time_x8(8, n, k, ws, x, ref, t, bandwidth)
+            out["m8"].append({**row, "bf16_us": row16["us"]})
+    timed = [r for r in out["m8"] if r.get("ok")]
+    if timed:
+        out["best"] = min(timed, key=lambda r: r["us"])
     for mode in int4_mma.X8_MODES:
         mine = [r for r in good if f"mode={mode})" in r["tiling"] and "rows=2," in r["tiling"]]
         if not mine:
@@ -537,12 +547,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     winners = {f"{n}x{k}": dataclasses.asdict(eval(report["decode"][name]["best"]["tiling"], {"MmaTiling": MmaTiling}))  # noqa: S307
                for name, n, k in SHAPES if "best" in report["decode"].get(name, {})}  # fmt: skip
     report["int4_mma_decode_tilings"] = winners
+    x8_winners = {f"{n}x{k}": dataclasses.asdict(eval(report["decode"][name]["x8"]["best"]["tiling"], {"MmaTiling": MmaTiling}))  # noqa: S307
+                  for name, n, k in SHAPES if "best" in report["decode"].get(name, {}).get("x8", {})}  # fmt: skip
+    report["int4_mma_x8_tilings"] = x8_winners
     if args.write_tuning and winners:
         from worker.kernels import tuning
 
         path = tuning.path_for(torch.cuda.get_device_name())
         data = tuning.read(path) if path.exists() else tuning.snapshot(torch.cuda.get_device_name())
         data["int4_mma_decode_tilings"] = winners
+        if x8_winners:
+            data["int4_mma_x8_tilings"] = x8_winners
         tuning.write(path, data)
         report["tuning_file"] = str(path)
     if args.w4a8_wide:

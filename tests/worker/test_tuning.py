@@ -116,3 +116,26 @@ def test_the_packaged_files_parse():
     for path in sorted(tuning.HERE.glob("*.json")):
         data = tuning.read(path)
         assert tuning.path_for(data["gpu"]) == path  # named after the GPU they were measured on
+
+
+def test_the_int8_gemv_tilings_round_trip(tmp_path):
+    """`int4_mma_x8_tilings` (the int4 GEMV's int8 products) is applied like the 16-bit table,
+    and the int8 products run it where it is set, their 16-bit tiling elsewhere."""
+    from worker.kernels.cuda import int4_mma
+
+    saved = dict(int4_mma.MMA_X8_TILINGS), dict(int4_mma.MMA_DECODE_TILINGS)
+    try:
+        int4_mma.MMA_DECODE_TILINGS[(16384, 5120)] = int4_mma.MmaTiling(2, 4, 1, 3, 9)
+        int4_mma.MMA_X8_TILINGS[(16384, 5120)] = int4_mma.MmaTiling(2, 8, 2, 3, 9)
+        path = tuning.path_for(GPU, tmp_path)
+        tuning.write(path, tuning.snapshot(GPU, "test"))
+        assert tuning.read(path)["int4_mma_x8_tilings"]["16384x5120"]["warps"] == 8
+        int4_mma.MMA_X8_TILINGS.clear()
+        assert int4_mma.x8_tiling(16384, 5120, 8, 128) == int4_mma.MmaTiling(2, 4, 1, 3, 9)
+        assert tuning.apply_file(path, GPU).reason == "applied"
+        assert int4_mma.x8_tiling(16384, 5120, 8, 128) == int4_mma.MmaTiling(2, 8, 2, 3, 9)
+        assert int4_mma.x8_tiling(16384, 5120, 24, 128) is None  # past 16 rows: 16-bit x
+    finally:
+        for table, old in zip((int4_mma.MMA_X8_TILINGS, int4_mma.MMA_DECODE_TILINGS), saved, strict=True):  # fmt: skip
+            table.clear()
+            table.update(old)

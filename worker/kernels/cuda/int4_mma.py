@@ -253,6 +253,10 @@ def gemv(
 
 # The modes the int8 products run in (ring_run's whole groups, and its persistent form)
 X8_MODES = (9, PERSISTENT_MODE)
+# Per weight shape, the tiling the int8 products run at (the tuning file's
+# `int4_mma_x8_tilings`, measured at M = 8 by `python -m bench.kernels.int4_mma --write-tuning`);
+# a shape without one runs its 16-bit tiling.
+MMA_X8_TILINGS: dict[tuple[int, int], MmaTiling] = {}
 # Whether decode steps feed the int4 GEMVs int8 codes of x (the norms and the attention's output
 # gate write them beside their output, `reference.int4_mma_x8`) and multiply on int8 tensor
 # cores: "1" on; off by default until measured on the GPU. `set_x8` flips it at run time (graphs
@@ -275,7 +279,11 @@ def x8_tiling(n: int, k: int, m: int, group_size: int) -> MmaTiling | None:
     mode 9 or 10."""
     if group_size != 128 or m > 16 or k % 128 or n % 32:
         return None
-    t = MMA_DECODE_TILINGS.get((n, k)) or default_tiling(n, k, group_size)
+    t = (
+        MMA_X8_TILINGS.get((n, k))
+        or MMA_DECODE_TILINGS.get((n, k))
+        or default_tiling(n, k, group_size)
+    )
     t = tiling_for_rows(t, m, n, k, group_size)
     return t if t.rows == 2 and t.mode in X8_MODES else None
 

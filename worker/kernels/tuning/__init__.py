@@ -8,7 +8,7 @@ from the sweeps it runs.
 
 What a file holds (every part optional): `pdl` (programmatic dependent launch on/off),
 `fp8_decode_tilings` / `bf16_decode_tilings` / `int4_decode_tilings` / `int4_silu_mul_tilings` /
-`int4_mma_decode_tilings` ("NxK" -> tiling fields), `fp8_wide_decode_tilings` ("NxKxM" for 32- and
+`int4_mma_decode_tilings` / `int4_mma_x8_tilings` ("NxK" -> tiling fields), `fp8_wide_decode_tilings` ("NxKxM" for 32- and
 64-row decode batches), `fp8_silu_mul_tilings` ("2FxK" -> fields, or null for two launches),
 `gdn_decode_launch` / `gdn_wide_decode_launch` (over 16 sequences) / `gdn_prefill_launch` (DeltaNet
 launch settings).
@@ -64,6 +64,7 @@ def _tables() -> dict[str, tuple[dict[Any, Any], type]]:
 
     return {
         "int4_mma_decode_tilings": (int4_mma.MMA_DECODE_TILINGS, int4_mma.MmaTiling),
+        "int4_mma_x8_tilings": (int4_mma.MMA_X8_TILINGS, int4_mma.MmaTiling),
         "fp8_decode_tilings": (fp8_gemm.DECODE_TILINGS, fp8_gemm.DecodeTiling),
         "fp8_wide_decode_tilings": (fp8_gemm.WIDE_DECODE_TILINGS, fp8_gemm.DecodeTiling),
         "bf16_decode_tilings": (fp8_gemm.BF16_DECODE_TILINGS, fp8_gemm.DecodeTiling),
@@ -107,6 +108,7 @@ def read(path: Path) -> dict[str, Any]:
 
 _TABLE_NAMES = (
     "int4_mma_decode_tilings",
+    "int4_mma_x8_tilings",
     "fp8_decode_tilings",
     "fp8_wide_decode_tilings",
     "bf16_decode_tilings",
