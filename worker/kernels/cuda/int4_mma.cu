@@ -633,7 +633,8 @@ __global__ void __launch_bounds__(256) w4_gemv_regs(TM_GEMV_PARAMS) {
 // warp's last chunk again), so no old value has to survive beside it.
 // ring_run: one row block's chunks [rg.c_begin, rg.c_end), the CTA's warps taking them in
 // turn, into acc (zeroed here); the first D chunks and the scales are loaded before the PDL
-// wait. PROBE: the stream alone (no x, no products).
+// wait. PROBE: the stream alone (no x, no products). X8 (with PAIRS): x is int8 codes and xs
+// their scales (X8Rows), the products on int8 tensor cores, each group closed once.
 // PAIRS (groups of 128: gc == 2, the caller checks): the warp takes whole groups, g0 + warp,
 // g0 + warp + W, ..., both chunks of each in turn, so a group's partial sums close once, after
 // its second chunk, not after every chunk (a close is ~a fifth of a chunk's instructions at 2
@@ -745,7 +746,7 @@ __global__ void __launch_bounds__(256, 2) w4_gemv_ring(TM_GEMV_PARAMS,
 // fixed ~2.8 us (8 warps) for its prologue, ring fill and reduction, a third of its life at
 // K = 5120 on one H200 (bench/kernels/int4_mma_scaling.py); here that is paid once a CTA.
 // Every warp has count = 2 G / W chunks a row block (the host checks G % W == 0 and count % S
-// == 0), so the turns of the ring end where row blocks do.
+// == 0), so the turns of the ring end where row blocks do. X8: as ring_run's.
 template <bool BF16, int MT, int R, int D, bool SILU, bool X8 = false>
 __global__ void __launch_bounds__(256, 2) w4_gemv_persist(TM_GEMV_PARAMS,
                                                           const float* __restrict__ xs) {
