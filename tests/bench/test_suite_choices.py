@@ -62,3 +62,17 @@ def test_the_w4a8_sections_switch_both_paths_on_and_back() -> None:
     seen = with_w4a8(lambda: {"paths": (int4_gemm.INT4_PREFILL, int4_gemm.INT4_W4A8_ROWS)})
     assert seen == {"paths": ("w4a8", 17), "int4_prefill": "w4a8", "int4_w4a8_rows": 17}
     assert (int4_gemm.INT4_PREFILL, int4_gemm.INT4_W4A8_ROWS) == before
+
+
+def test_the_x8_and_early_release_sections_switch_on_and_back() -> None:
+    """`w4_x8` and the `*_early` sections run the engine with their switch on (graphs are
+    captured inside), then leave it as it was."""
+    from bench.engine.suite import SECTIONS, with_early_release, with_x8
+    from worker.kernels import pdl
+    from worker.kernels.cuda import int4_mma
+
+    assert {"w4_x8", "fp8_early", "w4_early"} <= set(SECTIONS)
+    seen = with_x8(lambda: {"on": int4_mma.x8_enabled()})
+    assert seen == {"on": True, "int4_x8": True} and not int4_mma.x8_enabled()
+    seen = with_early_release(lambda: {"on": pdl._state["early"]})
+    assert seen == {"on": True, "pdl_early_release": True} and not pdl._state["early"]
