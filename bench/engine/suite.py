@@ -111,6 +111,12 @@ SECTIONS: dict[str, Section] = {
     # w4 with the int4 GEMVs on int8 tensor cores, x as int8 codes from the kernel before
     # (`TOKENMILL_INT4_X8=1`): `--sections fp8,w4,w4_x8` measures all three at once
     "w4_x8": (lambda args, config, budget: with_x8(engine_config, args, config, "w4", budget), 0.5),
+    # and the MLP's down projection too, its codes from a launch of their own
+    # (`TOKENMILL_INT4_X8_DOWN=1`)
+    "w4_x8_down": (
+        lambda args, config, budget: with_x8(engine_config, args, config, "w4", budget, down=True),
+        0.5,
+    ),
     # the w4 section with the embedding table on the GPU (w4 keeps it in host memory, as the
     # worker does)
     "w4_device": (
@@ -170,17 +176,18 @@ def with_early_release(run: Callable[..., dict[str, Any]], *args: Any) -> dict[s
     return {**result, "pdl_early_release": True}
 
 
-def with_x8(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
-    """`run(*args)` with the int4 GEMVs' int8 products on, then back."""
+def with_x8(run: Callable[..., dict[str, Any]], *args: Any, down: bool = False) -> dict[str, Any]:
+    """`run(*args)` with the int4 GEMVs' int8 products on (`down`: the MLP's down projection's
+    too), then back."""
     from worker.kernels.cuda import int4_mma
 
-    kept = int4_mma.x8_enabled()
-    int4_mma.set_x8(True)
+    kept = dict(int4_mma._x8)
+    int4_mma.set_x8(True, down)
     try:
         result = run(*args)
     finally:
-        int4_mma.set_x8(kept)
-    return {**result, "int4_x8": True}
+        int4_mma._x8.update(kept)
+    return {**result, "int4_x8": "with down" if down else True}
 
 
 def with_w4a8(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
@@ -244,8 +251,8 @@ def print_table(report: dict[str, Any]) -> None:
     cols = ("output tok/s", "TTFT p50/p95 s", "E2E p50/p95 s", "weights GiB", "KV GiB@1M",
             "state MiB/seq", "GPU-h/1M tok", "decode ms (graph/eager)")  # fmt: skip
     print(" | ".join(["config", *cols]))
-    optional = ("staged", "staged_direct", "w4a8", "fp8_early", "w4_early", "w4_x8")
-    for name in ("bf16", "fp8", "fp8_early", "staged", "staged_direct", "w4", "w4_early", "w4_x8", "w4a8", "hf"):  # fmt: skip
+    optional = ("staged", "staged_direct", "w4a8", "fp8_early", "w4_early", "w4_x8", "w4_x8_down")
+    for name in ("bf16", "fp8", "fp8_early", "staged", "staged_direct", "w4", "w4_early", "w4_x8", "w4_x8_down", "w4a8", "hf"):  # fmt: skip
         if name in optional and name not in s:
             continue
         r = s.get(name, {})
@@ -284,7 +291,7 @@ def print_table(report: dict[str, Any]) -> None:
                     f"{point['preemptions']} preemptions, {point['compiles_after_warm_up']} compiles"
                 )
     fp8 = s.get("fp8", {})
-    for name, base in (("w4", "fp8"), ("w4a8", "fp8"), ("w4_x8", "fp8"), ("w4_early", "fp8_early"), ("w4_early", "fp8")):  # fmt: skip
+    for name, base in (("w4", "fp8"), ("w4a8", "fp8"), ("w4_x8", "fp8"), ("w4_x8_down", "fp8"), ("w4_early", "fp8_early"), ("w4_early", "fp8")):  # fmt: skip
         w4, fp8 = s.get(name, {}), s.get(base, {})
         if "output_tok_s" in w4 and "output_tok_s" in fp8:
             print(f"{name} / {base} output tok/s: {w4['output_tok_s'] / fp8['output_tok_s']:.3f}")
@@ -306,7 +313,7 @@ def print_table(report: dict[str, Any]) -> None:
             )
             + ")"
         )
-    for name in ("fp8", "fp8_early", "staged", "staged_direct", "w4", "w4_early", "w4_x8", "w4a8"):  # fmt: skip
+    for name in ("fp8", "fp8_early", "staged", "staged_direct", "w4", "w4_early", "w4_x8", "w4_x8_down", "w4a8"):  # fmt: skip
         if kinds := s.get(name, {}).get("step_kinds"):
             print(
                 f"{name} steps of the timed rounds: "

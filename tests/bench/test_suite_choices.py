@@ -71,8 +71,10 @@ def test_the_x8_and_early_release_sections_switch_on_and_back() -> None:
     from worker.kernels import pdl
     from worker.kernels.cuda import int4_mma
 
-    assert {"w4_x8", "fp8_early", "w4_early"} <= set(SECTIONS)
-    seen = with_x8(lambda: {"on": int4_mma.x8_enabled()})
-    assert seen == {"on": True, "int4_x8": True} and not int4_mma.x8_enabled()
+    assert {"w4_x8", "w4_x8_down", "fp8_early", "w4_early"} <= set(SECTIONS)
+    seen = with_x8(lambda: {"on": int4_mma.x8_enabled(), "down": int4_mma.x8_enabled(True)})
+    assert seen == {"on": True, "down": False, "int4_x8": True} and not int4_mma.x8_enabled()
+    seen = with_x8(lambda: {"down": int4_mma.x8_enabled(True)}, down=True)
+    assert seen == {"down": True, "int4_x8": "with down"} and not int4_mma.x8_enabled(True)
     seen = with_early_release(lambda: {"on": pdl._state["early"]})
     assert seen == {"on": True, "pdl_early_release": True} and not pdl._state["early"]

@@ -67,6 +67,15 @@ def test_the_output_gate_writes_the_codes_of_its_output() -> None:
     assert x8.scales[0, 0] == 0 and not x8.codes[0, :128].any()
 
 
+def test_a_launch_of_its_own_writes_the_codes() -> None:
+    from worker.kernels.triton.x8 import quantize_x8
+
+    torch.manual_seed(2)
+    act = (torch.randn(3, 1408) * 2).bfloat16()  # the down projection's input, 11 groups
+    same_codes(quantize_x8(act), act)
+    same_codes(quantize_x8(act[:, :1280]), act[:, :1280])  # a strided view
+
+
 def test_rows_off_the_group_size_are_refused() -> None:
     from worker.kernels.triton import norm
 
@@ -74,11 +83,12 @@ def test_rows_off_the_group_size_are_refused() -> None:
         norm.rms_norm_x8(torch.randn(2, 96), torch.ones(96), 1e-6, False)
 
 
-@pytest.fixture
-def x8_on() -> Iterator[None]:
-    int4_mma.set_x8(True)
+@pytest.fixture(params=[False, True], ids=["norm-fed", "and-down"])
+def x8_on(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """The int8 products on; and-down: the MLP's down projection's too (its own launch)."""
+    int4_mma.set_x8(True, request.param)
     try:
-        yield
+        yield request.param
     finally:
         int4_mma.set_x8(False)
 
@@ -112,12 +122,12 @@ def decode_logits(model: Any) -> torch.Tensor:
 
 
 def test_decode_rows_feed_their_projections_codes(
-    x8_on: None, monkeypatch: pytest.MonkeyPatch
+    x8_on: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = mma_model()
     int4_mma.set_x8(False)
     want = decode_logits(model)
-    int4_mma.set_x8(True)
+    int4_mma.set_x8(True, x8_on)
     calls: list[tuple[int, ...]] = []
     linear, gate_up = ops.int4_mma_linear_x8, ops.int4_mma_linear_silu_mul_x8
 
@@ -133,9 +143,10 @@ def test_decode_rows_feed_their_projections_codes(
     monkeypatch.setattr(ops, "int4_mma_linear_silu_mul_x8", record_gate_up)
     got = decode_logits(model)
     layers = model.config.num_hidden_layers
-    # every layer: its input projection, its output projection and gate|up, at 2 decode rows
-    # each step; the prefill's 21 rows take none
-    assert len(calls) == 3 * 3 * layers and all(shape[0] == 2 for shape in calls)
+    # every layer: its input projection, its output projection and gate|up (and down), at 2
+    # decode rows each step; the prefill's 21 rows take none
+    per_layer = 4 if x8_on else 3
+    assert len(calls) == 3 * per_layer * layers and all(shape[0] == 2 for shape in calls)
     assert all(layer.mlp.gate_up_proj.layout == MMA for layer in model.model.layers)
     assert torch.equal(got[:, 0], want[:, 0])  # the prefill step's: computed without codes
     err = rel_err(got[:, 1:], want[:, 1:])

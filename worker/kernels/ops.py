@@ -67,6 +67,7 @@ OPS = (
     "add_rms_norm_x8",
     "gated_rms_norm_x8",
     "sigmoid_mul_x8",
+    "quantize_x8",
     "int4_mma_linear_x8",
     "int4_mma_linear_silu_mul_x8",
     "turboquant_restage",
@@ -556,6 +557,11 @@ def gated_rms_norm_x8(
 def sigmoid_mul_x8(x: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, X8]:
     """sigmoid_mul, and its output as int8 codes."""
     return _pick("sigmoid_mul_x8", x)(x, gate)
+
+
+def quantize_x8(x: torch.Tensor) -> X8:
+    """x [M, K] as int8 codes by a launch of its own (an input no kernel before writes so)."""
+    return _pick("quantize_x8", x)(x)
 
 
 def int4_mma_linear_x8(

@@ -569,6 +569,11 @@ def int4_mma_x8_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
     return values.view(m, k)
 
 
+def quantize_x8(x: torch.Tensor) -> X8:
+    """x [M, K] as int8 codes (`int4_mma_x8`) by a launch of its own."""
+    return int4_mma_x8(x)
+
+
 def rms_norm_x8(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> tuple[torch.Tensor, X8]:  # fmt: skip
     """rms_norm, and its output as int8 codes for the int4 GEMV after it (rows [.., D] flat)."""
     out = rms_norm(x, weight, eps, unit_offset)

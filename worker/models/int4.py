@@ -328,13 +328,15 @@ class Int4Linear(nn.Module):
             y, self.qweight, self.scales, self.group_size, self.bias
         )
 
-    def takes_x8(self, rows: int) -> bool:
+    def takes_x8(self, rows: int, own_launch: bool = False) -> bool:
         """Whether this layer runs on int8 codes of its input at `rows` rows
         (`TOKENMILL_INT4_X8=1`, the int4-mma layout, symmetric groups of 128, M <= 16, and on a
-        GPU a tiling the int8 kernel runs); its producer then writes them (`ops.*_x8`)."""
+        GPU a tiling the int8 kernel runs); its producer then writes them (`ops.*_x8`).
+        `own_launch`: codes that a launch of their own would write (`ops.quantize_x8`), asked
+        for the MLP's down projection (`TOKENMILL_INT4_X8_DOWN=1` too)."""
         from worker.kernels.cuda.int4_mma import x8_enabled, x8_tiling
 
-        if not x8_enabled() or self.layout != MMA or not self.symmetric:
+        if not x8_enabled(own_launch) or self.layout != MMA or not self.symmetric:
             return False
         if self.group_size != 128 or self.in_features % 128 or not 1 <= rows <= 16:
             return False

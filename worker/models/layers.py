@@ -240,7 +240,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, x8: X8 | None = None) -> torch.Tensor:
         """x8: x's int8 codes, written for gate|up (`takes_x8`)."""
         if x8 is not None:
-            return self.down_proj(cast(Any, self.gate_up_proj).silu_mul_x8(x8))
+            act = cast(Any, self.gate_up_proj).silu_mul_x8(x8)
+            down = getattr(self.down_proj, "takes_x8", None)
+            if down is not None and down(act.shape[0], own_launch=True):
+                return project(self.down_proj, None, ops.quantize_x8(act))
+            return self.down_proj(act)
         if self.gate_up_proj is not None:
             gate_up = cast(GatedProjection, self.gate_up_proj)
             # Past the decode rows (whose gate|up GEMV forms the activation in its epilogue), a

@@ -261,16 +261,23 @@ MMA_X8_TILINGS: dict[tuple[int, int], MmaTiling] = {}
 # gate write them beside their output, `reference.int4_mma_x8`) and multiply on int8 tensor
 # cores: "1" on; off by default until measured on the GPU. `set_x8` flips it at run time (graphs
 # captured before keep what they captured).
-X8_SWITCH = "TOKENMILL_INT4_X8"
-_x8 = {"on": os.environ.get(X8_SWITCH, "0") == "1"}
+# TOKENMILL_INT4_X8_DOWN=1 (with it) also the MLP's down projection, whose input no kernel
+# writes as codes (gate|up's epilogue sees 16 outputs of a 128-k group): a launch of its own
+# rounds the activation (`ops.quantize_x8`).
+X8_SWITCH, X8_DOWN_SWITCH = "TOKENMILL_INT4_X8", "TOKENMILL_INT4_X8_DOWN"
+_x8 = {
+    "on": os.environ.get(X8_SWITCH, "0") == "1",
+    "down": os.environ.get(X8_DOWN_SWITCH, "0") == "1",
+}
 
 
-def set_x8(on: bool) -> None:
-    _x8["on"] = on
+def set_x8(on: bool, down: bool = False) -> None:
+    _x8["on"], _x8["down"] = on, down
 
 
-def x8_enabled() -> bool:
-    return _x8["on"]
+def x8_enabled(down: bool = False) -> bool:
+    """Whether the int8 products run (`down`: for the MLP's down projection too)."""
+    return _x8["on"] and (_x8["down"] or not down)
 
 
 def x8_tiling(n: int, k: int, m: int, group_size: int) -> MmaTiling | None:

@@ -38,6 +38,7 @@ from worker.kernels.triton.norm import (
 )
 from worker.kernels.triton.paged_attention import paged_attention_decode, paged_attention_prefill
 from worker.kernels.triton.rotary import apply_rotary, qk_norm_rotary
+from worker.kernels.triton.x8 import quantize_x8
 
 _KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 
@@ -76,6 +77,7 @@ ops.register("rms_norm_x8", rms_norm_x8, ops.cuda_only, name="triton.rms_norm_x8
 ops.register("add_rms_norm_x8", add_rms_norm_x8, ops.cuda_only, name="triton.add_rms_norm_x8")
 ops.register("gated_rms_norm_x8", gated_rms_norm_x8, ops.cuda_only, name="triton.gated_rms_norm_x8")
 ops.register("sigmoid_mul_x8", sigmoid_mul_x8, ops.cuda_only, name="triton.sigmoid_mul_x8")
+ops.register("quantize_x8", quantize_x8, ops.cuda_only, name="triton.quantize_x8")
 ops.register("silu_mul", silu_mul, ops.cuda_only, name="triton.silu_mul")
 ops.register("sigmoid_mul", sigmoid_mul, ops.cuda_only, name="triton.sigmoid_mul")
 ops.register("gdn_gates", gdn_gates, ops.cuda_only, name="triton.gdn_gates")
@@ -127,6 +129,7 @@ __all__ = [
     "paged_attention_decode",
     "paged_attention_prefill",
     "qk_norm_rotary",
+    "quantize_x8",
     "rms_norm",
     "rms_norm_x8",
     "sigmoid_mul",

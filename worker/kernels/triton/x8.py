@@ -7,8 +7,12 @@ Called from the epilogues of the kernels that produce an int4 GEMV's input in a 
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from worker.kernels.reference import X8
+from worker.kernels.triton._launch import kernel, pdl_wait
 
 
 @triton.jit
@@ -45,3 +49,37 @@ def x8_block(width: int) -> int:
     """The power-of-two tile width a kernel storing codes of `width` columns needs (at least
     128: a group)."""
     return max(128, triton.next_power_of_2(width))
+
+
+@kernel
+def _quantize_x8_kernel(x, codes, scales, M, K, stride_x, BC: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    col0 = tl.program_id(1) * BC
+    cols = col0 + tl.arange(0, BC)
+    xv = tl.load(x + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
+    one = tl.zeros((1,), dtype=tl.int64)
+    store_x8(tl.reshape(xv, (1, BC)), codes, scales, one + row * K, one + row * (K // 128), col0,
+             one == 0, K, 1, BC)  # fmt: skip
+
+
+def quantize_x8(x: torch.Tensor) -> X8:
+    """x [M, K] (16-bit, K % 128 == 0) as int8 codes in one launch, for an int4 GEMV whose input
+    no kernel before it writes as codes (the MLP's down projection: gate|up's epilogue sees 16
+    outputs of a group)."""
+    m, k = x.shape
+    if k % 128:
+        raise ValueError(f"int8 codes need rows of a multiple of 128, got {k}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = X8(
+        torch.empty((m, k), dtype=torch.int8, device=x.device),
+        torch.empty((m, k // 128), dtype=torch.float32, device=x.device),
+        x.dtype,
+    )
+    if m:
+        block = min(1024, x8_block(k))
+        _quantize_x8_kernel[(m, triton.cdiv(k, block))](
+            x, out.codes, out.scales, m, k, x.stride(0), BC=block, num_warps=4
+        )
+    return out
