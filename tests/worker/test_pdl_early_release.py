@@ -35,7 +35,10 @@ def early_release() -> Iterator[None]:
 
 
 def test_only_the_short_kernels_between_gemvs_release_early() -> None:
+    from worker.kernels.triton.x8 import _quantize_x8_kernel
+
     assert _rms_norm_kernel.takes_early_release and _sigmoid_mul_kernel.takes_early_release
+    assert _quantize_x8_kernel.takes_early_release
     from worker.kernels.triton.fp8_gemm import _gemv_kernel
 
     # a GEMV with a late wait reads its input before waiting: it must never release early

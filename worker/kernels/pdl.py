@@ -8,9 +8,10 @@ imports no triton, so the engine can consult it on machines without one.
 
 Early release (`TOKENMILL_PDL_EARLY_RELEASE=1`, off by default until measured; `set_early_release`
 at run time): the short kernels that sit between two weight-streaming GEMVs (the norms, the
-attention's output gate) let the next kernel launch before their own wait instead of after it,
-so the GEMV after them is resident and has its first weights and scales in registers while the
-GEMV before them still runs, instead of starting that prologue once it has finished. Correct
+attention's output gate, the int8 codes' own launch) let the next kernel launch before their
+own wait instead of after it, so the GEMV after them is resident and has its first weights and
+scales in registers while the GEMV before them still runs, instead of starting that prologue
+once it has finished. Correct
 because a kernel's wait still waits for the kernel before it to complete, and that one waited
 for its own predecessor. The rule it asks of the kernels launched after an early-releasing one:
 before their wait they read only constants (weights, scales), never what an earlier kernel

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from worker.kernels.reference import X8
-from worker.kernels.triton._launch import kernel, pdl_wait
+from worker.kernels.triton._launch import kernel, pdl_release_wait
 
 
 @triton.jit
@@ -52,8 +52,12 @@ def x8_block(width: int) -> int:
 
 
 @kernel
-def _quantize_x8_kernel(x, codes, scales, M, K, stride_x, BC: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
+def _quantize_x8_kernel(
+    x, codes, scales, M, K, stride_x, BC: tl.constexpr, PDL: tl.constexpr,
+    EARLY_RELEASE: tl.constexpr,
+):  # fmt: skip
+    # between two GEMVs (gate|up, down): the next may launch before this wait (pdl.py)
+    pdl_release_wait(PDL, EARLY_RELEASE)
     row = tl.program_id(0).to(tl.int64)
     col0 = tl.program_id(1) * BC
     cols = col0 + tl.arange(0, BC)
