@@ -200,6 +200,20 @@ def _zeroed(cache: dict[torch.device, torch.Tensor], device: torch.device, n: in
     return buf
 
 
+def _split_workspaces(
+    device: torch.device, t: MmaTiling, m: int, n: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The fp32 workspace and arrival counters a launch of tiling `t` at M = `m` rows needs (K
+    split over the grid's y: a slot per part, summed in order; stream-K's segments, modes 3-5,
+    add into one), or (None, None) where its row blocks are whole (the persistent ring's)."""
+    if t.mode == PERSISTENT_MODE or (t.splits == 1 and t.mode in K_SPLIT_MODES):
+        return None, None
+    token_groups = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8  # the kernel's MT
+    parts = t.splits if t.mode in K_SPLIT_MODES else 1
+    ws = _zeroed(_workspaces, device, parts * n // 16 * token_groups * 128, torch.float32)
+    return ws, _zeroed(_arrivals, device, n // 16, torch.int32)
+
+
 def gemv(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -231,15 +245,7 @@ def gemv(
     # the epilogue pairs a CTA's tiles (even rows) in the K-split pipelines
     fused = silu_mul and t.rows in (2, 4) and t.mode in (*K_SPLIT_PRODUCT_MODES, PERSISTENT_MODE)
     out = torch.empty((m, n // 2 if fused else n), dtype=x.dtype, device=x.device)
-    ws = arrivals = None
-    # split K, or stream-K's parts of row blocks (the persistent ring's blocks are whole)
-    if t.mode != PERSISTENT_MODE and (t.splits > 1 or t.mode not in K_SPLIT_MODES):
-        token_groups = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8  # the kernel's MT
-        # K split over the grid's y: a slot per part, summed in order; stream-K's segments
-        # (modes 3-5) add into one
-        parts = t.splits if t.mode in K_SPLIT_MODES else 1
-        ws = _zeroed(_workspaces, x.device, parts * n // 16 * token_groups * 128, torch.float32)
-        arrivals = _zeroed(_arrivals, x.device, n // 16, torch.int32)
+    ws, arrivals = _split_workspaces(x.device, t, m, n)
     code = _library(x.device).tm_w4_gemv(
         qweight.data_ptr(), scales.data_ptr(), x.data_ptr(), out.data_ptr(),
         None if ws is None else ws.data_ptr(), None if arrivals is None else arrivals.data_ptr(),
@@ -319,10 +325,7 @@ def gemv_x8(
     if scales.data_ptr() % 16:
         scales = scales.clone()
     out = torch.empty((m, n // 2 if silu_mul else n), dtype=torch.bfloat16, device=codes.device)
-    ws = arrivals = None
-    if t.mode == 9 and t.splits > 1:
-        ws = _zeroed(_workspaces, codes.device, t.splits * n // 16 * (1 if m <= 8 else 2) * 128, torch.float32)  # fmt: skip
-        arrivals = _zeroed(_arrivals, codes.device, n // 16, torch.int32)
+    ws, arrivals = _split_workspaces(codes.device, t, m, n)
     code = _library(codes.device).tm_w4_gemv_x8(
         qweight.data_ptr(), scales.data_ptr(), codes.data_ptr(), xscales.data_ptr(),
         out.data_ptr(), None if ws is None else ws.data_ptr(),
