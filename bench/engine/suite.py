@@ -117,6 +117,13 @@ SECTIONS: dict[str, Section] = {
         lambda args, config, budget: with_x8(engine_config, args, config, "w4", budget, down=True),
         0.5,
     ),
+    # both at once: the int8 products with early release (`--sections fp8,w4,w4_x8_early`)
+    "w4_x8_early": (
+        lambda args, config, budget: with_early_release(
+            with_x8, engine_config, args, config, "w4", budget
+        ),
+        0.5,
+    ),
     # the w4 section with the embedding table on the GPU (w4 keeps it in host memory, as the
     # worker does)
     "w4_device": (
@@ -251,8 +258,8 @@ def print_table(report: dict[str, Any]) -> None:
     cols = ("output tok/s", "TTFT p50/p95 s", "E2E p50/p95 s", "weights GiB", "KV GiB@1M",
             "state MiB/seq", "GPU-h/1M tok", "decode ms (graph/eager)")  # fmt: skip
     print(" | ".join(["config", *cols]))
-    optional = ("staged", "staged_direct", "w4a8", "fp8_early", "w4_early", "w4_x8", "w4_x8_down")
-    for name in ("bf16", "fp8", "fp8_early", "staged", "staged_direct", "w4", "w4_early", "w4_x8", "w4_x8_down", "w4a8", "hf"):  # fmt: skip
+    optional = ("staged", "staged_direct", "w4a8", "fp8_early", "w4_early", "w4_x8", "w4_x8_down", "w4_x8_early")  # fmt: skip
+    for name in ("bf16", "fp8", "fp8_early", "staged", "staged_direct", "w4", "w4_early", "w4_x8", "w4_x8_down", "w4_x8_early", "w4a8", "hf"):  # fmt: skip
         if name in optional and name not in s:
             continue
         r = s.get(name, {})
@@ -291,7 +298,7 @@ def print_table(report: dict[str, Any]) -> None:
                     f"{point['preemptions']} preemptions, {point['compiles_after_warm_up']} compiles"
                 )
     fp8 = s.get("fp8", {})
-    for name, base in (("w4", "fp8"), ("w4a8", "fp8"), ("w4_x8", "fp8"), ("w4_x8_down", "fp8"), ("w4_early", "fp8_early"), ("w4_early", "fp8")):  # fmt: skip
+    for name, base in (("w4", "fp8"), ("w4a8", "fp8"), ("w4_x8", "fp8"), ("w4_x8_down", "fp8"), ("w4_x8_early", "fp8"), ("w4_early", "fp8_early"), ("w4_early", "fp8")):  # fmt: skip
         w4, fp8 = s.get(name, {}), s.get(base, {})
         if "output_tok_s" in w4 and "output_tok_s" in fp8:
             print(f"{name} / {base} output tok/s: {w4['output_tok_s'] / fp8['output_tok_s']:.3f}")
@@ -313,7 +320,7 @@ def print_table(report: dict[str, Any]) -> None:
             )
             + ")"
         )
-    for name in ("fp8", "fp8_early", "staged", "staged_direct", "w4", "w4_early", "w4_x8", "w4_x8_down", "w4a8"):  # fmt: skip
+    for name in ("fp8", "fp8_early", "staged", "staged_direct", "w4", "w4_early", "w4_x8", "w4_x8_down", "w4_x8_early", "w4a8"):  # fmt: skip
         if kinds := s.get(name, {}).get("step_kinds"):
             print(
                 f"{name} steps of the timed rounds: "
