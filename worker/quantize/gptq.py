@@ -27,17 +27,21 @@ from worker.models.causal_lm import CausalLM, DecoderLayer
 from worker.models.int4 import SCALE_DTYPE, Int4Tensors, pack_int4
 from worker.quantize.perplexity import prefill_batch
 
-# Clipping ratios tried per group when searching scales: a group's range shrunk by up to 40%
+# Clipping ratios tried per group when searching scales: a group's range shrunk by up to 50%
 # rounds its many small weights finer at the cost of clipping its few large ones.
-CLIP_RATIOS = tuple(1.0 - 0.04 * i for i in range(11))
+CLIP_RATIOS = tuple(1.0 - 0.025 * i for i in range(21))
 
 
 def _group_params(
-    w: torch.Tensor, symmetric: bool, clip_search: bool = False
+    w: torch.Tensor,
+    symmetric: bool,
+    clip_search: bool = False,
+    importance: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(scale, min or None) [N] (fp32 values of the fp16 that is stored) for a group w [N, g]:
     those of `quantize_rtn`, or with `clip_search` the range shrunk by the ratio of
-    `CLIP_RATIOS` that rounds the group with the least squared error."""
+    `CLIP_RATIOS` that rounds the group with the least squared error, each column's error
+    weighted by `importance` [g] (its input's mean square, H's diagonal) when given."""
     ratios = torch.tensor(CLIP_RATIOS if clip_search else (1.0,), device=w.device)
     if symmetric:
         extreme = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True))  # [N, 1]
@@ -53,7 +57,10 @@ def _group_params(
         return scale[:, 0], None if mins is None else mins[:, 0]
     m = None if mins is None else mins.unsqueeze(-1)
     back = _dequant(_codes(w.unsqueeze(1), scale.unsqueeze(-1), m), scale.unsqueeze(-1), m)
-    best = ((back - w.unsqueeze(1)) ** 2).sum(-1).argmin(dim=-1, keepdim=True)  # [N, 1]
+    err = (back - w.unsqueeze(1)) ** 2
+    if importance is not None:
+        err = err * importance
+    best = err.sum(-1).argmin(dim=-1, keepdim=True)  # [N, 1]
     chosen = scale.gather(-1, best).squeeze(-1)
     return chosen, None if mins is None else mins.gather(-1, best).squeeze(-1)
 
@@ -119,11 +126,14 @@ def _gptq(
     scales = torch.zeros(n, groups, device=device)
     mins = None if symmetric else torch.zeros(n, groups, device=device)
     perm = torch.arange(k, device=device)
+    # the clip search weighs each column's rounding error by its input's mean square (H's
+    # diagonal): the output error's diagonal part, which the search then trades, not the
+    # weight's own error
+    importance = torch.diag(h).clone()
     if act_order:
         for g in range(groups):  # static groups: the layout needs contiguous ones
-            s, m = _group_params(
-                w[:, g * group_size : (g + 1) * group_size], symmetric, clip_search
-            )
+            cols = slice(g * group_size, (g + 1) * group_size)
+            s, m = _group_params(w[:, cols], symmetric, clip_search, importance[cols])
             scales[:, g] = s
             if mins is not None and m is not None:
                 mins[:, g] = m
@@ -144,7 +154,7 @@ def _gptq(
         hinv1 = hinv[i1:i2, i1:i2]
         if not act_order:
             g = i1 // group_size
-            s, m = _group_params(w1, symmetric, clip_search)
+            s, m = _group_params(w1, symmetric, clip_search, importance[i1:i2])
             scales[:, g] = s
             if mins is not None and m is not None:
                 mins[:, g] = m
