@@ -249,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         help="each row again with x rounded to int8 per token and 128 columns (TOKENMILL_INT4_X8)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--out", type=Path, default=result_path("w4_quality"))
+    parser.add_argument(
+        "--out", type=Path, default=None, help="a JSON file, or a folder for the dated name"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     gguf = args.gguf or ensure_smollm2(CACHE / "models")
@@ -265,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         x8=args.x8,
     )
     print(table(result))
-    write_result(args.out, result)
+    out = args.out
+    write_result(result_path("w4_quality", out) if out is None or out.is_dir() else out, result)
     return 0
 
 
