@@ -253,14 +253,18 @@ class Suite:
         write_result(self.path, self.report)
 
 
+# The load-point sections in the table's order; those past bf16, fp8, w4 and hf print only when run
+LOAD_POINT_SECTIONS = ("bf16", "fp8", "fp8_early", "staged", "staged_direct", "w4", "w4_early", "w4_x8", "w4_x8_down", "w4_x8_early", "w4a8", "hf")  # fmt: skip
+W4_VARIANTS = ("w4", "w4a8", "w4_x8", "w4_x8_down", "w4_x8_early")
+
+
 def print_table(report: dict[str, Any]) -> None:
     s = report["sections"]
     cols = ("output tok/s", "TTFT p50/p95 s", "E2E p50/p95 s", "weights GiB", "KV GiB@1M",
             "state MiB/seq", "GPU-h/1M tok", "decode ms (graph/eager)")  # fmt: skip
     print(" | ".join(["config", *cols]))
-    optional = ("staged", "staged_direct", "w4a8", "fp8_early", "w4_early", "w4_x8", "w4_x8_down", "w4_x8_early")  # fmt: skip
-    for name in ("bf16", "fp8", "fp8_early", "staged", "staged_direct", "w4", "w4_early", "w4_x8", "w4_x8_down", "w4_x8_early", "w4a8", "hf"):  # fmt: skip
-        if name in optional and name not in s:
+    for name in LOAD_POINT_SECTIONS:
+        if name not in ("bf16", "fp8", "w4", "hf") and name not in s:
             continue
         r = s.get(name, {})
         if "output_tok_s" not in r:
@@ -298,7 +302,11 @@ def print_table(report: dict[str, Any]) -> None:
                     f"{point['preemptions']} preemptions, {point['compiles_after_warm_up']} compiles"
                 )
     fp8 = s.get("fp8", {})
-    for name, base in (("w4", "fp8"), ("w4a8", "fp8"), ("w4_x8", "fp8"), ("w4_x8_down", "fp8"), ("w4_x8_early", "fp8"), ("w4_early", "fp8_early"), ("w4_early", "fp8")):  # fmt: skip
+    pairs = [(name, "fp8") for name in W4_VARIANTS] + [
+        ("w4_early", "fp8_early"),
+        ("w4_early", "fp8"),
+    ]
+    for name, base in pairs:
         w4, fp8 = s.get(name, {}), s.get(base, {})
         if "output_tok_s" in w4 and "output_tok_s" in fp8:
             print(f"{name} / {base} output tok/s: {w4['output_tok_s'] / fp8['output_tok_s']:.3f}")
@@ -320,7 +328,7 @@ def print_table(report: dict[str, Any]) -> None:
             )
             + ")"
         )
-    for name in ("fp8", "fp8_early", "staged", "staged_direct", "w4", "w4_early", "w4_x8", "w4_x8_down", "w4_x8_early", "w4a8"):  # fmt: skip
+    for name in LOAD_POINT_SECTIONS[1:-1]:
         if kinds := s.get(name, {}).get("step_kinds"):
             print(
                 f"{name} steps of the timed rounds: "
