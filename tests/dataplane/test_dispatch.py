@@ -22,7 +22,11 @@ from control_plane.dataplane.dispatch import (
     WorkerRegistry,
 )
 from control_plane.dataplane.fast_path import nats as fast_nats
-from control_plane.dataplane.fast_path.nats import publish_now, subscribe_inline
+from control_plane.dataplane.fast_path.nats import (
+    publish_now,
+    subscribe_inline,
+    write_pending_now,
+)
 from control_plane.embedded import EmbeddedNats
 from worker import protocol as p
 
@@ -232,13 +236,21 @@ async def test_a_sink_that_is_not_ready_or_comes_behind_an_interrupt_leaves_chun
     await client.close()
 
 
+async def subscribed(conn: NATS) -> None:
+    """Returns once the server has `conn`'s subscriptions, so another connection's messages
+    reach them. nats-py's flush alone does not promise it: its PING goes straight to the socket,
+    ahead of a SUB still in the client's buffer, and the PONG can come back first."""
+    write_pending_now(conn)
+    await conn.flush()
+
+
 @pytest.mark.fast_path_only
 async def test_publish_now_writes_at_once_but_never_ahead_of_a_pending_publication(
     nc: NATS, nats_server: EmbeddedNats
 ) -> None:
     other = await nats.connect(nats_server.url)
     sub = await other.subscribe("pn.order")
-    await other.flush()
+    await subscribed(other)
     await nc.publish("pn.order", b"queued")  # waits in nats-py's buffer for its flusher
     assert not publish_now(nc, "pn.order", b"late")  # it would overtake that one
     await nc.flush()
@@ -273,6 +285,7 @@ async def test_inline_replies_arrive_whole_and_in_order_past_other_traffic(
         others.append(msg.data)
 
     await nc.subscribe("oth", cb=other)
+    await subscribed(nc)
     assert type(nc._ps).__name__ == "_InlineParser"
     sender = await nats.connect(nc.connected_url.geturl())  # type: ignore[union-attr]
     expected: list[tuple[str, bytes, dict[str, str] | None]] = []
