@@ -665,7 +665,8 @@ def test_down_of_a_paired_gate_up_on_gpu(rows: int, monkeypatch: pytest.MonkeyPa
     got = int4_mma.int4_mma_linear_of_silu_mul(y, words, mma_scales, 128)
     two_steps = int4_mma.int4_mma_linear(act, words, mma_scales, 128)
     assert got.shape == (rows, k) and torch.equal(got, two_steps)
-    assert rel_err(got.float(), exact) < 2e-2
+    # x rounded to e4m3 per token and 128 columns: W4A8's 2.6-2.7% from the exact product
+    assert rel_err(got.float(), exact) < 3.5e-2
 
 
 @GPU

@@ -179,7 +179,9 @@ def test_gpu_producers_feed_the_int8_gemv_27b(rows: int) -> None:
 
     def check(x8: reference.X8, x: torch.Tensor, w: tuple[torch.Tensor, ...], tiling: tuple[int, ...]) -> None:  # fmt: skip
         same_values = reference.int4_mma_x8_values(x8.codes, x8.scales)
-        assert rel_err(same_values, x.float().reshape(same_values.shape)) < 1e-2
+        # x's int8 rounding per 128 columns: ~0.5% of a normed row, 1.3-1.4% of the gated
+        # norm's product with silu(gate), whose tails set the scale
+        assert rel_err(same_values, x.float().reshape(same_values.shape)) < 2e-2
         got = int4_mma.gemv_x8(x8.codes, x8.scales, w[0], w[1], 128, int4_mma.MmaTiling(*tiling))
         assert rel_err(got.float(), same_values @ w[2].T) < 1e-2
 
