@@ -75,6 +75,12 @@ def result_path(bench: str, folder: str | Path | None = None, gpu: str | None = 
     return Path(folder or os.environ.get("OUT") or RESULTS) / result_name(bench, gpu)
 
 
+def out_path(bench: str, out: str | Path | None) -> Path:
+    """A bench's --out: a JSON file, or a folder for the dated name (none: `result_path`'s)."""
+    path = Path(out) if out else result_path(bench)
+    return result_path(bench, path) if path.is_dir() else path
+
+
 def write_result(path: Path, result: Any, indent: int = 2) -> Path:
     """The result as JSON (values JSON lacks, e.g. paths, as strings), folders made."""
     path.parent.mkdir(parents=True, exist_ok=True)

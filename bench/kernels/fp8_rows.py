@@ -19,12 +19,11 @@ import argparse
 import dataclasses
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.common import copy_bandwidth, err, graph_time, rel_err, result_path, write_result
+from bench.common import copy_bandwidth, err, graph_time, out_path, rel_err, write_result
 from bench.engine.gemv import decode_shapes, incumbent_first, keep_or_replace
 from worker.kernels.triton import fp8_gemm as fp8k
 from worker.kernels.triton.fp8_gemm import DecodeTiling, wave_splits
@@ -117,9 +116,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--budget-s", type=float, default=90.0)
     parser.add_argument("--write-tuning", action="store_true")
     args = parser.parse_args(argv)
-    out = Path(args.out) if args.out else result_path("fp8_rows")
-    if out.is_dir():
-        out = result_path("fp8_rows", out)
+    out = out_path("fp8_rows", args.out)
     start = time.perf_counter()
     bandwidth = copy_bandwidth()
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_gb_s": bandwidth / 1e9}

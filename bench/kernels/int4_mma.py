@@ -26,14 +26,13 @@ import dataclasses
 import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
 import triton
 import triton.testing
 
-from bench.common import copy_bandwidth, err, graph_time, rel_err, result_path, write_result
+from bench.common import copy_bandwidth, err, graph_time, out_path, rel_err, write_result
 from bench.engine.gemv import keep_or_replace
 from bench.kernels.int4 import GROUP, L2_SET_BYTES, SHAPES, int4_bytes, time_fp8_gemv
 from worker.kernels import reference
@@ -510,10 +509,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     modes = [int(m) for m in args.modes.split(",")] if args.modes else None
     if args.tuned_only:
         modes = []  # candidates() then keeps the tuned tiling alone
-    # --out: a JSON file, or a folder for the dated name
-    out = Path(args.out) if args.out else result_path("int4_mma")
-    if out.is_dir():
-        out = result_path("int4_mma", out)
+    out = out_path("int4_mma", args.out)
     start = time.perf_counter()
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     from worker.kernels import tuning

@@ -12,12 +12,11 @@ bench/kernels/int4_mma.py. Prints a table and writes <date>-<gpu>-<sha>-int4_mma
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.common import copy_bandwidth, graph_time, result_path, write_result
+from bench.common import copy_bandwidth, graph_time, out_path, write_result
 from bench.kernels.int4 import GROUP, int4_bytes
 from bench.kernels.int4_mma import weights
 from worker.kernels.cuda import int4_mma
@@ -41,9 +40,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    out = Path(args.out) if args.out else result_path("int4_mma_scaling")
-    if out.is_dir():
-        out = result_path("int4_mma_scaling", out)
+    out = out_path("int4_mma_scaling", args.out)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bandwidth = copy_bandwidth()
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_gb_s": bandwidth / 1e9}

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from bench.common import result_path, write_result
+from bench.common import out_path, write_result
 from worker.loading import load_model
 from worker.loading.demo_model import ensure_smollm2
 from worker.models.causal_lm import CausalLM
@@ -267,8 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         x8=args.x8,
     )
     print(table(result))
-    out = args.out
-    write_result(result_path("w4_quality", out) if out is None or out.is_dir() else out, result)
+    write_result(out_path("w4_quality", args.out), result)
     return 0
 
 
