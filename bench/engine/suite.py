@@ -124,6 +124,21 @@ SECTIONS: dict[str, Section] = {
         ),
         0.5,
     ),
+    # w4 with prefill through the e4m3 scratch and scaled_mm (`TOKENMILL_INT4_PREFILL=fp8`: each
+    # weight rounded to e4m3 per channel, x per token), alone and with the int8 products:
+    # `--sections fp8,w4,w4_e4m3,w4_x8,w4_x8_e4m3`
+    "w4_e4m3": (
+        lambda args, config, budget: with_int4_prefill(
+            "fp8", engine_config, args, config, "w4", budget
+        ),
+        0.5,
+    ),
+    "w4_x8_e4m3": (
+        lambda args, config, budget: with_int4_prefill(
+            "fp8", with_x8, engine_config, args, config, "w4", budget
+        ),
+        0.5,
+    ),
     # the w4 section with the embedding table on the GPU (w4 keeps it in host memory, as the
     # worker does)
     "w4_device": (
@@ -197,6 +212,18 @@ def with_x8(run: Callable[..., dict[str, Any]], *args: Any, down: bool = False) 
     return {**result, "int4_x8": "with down" if down else True}
 
 
+def with_int4_prefill(path: str, run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """`run(*args)` with the int4 prefill path `path` (`TOKENMILL_INT4_PREFILL`), then back."""
+    from worker.kernels.triton import int4_gemm
+
+    kept, int4_gemm.INT4_PREFILL = int4_gemm.INT4_PREFILL, int4_gemm.prefill_path(path)
+    try:
+        result = run(*args)
+    finally:
+        int4_gemm.INT4_PREFILL = kept
+    return {**result, "int4_prefill": path}
+
+
 def with_w4a8(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
     """`run(*args)` with both W4A8 int4 paths switched on, then back to what they were."""
     from worker.kernels.triton import int4_gemm
@@ -254,8 +281,8 @@ class Suite:
 
 
 # The load-point sections in the table's order; those past bf16, fp8, w4 and hf print only when run
-LOAD_POINT_SECTIONS = ("bf16", "fp8", "fp8_early", "staged", "staged_direct", "w4", "w4_early", "w4_x8", "w4_x8_down", "w4_x8_early", "w4a8", "hf")  # fmt: skip
-W4_VARIANTS = ("w4", "w4a8", "w4_x8", "w4_x8_down", "w4_x8_early")
+LOAD_POINT_SECTIONS = ("bf16", "fp8", "fp8_early", "staged", "staged_direct", "w4", "w4_early", "w4_x8", "w4_x8_down", "w4_x8_early", "w4_e4m3", "w4_x8_e4m3", "w4a8", "hf")  # fmt: skip
+W4_VARIANTS = ("w4", "w4a8", "w4_x8", "w4_x8_down", "w4_x8_early", "w4_e4m3", "w4_x8_e4m3")
 
 
 def print_table(report: dict[str, Any]) -> None:

@@ -539,6 +539,23 @@ def test_silu_mul_quantize_rows_has_the_bits_of_quantize_rows_of_silu_mul(m, f) 
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
+@pytest.mark.parametrize(("m", "f"), [(4, 64), (2, 4096 + 32)])
+def test_silu_mul_quantize_rows_reads_paired_tiles_in_place(m, f) -> None:
+    """An int4-mma gate|up output alternates 16 gate and 16 up columns: the fused rounding
+    reads them as `silu_mul(y, paired=16)` does (the e4m3 prefill's down projection)."""
+    from worker.kernels.triton.fp8_gemm import quantize_rows, silu_mul_quantize_rows
+
+    torch.manual_seed(f)
+    y = (torch.randn(m, 2 * f) * 3).bfloat16()
+    y[0, 16 + 5] = 300.0  # a loud up column (pair 0's up half): row 0's scale follows it
+    q, scales = silu_mul_quantize_rows(y, paired=16)
+    want_q, want_scales = quantize_rows(silu_mul(y, paired=16))
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    unpaired, _ = silu_mul_quantize_rows(y)
+    assert not torch.equal(unpaired.view(torch.uint8), q.view(torch.uint8))
+
+
 @pytest.mark.parametrize(
     ("m", "wide"),
     [

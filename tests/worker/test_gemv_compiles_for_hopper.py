@@ -223,16 +223,17 @@ from worker.kernels.triton.fp8_gemm import _silu_mul_quantize_rows_kernel
 
 signature = {"y": "*bf16", "q": "*fp8e4nv", "scales": "*fp32", "F": "i32", "stride_y": "i32",
              "BK": "constexpr", "FP8_MAX": "constexpr", "EXACT_E4M3": "constexpr",
-             "PDL": "constexpr"}
+             "PDL": "constexpr", "PAIRED": "constexpr"}
 names = list(signature)
-constexprs = {"BK": 4096, "FP8_MAX": 448.0, "EXACT_E4M3": False, "PDL": True}
-source = ASTSource(
-    fn=_silu_mul_quantize_rows_kernel.compiled,
-    signature=signature,
-    constexprs={(names.index(k),): c for k, c in constexprs.items()},
-    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in ("y", "q", "scales", "F")},
-)
-triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+for paired in (0, 16):  # FP8's gate|up halves, int4-mma's paired tiles
+    constexprs = {"BK": 4096, "FP8_MAX": 448.0, "EXACT_E4M3": False, "PDL": True, "PAIRED": paired}
+    source = ASTSource(
+        fn=_silu_mul_quantize_rows_kernel.compiled,
+        signature=signature,
+        constexprs={(names.index(k),): c for k, c in constexprs.items()},
+        attrs={(names.index(k),): [["tt.divisibility", 16]] for k in ("y", "q", "scales", "F")},
+    )
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 print("ok")
 """
 

@@ -604,6 +604,23 @@ def test_e4m3_channel_scales_follow_the_rows_of_the_mma_scales() -> None:
     torch.testing.assert_close(int4_mma.e4m3_channel_scales(mma_scales), want, rtol=0, atol=0)
 
 
+def test_channel_scales_are_formed_once_per_weight_and_follow_its_changes() -> None:
+    from worker.kernels.cuda import int4_mma
+
+    qweight, scales = random_codes(48, 320)
+    _, mma_scales = reference.int4_mma_pack(qweight, scales)
+    first = int4_mma.channel_scales_of(mma_scales)
+    assert int4_mma.channel_scales_of(mma_scales) is first  # kept, not formed again
+    torch.testing.assert_close(first, int4_mma.e4m3_channel_scales(mma_scales), rtol=0, atol=0)
+    mma_scales.mul_(2)  # changed in place: formed again from the new values
+    again = int4_mma.channel_scales_of(mma_scales)
+    assert again is not first
+    torch.testing.assert_close(again, 2 * first, rtol=0, atol=0)
+    key = id(mma_scales)
+    del mma_scales
+    assert key not in int4_mma._channel_scales  # dropped with its tensor
+
+
 @GPU
 @needs_cuda
 def test_e4m3_dequantize_and_prefill_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -667,6 +684,12 @@ def test_down_of_a_paired_gate_up_on_gpu(rows: int, monkeypatch: pytest.MonkeyPa
     assert got.shape == (rows, k) and torch.equal(got, two_steps)
     # x rounded to e4m3 per token and 128 columns: W4A8's 2.6-2.7% from the exact product
     assert rel_err(got.float(), exact) < 3.5e-2
+    # the e4m3 path (TOKENMILL_INT4_PREFILL=fp8): the activation rounded per token as formed
+    monkeypatch.setattr(int4_gemm, "INT4_PREFILL", "fp8")
+    got = int4_mma.int4_mma_linear_of_silu_mul(y, words, mma_scales, 128)
+    two_steps = int4_mma.int4_mma_linear(act, words, mma_scales, 128)
+    assert got.shape == (rows, k) and torch.equal(got, two_steps)
+    assert rel_err(got.float(), exact) < 6e-2  # e4m3 weights and x per token
 
 
 @GPU

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -374,6 +375,25 @@ def e4m3_channel_scales(scales: torch.Tensor) -> torch.Tensor:
     return (largest * (8.0 / torch.finfo(torch.float8_e4m3fn).max)).clamp_min(1e-12)
 
 
+# A weight's channel scales, formed once: a 4,096-token prefill step asked for them 256 times,
+# four torch launches each (~1,000 launches of host time a step). Keyed by the scales tensor's
+# id, holding a weak reference to check the id still names that tensor (ids are reused once a
+# tensor is freed); an in-place change of the scales (its version) forms them again.
+_channel_scales: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+
+
+def channel_scales_of(scales: torch.Tensor) -> torch.Tensor:
+    """`e4m3_channel_scales(scales)`, formed once per scales tensor and kept while it lives."""
+    key = id(scales)
+    held = _channel_scales.get(key)
+    if held is not None and held[0]() is scales and held[1] == scales._version:
+        return held[2]
+    channel = e4m3_channel_scales(scales)
+    ref = weakref.ref(scales, lambda _, key=key: _channel_scales.pop(key, None))
+    _channel_scales[key] = (ref, scales._version, channel)
+    return channel
+
+
 def dequantize_e4m3(
     qweight: torch.Tensor, scales: torch.Tensor, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,7 +401,7 @@ def dequantize_e4m3(
     the operands of the FP8 prefill path's scaled_mm."""
     n, k = 16 * qweight.shape[0], 64 * qweight.shape[1]
     out = _scratch(qweight.device, n, k, torch.float8_e4m3fn)
-    channel = e4m3_channel_scales(scales)
+    channel = channel_scales_of(scales)
     code = _library(qweight.device).tm_w4_dequant_e4m3(
         qweight.data_ptr(), scales.data_ptr(), channel.data_ptr(), out.data_ptr(), n, k,
         group_size // 64, torch.cuda.current_stream(qweight.device).cuda_stream,
@@ -474,11 +494,20 @@ def int4_mma_linear_of_silu_mul(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The registry's op (see `worker.kernels.reference.int4_mma_linear_of_silu_mul`): past the
-    decode rows on the blockwise W4A8 path the activation is formed as x is rounded to e4m3
-    (`w4a8_linear(..., silu_paired=16)`), else silu_mul then the product."""
+    decode rows the activation is formed as x is rounded to e4m3, per token and 128 columns on
+    the blockwise W4A8 path (`w4a8_linear(..., silu_paired=16)`), per token on the e4m3 one
+    (`silu_mul_quantize_rows(..., paired=16)`); else silu_mul then the product."""
     lead, two_f = y.shape[:-1], y.shape[-1]
     y2 = y.reshape(-1, two_f)
-    if y2.shape[0] > MAX_ROWS and _prefill_mode(y.device, group_size) == "w4a8":
+    path = _prefill_mode(y.device, group_size) if y2.shape[0] > MAX_ROWS else None
+    if path == "fp8" and y.is_cuda:
+        from worker.kernels.triton.fp8_gemm import scaled_mm, silu_mul_quantize_rows
+
+        q, x_scale = silu_mul_quantize_rows(y2, paired=16)
+        w8, channel = dequantize_e4m3(qweight, scales, group_size)
+        out = scaled_mm(q, w8, channel, bias, x_scale=x_scale, out_dtype=y.dtype)
+        return out.reshape(*lead, out.shape[-1])
+    if path == "w4a8":
         from worker.kernels.triton.int4_gemm import takes_blockwise, w4a8_linear
 
         if takes_blockwise(y2[:, : two_f // 2], group_size):

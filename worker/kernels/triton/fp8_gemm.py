@@ -1055,38 +1055,46 @@ def _silu_mul_quantize_rows_kernel(
     FP8_MAX: tl.constexpr,
     EXACT_E4M3: tl.constexpr,
     PDL: tl.constexpr,
+    PAIRED: tl.constexpr = 0,
 ):
     """quantize_rows(silu_mul(y)) for one row of a gate|up output y [., 2F]: the activation is
     rounded to y's dtype as `silu_mul` rounds it, so the codes and scale have the same bits, but
-    it never goes to memory (computed twice instead: for the row's amax, then for its codes)."""
+    it never goes to memory (computed twice instead: for the row's amax, then for its codes).
+    PAIRED > 0: y's columns alternate that many gate and up columns (`silu_mul(y, PAIRED)`)."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BK)
     amax = tl.zeros((BK,), dtype=tl.float32)
     for k0 in range(0, F, BK):
-        h = _silu_mul_cols(y, row, stride_y, F, k0 + cols)
+        h = _silu_mul_cols(y, row, stride_y, F, k0 + cols, PAIRED)
         amax = tl.maximum(amax, tl.abs(h))
     scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, 1e-12)
     tl.store(scales + row, scale)
     for k0 in range(0, F, BK):
-        v = _silu_mul_cols(y, row, stride_y, F, k0 + cols) / scale
+        v = _silu_mul_cols(y, row, stride_y, F, k0 + cols, PAIRED) / scale
         if EXACT_E4M3:
             v = _round_to_e4m3(v)
         tl.store(q + row * F + k0 + cols, v.to(q.dtype.element_ty), mask=k0 + cols < F)
 
 
 @triton.jit
-def _silu_mul_cols(y, row, stride_y, F, cols):
+def _silu_mul_cols(y, row, stride_y, F, cols, PAIRED: tl.constexpr):
     """silu(gate) * up at `cols` of one row, in fp32 after each rounding `silu_mul` does."""
     mask = cols < F
-    gate = tl.load(y + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(y + row * stride_y + F + cols, mask=mask, other=0.0).to(tl.float32)
+    if PAIRED:
+        gate_cols = (cols // PAIRED) * (2 * PAIRED) + cols % PAIRED
+        up_cols = gate_cols + PAIRED
+    else:
+        gate_cols, up_cols = cols, F + cols
+    gate = tl.load(y + row * stride_y + gate_cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(y + row * stride_y + up_cols, mask=mask, other=0.0).to(tl.float32)
     return silu_times(gate, up, y.dtype.element_ty).to(tl.float32)
 
 
-def silu_mul_quantize_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_rows(silu_mul(y)) for a gate|up output y [M, 2F], without the [M, F] 16-bit
-    activation between them: codes [M, F] e4m3 and scales [M, 1] fp32."""
+def silu_mul_quantize_rows(y: torch.Tensor, paired: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows(silu_mul(y, paired)) for a gate|up output y [M, 2F], without the [M, F]
+    16-bit activation between them: codes [M, F] e4m3 and scales [M, 1] fp32. `paired` > 0:
+    y's columns alternate that many gate and up columns (an int4-mma gate|up's paired tiles)."""
     m, two_f = y.shape
     f = two_f // 2
     q = torch.empty((m, f), dtype=torch.float8_e4m3fn, device=y.device)
@@ -1096,7 +1104,7 @@ def silu_mul_quantize_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     if m:
         _silu_mul_quantize_rows_kernel[(m,)](
             y, q, scales, f, y.stride(0), BK=min(4096, triton.next_power_of_2(f)), FP8_MAX=FP8_MAX,
-            EXACT_E4M3=not y.is_cuda,
+            EXACT_E4M3=not y.is_cuda, PAIRED=paired,
         )  # fmt: skip
     return q, scales
 
