@@ -619,6 +619,9 @@ def test_channel_scales_are_formed_once_per_weight_and_follow_its_changes() -> N
     key = id(mma_scales)
     del mma_scales
     assert key not in int4_mma._channel_scales  # dropped with its tensor
+    with torch.inference_mode():  # a loaded model's scales keep no version counter
+        loaded = reference.int4_mma_pack(qweight, scales)[1]
+        assert int4_mma.channel_scales_of(loaded) is int4_mma.channel_scales_of(loaded)
 
 
 @GPU

@@ -378,19 +378,23 @@ def e4m3_channel_scales(scales: torch.Tensor) -> torch.Tensor:
 # A weight's channel scales, formed once: a 4,096-token prefill step asked for them 256 times,
 # four torch launches each (~1,000 launches of host time a step). Keyed by the scales tensor's
 # id, holding a weak reference to check the id still names that tensor (ids are reused once a
-# tensor is freed); an in-place change of the scales (its version) forms them again.
+# tensor is freed); an in-place change of the scales (its version) forms them again. Tensors
+# made under inference mode keep no version: theirs are the loaded model's, never changed.
 _channel_scales: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
 
 
 def channel_scales_of(scales: torch.Tensor) -> torch.Tensor:
     """`e4m3_channel_scales(scales)`, formed once per scales tensor and kept while it lives."""
-    key = id(scales)
+    key, version = id(scales), -1 if scales.is_inference() else scales._version
     held = _channel_scales.get(key)
-    if held is not None and held[0]() is scales and held[1] == scales._version:
+    if held is not None and held[0]() is scales and held[1] == version:
         return held[2]
     channel = e4m3_channel_scales(scales)
-    ref = weakref.ref(scales, lambda _, key=key: _channel_scales.pop(key, None))
-    _channel_scales[key] = (ref, scales._version, channel)
+
+    def forget(_: weakref.ref[torch.Tensor]) -> None:
+        _channel_scales.pop(key, None)
+
+    _channel_scales[key] = (weakref.ref(scales, forget), version, channel)
     return channel
 
 
