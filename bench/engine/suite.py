@@ -228,13 +228,12 @@ def with_w4a8(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
     """`run(*args)` with both W4A8 int4 paths switched on, then back to what they were."""
     from worker.kernels.triton import int4_gemm
 
-    kept = int4_gemm.INT4_PREFILL, int4_gemm.INT4_W4A8_ROWS
-    int4_gemm.INT4_PREFILL, int4_gemm.INT4_W4A8_ROWS = "w4a8", 17
+    kept, int4_gemm.INT4_W4A8_ROWS = int4_gemm.INT4_W4A8_ROWS, 17
     try:
-        result = run(*args)
+        result = with_int4_prefill("w4a8", run, *args)
     finally:
-        int4_gemm.INT4_PREFILL, int4_gemm.INT4_W4A8_ROWS = kept
-    return {**result, "int4_prefill": "w4a8", "int4_w4a8_rows": 17}
+        int4_gemm.INT4_W4A8_ROWS = kept
+    return {**result, "int4_w4a8_rows": 17}
 
 
 class Suite:

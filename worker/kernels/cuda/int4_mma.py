@@ -504,7 +504,7 @@ def int4_mma_linear_of_silu_mul(
     lead, two_f = y.shape[:-1], y.shape[-1]
     y2 = y.reshape(-1, two_f)
     path = _prefill_mode(y.device, group_size) if y2.shape[0] > MAX_ROWS else None
-    if path == "fp8" and y.is_cuda:
+    if path == "fp8":
         from worker.kernels.triton.fp8_gemm import scaled_mm, silu_mul_quantize_rows
 
         q, x_scale = silu_mul_quantize_rows(y2, paired=16)
