@@ -139,6 +139,20 @@ SECTIONS: dict[str, Section] = {
         ),
         0.5,
     ),
+    # w4 with the DeltaNet's b|a logits formed by the conv update's launch instead of a 16-bit
+    # GEMV of their own (`TOKENMILL_GDN_BA_IN_CONV=1`): `--sections fp8,w4,w4_ba_conv`; and every
+    # decode switch built and not yet measured at once (int8 products, early release, b|a in the
+    # conv update): the candidate default
+    "w4_ba_conv": (
+        lambda args, config, budget: with_ba_in_conv(engine_config, args, config, "w4", budget),
+        0.5,
+    ),
+    "w4_x8_early_ba": (
+        lambda args, config, budget: with_ba_in_conv(
+            with_early_release, with_x8, engine_config, args, config, "w4", budget
+        ),
+        0.5,
+    ),
     # the w4 section with the embedding table on the GPU (w4 keeps it in host memory, as the
     # worker does)
     "w4_device": (
@@ -224,6 +238,20 @@ def with_int4_prefill(path: str, run: Callable[..., dict[str, Any]], *args: Any)
     return {**result, "int4_prefill": path}
 
 
+def with_ba_in_conv(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """`run(*args)` with the DeltaNet's b|a logits formed in the conv update's launch, then
+    back."""
+    from worker.models import deltanet
+
+    kept = deltanet.ba_in_conv_enabled()
+    deltanet.set_ba_in_conv(True)
+    try:
+        result = run(*args)
+    finally:
+        deltanet.set_ba_in_conv(kept)
+    return {**result, "gdn_ba_in_conv": True}
+
+
 def with_w4a8(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
     """`run(*args)` with both W4A8 int4 paths switched on, then back to what they were."""
     from worker.kernels.triton import int4_gemm
@@ -280,8 +308,9 @@ class Suite:
 
 
 # The load-point sections in the table's order; those past bf16, fp8, w4 and hf print only when run
-LOAD_POINT_SECTIONS = ("bf16", "fp8", "fp8_early", "staged", "staged_direct", "w4", "w4_early", "w4_x8", "w4_x8_down", "w4_x8_early", "w4_e4m3", "w4_x8_e4m3", "w4a8", "hf")  # fmt: skip
-W4_VARIANTS = ("w4", "w4a8", "w4_x8", "w4_x8_down", "w4_x8_early", "w4_e4m3", "w4_x8_e4m3")
+LOAD_POINT_SECTIONS = ("bf16", "fp8", "fp8_early", "staged", "staged_direct", "w4", "w4_early", "w4_x8", "w4_x8_down", "w4_x8_early", "w4_e4m3", "w4_x8_e4m3", "w4_ba_conv", "w4_x8_early_ba", "w4a8", "hf")  # fmt: skip
+W4_VARIANTS = ("w4", "w4a8", "w4_x8", "w4_x8_down", "w4_x8_early", "w4_e4m3", "w4_x8_e4m3",
+               "w4_ba_conv", "w4_x8_early_ba")  # fmt: skip
 
 
 def print_table(report: dict[str, Any]) -> None:

@@ -35,9 +35,12 @@ from worker.kernels import reference
 from worker.kernels.triton import (
     causal_conv1d_prefill,
     causal_conv1d_update,
+    conv_update_with_ba_gates,
+    conv_update_with_gates,
     gated_delta_rule_decode,
     gated_delta_rule_prefill,
     gated_rms_norm,
+    linear,
     paged_attention_decode,
     paged_attention_prefill,
     qk_norm_rotary,
@@ -284,8 +287,56 @@ def conv_cases() -> list[Case]:
             "init": torch.zeros(BATCH, dtype=torch.bool, device="cuda"),
         }
 
+    def make_gates() -> Inputs:
+        return {
+            **make_update(),
+            "hidden": bf16(BATCH, HIDDEN),
+            "ba_w": bf16(2 * HV, HIDDEN) * HIDDEN**-0.5,
+            "A_log": torch.randn(HV, device="cuda"),
+            "dt_bias": torch.randn(HV, device="cuda"),
+        }
+
+    def gates_by_two_launches(i: Inputs) -> torch.Tensor:
+        """A W4 DeltaNet layer's decode step today: the 16-bit b|a GEMV, then the conv update
+        with the gates (g returned: what the two ways compute differently)."""
+        ba = linear(i["hidden"], i["ba_w"], None)
+        return conv_update_with_gates(
+            i["x"], i["w"], i["state"], i["slots"], ba[:, HV:], ba[:, :HV], i["A_log"], i["dt_bias"]
+        )[1]
+
+    def gates_in_one_launch(i: Inputs) -> torch.Tensor:
+        args = (i["hidden"], i["ba_w"], i["A_log"], i["dt_bias"])
+        return conv_update_with_ba_gates(i["x"], i["w"], i["state"], i["slots"], *args)[1]
+
+    def gates_ref(i: Inputs) -> torch.Tensor:
+        args = (i["hidden"], i["ba_w"], i["A_log"], i["dt_bias"])
+        return reference.conv_update_with_ba_gates(i["x"], i["w"], i["state"], i["slots"], *args)[1]
+
     state_bytes = 2 * BATCH * CONV_DIM * (CONV_K - 1) * 2
+    gates_bytes = 2 * BATCH * CONV_DIM * 2 + state_bytes + 2 * HV * HIDDEN * 2
     return [
+        # the DeltaNet's 16-bit b|a beside int4 qkv|z: its GEMV and the conv update as two
+        # launches, or b|a formed by the conv update's own programs
+        # (`TOKENMILL_GDN_BA_IN_CONV=1`)
+        Case(
+            "b|a gemv + conv_update_with_gates",
+            f"[{BATCH}, {CONV_DIM}] + b|a [{2 * HV}, {HIDDEN}]",
+            make_gates,
+            gates_by_two_launches,
+            gates_ref,
+            bytes_moved=gates_bytes,
+            mutated=("state",),
+            time_ref=False,
+        ),
+        Case(
+            "conv_update_with_ba_gates",
+            f"[{BATCH}, {CONV_DIM}] + b|a [{2 * HV}, {HIDDEN}]",
+            make_gates,
+            gates_in_one_launch,
+            gates_ref,
+            bytes_moved=gates_bytes,
+            mutated=("state",),
+        ),
         Case(
             "causal_conv1d_update",
             f"[{BATCH}, {CONV_DIM}] K={CONV_K}",

@@ -78,3 +78,31 @@ def test_the_x8_and_early_release_sections_switch_on_and_back() -> None:
     assert seen == {"down": True, "int4_x8": "with down"} and not int4_mma.x8_enabled(True)
     seen = with_early_release(lambda: {"on": pdl._state["early"]})
     assert seen == {"on": True, "pdl_early_release": True} and not pdl._state["early"]
+
+
+def test_the_ba_in_conv_sections_switch_on_and_back() -> None:
+    """`w4_ba_conv` runs the engine with the DeltaNet's b|a formed in the conv update's launch,
+    `w4_x8_early_ba` with every decode switch at once; each leaves them as they were."""
+    from bench.engine.suite import (
+        SECTIONS,
+        W4_VARIANTS,
+        with_ba_in_conv,
+        with_early_release,
+        with_x8,
+    )
+    from worker.kernels import pdl
+    from worker.kernels.cuda import int4_mma
+    from worker.models import deltanet
+
+    assert {"w4_ba_conv", "w4_x8_early_ba"} <= set(SECTIONS) & set(W4_VARIANTS)
+    seen = with_ba_in_conv(lambda: {"on": deltanet.ba_in_conv_enabled()})
+    assert seen == {"on": True, "gdn_ba_in_conv": True} and not deltanet.ba_in_conv_enabled()
+    seen = with_ba_in_conv(
+        with_early_release,
+        with_x8,
+        lambda: {
+            "all": (deltanet.ba_in_conv_enabled(), pdl._state["early"], int4_mma.x8_enabled())
+        },
+    )
+    assert seen["all"] == (True, True, True)
+    assert not (deltanet.ba_in_conv_enabled() or pdl._state["early"] or int4_mma.x8_enabled())

@@ -238,6 +238,43 @@ print("ok")
 """
 
 
+# A DeltaNet decode step's conv update with its gates, from a, b or with their logits b|a formed
+# in the same launch (BA).
+_COMPILE_CONV_UPDATE_FOR_HOPPER = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from worker.kernels.triton.conv1d import BA_COLUMNS, _conv_update_kernel
+
+signature = {"x": "*bf16", "weight": "*bf16", "bias": "*bf16", "conv_state": "*bf16",
+             "state_slots": "*i64", "out": "*bf16", "stride_xb": "i32", "C": "i32",
+             "K": "constexpr", "KP": "constexpr", "BC": "constexpr", "HAS_BIAS": "constexpr",
+             "SILU": "constexpr", "GATES": "constexpr", "gate_a": "*bf16", "gate_b": "*bf16",
+             "A_log": "*fp32", "dt_bias": "*fp32", "g": "*fp32", "beta": "*bf16", "H": "i32",
+             "stride_a": "i32", "stride_b": "i32", "BH": "constexpr", "BA": "constexpr",
+             "hidden": "*bf16", "ba_weight": "*bf16", "HIDDEN": "i32", "stride_hidden": "i32",
+             "stride_ba": "i32", "NCB": "i32", "BK": "constexpr", "PDL": "constexpr"}
+names = list(signature)
+for ba in (False, True):
+    constexprs = {"K": 4, "KP": 4, "BC": 256, "HAS_BIAS": False, "SILU": True, "GATES": True,
+                  "BH": 64, "BA": ba, "BK": BA_COLUMNS, "PDL": True}
+    source = ASTSource(
+        fn=_conv_update_kernel.compiled,
+        signature=signature,
+        constexprs={(names.index(k),): c for k, c in constexprs.items()},
+        attrs={(names.index(k),): [["tt.divisibility", 16]]
+               for k in ("x", "weight", "conv_state", "out", "hidden", "ba_weight", "C",
+                         "stride_xb", "HIDDEN", "stride_hidden", "stride_ba")},
+    )
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+print("ok")
+"""
+
+
+def test_conv_update_with_gates_compiles_for_hopper(tmp_path: Path) -> None:
+    assert compile_in_a_fresh_interpreter(_COMPILE_CONV_UPDATE_FOR_HOPPER, tmp_path) == "ok\n"
+
+
 def compile_in_a_fresh_interpreter(script: str, tmp_path: Path) -> str:
     """Run `script` (it compiles for sm_90 and prints) where triton is not in interpreter mode;
     its stdout."""

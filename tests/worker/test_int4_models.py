@@ -350,6 +350,44 @@ def batch_logits(model: CausalLM, prompts: list[list[int]]) -> torch.Tensor:
     return torch.stack(last + decoded)
 
 
+def test_decode_steps_form_ba_in_the_conv_update(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `set_ba_in_conv` on, a decode step's DeltaNet layers take the gates' b|a logits from
+    the conv update's launch (no b|a GEMV at decode rows), with the two-launch path's logits;
+    a prefill step keeps the GEMV."""
+    from worker.kernels import ops
+    from worker.models import deltanet
+
+    model = quantize_int4(build_random(TINY_QWEN3_5, "cpu", torch.float32, seed=7))
+    model.fuse_projections()
+    want = batch_logits(model, PROMPTS)
+    calls: list[tuple[str, int]] = []
+    linear, conv_update = ops.linear, ops.conv_update_with_ba_gates
+
+    def recorded_linear(x, weight, bias=None, beside_previous=False):  # type: ignore[no-untyped-def]
+        if weight.shape[0] == 8:  # b|a
+            calls.append(("gemv", x.shape[0]))
+        return linear(x, weight, bias, beside_previous)
+
+    def recorded_conv_update(x, *rest):  # type: ignore[no-untyped-def]
+        calls.append(("conv update", x.shape[0]))
+        return conv_update(x, *rest)
+
+    monkeypatch.setattr(ops, "linear", recorded_linear)
+    monkeypatch.setattr(ops, "conv_update_with_ba_gates", recorded_conv_update)
+    deltanet.set_ba_in_conv(True)
+    try:
+        got = batch_logits(model, PROMPTS)
+    finally:
+        deltanet.set_ba_in_conv(False)
+    layers = sum(not layer.is_attention for layer in model.model.layers)
+    prefill_rows = sum(len(p) for p in PROMPTS)
+    assert sorted(calls) == sorted(
+        [("gemv", prefill_rows)] * layers + [("conv update", len(PROMPTS))] * layers
+    )
+    assert torch.equal(got[: len(PROMPTS)], want[: len(PROMPTS)])  # the prefill step's
+    assert rel_err(got, want) < 1e-5  # the decode step's: the same sums, in fp32 either way
+
+
 def test_w4a8_paths_in_the_model_round_only_x(monkeypatch) -> None:
     """Tiny Qwen3.5 at g128: a 100-row prefill through the W4A8 GEMM and a 20-row decode step
     through the W4A8 GEMV give the logits of the exact int4 model with each int4 layer's input

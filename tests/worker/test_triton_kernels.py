@@ -21,6 +21,7 @@ from worker.kernels.reference import cu_seqlens_of
 from worker.kernels.triton import (
     causal_conv1d_prefill,
     causal_conv1d_update,
+    conv_update_with_ba_gates,
     conv_update_with_gates,
     gated_delta_rule_decode,
     gated_delta_rule_prefill,
@@ -131,6 +132,41 @@ def check_conv_update_with_gates(batch: int, channels: int, heads: int, device: 
 
 def test_conv_update_computes_the_gates_in_the_same_launch() -> None:
     check_conv_update_with_gates(5, 600, 6, "cpu")  # 3 channel blocks: gates once per row
+
+
+def check_conv_update_with_ba_gates(
+    batch: int, channels: int, heads: int, width: int, device: str
+) -> None:
+    weight, _, conv_state = conv_inputs(channels, 4, batch + 3, device, False)
+    x = torch.randn(batch, channels, device=device).bfloat16()
+    slots = torch.randperm(batch + 3, device=device)[:batch]
+    # hidden as rows of a wider tensor (its rows strided), b|a's weight as in_proj_b|a holds it
+    hidden = torch.randn(batch, width + 8, device=device).bfloat16()[:, :width]
+    ba_weight = (torch.randn(2 * heads, width, device=device) * width**-0.5).bfloat16()
+    A_log = torch.randn(heads, device=device)
+    dt_bias = torch.randn(heads, device=device)
+    expected_state = conv_state.clone()
+    args = (hidden, ba_weight, A_log, dt_bias)
+    want = reference.conv_update_with_ba_gates(x, weight, expected_state, slots, *args)
+    got = conv_update_with_ba_gates(x, weight, conv_state, slots, *args)
+    assert rel_err(got[0], want[0]) < 1e-2  # the silu conv output
+    assert torch.equal(conv_state, expected_state)
+    # the logits' fp32 sums in another order, each rounded to bf16: at most one bf16 step apart
+    assert got[1].dtype == torch.float32 and rel_err(got[1], want[1]) < 1e-2  # g
+    assert got[2].dtype == hidden.dtype and rel_err(got[2], want[2]) < 1e-2  # beta
+    # and the same gates as the two-launch path, the logits through the 16-bit GEMV's op
+    ba = reference.linear(hidden, ba_weight, None)
+    _, g, beta = reference.conv_update_with_gates(
+        x, weight, conv_state.clone(), slots, ba[:, heads:], ba[:, :heads], A_log, dt_bias
+    )
+    assert rel_err(got[1], g) < 1e-2 and rel_err(got[2], beta) < 1e-2
+
+
+@pytest.mark.parametrize(("heads", "width"), [(5, 1500), (6, 256)])
+def test_conv_update_forms_the_gates_logits_in_the_same_launch(heads: int, width: int) -> None:
+    # an odd head count (a program's second head masked), K ragged against the 1,024 columns a
+    # program takes a turn, and K shorter than one turn
+    check_conv_update_with_ba_gates(3, 600, heads, width, "cpu")
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -406,6 +442,8 @@ def test_gpu_conv1d_27b() -> None:
     check_conv1d_update(8, 10240, "cuda", bias=False)
     check_conv1d_prefill([512] * 7 + [3, 1], 10240, "cuda", bias=False)
     check_conv_update_with_gates(8, 10240, 48, "cuda")
+    for rows in (1, 8, 16):
+        check_conv_update_with_ba_gates(rows, 10240, 48, 5120, "cuda")
 
 
 @GPU

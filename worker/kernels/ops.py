@@ -47,6 +47,7 @@ OPS = (
     "causal_conv1d_prefill",
     "causal_conv1d_update",
     "conv_update_with_gates",
+    "conv_update_with_ba_gates",
     "gated_delta_rule_prefill",
     "gated_delta_rule_decode",
     "write_kv_cache",
@@ -340,6 +341,22 @@ def conv_update_with_gates(
     launch on a GPU instead of two)."""
     fn = _pick("conv_update_with_gates", x)
     return fn(x, weight, conv_state, state_slots, a, b, A_log, dt_bias)
+
+
+def conv_update_with_ba_gates(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    hidden: torch.Tensor,
+    ba_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`conv_update_with_gates` with the gates' logits b|a = hidden @ ba_weight^T formed in the
+    same call (a 16-bit b|a beside int4 qkv|z: one launch instead of two on a GPU)."""
+    fn = _pick("conv_update_with_ba_gates", x)
+    return fn(x, weight, conv_state, state_slots, hidden, ba_weight, A_log, dt_bias)
 
 
 def gated_delta_rule_prefill(

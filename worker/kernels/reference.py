@@ -193,6 +193,24 @@ def conv_update_with_gates(
     return causal_conv1d_update(x, weight, None, conv_state, state_slots), g, beta
 
 
+def conv_update_with_ba_gates(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    hidden: torch.Tensor,
+    ba_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """conv_update_with_gates with the gates' logits b|a = hidden @ ba_weight^T (b's rows first,
+    as the fused in_proj_b|a holds them), formed in fp32 and rounded to hidden's dtype."""
+    heads = ba_weight.shape[0] // 2
+    ba = F.linear(hidden.float(), ba_weight.float()).to(hidden.dtype)
+    b, a = ba[:, :heads], ba[:, heads:]
+    return conv_update_with_gates(x, weight, conv_state, state_slots, a, b, A_log, dt_bias)
+
+
 def _l2norm(t: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return t * torch.rsqrt((t * t).sum(dim=-1, keepdim=True) + eps)
 

@@ -4,6 +4,8 @@ and a gated RMSNorm on the output. Weight names follow Hugging Face's Qwen3_5Gat
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -14,6 +16,24 @@ from worker.models.attention import num_prefill_tokens
 from worker.models.cache import DeltaNetState
 from worker.models.config import ModelConfig
 from worker.models.layers import Linear, fusable, fuse_linears, project, takes_x8
+
+# Whether a decode step's DeltaNet gates form their b|a logits in the conv update's launch
+# (`ops.conv_update_with_ba_gates`) where b|a is a 16-bit projection of its own beside int4
+# qkv|z (two formats, two launches), instead of a 16-bit GEMV launched beside qkv|z: "1" on; off
+# by default until measured on the GPU. `set_ba_in_conv` flips it at run time (graphs captured
+# before keep what they captured). Up to BA_IN_CONV_ROWS rows: each row's programs read the
+# whole b|a weight (1 MB at the 27B shape, from L2 after the first), which the GEMV reads once.
+BA_IN_CONV_SWITCH = "TOKENMILL_GDN_BA_IN_CONV"
+BA_IN_CONV_ROWS = 16
+_ba_in_conv = {"on": os.environ.get(BA_IN_CONV_SWITCH, "0") == "1"}
+
+
+def set_ba_in_conv(on: bool) -> None:
+    _ba_in_conv["on"] = on
+
+
+def ba_in_conv_enabled() -> bool:
+    return _ba_in_conv["on"]
 
 
 class GatedRMSNorm(nn.Module):
@@ -86,9 +106,24 @@ class GatedDeltaNet(nn.Module):
         """Whether the input projection runs on int8 codes of the input (int4 qkv|z)."""
         return self.in_proj_qkvzba is None and takes_x8(self.in_proj_qkvz, rows)
 
-    def project(self, hidden: torch.Tensor, x8: X8 | None = None) -> tuple[torch.Tensor, ...]:
+    def ba_in_conv(self, rows: int, num_prefills: int) -> bool:
+        """Whether a step's gates form their b|a logits in the conv update's launch: a
+        decode-only step of at most BA_IN_CONV_ROWS rows, b|a a 16-bit projection of its own,
+        and the switch on (`set_ba_in_conv`)."""
+        return (
+            ba_in_conv_enabled()
+            and num_prefills == 0
+            and 0 < rows <= BA_IN_CONV_ROWS
+            and self.in_proj_qkvz is not None
+            and type(self.in_proj_ba) is Linear
+        )
+
+    def project(
+        self, hidden: torch.Tensor, x8: X8 | None = None, ba: bool = True
+    ) -> tuple[torch.Tensor | None, ...]:
         """(q|k|v before the conv, z, b, a): one GEMM (or two) split by views once fused; x8:
-        hidden's int8 codes, for qkv|z (`takes_x8`; b|a reads hidden)."""
+        hidden's int8 codes, for qkv|z (`takes_x8`; b|a reads hidden). `ba=False`: b and a are
+        left to the conv update's launch (`ba_in_conv`) and come back None."""
         nv = self.num_v_heads
         if self.in_proj_qkvzba is not None:
             sizes = [self.conv_dim, self.value_dim, nv, nv]
@@ -96,9 +131,11 @@ class GatedDeltaNet(nn.Module):
         if self.in_proj_qkvz is not None and self.in_proj_ba is not None:
             qkvz = project(self.in_proj_qkvz, hidden, x8)
             mixed, z = qkvz.split([self.conv_dim, self.value_dim], dim=-1)
+            if not ba:
+                return mixed, z, None, None
             # hidden comes from before qkv|z's launch: the 16-bit b|a may run beside it
-            ba = self.in_proj_ba
-            ba_out = ba.beside_previous(hidden) if isinstance(ba, Linear) else ba(hidden)
+            proj = self.in_proj_ba
+            ba_out = proj.beside_previous(hidden) if isinstance(proj, Linear) else proj(hidden)
             b, a = ba_out.split([nv, nv], dim=-1)
             return mixed, z, b, a
         return tuple(p(hidden) for p in self._parts())
@@ -112,19 +149,37 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """x8: hidden's int8 codes, written for the input projection (`takes_x8`)."""
         tokens = hidden.shape[0]
-        mixed, z, b, a = self.project(hidden, x8)
-        z = z.view(tokens, self.num_v_heads, self.head_v_dim)
         split, p = num_prefill_tokens(meta), meta.num_prefills
+        ba_in_conv = self.ba_in_conv(tokens, p)
+        mixed, z, b, a = self.project(hidden, x8, ba=not ba_in_conv)
+        assert mixed is not None and z is not None
+        z = z.view(tokens, self.num_v_heads, self.head_v_dim)
         weight = self.conv1d.weight.squeeze(1)
         conv_parts, rule_parts = [], []
         # beta = sigmoid(b); log decay per value head g = -exp(A_log) * softplus(a + dt_bias),
-        # in fp32 (<= 0); a decode-only step gets them from the conv update's launch
-        if p == 0:
+        # in fp32 (<= 0); a decode-only step gets them from the conv update's launch (and with
+        # `ba_in_conv` their logits b|a too)
+        if ba_in_conv:
+            assert isinstance(self.in_proj_ba, Linear)
+            mixed, g, beta = ops.conv_update_with_ba_gates(
+                mixed,
+                weight,
+                state.conv_state,
+                meta.state_slots,
+                hidden,
+                self.in_proj_ba.weight,
+                self.A_log,
+                self.dt_bias,
+            )
+            conv_parts.append(mixed)
+        elif p == 0:
+            assert a is not None and b is not None
             mixed, g, beta = ops.conv_update_with_gates(
                 mixed, weight, state.conv_state, meta.state_slots, a, b, self.A_log, self.dt_bias
             )
             conv_parts.append(mixed)
         else:
+            assert a is not None and b is not None
             g, beta = ops.gdn_gates(a, b, self.A_log, self.dt_bias)
         if p:
             conv_parts.append(

@@ -16,6 +16,7 @@ from worker.kernels.triton.activations import gdn_gates, sigmoid_mul, sigmoid_mu
 from worker.kernels.triton.conv1d import (
     causal_conv1d_prefill,
     causal_conv1d_update,
+    conv_update_with_ba_gates,
     conv_update_with_gates,
 )
 from worker.kernels.triton.delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
@@ -83,6 +84,9 @@ ops.register("sigmoid_mul", sigmoid_mul, ops.cuda_only, name="triton.sigmoid_mul
 ops.register("gdn_gates", gdn_gates, ops.cuda_only, name="triton.gdn_gates")
 ops.register("causal_conv1d_update", causal_conv1d_update, name="triton.causal_conv1d_update")
 ops.register("conv_update_with_gates", conv_update_with_gates, name="triton.conv_update_with_gates")
+ops.register(
+    "conv_update_with_ba_gates", conv_update_with_ba_gates, name="triton.conv_update_with_ba_gates"
+)
 ops.register("causal_conv1d_prefill", causal_conv1d_prefill, name="triton.causal_conv1d_prefill")
 ops.register("gated_delta_rule_decode", gated_delta_rule_decode, name="triton.gdn_decode")
 ops.register("gated_delta_rule_prefill", gated_delta_rule_prefill, name="triton.gdn_chunked")
@@ -113,6 +117,7 @@ __all__ = [
     "apply_rotary",
     "causal_conv1d_prefill",
     "causal_conv1d_update",
+    "conv_update_with_ba_gates",
     "conv_update_with_gates",
     "embedding",
     "fp8_linear",

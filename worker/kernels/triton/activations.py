@@ -151,20 +151,27 @@ def _sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, x8: bool) -> tuple[torch.T
 def gdn_gates_row(
     a, b, A_log, dt_bias, g, beta, row, H, stride_a, stride_b, BLOCK: tl.constexpr
 ):  # fmt: skip
-    """One token's DeltaNet gates: g = -exp(A_log) * softplus(a + dt_bias) (fp32), beta =
-    sigmoid(b). Shared by the gates kernel and the conv update that computes them on the way."""
+    """One token's DeltaNet gates from its a and b rows. Shared by the gates kernel and the conv
+    update that computes them on the way."""
     heads = tl.arange(0, BLOCK)
     mask = heads < H
-    x = tl.load(a + row * stride_a + heads, mask=mask, other=0.0).to(tl.float32)
-    x += tl.load(dt_bias + heads, mask=mask, other=0.0).to(tl.float32)
+    a_row = tl.load(a + row * stride_a + heads, mask=mask, other=0.0).to(tl.float32)
+    b_row = tl.load(b + row * stride_b + heads, mask=mask, other=0.0).to(tl.float32)
+    store_gdn_gates(a_row, b_row, heads, mask, A_log, dt_bias, g, beta, row, H)
+
+
+@triton.jit
+def store_gdn_gates(a_row, b_row, heads, mask, A_log, dt_bias, g, beta, row, H):
+    """The gates of one token's `heads` from their a and b logits (fp32 values): g = -exp(A_log)
+    * softplus(a + dt_bias) (fp32), beta = sigmoid(b)."""
+    x = a_row + tl.load(dt_bias + heads, mask=mask, other=0.0).to(tl.float32)
     # softplus(x) = max(x, 0) + log(1 + exp(-|x|)), with log(1 + y) ~ y - y^2 / 2 for tiny y
     y = tl.exp(-tl.abs(x))
     softplus = tl.maximum(x, 0.0) + tl.where(y < 1e-4, y - 0.5 * y * y, tl.log(1.0 + y))
     decay = tl.exp(tl.load(A_log + heads, mask=mask, other=0.0).to(tl.float32))
     tl.store(g + row * H + heads, -decay * softplus, mask=mask)
-    logit = tl.load(b + row * stride_b + heads, mask=mask, other=0.0).to(tl.float32)
     tl.store(
-        beta + row * H + heads, (1.0 / (1.0 + tl.exp(-logit))).to(beta.dtype.element_ty), mask=mask
+        beta + row * H + heads, (1.0 / (1.0 + tl.exp(-b_row))).to(beta.dtype.element_ty), mask=mask
     )
 
 

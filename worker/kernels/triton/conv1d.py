@@ -12,7 +12,52 @@ import triton
 import triton.language as tl
 
 from worker.kernels.triton._launch import kernel, pdl_wait
-from worker.kernels.triton.activations import gdn_gates_row
+from worker.kernels.triton.activations import gdn_gates_row, store_gdn_gates
+
+# Heads a b|a program of the conv update takes (`_ba_gates`): 48 heads, 8 rows -> 192 programs
+# beside the 320 of the conv, each reading 4 weight rows (40 KB at the 27B shape's 5120 columns)
+GH: tl.constexpr = tl.constexpr(2)
+# Columns of hidden a b|a program takes a turn
+BA_COLUMNS = 1024
+
+
+@triton.jit
+def _ba_gates(
+    hidden,
+    ba_weight,
+    A_log,
+    dt_bias,
+    g,
+    beta,
+    row,
+    H,
+    HIDDEN,
+    stride_hidden,
+    stride_ba,
+    first,
+    BK: tl.constexpr,
+):
+    """Heads [first, first + GH) of one token's DeltaNet gates, their b and a logits formed from
+    `hidden` in fp32 and rounded to its dtype, as the 16-bit GEMV before gdn_gates rounds them."""
+    heads = first + tl.arange(0, GH)
+    mask = heads < H
+    cols = tl.arange(0, BK)
+    acc_b = tl.zeros([GH, BK], dtype=tl.float32)
+    acc_a = tl.zeros([GH, BK], dtype=tl.float32)
+    p_b = ba_weight + heads[:, None].to(tl.int64) * stride_ba
+    p_a = ba_weight + (H + heads[:, None]).to(tl.int64) * stride_ba
+    # pipelined (cp.async, 3 turns in flight): a program is a chain of loads, not of math
+    for k0 in tl.range(0, HIDDEN, BK, num_stages=3):
+        k = k0 + cols
+        in_k = k < HIDDEN
+        x = tl.load(hidden + row * stride_hidden + k, mask=in_k, other=0.0).to(tl.float32)
+        both = mask[:, None] & in_k[None, :]
+        acc_b += tl.load(p_b + k[None, :], mask=both, other=0.0).to(tl.float32) * x[None, :]
+        acc_a += tl.load(p_a + k[None, :], mask=both, other=0.0).to(tl.float32) * x[None, :]
+    dtype = hidden.dtype.element_ty
+    b_row = tl.sum(acc_b, 1).to(dtype).to(tl.float32)
+    a_row = tl.sum(acc_a, 1).to(dtype).to(tl.float32)
+    store_gdn_gates(a_row, b_row, heads, mask, A_log, dt_bias, g, beta, row, H)
 
 
 @kernel
@@ -41,14 +86,41 @@ def _conv_update_kernel(
     stride_a,
     stride_b,
     BH: tl.constexpr,
+    BA: tl.constexpr,
+    hidden,
+    ba_weight,
+    HIDDEN,
+    stride_hidden,
+    stride_ba,
+    NCB,
+    BK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """GATES: the first channel block of each row also computes that row's DeltaNet gates
-    (`gdn_gates`), saving the decode step a launch per DeltaNet layer."""
+    (`gdn_gates`), saving the decode step a launch per DeltaNet layer. BA: the gates' logits are
+    formed here too, b|a = hidden @ ba_weight^T (b's rows first), by more programs of each row
+    after its NCB channel blocks, GH heads each (a 16-bit GEMV's launch fewer a layer)."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     if GATES:
-        if tl.program_id(1) == 0:
+        if BA:
+            if tl.program_id(1) >= NCB:
+                _ba_gates(
+                    hidden,
+                    ba_weight,
+                    A_log,
+                    dt_bias,
+                    g,
+                    beta,
+                    b.to(tl.int64),
+                    H,
+                    HIDDEN,
+                    stride_hidden,
+                    stride_ba,
+                    (tl.program_id(1) - NCB) * GH,
+                    BK,
+                )
+        elif tl.program_id(1) == 0:
             gdn_gates_row(
                 gate_a, gate_b, A_log, dt_bias, g, beta, b.to(tl.int64), H, stride_a, stride_b, BH
             )
@@ -107,16 +179,69 @@ def conv_update_with_gates(
     dt_bias: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The silu conv update of x[B, C] and the DeltaNet gates of a, b [B, H] in one launch."""
-    batch, channels = x.shape
-    _check(x, weight, conv_state, "silu")
     if a.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError("gdn gates need a contiguous head dim")
-    out = torch.empty((batch, channels), dtype=x.dtype, device=x.device)
     heads = a.shape[1]
+    return _conv_update_and_gates(
+        x, weight, conv_state, state_slots, heads, b.dtype, (a, b), None, A_log, dt_bias
+    )
+
+
+def conv_update_with_ba_gates(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    hidden: torch.Tensor,
+    ba_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`conv_update_with_gates` with the gates' logits b|a = hidden[B, D] @ ba_weight[2H, D]^T
+    (b's rows first, as the fused in_proj_b|a holds them) formed in the same launch."""
+    if hidden.stride(1) != 1 or ba_weight.stride(1) != 1:
+        raise ValueError("the b|a logits need contiguous rows of hidden and of the weight")
+    if hidden.shape[0] != x.shape[0] or ba_weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and b|a weight "
+            f"{tuple(ba_weight.shape)} do not match x {tuple(x.shape)}"
+        )
+    heads = ba_weight.shape[0] // 2
+    return _conv_update_and_gates(
+        x,
+        weight,
+        conv_state,
+        state_slots,
+        heads,
+        hidden.dtype,
+        None,
+        (hidden, ba_weight),
+        A_log,
+        dt_bias,
+    )
+
+
+def _conv_update_and_gates(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    heads: int,
+    beta_dtype: torch.dtype,
+    logits: tuple[torch.Tensor, torch.Tensor] | None,
+    ba: tuple[torch.Tensor, torch.Tensor] | None,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv update with the gates from their a, b `logits`, or from `ba` (hidden, weight)."""
+    batch, channels = x.shape
+    _check(x, weight, conv_state, "silu")
+    out = torch.empty((batch, channels), dtype=x.dtype, device=x.device)
     g = torch.empty((batch, heads), dtype=torch.float32, device=x.device)
-    beta = torch.empty((batch, heads), dtype=b.dtype, device=x.device)
+    beta = torch.empty((batch, heads), dtype=beta_dtype, device=x.device)
+    a, b = logits if logits is not None else (x, x)
     gates = (a, b, A_log, dt_bias, g, beta)
-    _launch_conv_update(x, weight, None, conv_state, state_slots, out, "silu", gates)
+    _launch_conv_update(x, weight, None, conv_state, state_slots, out, "silu", gates, heads, ba)
     return out, g, beta
 
 
@@ -129,13 +254,17 @@ def _launch_conv_update(
     out: torch.Tensor,
     activation: str | None,
     gates: tuple[torch.Tensor, ...] | None,
+    heads: int = 1,
+    ba: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     batch, channels = x.shape
     taps = weight.shape[1]
     block_c = 256
     a, b, A_log, dt_bias, g, beta = gates if gates is not None else (x,) * 6
-    heads = a.shape[1] if gates is not None else 1
-    _conv_update_kernel[(batch, triton.cdiv(channels, block_c))](
+    hidden, ba_weight = ba if ba is not None else (x, x)
+    conv_blocks = triton.cdiv(channels, block_c)
+    ba_blocks = triton.cdiv(heads, GH.value) if ba is not None else 0
+    _conv_update_kernel[(batch, conv_blocks + ba_blocks)](
         x,
         weight,
         bias if bias is not None else weight,
@@ -160,6 +289,14 @@ def _launch_conv_update(
         stride_a=a.stride(0),
         stride_b=b.stride(0),
         BH=triton.next_power_of_2(heads),
+        BA=ba is not None,
+        hidden=hidden,
+        ba_weight=ba_weight,
+        HIDDEN=hidden.shape[1],
+        stride_hidden=hidden.stride(0),
+        stride_ba=ba_weight.stride(0),
+        NCB=conv_blocks,
+        BK=BA_COLUMNS,
         num_warps=4,
     )
 
