@@ -228,6 +228,15 @@ def engine_phases(
         if rows in runner.graphs:
             graph = runner.graphs[rows][0]
             phases["decode_step_graph_ms"] = 1e3 * cuda_time(graph.replay, iters=20, warmup=3)
+            if not own_states:
+                # the same step with each row on a state slot of its own, as a served batch's
+                # rows are: what streaming the DeltaNet states adds to the shared scratch slot's
+                # (L2-resident) step, part of the load point's step wall over its graph replay
+                stage_padding(inputs, rows, own_states=True)
+                phases["decode_step_graph_ms_own_states"] = 1e3 * cuda_time(
+                    graph.replay, iters=20, warmup=3
+                )
+                stage_padding(inputs, rows, own_states=False)
             # host side of one step: the replay call alone, then the staging upload alone
             sync()
             t0 = time.perf_counter()
