@@ -44,7 +44,9 @@ from worker.kernels.triton import (
     paged_attention_decode,
     paged_attention_prefill,
     qk_norm_rotary,
+    qk_norm_rotary_write_kv,
     rms_norm,
+    write_kv_cache,
 )
 
 ROOFLINE_GBS = 4270.0  # measured copy bandwidth of this H200 (bytes read + written)
@@ -251,6 +253,47 @@ def norm_cases() -> list[Case]:
                 bytes_moved=2 * tokens * (HQ + HKV) * HEAD_DIM * 2,
             )
         )
+
+        def make_qkv(tokens: int = tokens) -> Inputs:
+            fp8 = torch.float8_e4m3fn
+            return {
+                **make_qk(tokens),
+                "v": bf16(tokens, HKV, HEAD_DIM),
+                "k_cache": torch.zeros(tokens, 1, HKV, HEAD_DIM, device="cuda", dtype=fp8),
+                "v_cache": torch.zeros(tokens, 1, HKV, HEAD_DIM, device="cuda", dtype=fp8),
+                "slots": torch.randperm(tokens, device="cuda"),
+            }
+
+        def cache_args(i: Inputs) -> tuple[Any, ...]:
+            return (i["k_cache"], i["v_cache"], i["slots"], 0.5, 0.5)
+
+        def two_launches(i: Inputs) -> torch.Tensor:
+            q, k = qk_norm_rotary(*qk_args(i))
+            write_kv_cache(k, i["v"], *cache_args(i))
+            return q
+
+        def fused_args(i: Inputs) -> tuple[Any, ...]:
+            return (i["q"], i["k"], i["v"], *qk_args(i)[2:], *cache_args(i))
+
+        bytes_qkv = tokens * (2 * (HQ + HKV) * HEAD_DIM * 2 + HKV * HEAD_DIM * (2 + 2))
+        # the prologue with the paged cache's write: two launches, or one
+        # (`qk_norm_rotary_write_kv`, the default)
+        for name, run in (
+            ("q/k norms + rotary, then write_kv_cache", two_launches),
+            ("q/k norms + rotary writing k, v (one launch)",
+             lambda i: qk_norm_rotary_write_kv(*fused_args(i))),
+        ):  # fmt: skip
+            cases.append(
+                Case(
+                    name,
+                    f"[{tokens}, {HQ}+{HKV}+{HKV}, {HEAD_DIM}] fp8 cache",
+                    make_qkv,
+                    run,
+                    lambda i: reference.qk_norm_rotary_write_kv(*fused_args(i)),
+                    bytes_moved=bytes_qkv,
+                    mutated=("k_cache", "v_cache"),
+                )
+            )
     for rows in (BATCH * HV, BATCH * PROMPT * HV):
         cases.append(
             Case(

@@ -350,6 +350,13 @@ def test_new_ops_prefer_triton_on_cuda() -> None:
     for op in ("add_rms_norm", "silu_mul", "sigmoid_mul", "gdn_gates", "apply_rotary", "qk_norm_rotary", "linear"):  # fmt: skip
         assert ops.select(op, torch.device("cpu"), torch.bfloat16).name == "reference"
         assert ops.select(op, torch.device("cuda"), torch.bfloat16).name == f"triton.{op}"
+    fused = "qk_norm_rotary_write_kv"  # an attention op: the cache's dtype counts too
+    assert ops.select(fused, torch.device("cpu"), torch.bfloat16, torch.float8_e4m3fn).name == (
+        "reference"
+    )
+    assert ops.select(fused, torch.device("cuda"), torch.bfloat16, torch.float8_e4m3fn).name == (
+        f"triton.{fused}"
+    )
 
 
 # ---------------------------------------------------------------- fused projections
@@ -499,6 +506,40 @@ def check_qk_norm_rotary(
     assert rel_err(got_k[..., rotary_dim:], plain[..., rotary_dim:]) < 1e-2
     # k normed with q's weight instead (the two programs' arguments crossed) is far off
     assert rel_err(got_k, reference.qk_norm_rotary(q, k, k_w, q_w, *args)[1]) > 0.1
+    v = fused[:, q_width + hk * dim :].view(tokens, hk, dim)
+    check_qk_norm_rotary_write_kv(q, k, v, q_w, k_w, args, got_q, got_k)
+
+
+def check_qk_norm_rotary_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_w: torch.Tensor,
+    k_w: torch.Tensor,
+    args: tuple,
+    got_q: torch.Tensor,
+    got_k: torch.Tensor,
+) -> None:
+    """The same launch writing k and v into paged caches (16-bit, and fp8 with scales) stores
+    exactly what qk_norm_rotary's k then write_kv_cache store, and gives the same q."""
+    from worker.kernels.triton.kv_cache import write_kv_cache
+    from worker.kernels.triton.rotary import qk_norm_rotary_write_kv
+
+    tokens, hk, dim = k.shape
+    slots = torch.randperm(4 * tokens, device=k.device)[:tokens]
+    slots[tokens // 2] = -1  # a padding row: skipped
+    for dtype, scales in ((torch.bfloat16, (1.0, 1.0)), (torch.float8_e4m3fn, (0.5, 2.0))):
+        caches = [torch.zeros(tokens, 4, hk, dim, device=k.device, dtype=dtype) for _ in range(4)]
+        got = qk_norm_rotary_write_kv(q, k, v, q_w, k_w, *args, *caches[:2], slots, *scales)
+        write_kv_cache(got_k, v, *caches[2:], slots, *scales)
+        assert torch.equal(got, got_q)
+        assert torch.equal(caches[0].float(), caches[2].float())  # k
+        assert torch.equal(caches[1].float(), caches[3].float())  # v
+        assert caches[0].float().abs().sum() > 0 and caches[1].float().abs().sum() > 0
+        want = reference.qk_norm_rotary_write_kv(
+            q, k, v, q_w, k_w, *args, *[c.clone().zero_() for c in caches[:2]], slots, *scales
+        )
+        assert rel_err(got, want) < 2e-2
 
 
 @pytest.mark.parametrize(

@@ -275,6 +275,44 @@ def test_conv_update_with_gates_compiles_for_hopper(tmp_path: Path) -> None:
     assert compile_in_a_fresh_interpreter(_COMPILE_CONV_UPDATE_FOR_HOPPER, tmp_path) == "ok\n"
 
 
+# An attention layer's q/k norms and rotary, alone and writing k and v into an fp8 paged cache.
+_COMPILE_QK_NORM_ROTARY_FOR_HOPPER = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from worker.kernels.triton.rotary import _qk_norm_rotary_kernel
+
+signature = {"q": "*bf16", "k": "*bf16", "q_weight": "*bf16", "k_weight": "*bf16",
+             "positions": "*i64", "cos": "*fp32", "sin": "*fp32", "q_out": "*bf16",
+             "k_out": "*bf16", "HQ": "i32", "HK": "i32", "D": "i32", "stride_qt": "i32",
+             "stride_qh": "i32", "stride_kt": "i32", "stride_kh": "i32", "stride_table": "i32",
+             "eps": "fp32", "HALF": "constexpr", "BH": "constexpr", "BD": "constexpr",
+             "UNIT_OFFSET": "constexpr", "WRITE_KV": "constexpr", "v": "*bf16",
+             "k_cache": "*fp8e4nv", "v_cache": "*fp8e4nv", "slot_mapping": "*i64",
+             "stride_vt": "i32", "stride_vh": "i32", "inv_k_scale": "fp32",
+             "inv_v_scale": "fp32", "PDL": "constexpr"}
+names = list(signature)
+for write_kv in (False, True):
+    constexprs = {"HALF": 32, "BH": 32, "BD": 256, "UNIT_OFFSET": True, "WRITE_KV": write_kv,
+                  "PDL": True}
+    source = ASTSource(
+        fn=_qk_norm_rotary_kernel.compiled,
+        signature=signature,
+        constexprs={(names.index(k),): c for k, c in constexprs.items()},
+        attrs={(names.index(k),): [["tt.divisibility", 16]]
+               for k in ("q", "k", "q_out", "k_out", "v", "k_cache", "v_cache", "D",
+                         "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
+                         "stride_vh")},
+    )
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+print("ok")
+"""
+
+
+def test_qk_norm_rotary_compiles_for_hopper(tmp_path: Path) -> None:
+    assert compile_in_a_fresh_interpreter(_COMPILE_QK_NORM_ROTARY_FOR_HOPPER, tmp_path) == "ok\n"
+
+
 def compile_in_a_fresh_interpreter(script: str, tmp_path: Path) -> str:
     """Run `script` (it compiles for sm_90 and prints) where triton is not in interpreter mode;
     its stdout."""

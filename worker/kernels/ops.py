@@ -44,6 +44,7 @@ OPS = (
     "gdn_gates",
     "apply_rotary",
     "qk_norm_rotary",
+    "qk_norm_rotary_write_kv",
     "causal_conv1d_prefill",
     "causal_conv1d_update",
     "conv_update_with_gates",
@@ -81,6 +82,7 @@ OPS = (
 # Ops whose implementation choice also depends on the KV cache dtype (fp8 or not).
 _KV_OPS = {
     "write_kv_cache",
+    "qk_norm_rotary_write_kv",
     "paged_attention_prefill",
     "paged_attention_decode",
     "turboquant_restage",
@@ -299,6 +301,32 @@ def qk_norm_rotary(
     return _pick("qk_norm_rotary", q)(
         q, k, q_weight, k_weight, eps, unit_offset, positions, cos_sin, rotary_dim
     )
+
+
+def qk_norm_rotary_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool,
+    positions: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    rotary_dim: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """qk_norm_rotary with its k and v written into the paged caches (write_kv_cache); q's
+    result (kernels: one launch for the five)."""
+    fn = _pick("qk_norm_rotary_write_kv", q, k_cache)
+    return fn(
+        q, k, v, q_weight, k_weight, eps, unit_offset, positions, cos_sin, rotary_dim,
+        k_cache, v_cache, slot_mapping, k_scale, v_scale,
+    )  # fmt: skip
 
 
 def causal_conv1d_prefill(

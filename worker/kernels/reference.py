@@ -130,6 +130,31 @@ def qk_norm_rotary(
     return q.contiguous(), k.contiguous()
 
 
+def qk_norm_rotary_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool,
+    positions: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    rotary_dim: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """qk_norm_rotary, then write_kv_cache of its k and v; q's result."""
+    q, k = qk_norm_rotary(
+        q, k, q_weight, k_weight, eps, unit_offset, positions, cos_sin, rotary_dim
+    )
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q
+
+
 def causal_conv1d_prefill(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -101,26 +101,41 @@ class Attention(nn.Module):
         tokens = hidden.shape[0]
         q, k, v, gate = self.heads(hidden, norms=False, x8=x8)
         qn, kn = self.q_norm, self.k_norm
+        if isinstance(cache, StagedAttentionCache):  # the gate applied with the un-rotation
+            q, k = self._norm_rotary(q, k, meta, rotary)
+            return self.o_proj(staged_kv.staged_attention(q, k, v, gate, meta, cache, self.scale))
         if qn is not None and kn is not None:  # built alike: one eps, one kind of scale
-            q, k = ops.qk_norm_rotary(
-                q, k, qn.weight, kn.weight, qn.eps, qn.unit_offset, meta.positions,
-                rotary.cos_sin(), rotary.rotary_dim,
+            # k and v go straight into the paged cache from the same launch
+            q = ops.qk_norm_rotary_write_kv(
+                q, k, v, qn.weight, kn.weight, qn.eps, qn.unit_offset, meta.positions,
+                rotary.cos_sin(), rotary.rotary_dim, cache.k_cache, cache.v_cache,
+                meta.slot_mapping, cache.k_scale, cache.v_scale,
             )  # fmt: skip
         else:
-            q = ops.apply_rotary(q, meta.positions, rotary.cos_sin(), rotary.rotary_dim)
-            k = ops.apply_rotary(k, meta.positions, rotary.cos_sin(), rotary.rotary_dim)
-
-        if isinstance(cache, StagedAttentionCache):  # the gate applied with the un-rotation
-            return self.o_proj(staged_kv.staged_attention(q, k, v, gate, meta, cache, self.scale))
-        ops.write_kv_cache(
-            k, v, cache.k_cache, cache.v_cache, meta.slot_mapping, cache.k_scale, cache.v_scale
-        )
+            q, k = self._norm_rotary(q, k, meta, rotary)
+            ops.write_kv_cache(
+                k, v, cache.k_cache, cache.v_cache, meta.slot_mapping, cache.k_scale, cache.v_scale
+            )
         out = self._attend(q, meta, cache).reshape(tokens, -1)
         if gate is not None and takes_x8(self.o_proj, tokens):
             return project(self.o_proj, None, ops.sigmoid_mul_x8(out, gate)[1])
         if gate is not None:
             out = ops.sigmoid_mul(out, gate)
         return self.o_proj(out)
+
+    def _norm_rotary(
+        self, q: torch.Tensor, k: torch.Tensor, meta: BatchMetadata, rotary: RotaryTables
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k after the q/k norms (where the layer has them) and rotary."""
+        qn, kn = self.q_norm, self.k_norm
+        if qn is not None and kn is not None:  # built alike: one eps, one kind of scale
+            return ops.qk_norm_rotary(
+                q, k, qn.weight, kn.weight, qn.eps, qn.unit_offset, meta.positions,
+                rotary.cos_sin(), rotary.rotary_dim,
+            )  # fmt: skip
+        q = ops.apply_rotary(q, meta.positions, rotary.cos_sin(), rotary.rotary_dim)
+        k = ops.apply_rotary(k, meta.positions, rotary.cos_sin(), rotary.rotary_dim)
+        return q, k
 
     def _attend(self, q: torch.Tensor, meta: BatchMetadata, cache: AttentionCache) -> torch.Tensor:
         split, p = num_prefill_tokens(meta), meta.num_prefills

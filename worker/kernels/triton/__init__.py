@@ -38,7 +38,7 @@ from worker.kernels.triton.norm import (
     rms_norm_x8,
 )
 from worker.kernels.triton.paged_attention import paged_attention_decode, paged_attention_prefill
-from worker.kernels.triton.rotary import apply_rotary, qk_norm_rotary
+from worker.kernels.triton.rotary import apply_rotary, qk_norm_rotary, qk_norm_rotary_write_kv
 from worker.kernels.triton.x8 import quantize_x8
 
 _KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
@@ -74,6 +74,12 @@ ops.register("add_rms_norm", add_rms_norm, ops.cuda_only, name="triton.add_rms_n
 ops.register("gated_rms_norm", gated_rms_norm, ops.cuda_only, name="triton.gated_rms_norm")
 ops.register("apply_rotary", apply_rotary, ops.cuda_only, name="triton.apply_rotary")
 ops.register("qk_norm_rotary", qk_norm_rotary, ops.cuda_only, name="triton.qk_norm_rotary")
+ops.register(
+    "qk_norm_rotary_write_kv",
+    qk_norm_rotary_write_kv,
+    cuda_attention,
+    name="triton.qk_norm_rotary_write_kv",
+)
 ops.register("rms_norm_x8", rms_norm_x8, ops.cuda_only, name="triton.rms_norm_x8")
 ops.register("add_rms_norm_x8", add_rms_norm_x8, ops.cuda_only, name="triton.add_rms_norm_x8")
 ops.register("gated_rms_norm_x8", gated_rms_norm_x8, ops.cuda_only, name="triton.gated_rms_norm_x8")
@@ -134,6 +140,7 @@ __all__ = [
     "paged_attention_decode",
     "paged_attention_prefill",
     "qk_norm_rotary",
+    "qk_norm_rotary_write_kv",
     "quantize_x8",
     "rms_norm",
     "rms_norm_x8",
