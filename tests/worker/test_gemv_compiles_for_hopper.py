@@ -253,11 +253,12 @@ signature = {"x": "*bf16", "weight": "*bf16", "bias": "*bf16", "conv_state": "*b
              "A_log": "*fp32", "dt_bias": "*fp32", "g": "*fp32", "beta": "*bf16", "H": "i32",
              "stride_a": "i32", "stride_b": "i32", "BH": "constexpr", "BA": "constexpr",
              "hidden": "*bf16", "ba_weight": "*bf16", "HIDDEN": "i32", "stride_hidden": "i32",
-             "stride_ba": "i32", "NCB": "i32", "BK": "constexpr", "PDL": "constexpr"}
+             "stride_ba": "i32", "NCB": "i32", "BK": "constexpr", "PDL": "constexpr",
+             "EARLY_RELEASE": "constexpr"}
 names = list(signature)
-for ba in (False, True):
+for ba, early in ((False, False), (True, False), (True, True)):
     constexprs = {"K": 4, "KP": 4, "BC": 256, "HAS_BIAS": False, "SILU": True, "GATES": True,
-                  "BH": 64, "BA": ba, "BK": BA_COLUMNS, "PDL": True}
+                  "BH": 64, "BA": ba, "BK": BA_COLUMNS, "PDL": True, "EARLY_RELEASE": early}
     source = ASTSource(
         fn=_conv_update_kernel.compiled,
         signature=signature,

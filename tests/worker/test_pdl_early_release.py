@@ -10,6 +10,7 @@ the int4 GEMV after the norm."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -39,6 +40,10 @@ def test_only_the_short_kernels_between_gemvs_release_early() -> None:
 
     assert _rms_norm_kernel.takes_early_release and _sigmoid_mul_kernel.takes_early_release
     assert _quantize_x8_kernel.takes_early_release
+    from worker.kernels.triton.conv1d import _conv_update_kernel
+
+    # the recurrence after the conv update loads only its state slots before its wait
+    assert _conv_update_kernel.takes_early_release
     from worker.kernels.triton.fp8_gemm import _gemv_kernel
 
     # a GEMV with a late wait reads its input before waiting: it must never release early
@@ -123,3 +128,72 @@ def test_gpu_decode_chain_with_early_release(early_release: None) -> None:
         mixed = (want_x.float() @ qkvz[2].T).to(bf16)
         gated = reference.sigmoid_mul(mixed[:, :6144], mixed[:, 6144:12288])
         assert rel_err(out.float(), gated.float() @ o[2].T) < 3e-2
+
+
+@GPU
+@needs_cuda
+@pytest.mark.parametrize("ba_in_conv", [False, True])
+def test_gpu_deltanet_chain_with_early_release(early_release: None, ba_in_conv: bool) -> None:
+    """A W4 DeltaNet layer's decode chain in a CUDA graph: int4 qkv|z, the conv update (which
+    releases early) with its gates (b|a from a GEMV beside qkv|z, or formed in its own launch),
+    then the recurrence loading its states before its wait. Every replay's output and states
+    match the references' run step by step on copies of the states."""
+    from worker.kernels.cuda import int4_mma
+
+    if not pdl.early_release_enabled(torch.device("cuda")):
+        pytest.skip("PDL needs sm_90 or newer")
+    torch.manual_seed(1)
+    device, bf16, m = torch.device("cuda"), torch.bfloat16, 8
+    hk, hv, dk, dv, conv_dim = 16, 48, 128, 128, 10240
+    x = torch.empty(m, 5120, device=device, dtype=bf16)
+    qkvz = int4_weight(conv_dim + hv * dv, 5120)
+    ba_w = (torch.randn(2 * hv, 5120, device=device) * 0.02).to(bf16)
+    conv_w = (torch.randn(conv_dim, 4, device=device) * 0.5).to(bf16)
+    A_log, dt_bias = torch.randn(hv, device=device) * 0.5, torch.randn(hv, device=device)
+    slots = torch.randperm(m + 2, device=device)[:m]
+    conv_state = (torch.randn(m + 2, conv_dim, 3, device=device) * 0.5).to(bf16)
+    state = (torch.randn(m + 2, hv, dk, dv, device=device) * 0.05).to(bf16)
+    want_conv, want_state = conv_state.clone(), state.clone()
+
+    def rule(
+        mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, pool: torch.Tensor, op: Any
+    ) -> torch.Tensor:
+        q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        q, k, v = q.view(m, hk, dk), k.view(m, hk, dk), v.view(m, hv, dv)
+        return op(q, k, v, g, beta, pool, slots, dk**-0.5, True, early_state=True)
+
+    def step() -> torch.Tensor:
+        mixed = int4_mma.gemv(x, qkvz[0], qkvz[1], 128)[:, :conv_dim]
+        if ba_in_conv:
+            conv, g, beta = ops.conv_update_with_ba_gates(
+                mixed, conv_w, conv_state, slots, x, ba_w, A_log, dt_bias
+            )
+        else:
+            ba = ops.linear(x, ba_w, None, beside_previous=True)
+            conv, g, beta = ops.conv_update_with_gates(
+                mixed, conv_w, conv_state, slots, ba[:, hv:], ba[:, :hv], A_log, dt_bias
+            )
+        return rule(conv, g, beta, state, ops.gated_delta_rule_decode)
+
+    x.copy_(torch.randn_like(x))
+    step()  # compiles
+    torch.cuda.synchronize()
+    conv_state.copy_(want_conv)
+    state.copy_(want_state)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    conv_state.copy_(want_conv)  # the capture ran the step on them once more
+    state.copy_(want_state)
+    for _ in range(20):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        mixed = (x.float() @ qkvz[2].T).to(bf16)[:, :conv_dim]
+        conv, g, beta = reference.conv_update_with_ba_gates(
+            mixed, conv_w, want_conv, slots, x, ba_w, A_log, dt_bias
+        )
+        want = rule(conv, g, beta, want_state, reference.gated_delta_rule_decode)
+        torch.cuda.synchronize()
+        assert rel_err(out.float(), want.float()) < 3e-2
+        assert rel_err(state.float(), want_state.float()) < 3e-2
+        assert rel_err(conv_state.float(), want_conv.float()) < 2e-2

@@ -11,12 +11,14 @@ at run time): the short kernels that sit between two weight-streaming GEMVs (the
 attention's output gate, the int8 codes' own launch) let the next kernel launch before their
 own wait instead of after it, so the GEMV after them is resident and has its first weights and
 scales in registers while the GEMV before them still runs, instead of starting that prologue
-once it has finished. Correct
+once it has finished. So does the DeltaNet's conv update, whose next kernel, the recurrence,
+loads its states before its wait. Correct
 because a kernel's wait still waits for the kernel before it to complete, and that one waited
 for its own predecessor. The rule it asks of the kernels launched after an early-releasing one:
-before their wait they read only constants (weights, scales), never what an earlier kernel
-wrote: the int4-mma GEMV and every triton kernel that waits first keep it; a GEMV with a late
-wait (`w8_gemv(..., beside_previous=True)`) must never follow one.
+before their wait they read only what no kernel still running may write: constants (weights,
+scales), or the recurrence's own state slots (`early_state`: written by an earlier step, or
+other slots by this step's prefill); the int4-mma GEMV and every triton kernel that waits first
+keep it; a GEMV with a late wait (`w8_gemv(..., beside_previous=True)`) must never follow one.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels.triton._launch import kernel, pdl_wait
+from worker.kernels.triton._launch import kernel, pdl_release_wait, pdl_wait
 from worker.kernels.triton.activations import gdn_gates_row, store_gdn_gates
 
 # Heads a b|a program of the conv update takes (`_ba_gates`): 48 heads, 8 rows -> 192 programs
@@ -95,12 +95,15 @@ def _conv_update_kernel(
     NCB,
     BK: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY_RELEASE: tl.constexpr,
 ):
     """GATES: the first channel block of each row also computes that row's DeltaNet gates
     (`gdn_gates`), saving the decode step a launch per DeltaNet layer. BA: the gates' logits are
     formed here too, b|a = hidden @ ba_weight^T (b's rows first), by more programs of each row
-    after its NCB channel blocks, GH heads each (a 16-bit GEMV's launch fewer a layer)."""
-    pdl_wait(PDL)
+    after its NCB channel blocks, GH heads each (a 16-bit GEMV's launch fewer a layer).
+    EARLY_RELEASE: the DeltaNet recurrence after it loads its states (which no kernel of the
+    step before it writes) while this one waits and runs."""
+    pdl_release_wait(PDL, EARLY_RELEASE)
     b = tl.program_id(0)
     if GATES:
         if BA:
