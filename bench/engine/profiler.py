@@ -231,7 +231,7 @@ def engine_phases(
             if not own_states:
                 # the same step with each row on a state slot of its own, as a served batch's
                 # rows are: what streaming the DeltaNet states adds to the shared scratch slot's
-                # (L2-resident) step, part of the load point's step wall over its graph replay
+                # (L2-resident) step, a candidate for the load point's step wall over its replay
                 stage_padding(inputs, rows, own_states=True)
                 phases["decode_step_graph_ms_own_states"] = 1e3 * cuda_time(
                     graph.replay, iters=20, warmup=3
