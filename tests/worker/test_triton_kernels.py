@@ -162,6 +162,19 @@ def check_conv_update_with_ba_gates(
     assert rel_err(got[1], g) < 1e-2 and rel_err(got[2], beta) < 1e-2
 
 
+def test_conv_update_refuses_a_ba_weight_of_other_heads() -> None:
+    weight, _, conv_state = conv_inputs(64, 4, 4, "cpu", False)
+    x, hidden = torch.randn(2, 64).bfloat16(), torch.randn(2, 32).bfloat16()
+    slots = torch.tensor([0, 1])
+    A_log = dt_bias = torch.zeros(3)
+    for rows in (7, 8):  # odd, or 4 heads' worth for 3 heads
+        ba_weight = torch.randn(rows, 32).bfloat16()
+        with pytest.raises(ValueError, match="b|a weight"):
+            conv_update_with_ba_gates(
+                x, weight, conv_state, slots, hidden, ba_weight, A_log, dt_bias
+            )
+
+
 @pytest.mark.parametrize(("heads", "width"), [(5, 1500), (6, 256)])
 def test_conv_update_forms_the_gates_logits_in_the_same_launch(heads: int, width: int) -> None:
     # an odd head count (a program's second head masked), K ragged against the 1,024 columns a

@@ -210,6 +210,11 @@ def conv_update_with_ba_gates(
             f"{tuple(ba_weight.shape)} do not match x {tuple(x.shape)}"
         )
     heads = ba_weight.shape[0] // 2
+    if ba_weight.shape[0] != 2 * heads or A_log.shape != (heads,) or dt_bias.shape != (heads,):
+        raise ValueError(
+            f"b|a weight {tuple(ba_weight.shape)} needs b's and a's rows for the "
+            f"{A_log.shape[0]} heads of A_log {tuple(A_log.shape)} and dt_bias {tuple(dt_bias.shape)}"
+        )
     return _conv_update_and_gates(
         x,
         weight,
