@@ -50,14 +50,12 @@ def write_kv_cache(
 ) -> None:
     """k, v [T, Hkv, D] (rows contiguous per token) into caches [num_blocks, block_size, Hkv, D]."""
     tokens, heads, dim = k.shape
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the caches must be contiguous")
+    inv_k_scale, inv_v_scale = inverse_scales(k_cache, v_cache, k_scale, v_scale)
     k, v = k.reshape(tokens, heads * dim), v.reshape(tokens, heads * dim)
     if k.stride(1) != 1 or v.stride(1) != 1:
         k, v = k.contiguous(), v.contiguous()
     if tokens == 0:
         return
-    fp8 = k_cache.dtype.itemsize == 1
     _write_kv_kernel[(tokens,)](
         k,
         v,
@@ -66,9 +64,21 @@ def write_kv_cache(
         slot_mapping,
         k.stride(0),
         v.stride(0),
-        1.0 / k_scale if fp8 else 1.0,
-        1.0 / v_scale if fp8 else 1.0,
+        inv_k_scale,
+        inv_v_scale,
         ROW=heads * dim,
         BR=triton.next_power_of_2(heads * dim),
         num_warps=4,
     )
+
+
+def inverse_scales(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float
+) -> tuple[float, float]:
+    """What a kernel writing k and v into these caches multiplies them by: 1 / scale for fp8
+    caches, 1 for 16-bit ones. Refuses caches that are not contiguous."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the caches must be contiguous")
+    if k_cache.dtype.itemsize == 1:
+        return 1.0 / k_scale, 1.0 / v_scale
+    return 1.0, 1.0

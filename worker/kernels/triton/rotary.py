@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from worker.kernels.triton._launch import kernel, pdl_wait
+from worker.kernels.triton.kv_cache import inverse_scales
 
 
 @triton.jit
@@ -238,14 +239,11 @@ def qk_norm_rotary_write_kv(
     """`qk_norm_rotary`, with the normed, rotated k and v [T, Hk, D] stored into the paged caches
     [num_blocks, block_size, Hk, D] at `slot_mapping` as `write_kv_cache` stores them, in the
     same launch; q's result."""
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the caches must be contiguous")
     if v.shape != k.shape or v.stride(2) != 1:
         raise ValueError(
             f"v {tuple(v.shape)} must match k {tuple(k.shape)}, its last dim contiguous"
         )
-    fp8 = k_cache.dtype.itemsize == 1
-    inv = (1.0 / k_scale, 1.0 / v_scale) if fp8 else (1.0, 1.0)
+    inv = inverse_scales(k_cache, v_cache, k_scale, v_scale)
     kv = (v, k_cache, v_cache, slot_mapping, *inv)
     q_out, _ = _launch_qk_norm_rotary(
         q, k, q_weight, k_weight, eps, unit_offset, positions, cos_sin, rotary_dim, kv
